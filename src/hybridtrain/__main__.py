@@ -1,0 +1,3 @@
+from hybridtrain.cli import main
+
+raise SystemExit(main())
