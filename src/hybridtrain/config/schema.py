@@ -1,0 +1,224 @@
+"""The recipe schema: every section and key a hybridtrain recipe may contain, with defaults.
+
+**This file is the single source of truth for recipe keys.** The loader fills defaults from
+here, so code reads ``cfg.training.max_steps`` without ``.get(..., default)``; a key that is not
+listed here is a typo (``unknown key 'training.max_stpes' in recipe.yaml:12; did you mean
+'max_steps'?``). A part of hybridtrain that needs a new key adds it here, with a default and a
+one-line doc, in the section it belongs to.
+
+Section kinds:
+
+* ``fixed``  -- a known set of keys (``K`` entries below). Always present in the loaded config
+  (filled with defaults) unless ``optional=True``, in which case an absent section is ``None``
+  and a present one is filled with defaults. Sections with ``target_ok=True`` may instead be a
+  ``_target_`` mapping, whose keys are then checked against the callable's signature when it is
+  instantiated.
+* ``open``   -- arbitrary keys, usually a ``_target_`` mapping (``model``, ``dataset``, ...).
+  ``None`` when absent. Keys are checked at instantiation against the callable's signature.
+* ``env``    -- ``dist_env``: names mapped to environment variables (see ``dist_env.py``).
+
+Besides the sections, the top level may hold ``allowed_target_prefixes: [mypkg., ...]`` which
+extends the ``_target_`` allow-list (see ``instantiate.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["K", "Section", "SECTIONS", "TOP_LEVEL_KEYS", "section_defaults"]
+
+
+@dataclass(frozen=True)
+class K:
+    """One key of a fixed section.
+
+    ``types``: accepted Python types; ``None`` means "the type of the default" (no check when
+    the default is ``None``). ``int`` is accepted where ``float`` is. ``choices``: allowed values
+    for strings (matched case-insensitively and normalised to the spelling given here).
+    """
+
+    default: Any
+    doc: str = ""
+    types: tuple[type, ...] | None = None
+    choices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    kind: str  # "fixed" | "open" | "env"
+    doc: str
+    keys: dict[str, K] = field(default_factory=dict)
+    optional: bool = False
+    target_ok: bool = False
+
+
+_OPT_INT = (int, type(None))
+_OPT_FLOAT = (float, int, type(None))
+_OPT_STR = (str, type(None))
+
+TRAINING = {
+    "global_batch_size": K(8, "samples per optimizer step, over all data-parallel ranks", (int,)),
+    "micro_batch_size": K(1, "samples per forward/backward on one rank; gradient "
+                             "accumulation = global / (micro * data-parallel size)", (int,)),
+    "max_steps": K(None, "optimizer steps to run; null -> derived from num_epochs", _OPT_INT),
+    "num_epochs": K(1, "epochs over the dataset when max_steps is null", (int, float)),
+    "val_every_steps": K(None, "validate every N steps; null or 0 -> only at the end "
+                               "(if a validation_dataset is given)", _OPT_INT),
+    "max_val_steps": K(None, "cap on validation batches per validation; null -> whole set",
+                       _OPT_INT),
+    "val_micro_batch_size": K(None, "validation batch per rank; null -> micro_batch_size",
+                              _OPT_INT),
+    "ckpt_every_steps": K(None, "checkpoint every N steps; null or 0 -> only at the end",
+                          _OPT_INT),
+    "log_every_steps": K(1, "write training.jsonl / progress every N steps", (int,)),
+    "seed": K(42, "global seed (model init, data order, dropout)", (int,)),
+    "dtype": K("auto", "parameter/compute dtype; auto -> bfloat16 on GPU, float32 on CPU",
+               choices=("auto", "float32", "bfloat16", "float16")),
+    "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
+    "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
+    "activation_checkpointing": K(False, "recompute layer activations in backward"),
+    "compile": K(False, "torch.compile the model layers"),
+    "deterministic": K(False, "torch.use_deterministic_algorithms + deterministic kernels"),
+    "gc_every_steps": K(None, "run gc.collect() every N steps (null: Python default)",
+                        _OPT_INT),
+}
+
+DATALOADER = {
+    "shuffle": K(True, "shuffle the training set each epoch (seeded by training.seed)"),
+    "num_workers": K(0, "torch DataLoader workers", (int,)),
+    "drop_last": K(True, "drop the last incomplete global batch of an epoch"),
+    "pin_memory": K(True, "pin host memory when training on GPU"),
+}
+
+PACKING = {
+    "enabled": K(False, "pack several examples per sequence (document-masked, no leakage)"),
+    "pack_size": K(2048, "tokens per packed sequence", (int,)),
+    "split_across_pack": K(False, "split an example that does not fit instead of moving it "
+                                  "to the next pack"),
+    "max_packs": K(None, "cap on the number of packs built (null: all)", _OPT_INT),
+    "pad_to_multiple_of": K(1, "pad each pack to a multiple of this (e.g. tp*cp*2 for CP)",
+                            (int,)),
+}
+
+OPTIMIZER = {
+    "name": K("adamw", "optimizer (AdamW; norms and biases get no weight decay)",
+              choices=("adamw",)),
+    "lr": K(1e-4, "peak learning rate", (float, int)),
+    "weight_decay": K(0.0, "decoupled weight decay (not applied to norms/biases)", (float, int)),
+    "betas": K([0.9, 0.999], "Adam betas", (list, tuple)),
+    "eps": K(1e-8, "Adam epsilon", (float, int)),
+    "implementation": K("auto", "auto -> fused on CUDA, foreach elsewhere",
+                        choices=("auto", "fused", "foreach", "for_loop")),
+}
+
+LR_SCHEDULER = {
+    "lr_decay_style": K("constant", "shape after warmup",
+                        choices=("constant", "linear", "cosine", "wsd")),
+    "lr_warmup_steps": K(0, "linear warmup length in optimizer steps", (int,)),
+    "lr_warmup_samples": K(None, "warmup length in samples (instead of lr_warmup_steps)",
+                           _OPT_INT),
+    "lr_decay_steps": K(None, "steps from start to end of decay; null -> max_steps", _OPT_INT),
+    "lr_decay_samples": K(None, "decay length in samples (instead of lr_decay_steps)",
+                          _OPT_INT),
+    "lr_wsd_decay_style": K("linear", "WSD: shape of the final decay phase",
+                            choices=("linear", "cosine", "minus_sqrt")),
+    "lr_wsd_decay_steps": K(None, "WSD: length of the final decay phase in steps; "
+                                  "null -> 10% of the decay length", _OPT_INT),
+    "lr_wsd_decay_samples": K(None, "WSD: decay phase length in samples", _OPT_INT),
+    "init_lr": K(0.0, "learning rate at the start of warmup", (float, int)),
+    "min_lr": K(0.0, "learning rate at the end of decay", (float, int)),
+}
+
+CHECKPOINT = {
+    "dir": K("outputs/run", "the run's output folder: training.jsonl, validation.jsonl, "
+                            "step_{N}/, latest, loss.png", (str,)),
+    "enabled": K(True, "write step_{N}/ checkpoints (every ckpt_every_steps and at the end)"),
+    "resume": K(None, "null: start fresh; auto: resume from <dir>/latest if present; "
+                      "or a path to a step_{N} folder", (str, bool, type(None))),
+    "keep_last": K(None, "keep only the newest K step_{N}/ folders (null: keep all)", _OPT_INT),
+    "save_hf_at_end": K(True, "write a consolidated HF export (hf/ or adapter/) at the end"),
+    "save_hf_every": K(False, "also write the HF export inside every step_{N}/"),
+    "save_merged_hf": K(False, "LoRA: also write a merged full-weight HF dir (merged_hf/)"),
+}
+
+PEFT = {
+    "method": K("lora", "PEFT method", choices=("lora",)),
+    "dim": K(8, "LoRA rank", (int,)),
+    "alpha": K(32, "LoRA alpha (scale = alpha / dim)", (int, float)),
+    "dropout": K(0.0, "dropout on the LoRA input", (float, int)),
+    "target_modules": K([], "glob patterns of module names to adapt (e.g. '*.q_proj')",
+                        (list,)),
+    "exclude_modules": K([], "glob patterns of module names never adapted", (list,)),
+    "match_all_linear": K(False, "adapt every linear layer (except lm_head/embeddings)"),
+}
+
+DISTRIBUTED = {
+    "backend": K("auto", "auto -> nccl on GPU, gloo on CPU", choices=("auto", "nccl", "gloo")),
+    "dp_replicate": K(1, "data-parallel replicas (HSDP outer dim)", (int,)),
+    "dp_shard": K(-1, "FSDP shard degree; -1 -> whatever the other degrees leave", (int,)),
+    "cp": K(1, "context-parallel degree", (int,)),
+    "tp": K(1, "tensor-parallel degree", (int,)),
+    "pp": K(1, "pipeline-parallel degree", (int,)),
+    "ep": K(1, "expert-parallel degree (borrowed from dp_shard*cp)", (int,)),
+    "pp_schedule": K("1F1B", "pipeline schedule (torch.distributed.pipelining name)", (str,)),
+    "pp_microbatch_size": K(1, "samples per pipeline micro-batch", (int,)),
+    "pp_split_points": K(None, "layer names/indices where stages start; null -> even split",
+                         (list, type(None))),
+    "sequence_parallel": K(True, "with tp > 1, shard norms/activations along the sequence"),
+    "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy",
+                                    choices=("default", "always", "never")),
+    "fsdp_reduce_dtype": K("float32", "gradient reduce-scatter dtype",
+                           choices=("float32", "bfloat16")),
+    "cpu_offload": K(False, "FSDP2 CPU offload of parameters/optimizer state"),
+    "timeout_seconds": K(1800, "process-group timeout", (int,)),
+}
+
+METRICS = {
+    "jsonl": K(True, "write <checkpoint.dir>/training.jsonl and validation.jsonl"),
+    "progress_bar": K(True, "rank-0 tqdm bar (loss, lr, tokens/s, ETA)"),
+    "tensorboard": K(False, "write TensorBoard events (needs the tb extra)"),
+    "tensorboard_dir": K(None, "null -> <checkpoint.dir>/tb", _OPT_STR),
+    "plot": K(True, "write <checkpoint.dir>/loss.png at the end (needs the plot extra)"),
+    "peak_tflops": K(None, "per-device peak TFLOPs for MFU; null -> detect from device name",
+                     _OPT_FLOAT),
+}
+
+SECTIONS: dict[str, Section] = {s.name: s for s in [
+    Section("model", "open", "the model: a _target_ mapping, e.g. "
+            "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained"),
+    Section("tokenizer", "open", "the tokenizer: a _target_ mapping"),
+    Section("dataset", "open", "the training dataset: a _target_ mapping"),
+    Section("validation_dataset", "open", "the validation dataset (optional)"),
+    Section("dataloader", "fixed", "data-loader options", DATALOADER),
+    Section("packing", "fixed", "sequence packing", PACKING),
+    Section("training", "fixed", "batch sizes, lengths, intervals, seed, dtype, clipping",
+            TRAINING),
+    Section("optimizer", "fixed", "AdamW settings (or a _target_ mapping)", OPTIMIZER,
+            target_ok=True),
+    Section("lr_scheduler", "fixed", "warmup + constant/linear/cosine/WSD decay", LR_SCHEDULER,
+            target_ok=True),
+    Section("checkpoint", "fixed", "output folder, checkpoints, resume, HF export", CHECKPOINT),
+    Section("peft", "fixed", "LoRA (absent -> full fine-tuning)", PEFT, optional=True),
+    Section("distributed", "fixed", "parallel layout and process-group options", DISTRIBUTED),
+    Section("metrics", "fixed", "jsonl / progress bar / TensorBoard / plot", METRICS),
+    Section("dist_env", "env", "environment variables set before CUDA/process-group init "
+            "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
+    Section("benchmark", "open", "options of `hybridtrain benchmark` (read by "
+            "hybridtrain.recipes.benchmark)"),
+]}
+
+# Top-level keys that are not sections.
+TOP_LEVEL_KEYS: dict[str, K] = {
+    "allowed_target_prefixes": K([], "extra module prefixes allowed in _target_ "
+                                     "(besides hybridtrain., torch., transformers., datasets.)",
+                                 (list,)),
+}
+
+
+def section_defaults(name: str) -> dict[str, Any]:
+    """A fresh dict of the defaults of a fixed section (lists copied)."""
+    import copy
+
+    return {k: copy.deepcopy(spec.default) for k, spec in SECTIONS[name].keys.items()}
