@@ -1,0 +1,91 @@
+"""Process-group start-up: gloo on CPU, NCCL on CUDA (with ``device_id`` bound)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DistInfo", "init_distributed", "destroy_distributed", "dist_env_ranks"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_env_ranks() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun/Slurm-style environment variables."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return rank, world, local
+
+
+def init_distributed(
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    timeout_minutes: float = 10.0,
+) -> DistInfo:
+    """Start the default process group when launched with more than one rank.
+
+    ``device``: ``"cuda"``/``"cpu"``/``None`` (auto: CUDA when available). On CUDA each rank
+    uses ``cuda:LOCAL_RANK`` and NCCL is initialised eagerly with ``device_id`` so that mesh
+    sub-groups are created by communicator splitting; on CPU the backend is gloo.
+    ``backend`` overrides the choice (e.g. ``"cpu:gloo,cuda:nccl"``). A single process
+    (``WORLD_SIZE`` unset or 1) starts no process group.
+    """
+    rank, world, local_rank = dist_env_ranks()
+    if device is None or str(device) == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_type = torch.device(device).type
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was requested but torch.cuda.is_available() is False")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                "visible; launch at most that many processes per node (--nproc-per-node)"
+            )
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device(device_type)
+    if world > 1 and not dist.is_initialized():
+        if timeout_minutes <= 0:
+            raise ValueError(f"distributed timeout_minutes must be > 0 (got {timeout_minutes})")
+        if backend is None:
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        kwargs = {}
+        if device_type == "cuda":
+            kwargs["device_id"] = dev
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            **kwargs,
+        )
+        log.info("rank %d/%d: %s process group on %s", rank, world, backend, dev)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,211 @@
+"""Parallel degrees and the named device meshes built from them.
+
+Ranks are laid out, slowest-varying first, as ``pp × dp_replicate × dp_shard × cp × tp``
+(torchtitan's order: tensor parallel ranks are neighbours, pipeline stages are far apart).
+Expert parallelism does not add ranks: its ``ep`` ranks are borrowed from the inner part of
+``dp_shard × cp``, and the remaining ``dp_shard·cp / ep`` ranks (``efsdp``, a.k.a.
+``dp_shard_mod_ep``) shard the expert parameters with FSDP.
+
+Every mesh is built once, by :meth:`ParallelDims.build_mesh`, as a few *views* of the same
+rank layout, each a public :class:`~torch.distributed.device_mesh.DeviceMesh`:
+
+====================  ===============================================
+view                  dims
+====================  ===============================================
+world                 ``pp, dp_replicate, dp_shard, cp, tp``
+fsdp                  ``pp, dp_replicate, dp_shard_cp, tp``
+dp                    ``pp, dp, cp, tp``         (``dp = dp_replicate·dp_shard``)
+dp_cp                 ``pp, dp_cp, tp``
+expert                ``pp, dp_replicate, efsdp, ep, tp``
+====================  ===============================================
+
+``dims.mesh("dp_shard_cp")`` or ``dims.mesh("dp_replicate", "dp_shard_cp")`` returns the
+(sub)mesh with those names. A degree of 1 is simply a dimension of size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+__all__ = ["ParallelDims"]
+
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+# name of each view -> its dim names (all views share the rank layout)
+_VIEWS: dict[str, tuple[str, ...]] = {
+    "world": ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+    "fsdp": ("pp", "dp_replicate", "dp_shard_cp", "tp"),
+    "dp": ("pp", "dp", "cp", "tp"),
+    "dp_cp": ("pp", "dp_cp", "tp"),
+    "expert": ("pp", "dp_replicate", "efsdp", "ep", "tp"),
+}
+_ALIASES = {"dp_shard_mod_ep": "efsdp"}
+
+
+def _fmt(names: tuple[str, ...], values: dict[str, int]) -> str:
+    """'tp·cp·pp = 3 (tp=1, cp=1, pp=3)'"""
+    prod = 1
+    for n in names:
+        prod *= values[n]
+    return f"{'·'.join(names)} = {prod} ({', '.join(f'{n}={values[n]}' for n in names)})"
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of a run; ``dp_shard=-1`` takes the ranks the other degrees leave.
+
+    Raises ``ValueError`` (naming the degrees and the product that must divide the world
+    size) for a layout that does not fit ``world_size``.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    world_size: int = 1
+    _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in _DEGREES + ("world_size",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"parallel degree {name} must be an integer (got {value!r})")
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
+                raise ValueError(f"parallel degree {name} must be >= 1{hint} (got {value})")
+        world = self.world_size
+        v = {n: getattr(self, n) for n in _DEGREES}
+        if world % (self.tp * self.cp * self.pp):
+            raise ValueError(
+                f"world size {world} is not divisible by {_fmt(('tp', 'cp', 'pp'), v)}"
+            )
+        if self.dp_shard == -1:
+            others = ("dp_replicate", "tp", "cp", "pp")
+            if world % (self.dp_replicate * self.tp * self.cp * self.pp):
+                raise ValueError(f"world size {world} is not divisible by {_fmt(others, v)}")
+            self.dp_shard = world // (self.dp_replicate * self.tp * self.cp * self.pp)
+            v["dp_shard"] = self.dp_shard
+        else:
+            names = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+            if self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp != world:
+                raise ValueError(
+                    f"{_fmt(names, v)} does not equal the world size {world}; "
+                    "set dp_shard: -1 to give data-parallel sharding the remaining ranks"
+                )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide {_fmt(('dp_shard', 'cp'), v)}: expert parallelism "
+                "borrows its ranks from the data-parallel shard and context-parallel ranks"
+            )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def dp(self) -> int:
+        """Number of distinct data streams (ranks that see different batches)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_shard_cp(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that FSDP-shard each expert (the complement of ``ep`` in ``dp_shard·cp``)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard_cp > 1 or self.dp_replicate > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def degrees(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    def check_experts(self, n_routed_experts: int) -> None:
+        """``n_routed_experts`` must split evenly over ``ep``."""
+        if n_routed_experts % self.ep:
+            raise ValueError(
+                f"n_routed_experts={n_routed_experts} is not divisible by ep={self.ep}: "
+                "each expert-parallel rank must hold the same number of experts; "
+                "choose an ep that divides the number of routed experts"
+            )
+
+    # ------------------------------------------------------------------ meshes
+    def _shape(self, view: str) -> tuple[int, ...]:
+        size = {
+            "pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+            "cp": self.cp, "tp": self.tp, "dp_shard_cp": self.dp_shard_cp, "dp": self.dp,
+            "dp_cp": self.dp_cp, "efsdp": self.efsdp, "ep": self.ep,
+        }
+        return tuple(size[n] for n in _VIEWS[view])
+
+    def build_mesh(self, device_type: str) -> "ParallelDims":
+        """Build every named mesh once (a collective: all ranks must call it)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        assert dist.is_initialized(), "init_distributed() must run before build_mesh()"
+        assert dist.get_world_size() == self.world_size, (
+            f"ParallelDims.world_size={self.world_size} but the process group has "
+            f"{dist.get_world_size()} ranks"
+        )
+        ranks = torch.arange(self.world_size, dtype=torch.int)
+        for view, names in _VIEWS.items():
+            self._meshes[view] = DeviceMesh(
+                device_type, ranks.view(self._shape(view)), mesh_dim_names=names
+            )
+        return self
+
+    @property
+    def world_mesh(self):
+        return self.mesh(*_VIEWS["world"])
+
+    def mesh(self, *names: str):
+        """The (sub)mesh spanning ``names`` (in layout order), e.g. ``mesh('dp_replicate',
+        'dp_shard_cp')``."""
+        assert self._meshes, "build_mesh() has not run"
+        names = tuple(_ALIASES.get(n, n) for n in names)
+        for view, dims in _VIEWS.items():
+            if all(n in dims for n in names):
+                idx = [dims.index(n) for n in names]
+                assert idx == sorted(idx), f"mesh dims {names} must be given in layout order {dims}"
+                m = self._meshes[view]
+                return m if names == dims else m[names if len(names) > 1 else names[0]]
+        raise KeyError(f"no mesh has dims {names}; known views: {_VIEWS}")
+
+    def group(self, name: str):
+        """The process group of one named mesh dimension."""
+        return self.mesh(name).get_group()
+
+    def local_rank(self, name: str) -> int:
+        """This rank's coordinate along one named dimension."""
+        if not self._meshes:
+            return 0
+        return self.mesh(name).get_local_rank()
+
+    # fsdp meshes: HSDP (2-D) when dp_replicate > 1, plain FSDP (1-D) otherwise
+    def dense_fsdp_mesh(self):
+        if self.dp_replicate > 1:
+            return self.mesh("dp_replicate", "dp_shard_cp")
+        return self.mesh("dp_shard_cp")
+
+    def expert_fsdp_mesh(self):
+        if self.dp_replicate > 1:
+            return self.mesh("dp_replicate", "efsdp")
+        return self.mesh("efsdp")
