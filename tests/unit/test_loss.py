@@ -1,0 +1,142 @@
+"""Chunked linear cross-entropy equals the plain computation (issue 6 point 3, issue 7)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridtrain.training.loss import cross_entropy_sum
+
+
+def _inputs(n=37, h=16, v=101, dtype=torch.float32, ignore_frac=0.3, seed=0, shape=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignore_frac] = -100
+    if shape is not None:
+        hidden, labels = hidden.reshape(*shape, h), labels.reshape(shape)
+    return hidden.requires_grad_(), weight.requires_grad_(), labels
+
+
+def _reference(hidden, weight, labels):
+    """Independent reference: full fp32 logits through torch's own cross_entropy."""
+    logits = hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().t()
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def _loss_and_grads(fn, hidden, weight, labels):
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    loss = fn(hidden, weight, labels)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 8, 36, 37, 64, 4096])
+@pytest.mark.parametrize("shape", [None, (1, 37)])
+def test_fp32_loss_and_grads_match_plain(chunk_size, shape):
+    hidden, weight, labels = _inputs(shape=shape)
+    plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
+    chunked = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=chunk_size), hidden, weight, labels)
+    ref = _loss_and_grads(_reference, hidden, weight, labels)
+    assert chunked[0].dtype == torch.float32
+    for got, want in zip(chunked, plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(chunked, ref):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_shape_equals_flat():
+    hidden, weight, labels = _inputs(n=24, shape=(3, 8))
+    flat = cross_entropy_sum(hidden.reshape(24, -1), weight, labels.reshape(24), chunk_size=7)
+    batched = cross_entropy_sum(hidden, weight, labels, chunk_size=7)
+    torch.testing.assert_close(flat, batched, rtol=0, atol=0)
+
+
+def test_ignore_index_and_all_ignored_chunk():
+    hidden, weight, labels = _inputs(n=20, ignore_frac=0.0)
+    labels[:8] = -100  # first chunk of 8 entirely ignored, second one partly
+    labels[9] = -100
+    plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
+    chunked = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=8), hidden, weight, labels)
+    for got, want in zip(chunked, plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Ignored positions get exactly zero gradient and do not enter the loss.
+    assert torch.all(chunked[1][:8] == 0) and torch.all(chunked[1][9] == 0)
+    kept = labels != -100
+    only_kept = cross_entropy_sum(hidden[kept], weight, labels[kept], chunk_size=8)
+    torch.testing.assert_close(chunked[0], only_kept.detach(), rtol=1e-6, atol=1e-5)
+
+
+def test_custom_ignore_index():
+    hidden, weight, labels = _inputs(n=12, ignore_frac=0.0)
+    labels[3] = 7
+    masked = labels.clone()
+    masked[labels == 7] = -100
+    got = cross_entropy_sum(hidden, weight, labels, chunk_size=5, ignore_index=7)
+    want = cross_entropy_sum(hidden, weight, masked, chunk_size=None)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_all_ignored_gives_zero_loss_and_grads():
+    hidden, weight, labels = _inputs(n=10)
+    labels[:] = -100
+    loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=4), hidden, weight, labels)
+    assert loss.item() == 0.0 and torch.all(gh == 0) and torch.all(gw == 0)
+
+
+def test_grad_output_scaling_and_frozen_weight():
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_(False)
+    h1 = hidden.detach().clone().requires_grad_()
+    (cross_entropy_sum(h1, weight, labels, chunk_size=6) * 0.25).backward()
+    h2 = hidden.detach().clone().requires_grad_()
+    (cross_entropy_sum(h2, weight, labels, chunk_size=None) * 0.25).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    assert weight.grad is None
+
+
+def _assert_bf16_close(got, want):
+    """bf16 gradients against the fp32 truth: within 2**-7 of the largest entry. One bf16 rounding
+    of the logits and of each chunk's partial weight gradient is 2**-9 relative each, so a few of
+    them stay well inside 2**-7; a wrong softmax, label or mask is off by O(1)."""
+    scale = want.abs().max()
+    assert (got.double() - want.double()).abs().max() <= 2**-7 * scale
+
+
+def test_bf16_inputs_fp32_loss_grads_in_input_dtypes():
+    hidden, weight, labels = _inputs(n=64, h=32, v=257, dtype=torch.bfloat16)
+    loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=16), hidden, weight, labels)
+    assert loss.dtype == torch.float32 and gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    # Same bf16 logits as the plain path and fp32 softmax in both: the losses agree to fp32 rounding.
+    plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
+    torch.testing.assert_close(loss, plain[0], rtol=1e-5, atol=1e-4)
+    ref = _loss_and_grads(_reference, hidden.float(), weight.float(), labels)
+    torch.testing.assert_close(loss.double(), ref[0], rtol=2**-8, atol=0)
+    _assert_bf16_close(gh, ref[1])
+    _assert_bf16_close(gw, ref[2])
+
+
+def test_autocast_recomputes_the_same_logits():
+    """Under autocast the chunk logits are bf16 matmuls in forward AND in backward (autocast is not
+    active in backward), so the saved log-sum-exp matches the recomputed logits."""
+    hidden, weight, labels = _inputs(n=40, h=32, v=129)
+    hidden = (hidden.detach() * 8).requires_grad_()  # logits of O(30): a bf16/fp32 mix-up shows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=16), hidden, weight, labels)
+        plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
+    assert loss.dtype == torch.float32 and gh.dtype == torch.float32 and gw.dtype == torch.float32
+    torch.testing.assert_close(loss, plain[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gh, plain[1], rtol=0, atol=2**-9 * plain[1].abs().max().item())
+    # Each chunk's partial weight gradient is rounded to bf16 once before the fp32 sum: a few ulps.
+    torch.testing.assert_close(gw, plain[2], rtol=0, atol=2**-7 * plain[2].abs().max().item())
+
+
+def test_shape_errors_name_the_tensors():
+    hidden, weight, labels = _inputs()
+    with pytest.raises(ValueError, match="LM head weight"):
+        cross_entropy_sum(hidden, weight[:, :-1], labels)
+    with pytest.raises(ValueError, match="labels"):
+        cross_entropy_sum(hidden, weight, labels[:-1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        cross_entropy_sum(hidden, weight, labels, chunk_size=0)
