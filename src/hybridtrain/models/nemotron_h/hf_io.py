@@ -1,0 +1,288 @@
+"""Reading and writing Hugging Face Nemotron-H checkpoints (safetensors, Hub parameter names).
+
+Our parameter names are the Hub's except for the MoE experts, which we hold stacked:
+``backbone.layers.{i}.mixer.experts.up_proj [E, I, H]`` <->
+``backbone.layers.{i}.mixer.experts.{j}.up_proj.weight [I, H]`` (same for ``down_proj``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import NemotronHConfig
+
+if TYPE_CHECKING:
+    from .model import NemotronHForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+# tensors in Hub checkpoints that hybridtrain does not build (multi-token prediction heads),
+# skipped on load as transformers does
+IGNORED_ON_LOAD = re.compile(r"^mtp\.")
+_EXPERT_HUB = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT_OURS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# parameters kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules_strict)
+_KEEP_FP32 = ("e_score_correction_bias",)
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model built from its config.json."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    key = str(dtype).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[key]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from 5000000, "5GB" (10^9) or "5GiB" (2^30), as transformers' max_shard_size."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a string like '5GB', '500MB', '2GiB'")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return max(1, int(float(m.group(1)) * mult))
+
+
+# ---------------------------------------------------------------------------------- name mapping
+def hub_name_to_ours(name: str) -> tuple[str, int | None]:
+    """Hub tensor name -> (our parameter/buffer name, expert index or None)."""
+    m = _EXPERT_HUB.match(name)
+    if m:
+        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    return name, None
+
+
+def hub_tensors(state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict -> (Hub name, tensor) pairs, experts unstacked (views, no copies)."""
+    for name, t in state_dict.items():
+        m = _EXPERT_OURS.match(name)
+        if m:
+            for j in range(t.shape[0]):
+                yield f"{m.group(1)}.{j}.{m.group(2)}.weight", t[j]
+        else:
+            yield name, t
+
+
+def expected_hub_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in hub_tensors(state_dict)}
+
+
+# ---------------------------------------------------------------------------------- loading
+def checkpoint_files(local_dir: str | os.PathLike) -> list[str]:
+    """The safetensors files of a local checkpoint directory (index json or single file)."""
+    local_dir = os.fspath(local_dir)
+    index = os.path.join(local_dir, INDEX_FILE)
+    single = os.path.join(local_dir, SINGLE_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(local_dir, fn))]
+        if missing:
+            raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        return [os.path.join(local_dir, fn) for fn in files]
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(os.path.join(local_dir, "pytorch_model.bin")) or os.path.isfile(
+        os.path.join(local_dir, "pytorch_model.bin.index.json")
+    ):
+        raise ValueError(f"{local_dir}: only safetensors checkpoints are supported (found pytorch_model.bin)")
+    raise ValueError(f"{local_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def read_checkpoint_header(files: list[str]) -> dict[str, tuple[tuple[int, ...], str, str]]:
+    """Hub name -> (shape, safetensors dtype, file), without reading any tensor data."""
+    found: dict[str, tuple[tuple[int, ...], str, str]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                if k in found:
+                    raise ValueError(f"tensor {k} appears in both {found[k][2]} and {path}")
+                found[k] = (tuple(sl.get_shape()), sl.get_dtype(), path)
+    return found
+
+
+def check_tensors(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[tuple[int, ...], str, str]],
+    where: str,
+) -> None:
+    """Raise :class:`CheckpointMismatchError` naming every missing, unexpected or mis-shaped tensor."""
+    missing = sorted(n for n in expected if n not in found)
+    unexpected = sorted(n for n in found if n not in expected and not IGNORED_ON_LOAD.match(n))
+    bad_shape = sorted(
+        (n, expected[n], found[n][0]) for n in expected if n in found and tuple(found[n][0]) != tuple(expected[n])
+    )
+    if not (missing or unexpected or bad_shape):
+        return
+    lines = [f"checkpoint {where} does not match the model described by its config.json:"]
+    if missing:
+        lines.append(f"  missing tensors ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        lines.append(f"  unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+    for n, exp, got in bad_shape:
+        lines.append(f"  wrong shape: {n}: checkpoint has {list(got)}, model expects {list(exp)}")
+    raise CheckpointMismatchError("\n".join(lines))
+
+
+def load_pretrained(
+    cls: type["NemotronHForCausalLM"],
+    local_dir: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> "NemotronHForCausalLM":
+    local_dir = os.fspath(local_dir)
+    if not os.path.isdir(local_dir):
+        raise ValueError(f"{local_dir}: not a directory (from_pretrained takes a local checkpoint directory)")
+    config = NemotronHConfig.from_pretrained(local_dir)
+    files = checkpoint_files(local_dir)
+    found = read_checkpoint_header(files)
+
+    with torch.device("meta"):
+        model = cls(config)
+    state = model.state_dict(keep_vars=True)
+    check_tensors(expected_hub_shapes(state), found, local_dir)
+
+    dtype = parse_dtype(dtype)
+    if dtype is None:  # as stored: the most common floating dtype of the checkpoint
+        counts = Counter(found[n][1] for n in found if not IGNORED_ON_LOAD.match(n) and found[n][1] in _ST_DTYPES)
+        dtype = _ST_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model.to(dtype=dtype)
+    for name, buf in model.named_buffers():
+        if name.endswith(_KEEP_FP32):
+            buf.data = buf.data.float()
+    model.to_empty(device=device)
+
+    state = model.state_dict(keep_vars=True)
+    # the tensors were created on the meta device; to_empty gave them storage, we fill each one
+    with torch.no_grad():
+        for path in files:
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                for k in f.keys():
+                    if IGNORED_ON_LOAD.match(k):
+                        continue
+                    ours, expert = hub_name_to_ours(k)
+                    target = state[ours]
+                    if expert is not None:
+                        target = target[expert]
+                    target.copy_(f.get_tensor(k))
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------------------------- saving
+def save_hf_checkpoint(
+    state_dict: Mapping[str, torch.Tensor],
+    config: NemotronHConfig,
+    save_dir: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Write our (full, unsharded) state dict as a Hub checkpoint: safetensors shards of at most
+    ``max_shard_size`` (+ index when more than one), and config.json.
+
+    Written into a temporary directory next to ``save_dir`` first. A new ``save_dir`` appears by
+    one rename; an existing one has its files replaced one by one (stale weight files are removed,
+    other files such as a tokenizer are kept).
+    """
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    limit = parse_size(max_shard_size)
+    items = list(hub_tensors(state_dict))
+    float_dtypes = Counter(t.dtype for n, t in items if t.is_floating_point() and not n.endswith(_KEEP_FP32))
+    main_dtype = float_dtypes.most_common(1)[0][0] if float_dtypes else torch.float32
+
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    parent = os.path.dirname(save_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_dir)}.tmp-", dir=parent)
+    try:
+        weight_map = {}
+        total = 0
+        for fname, shard in zip(names, shards):
+            tensors = {}
+            for name, t in shard:
+                # a fresh contiguous CPU tensor per entry (expert slices share storage otherwise)
+                tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+            del tensors
+        if n > 1:
+            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            f.write(config.to_json_string(dtype=dtype_name(main_dtype)))
+        _publish(tmp, save_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: str, save_dir: str) -> None:
+    if not os.path.exists(save_dir):
+        os.rename(tmp, save_dir)
+        return
+    if not os.path.isdir(save_dir):
+        raise ValueError(f"{save_dir} exists and is not a directory")
+    new = set(os.listdir(tmp))
+    # weights first, the index and config.json last
+    for fn in sorted(new, key=lambda x: (x in (INDEX_FILE, CONFIG_FILE), x)):
+        os.replace(os.path.join(tmp, fn), os.path.join(save_dir, fn))
+    os.rmdir(tmp)
+    for fn in os.listdir(save_dir):  # weight files of an older save that the new one does not have
+        if fn not in new and (fn == INDEX_FILE or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", fn)):
+            os.remove(os.path.join(save_dir, fn))
+
+
+def save_pretrained(model: "NemotronHForCausalLM", save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+    save_hf_checkpoint(model.state_dict(), model.config, save_dir, max_shard_size=max_shard_size)

@@ -1,0 +1,78 @@
+"""The one dispatch point between the pure-PyTorch Mamba2 path and the optional CUDA kernels
+(``causal_conv1d`` and ``mamba_ssm``, extra ``hybridtrain[cuda]``).
+
+The kernels are used when they import and the tensors are on CUDA, unless disabled with
+``HYBRIDTRAIN_MAMBA_KERNELS=0`` or :func:`set_kernels_enabled`. Both paths take the same
+arguments, including ``seq_idx`` for packed documents, and compute the same function.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .ssd import causal_conv1d_torch, ssd_chunked
+
+try:  # pragma: no cover - not installed on CPU machines
+    from causal_conv1d import causal_conv1d_fn as _causal_conv1d_fn
+except Exception:  # ImportError, or a broken CUDA build
+    _causal_conv1d_fn = None
+try:  # pragma: no cover
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as _mamba_chunk_scan_combined
+except Exception:
+    _mamba_chunk_scan_combined = None
+
+_enabled = os.environ.get("HYBRIDTRAIN_MAMBA_KERNELS", "1") not in ("0", "false", "False")
+
+
+def set_kernels_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def kernels_available() -> dict[str, bool]:
+    return {"causal_conv1d": _causal_conv1d_fn is not None, "mamba_ssm": _mamba_chunk_scan_combined is not None}
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_idx: torch.Tensor | None
+) -> torch.Tensor:
+    """SiLU(causal depthwise conv) over x [b, d, L]; weight [d, k]."""
+    if _enabled and _causal_conv1d_fn is not None and x.is_cuda:  # pragma: no cover
+        if seq_idx is not None:
+            # the kernel's seq_idx path wants channel-last memory; in_proj output already is
+            x = x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
+            seq_idx = seq_idx.to(torch.int32).contiguous()
+        return _causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
+    return causal_conv1d_torch(x, weight, bias, seq_idx, activation="silu")
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    seq_idx: torch.Tensor | None,
+) -> torch.Tensor:
+    """y = SSD(x, softplus(dt + dt_bias) clamped to dt_limit, A, B, C) + D x.
+
+    x [b, L, h, p], dt [b, L, h] (raw projection), A [h], B/C [b, L, g, n]. Returns [b, L, h, p].
+    """
+    if _enabled and _mamba_chunk_scan_combined is not None and x.is_cuda:  # pragma: no cover
+        if seq_idx is not None:
+            seq_idx = seq_idx.to(torch.int32).contiguous()
+        return _mamba_chunk_scan_combined(
+            x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
+            dt_limit=dt_limit, seq_idx=seq_idx,
+        )
+    dt = F.softplus(dt.float() + dt_bias.float())
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)

@@ -1,0 +1,251 @@
+"""Nemotron-H causal LM: embeddings -> pre-norm residual blocks (Mamba2 / attention / MLP / MoE)
+-> norm_f -> untied lm_head. Module names equal the Hub's parameter names
+(``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*``,
+``backbone.norm_f``, ``lm_head``); only the MoE experts are stacked here (see ``hf_io``).
+
+Packed sequences: pass ``cu_seqlens`` (cumulative document lengths over the flattened
+``B * L`` tokens, as flash-attn's varlen API; a row boundary always ends a document) or
+``position_ids`` that restart at each document. The model derives one ``seq_idx`` [B, L]
+(document id of every token) from them; Mamba2 restarts its conv and SSM state at every
+document, attention never crosses one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, document_causal_mask
+from .config import NemotronHConfig
+from .mamba2 import Mamba2Mixer
+from .mlp import MLP
+from .moe import MoE
+from .norms import RMSNorm
+
+MIXERS = {"linear_attention": Mamba2Mixer, "full_attention": Attention, "mlp": MLP, "moe": MoE}
+
+
+@dataclass
+class SequenceInfo:
+    """Per-forward packing information, computed once and shared by all layers."""
+
+    seq_idx: torch.Tensor | None = None  # [B, L] int32 document id, None = one document per row
+    attn_mask: torch.Tensor | None = None  # [B, 1, L, L] bool, None = plain causal
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Document id per token, [batch, length] int32, from cumulative lengths over the flattened
+    ``batch * length`` tokens. Every row start also starts a document."""
+    if not torch.is_tensor(cu_seqlens):
+        cu_seqlens = torch.tensor(cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [num_docs + 1], got shape {tuple(cu_seqlens.shape)} "
+            f"dtype {cu_seqlens.dtype}"
+        )
+    n = batch * length
+    cu = cu_seqlens.long()
+    if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at batch*seq_len = {n}; got "
+            f"{cu.tolist() if cu.numel() <= 16 else str(cu[:8].tolist()) + '...'}"
+        )
+    starts = torch.zeros(n + 1, dtype=torch.int32, device=cu.device)
+    starts[cu[:-1]] = 1
+    starts = starts[:n].view(batch, length)
+    starts[:, 0] = 1
+    return (torch.cumsum(starts.view(-1), 0, dtype=torch.int32) - 1).view(batch, length)
+
+
+def seq_idx_from_position_ids(position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Document id per token: a new document starts wherever the position does not continue
+    (``pos[t] != pos[t-1] + 1``), and at every row start."""
+    pos = position_ids
+    if pos.dim() == 1:
+        pos = pos[None]
+    if pos.dim() != 2 or pos.shape[-1] != length or pos.shape[0] not in (1, batch):
+        raise ValueError(
+            f"position_ids must have shape [batch, seq_len] = [{batch}, {length}] (or [seq_len]); "
+            f"got {tuple(position_ids.shape)}"
+        )
+    pos = pos.expand(batch, length)
+    starts = torch.ones(batch, length, dtype=torch.int32, device=pos.device)
+    starts[:, 1:] = (pos[:, 1:] != pos[:, :-1] + 1).to(torch.int32)
+    return (torch.cumsum(starts.view(-1), 0, dtype=torch.int32) - 1).view(batch, length)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x))."""
+
+    def __init__(self, config: NemotronHConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.block_type = config.layers_block_type[layer_idx]
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        mixer_cls = MIXERS[self.block_type]
+        self.mixer = MLP(config) if mixer_cls is MLP else mixer_cls(config, layer_idx=layer_idx)
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+        self.mixer.reset_parameters()
+
+    def forward(self, hidden_states: torch.Tensor, info: SequenceInfo | None = None) -> torch.Tensor:
+        h = self.norm(hidden_states.to(self.norm.weight.dtype))
+        if self.block_type == "linear_attention":
+            h = self.mixer(h, seq_idx=info.seq_idx if info is not None else None)
+        elif self.block_type == "full_attention":
+            h = self.mixer(h, attn_mask=info.attn_mask if info is not None else None)
+        else:
+            h = self.mixer(h)
+        return hidden_states + h
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        # a dict keyed "0".."N-1": same parameter names as a list, and pipeline stages can drop
+        # layers without renaming the others
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_hidden_layers)})
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class NemotronHForCausalLM(nn.Module):
+    """The model. ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None)`` returns
+    fp32 logits [B, L, V], or the mean cross-entropy over labels != -100 when ``labels`` (aligned
+    with the inputs, i.e. already shifted) are given. ``hidden_states(...)`` returns the final
+    normed hidden states [B, L, H] without the head (for chunked losses)."""
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        if not isinstance(config, NemotronHConfig):
+            raise ValueError(f"expected a NemotronHConfig, got {type(config).__name__}")
+        self.config = config
+        self.backbone = NemotronHModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not self.lm_head.weight.is_meta:
+            self.init_weights()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Reference initialisation (transformers' ``_init_weights`` for Nemotron-H): normal(0,
+        initializer_range) for linear / conv / embedding / expert / router weights, zero biases,
+        norms at one, Mamba ``A_log = log(1..H)``, ``D = 1``, ``dt_bias = softplus^-1(dt)`` with
+        dt log-uniform in [time_step_min, time_step_max] floored at time_step_floor, and Mamba
+        ``out_proj`` scaled by 1/sqrt(num_layers) when ``rescale_prenorm_residual``."""
+        std = self.config.initializer_range
+        bb = self.backbone
+        if bb.embeddings is not None:
+            nn.init.normal_(bb.embeddings.weight, mean=0.0, std=std)
+        for block in bb.layers.values():
+            block.reset_parameters()
+        if bb.norm_f is not None:
+            bb.norm_f.reset_parameters()
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+
+    # ------------------------------------------------------------------ forward
+    def sequence_info(
+        self,
+        batch: int,
+        length: int,
+        device: torch.device,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> SequenceInfo:
+        """Derive ``seq_idx`` (and the attention mask) once per forward."""
+        if cu_seqlens is not None:
+            seq_idx = seq_idx_from_cu_seqlens(torch.as_tensor(cu_seqlens, device=device), batch, length)
+        elif position_ids is not None:
+            seq_idx = seq_idx_from_position_ids(position_ids.to(device), batch, length)
+        else:
+            return SequenceInfo()
+        # one document per row: the plain (faster) causal paths are exact
+        if int(seq_idx[:, -1].sub(seq_idx[:, 0]).max()) == 0:
+            return SequenceInfo()
+        attn_mask = None
+        if "full_attention" in self.config.layers_block_type:
+            attn_mask = document_causal_mask(seq_idx)
+        return SequenceInfo(seq_idx=seq_idx, attn_mask=attn_mask)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [B, L, H] (after ``norm_f``), without the lm_head."""
+        bb = self.backbone
+        if inputs_embeds is not None:
+            h = inputs_embeds
+        elif bb.embeddings is not None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or inputs_embeds")
+            h = bb.embeddings(input_ids)
+        else:  # a pipeline stage without the embeddings receives hidden states
+            h = input_ids
+        B, L = h.shape[:2]
+        info = self.sequence_info(B, L, h.device, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        for block in bb.layers.values():
+            h = block(h, info)
+        if bb.norm_f is not None:
+            h = bb.norm_f(h)
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return h
+        logits = self.lm_head(h).float()
+        if labels is None:
+            return logits
+        return causal_lm_loss(logits, labels)
+
+    # ------------------------------------------------------------------ Hub I/O
+    @classmethod
+    def from_pretrained(
+        cls,
+        local_dir: str | os.PathLike,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> "NemotronHForCausalLM":
+        """Load a local Hugging Face checkpoint (single-file or sharded safetensors).
+
+        ``dtype=None`` keeps the dtype stored in the checkpoint. The model is built on the meta
+        device and filled tensor by tensor, so only one copy of the weights is ever in memory.
+        """
+        from .hf_io import load_pretrained
+
+        return load_pretrained(cls, local_dir, dtype=dtype, device=device)
+
+    def save_pretrained(self, save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+        """Write a Hugging Face checkpoint (Hub names, per-expert tensors, config.json, index when
+        sharded) that ``transformers.NemotronHForCausalLM.from_pretrained`` loads."""
+        from .hf_io import save_pretrained
+
+        save_pretrained(self, save_dir, max_shard_size=max_shard_size)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over labels != ignore_index (labels aligned with logits); 0 if none."""
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match inputs {tuple(logits.shape[:-1])}")
+    flat = labels.reshape(-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=ignore_index, reduction="sum")
+    return loss / (flat != ignore_index).sum().clamp(min=1)

@@ -1,0 +1,174 @@
+"""Mixture-of-experts layer of Nemotron-H.
+
+Routing (as transformers / DeepSeek-V3 "noaux_tc"): router logits in fp32 -> sigmoid scores;
+``e_score_correction_bias`` is added for expert *selection* only; selection is group-limited
+(keep the ``topk_group`` best of ``n_group`` groups, a group scored by the sum of its two best
+experts) then top-k; the gate weights are the un-biased scores of the chosen experts, optionally
+renormalised (``norm_topk_prob``), times ``routed_scaling_factor``. A shared expert (dense MLP)
+is added to every token.
+
+The token flow is split into steps so that expert parallelism can slot an all-to-all between
+them: ``route`` -> ``permute`` (sort token copies by expert) -> ``Experts.forward(sorted, counts)``
+-> ``unpermute`` (undo the sort, weight and sum the k copies of each token).
+
+Experts are stacked weights, ``up_proj [E, I, H]`` and ``down_proj [E, H, I]`` (as transformers
+holds them; the Hub stores one ``experts.{j}.up_proj.weight`` per expert, see ``hf_io``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import NemotronHConfig
+from .mlp import ACTIVATIONS, MLP
+
+_GROUPED_MM = os.environ.get("HYBRIDTRAIN_GROUPED_MM", "1") not in ("0", "false", "False")
+
+
+class TopkRouter(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.config = config
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        # updated by the load-balancing rule, never by gradients; always kept in fp32
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.config.initializer_range)
+        self.e_score_correction_bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (router_logits [T, E] fp32, topk_weights [T, k] fp32, topk_idx [T, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        with torch.no_grad():
+            choice = scores + self.e_score_correction_bias.float()
+            if self.n_group > 1:
+                T = choice.shape[0]
+                grouped = choice.view(T, self.n_group, self.num_experts // self.n_group)
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+                group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+                group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+                expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(T, self.num_experts)
+                choice = choice.masked_fill(~expert_mask, float("-inf"))
+            topk_idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, topk_idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        return logits, weights, topk_idx
+
+
+def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+    """Sort the k copies of each token by expert.
+
+    x [T, H], topk_idx [T, k] -> (sorted_x [T*k, H], order [T*k], counts [E]) where
+    ``sorted_x[i] = x[order[i] // k]`` and expert e owns rows ``sum(counts[:e]) : sum(counts[:e+1])``.
+    """
+    k = topk_idx.shape[1]
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return x[order // k], order, counts
+
+
+def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`permute`, then the gate-weighted sum over each token's k experts (fp32).
+    Deterministic (no scatter-add)."""
+    T, k = topk_weights.shape
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    y = y.view(T, k, -1).float() * topk_weights[:, :, None].float()
+    return y.sum(dim=1)
+
+
+class Experts(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.n_routed_experts
+        in_dim = config.moe_latent_size if config.moe_latent_size is not None else config.hidden_size
+        self.up_proj = nn.Parameter(torch.empty(self.num_experts, config.moe_intermediate_size, in_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, in_dim, config.moe_intermediate_size))
+        self.act_fn = ACTIVATIONS[config.mlp_hidden_act]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.up_proj, mean=0.0, std=self.config.initializer_range)
+        nn.init.normal_(self.down_proj, mean=0.0, std=self.config.initializer_range)
+
+    def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H]."""
+        global _GROUPED_MM
+        if _GROUPED_MM and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+            # CUDA bf16: one grouped GEMM per projection, no host sync
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            try:
+                h = F.grouped_mm(sorted_x, self.up_proj.transpose(1, 2), offs=offs)
+                return F.grouped_mm(self.act_fn(h), self.down_proj.transpose(1, 2), offs=offs)
+            except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
+                warnings.warn(f"torch grouped_mm failed ({e}); using the per-expert loop from now on")
+                _GROUPED_MM = False
+        # fallback: a loop over experts on contiguous slices (never over tokens)
+        outs = []
+        for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
+            if xe.shape[0] == 0:
+                continue
+            outs.append(F.linear(self.act_fn(F.linear(xe, self.up_proj[e])), self.down_proj[e]))
+        if not outs:
+            return sorted_x.new_zeros(sorted_x.shape[0], self.up_proj.shape[2])
+        return torch.cat(outs, dim=0)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: NemotronHConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.gate = TopkRouter(config)
+        self.experts = Experts(config)
+        self.shared_experts = MLP(config, intermediate_size=config.moe_shared_expert_intermediate_size)
+        if config.moe_latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(config.moe_latent_size, config.hidden_size, bias=config.mlp_bias)
+        else:
+            self.fc1_latent_proj = None
+            self.fc2_latent_proj = None
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.gate.reset_parameters()
+        self.experts.reset_parameters()
+        self.shared_experts.reset_parameters()
+        for lin in (self.fc1_latent_proj, self.fc2_latent_proj):
+            if lin is not None:
+                nn.init.normal_(lin.weight, mean=0.0, std=self.config.initializer_range)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+
+    def route(self, x: torch.Tensor):
+        return self.gate(x)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, topk_weights, topk_idx = self.route(x)
+        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        sorted_h, order, counts = permute(h, topk_idx, self.experts.num_experts)
+        y_sorted = self.experts(sorted_h, counts)
+        y = unpermute(y_sorted, order, topk_weights).to(hidden_states.dtype)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y)
+        return y.view(shape) + self.shared_experts(hidden_states)
