@@ -1,1 +1,40 @@
+"""Recipes: YAML loading, schema defaults, overrides, ``${env:...}``, ``_target_``, dist_env.
 
+The API the rest of hybridtrain uses::
+
+    from hybridtrain.config import load_config, instantiate, apply_dist_env
+
+    cfg = load_config("recipe.yaml", ["--training.max_steps=5"])   # ConfigNode
+    apply_dist_env(cfg.dist_env)              # before torch.cuda / torch.distributed
+    cfg.training.max_steps                    # schema defaults are filled in
+    model = instantiate(cfg.model)            # or cfg.model.instantiate()
+    opt = instantiate(cfg.optimizer, params)  # call-site arguments are added
+    raise ValueError(f"... ({cfg.training.where('global_batch_size')})")  # "recipe.yaml:12"
+
+Keys and defaults live in ``hybridtrain/config/schema.py`` (the single source of truth).
+Nothing in this package imports torch.
+"""
+
+from hybridtrain.config.dist_env import apply_dist_env, dist_env_vars
+from hybridtrain.config.instantiate import (
+    DEFAULT_ALLOWED_PREFIXES,
+    instantiate,
+    is_target_allowed,
+    resolve_target,
+)
+from hybridtrain.config.loader import (
+    ConfigError,
+    Override,
+    build_config,
+    load_config,
+    parse_overrides,
+    parse_scalar,
+)
+from hybridtrain.config.node import ConfigNode
+from hybridtrain.config.schema import SECTIONS
+
+__all__ = [
+    "ConfigError", "ConfigNode", "Override", "SECTIONS", "DEFAULT_ALLOWED_PREFIXES",
+    "load_config", "build_config", "parse_overrides", "parse_scalar",
+    "instantiate", "resolve_target", "is_target_allowed", "apply_dist_env", "dist_env_vars",
+]

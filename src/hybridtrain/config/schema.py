@@ -78,7 +78,10 @@ TRAINING = {
                choices=("auto", "float32", "bfloat16", "float16")),
     "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
-    "activation_checkpointing": K(False, "recompute layer activations in backward"),
+    "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
+                                         "'all', k (every k-th block), layer types "
+                                         "['mamba', 'moe'] (see distributed/activation_checkpoint)",
+                                  (bool, int, str, list, dict)),
     "compile": K(False, "torch.compile the model layers"),
     "deterministic": K(False, "torch.use_deterministic_algorithms + deterministic kernels"),
     "gc_every_steps": K(None, "run gc.collect() every N steps (null: Python default)",
@@ -162,6 +165,8 @@ DISTRIBUTED = {
     "tp": K(1, "tensor-parallel degree", (int,)),
     "pp": K(1, "pipeline-parallel degree", (int,)),
     "ep": K(1, "expert-parallel degree (borrowed from dp_shard*cp)", (int,)),
+    "ep_backend": K("alltoall", "expert token dispatch: torch all-to-all, or DeepEP (CUDA)",
+                    choices=("alltoall", "deepep")),
     "pp_schedule": K("1F1B", "pipeline schedule (torch.distributed.pipelining name)", (str,)),
     "pp_microbatch_size": K(1, "samples per pipeline micro-batch", (int,)),
     "pp_split_points": K(None, "layer names/indices where stages start; null -> even split",
@@ -186,8 +191,7 @@ METRICS = {
 }
 
 SECTIONS: dict[str, Section] = {s.name: s for s in [
-    Section("model", "open", "the model: a _target_ mapping, e.g. "
-            "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained"),
+    Section("model", "open", "the model: a _target_ mapping"),
     Section("tokenizer", "open", "the tokenizer: a _target_ mapping"),
     Section("dataset", "open", "the training dataset: a _target_ mapping"),
     Section("validation_dataset", "open", "the validation dataset (optional)"),
