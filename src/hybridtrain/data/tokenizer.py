@@ -1,0 +1,167 @@
+"""Tokenizers: load a local Hugging Face tokenizer offline, or train a small byte-level BPE.
+
+- ``load_tokenizer(path, trust_remote_code=False, **kwargs)``: ``AutoTokenizer`` from a local
+  directory with ``local_files_only=True`` (never the Hub). A tokenizer without a pad token gets
+  its eos token as pad token.
+- ``build_bpe_tokenizer(texts, out_dir, vocab_size=4000, min_frequency=2,
+  chat_template=CHATML_TEMPLATE)``: trains a byte-level BPE with the ``tokenizers`` library on
+  ``texts`` and saves a standard HF tokenizer directory (``tokenizer.json``,
+  ``tokenizer_config.json``, ``chat_template.jinja``) with the special tokens ``<|pad|>`` (pad),
+  ``<|endoftext|>`` (eos), ``<|im_start|>`` and ``<|im_end|>`` (chat turns). Returns the tokenizer
+  as loaded back from ``out_dir``.
+- ``CHATML_TEMPLATE``: a ChatML template (system/user/assistant/tool turns, optional ``tools``
+  and assistant ``tool_calls``) whose assistant content and ``<|im_end|>`` sit inside
+  ``{% generation %}`` markers, so ``apply_chat_template(..., return_assistant_tokens_mask=True)``
+  marks exactly what the model should learn to emit. ``CHATML_TEMPLATE_NO_GENERATION`` is the same
+  template without the markers.
+- ``tokenizer_fingerprint(tokenizer)``: a stable hash of everything that changes token ids
+  (vocabulary, merges, normalizer, special tokens, chat template); part of every cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from .io import DataError
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IM_START, IM_END]
+
+# ChatML. Assistant content and its end-of-turn token are inside {% generation %}; the header
+# "<|im_start|>assistant\n" and the newline after <|im_end|> are not.
+CHATML_TEMPLATE = (
+    "{%- set loop_messages = messages -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- endif -%}"
+    "{{- 'You may call these tools:\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}"
+    "{%- if message['content'] -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- if message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<tool_call>' -}}{{- {'name': fn['name'], 'arguments': fn['arguments']} | tojson -}}"
+    "{{- '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>' -}}"
+    "{% endgeneration %}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+CHATML_TEMPLATE_NO_GENERATION = CHATML_TEMPLATE.replace("{% generation %}", "").replace(
+    "{% endgeneration %}", ""
+)
+
+_GENERATION_RE = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def template_has_generation_markers(template: str | None) -> bool:
+    return bool(template) and bool(_GENERATION_RE.search(template))
+
+
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs):
+    """Load a tokenizer from a local directory, never from the network."""
+    from transformers import AutoTokenizer
+
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_dir():
+        raise DataError(
+            f"tokenizer path {str(path)!r} is not a local directory; hybridtrain loads tokenizers "
+            "offline only (download it first, e.g. with `hf download`, and pass the folder)"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(p), local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except (OSError, ValueError) as e:
+        raise DataError(f"could not load a tokenizer from {p}: {e}") from e
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_bpe_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | os.PathLike,
+    vocab_size: int = 4000,
+    min_frequency: int = 2,
+    chat_template: str | None = CHATML_TEMPLATE,
+    model_max_length: int = 1 << 20,
+):
+    """Train a byte-level BPE on ``texts``, save it to ``out_dir`` as an HF tokenizer, load it back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise DataError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
+            f"{256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)"
+        )
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator((t for t in texts if t), trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=chat_template,
+        model_max_length=model_max_length,
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out_dir))
+    return load_tokenizer(out_dir)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of everything that determines the token ids a tokenizer produces."""
+    h = hashlib.sha256()
+    h.update(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        # Call-time settings that the tokenizer object mutates; they do not change the vocabulary.
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        h.update(json.dumps(state, sort_keys=True).encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    specials = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
+    h.update(json.dumps(specials, sort_keys=True).encode())
+    for attr in ("add_bos_token", "add_eos_token", "padding_side"):
+        h.update(f"{attr}={getattr(tokenizer, attr, None)}".encode())
+    template = getattr(tokenizer, "chat_template", None)
+    h.update(json.dumps(template, sort_keys=True).encode())
+    return h.hexdigest()
