@@ -1,0 +1,282 @@
+"""``hybridtrain <command>`` (also ``python -m hybridtrain <command>``).
+
+Commands::
+
+    hybridtrain finetune  -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
+    hybridtrain benchmark -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
+    hybridtrain convert   CKPT_DIR OUT_HF_DIR
+    hybridtrain merge     ...   (arguments defined by hybridtrain.peft.lora.merge_cli)
+
+``finetune``/``benchmark`` load the recipe, apply its ``dist_env`` (before torch is imported),
+then either run in this process (one process, or under an external ``torchrun``) or, with
+``--nproc-per-node N`` (N > 1), re-launch themselves under
+``python -m torch.distributed.run --nproc-per-node N --standalone -m hybridtrain ...``.
+The work itself lives in modules imported lazily:
+``hybridtrain.recipes.finetune:run(cfg)``, ``hybridtrain.recipes.benchmark:run(cfg, args)``,
+``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
+``hybridtrain.peft.lora:merge_cli(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import shlex
+import sys
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import hybridtrain
+from hybridtrain.config import ConfigError, apply_dist_env, load_config
+from hybridtrain.config.loader import parse_overrides, split_cli_overrides
+from hybridtrain.config.schema import SECTIONS
+
+__all__ = ["main", "build_parser", "build_torchrun_argv", "strip_nproc_flag", "under_torchrun",
+           "setup_logging"]
+
+logger = logging.getLogger("hybridtrain.cli")
+
+_NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
+
+_OVERRIDE_HELP = """\
+overrides (any number, after or before -c):
+  --section.key=VALUE        set a key; VALUE is parsed as YAML:
+  --section.key VALUE          5 -> int, 0.1 / 1e-4 -> float, true/false -> bool,
+                               null -> None, [1, 2] -> list, anything else -> string
+  --section.sub.key=VALUE    nested keys are dotted; list items by index (.0, .1)
+  --+section.new_key=VALUE   add a key the recipe does not have (e.g. a model kwarg);
+                             without '+' an unknown key is an error with a suggestion
+  --allowed_target_prefixes=[mypkg.]
+                             allow _target_ callables under mypkg (besides hybridtrain.,
+                             torch., transformers., datasets.)
+  ${env:VAR} / ${env:VAR,default} in any string value reads the environment.
+
+recipe sections:
+""" + "".join(f"  {name:<19}{sec.doc}\n" for name, sec in SECTIONS.items()) + """\
+  (keys and defaults: hybridtrain/config/schema.py)
+
+examples:
+  hybridtrain finetune -c examples/squad_tiny.yaml --training.max_steps=20
+  hybridtrain finetune -c recipe.yaml --nproc-per-node 8 --distributed.tp=2
+  torchrun --nproc-per-node 8 -m hybridtrain finetune -c recipe.yaml   # runs in-process
+
+environment:
+  HYBRIDTRAIN_LOG_LEVEL=DEBUG     log level (rank 0; other ranks log warnings and errors)
+  HYBRIDTRAIN_LOG_ALL_RANKS=1     log at that level on every rank
+  HYBRIDTRAIN_FILTER_WARNINGS=1   silence Python warnings (shown by default)
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# logging
+# --------------------------------------------------------------------------------------------
+def _rank(environ: Mapping[str, str]) -> int:
+    try:
+        return int(environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def setup_logging(level: str | int | None = None,
+                  environ: Mapping[str, str] | None = None) -> None:
+    """Rank-aware ``logging`` setup; Python warnings are shown unless
+    ``HYBRIDTRAIN_FILTER_WARNINGS=1``."""
+    environ = os.environ if environ is None else environ
+    rank = _rank(environ)
+    level = level or environ.get("HYBRIDTRAIN_LOG_LEVEL", "INFO")
+    if rank != 0 and environ.get("HYBRIDTRAIN_LOG_ALL_RANKS") != "1":
+        level = "WARNING"
+    logging.basicConfig(
+        level=level.upper() if isinstance(level, str) else level,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+    logging.captureWarnings(True)
+    if environ.get("HYBRIDTRAIN_FILTER_WARNINGS") == "1":
+        warnings.filterwarnings("ignore")
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun
+# --------------------------------------------------------------------------------------------
+def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True inside a process started by torchrun (or any launcher exporting its variables)."""
+    environ = os.environ if environ is None else environ
+    return all(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def strip_nproc_flag(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc-per-node N`` / ``--nproc-per-node=N`` (either spelling)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in _NPROC_FLAGS:
+            i += 2
+            continue
+        if tok.split("=", 1)[0] in _NPROC_FLAGS:
+            i += 1
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def build_torchrun_argv(command: str, sub_argv: Sequence[str], nproc_per_node: int,
+                        python: str | None = None) -> list[str]:
+    """The command that re-runs ``hybridtrain <command> <sub_argv>`` under torchrun."""
+    return [python or sys.executable, "-m", "torch.distributed.run",
+            "--nproc-per-node", str(nproc_per_node), "--standalone",
+            "-m", "hybridtrain", command, *strip_nproc_flag(sub_argv)]
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------------
+class CommandUnavailable(RuntimeError):
+    pass
+
+
+def _load_entry(module: str, attr: str, command: str) -> Callable:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise CommandUnavailable(
+                f"'hybridtrain {command}' is not available in this installation: module "
+                f"{module} is missing") from None
+        raise
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise CommandUnavailable(f"'hybridtrain {command}' is not available in this "
+                                 f"installation: {module} has no {attr}()")
+    return fn
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _add_recipe_options(p: argparse.ArgumentParser) -> set[str]:
+    p.add_argument("-c", "--config", required=True, metavar="RECIPE.yaml",
+                   help="the YAML recipe")
+    p.add_argument(*_NPROC_FLAGS, dest="nproc_per_node", type=_positive_int, default=None,
+                   metavar="N", help="processes on this node: N > 1 re-launches under "
+                   "torchrun --standalone (ignored under an external torchrun)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved recipe (defaults, overrides, env) and exit")
+    return {"-c", "--config", *_NPROC_FLAGS, "--print-config", "-h", "--help"}
+
+
+_RECIPE_COMMANDS = {
+    "finetune": "fine-tune a model (full SFT or LoRA) from a YAML recipe",
+    "benchmark": "measure tokens/s, TFLOPs and MFU of a recipe's training step",
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
+    """The argparse parser and, per recipe command, its option strings (the rest of the
+    ``--...`` arguments are overrides)."""
+    parser = argparse.ArgumentParser(
+        prog="hybridtrain", allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="PyTorch-native trainer for hybrid Mamba-Transformer-MoE models "
+                    "(Nemotron-H family).",
+        epilog="Run 'hybridtrain COMMAND --help' for a command's options.\n\n" + _OVERRIDE_HELP)
+    parser.add_argument("--version", action="version",
+                        version=f"hybridtrain {hybridtrain.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    known: dict[str, set[str]] = {}
+    for name, desc in _RECIPE_COMMANDS.items():
+        p = sub.add_parser(name, help=desc, description=desc, allow_abbrev=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           usage=f"hybridtrain {name} -c RECIPE.yaml [--section.key=VALUE ...] "
+                                 f"[--nproc-per-node N] [--print-config]",
+                           epilog=_OVERRIDE_HELP)
+        known[name] = _add_recipe_options(p)
+    p = sub.add_parser("convert", help="export a checkpoint (step_N/ or a run folder's latest) "
+                       "to a Hugging Face folder",
+                       description="Export a checkpoint to a Hugging Face folder "
+                       "(config.json, safetensors, tokenizer; adapter_* for LoRA runs).")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a step_N/ folder or a run folder")
+    p.add_argument("out_dir", metavar="OUT_HF_DIR", help="output folder")
+    sub.add_parser("merge", add_help=False,
+                   help="merge a LoRA adapter into its base model "
+                        "(see 'hybridtrain merge --help')")
+    return parser, known
+
+
+def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
+                sub_argv: list[str]) -> int:
+    cfg = load_config(args.config, parse_overrides(overrides))
+    apply_dist_env(cfg.dist_env)  # first, before anything imports torch / touches CUDA
+    if args.print_config:
+        sys.stdout.write(cfg.to_yaml())
+        return 0
+    nproc = args.nproc_per_node
+    if nproc is not None and under_torchrun():
+        if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
+            logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
+                           "LOCAL_WORLD_SIZE=%s", nproc, os.environ.get("LOCAL_WORLD_SIZE"))
+    elif nproc is not None and nproc > 1:
+        argv = build_torchrun_argv(command, sub_argv, nproc)
+        logger.info("re-launching under torchrun: %s", shlex.join(argv))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(argv[0], argv)
+    if command == "finetune":
+        run = _load_entry("hybridtrain.recipes.finetune", "run", command)
+        result = run(cfg)
+    else:
+        run = _load_entry("hybridtrain.recipes.benchmark", "run", command)
+        result = run(cfg, args)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    try:
+        if argv and argv[0] == "merge":
+            merge = _load_entry("hybridtrain.peft.lora", "merge_cli", "merge")
+            result = merge(argv[1:])
+            return result if isinstance(result, int) and not isinstance(result, bool) else 0
+        parser, known = build_parser()
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if command in known:
+            idx = argv.index(command)
+            sub_argv = argv[idx + 1:]
+            rest, overrides = split_cli_overrides(sub_argv, known[command])
+            args = parser.parse_args(argv[: idx + 1] + rest)
+            return _run_recipe(command, args, overrides, sub_argv)
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        if args.command == "convert":
+            convert = _load_entry("hybridtrain.training.checkpoint", "convert", "convert")
+            convert(args.ckpt_dir, args.out_dir)
+            return 0
+        parser.error(f"unknown command {args.command!r}")
+    except (ConfigError, CommandUnavailable) as e:
+        print(f"hybridtrain: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a user mistake found later (DESIGN: user errors are ValueError)
+        logger.debug("traceback", exc_info=True)
+        print(f"hybridtrain: error: {e}\n(HYBRIDTRAIN_LOG_LEVEL=DEBUG shows the traceback)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""dist_env: name mapping, bool mapping, existing environment wins (reported once), null
+rejection."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+
+import pytest
+
+from hybridtrain.config import apply_dist_env, dist_env_vars, load_config
+from hybridtrain.config import dist_env as dist_env_mod
+
+
+@pytest.fixture(autouse=True)
+def _fresh_reports():
+    dist_env_mod._REPORTED.clear()
+    yield
+    dist_env_mod._REPORTED.clear()
+
+
+def test_names_and_values_mapping():
+    assert dist_env_vars({
+        "torch_nccl_use_comm_nonblocking": True,
+        "nccl_nvls_enable": False,
+        "pytorch_alloc_conf": "expandable_segments:True",
+        "omp_num_threads": 4,
+        "some_float": 0.5,
+    }) == {
+        "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+        "OMP_NUM_THREADS": "4",
+        "SOME_FLOAT": "0.5",
+    }
+
+
+def test_apply_sets_missing_and_existing_wins_reported_once(caplog):
+    env = {"NCCL_DEBUG": "INFO"}
+    section = {"nccl_debug": "WARN", "torch_nccl_use_comm_nonblocking": True}
+    with caplog.at_level(logging.INFO, logger="hybridtrain.config.dist_env"):
+        applied = apply_dist_env(section, environ=env)
+        applied2 = apply_dist_env(section, environ=env)
+    assert applied == {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+    assert applied2 == {}  # already there now
+    assert env == {"NCCL_DEBUG": "INFO", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "NCCL_DEBUG" in warnings[0].getMessage() and "'INFO'" in warnings[0].getMessage()
+    assert "'WARN'" in warnings[0].getMessage()
+
+
+def test_same_value_already_set_is_not_a_warning(caplog):
+    with caplog.at_level(logging.INFO, logger="hybridtrain.config.dist_env"):
+        assert apply_dist_env({"nccl_debug": "WARN"}, environ={"NCCL_DEBUG": "WARN"}) == {}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_null_rejected_with_key_and_line(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent("""\
+        dist_env:
+          nccl_debug: WARN
+          pytorch_alloc_conf: null
+        """))
+    with pytest.raises(ValueError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "dist_env.pytorch_alloc_conf is null" in msg and f"{path}:3" in msg
+    assert "None" not in msg
+    env: dict[str, str] = {}
+    with pytest.raises(ValueError, match="dist_env.pytorch_alloc_conf is null"):
+        apply_dist_env({"pytorch_alloc_conf": None}, environ=env)
+    assert env == {}  # nothing exported, never the string "None"
+
+
+def test_null_via_override_rejected(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dist_env:\n  nccl_debug: WARN\n")
+    with pytest.raises(ValueError, match=r"dist_env.nccl_debug is null \(command-line override"):
+        load_config(path, ["--dist_env.nccl_debug=null"])
+
+
+def test_bad_values_and_names():
+    with pytest.raises(ValueError, match="must be a string, number or boolean"):
+        dist_env_vars({"nccl_debug": ["a"]})
+    with pytest.raises(ValueError, match="not a valid environment variable name"):
+        dist_env_vars({"nccl-debug": "x"})
+    with pytest.raises(ValueError, match="both set NCCL_DEBUG"):
+        dist_env_vars({"nccl_debug": "x", "NCCL_DEBUG": "y"})
+
+
+def test_loaded_section_applies(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dist_env:\n  torch_nccl_use_comm_nonblocking: true\n  nccl_debug: ${env:D,WARN}\n")
+    cfg = load_config(path, environ={})
+    env: dict[str, str] = {}
+    assert apply_dist_env(cfg.dist_env, environ=env) == {
+        "TORCH_NCCL_USE_COMM_NONBLOCKING": "1", "NCCL_DEBUG": "WARN"}
