@@ -336,3 +336,16 @@ def test_instantiate_unknown_kwarg_suggests_parameter(tmp_path):
     cfg = load_config(write(tmp_path, "model:\n  _target_: torch.nn.Lineer\n"))
     with pytest.raises(ValueError, match="has no attribute 'Lineer'; did you mean 'Linear'"):
         instantiate(cfg.model)
+
+
+def test_underscore_top_level_keys_hold_yaml_anchors(tmp_path):
+    cfg = load_config(write(tmp_path, """\
+        _base: &base
+          in_features: 4
+        model:
+          <<: *base
+          _target_: torch.nn.Linear
+          out_features: 2
+        """))
+    assert "_base" not in cfg
+    assert cfg.model == {"_target_": "torch.nn.Linear", "in_features": 4, "out_features": 2}

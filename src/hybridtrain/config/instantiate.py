@@ -105,9 +105,10 @@ def _build(value: Any, prefixes: tuple[str, ...]) -> Any:
         if "_target_" in value:
             return _instantiate(value, (), {}, prefixes)
         return {k: _build(v, prefixes) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_build(v, prefixes) for v in value) if isinstance(value, tuple) \
-            else [_build(v, prefixes) for v in value]
+    if isinstance(value, list):
+        return [_build(v, prefixes) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_build(v, prefixes) for v in value)
     return value
 
 

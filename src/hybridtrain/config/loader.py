@@ -401,6 +401,7 @@ def build_config(
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: a recipe must be a mapping of sections, "
                           f"got {type(data).__name__}")
+    data = {k: v for k, v in data.items() if not str(k).startswith("_")}  # YAML anchor holders
     for key in data:
         if key not in SECTIONS and key not in TOP_LEVEL_KEYS:
             raise ConfigError(f"unknown section '{key}' in {meta.where((key,))}"

@@ -18,7 +18,11 @@ Section kinds:
 * ``env``    -- ``dist_env``: names mapped to environment variables (see ``dist_env.py``).
 
 Besides the sections, the top level may hold ``allowed_target_prefixes: [mypkg., ...]`` which
-extends the ``_target_`` allow-list (see ``instantiate.py``).
+extends the ``_target_`` allow-list (see ``instantiate.py``), and keys starting with ``_`` which
+are ignored (a place for YAML anchors: ``_base: &base {...}`` then ``<<: *base``).
+
+``peft: {}`` enables LoRA with the defaults; ``peft:`` (empty, i.e. null) or no ``peft`` key
+leaves it off.
 """
 
 from __future__ import annotations
