@@ -119,7 +119,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start:end] = g @ w
                 if need_weight:
                     if dtype == torch.float32:
-                        grad_weight.addmm_(g.t(), h)
+                        # (the out= form, not addmm_, so FlopCounterMode sees the matmul)
+                        torch.addmm(grad_weight, g.t(), h, out=grad_weight)
                     else:
                         grad_weight += (g.t() @ h).float()
                 del g
