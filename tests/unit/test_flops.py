@@ -28,8 +28,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from hybridtrain.models.nemotron_h.config import NemotronHConfig
-from hybridtrain.models.nemotron_h.model import NemotronHForCausalLM
+from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
 from hybridtrain.training.flops import (
     flops_breakdown,
     flops_per_token,
@@ -55,25 +54,19 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_atten
 _SDPA_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention"}
 
-BASE = dict(
-    vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=24,  # != hidden/heads = 16: the real head_dim must be used
-    intermediate_size=96, ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
-    conv_kernel=4, chunk_size=16, n_routed_experts=6, num_experts_per_tok=2,
-    moe_intermediate_size=40, moe_shared_expert_intermediate_size=56,
-)
-PATTERNS = {
-    "dense": "M-M*-",
-    "moe": "MEME",
-    "mixed": "M*-E",
-    "attention_only": "*-*-",
-    "moe_latent": "ME",
+# The model package's tiny configs, with head_dim != hidden / heads (16) so that a count using
+# hidden / heads fails, and a chunk_size that does not divide the test lengths.
+CONFIGS = {
+    "dense": dict(kind="dense"),
+    "moe": dict(kind="moe"),
+    "mixed": dict(kind="mixed"),
+    "attention_only": dict(kind="dense", hybrid_override_pattern="*-*-"),
+    "moe_latent": dict(kind="moe", moe_latent_size=32),
 }
 
 
 def _config(name):
-    extra = {"moe_latent_size": 32} if name == "moe_latent" else {}
-    return NemotronHConfig(**BASE, **extra).replace(hybrid_override_pattern=PATTERNS[name])
+    return tiny_config(**CONFIGS[name], head_dim=24, chunk_size=16)
 
 
 def _op_name(op):
@@ -155,7 +148,7 @@ def _assert_within(measured: dict, expected: dict, rel=0.05):
         assert abs(got - want) <= rel * want, f"{key}: FlopCounterMode {got} vs formula {want}"
 
 
-@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("pattern", sorted(CONFIGS))
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
 def test_matmul_flops_match_flop_counter(pattern, training):
     torch.manual_seed(0)
@@ -204,14 +197,15 @@ def test_packed_row_counts_attention_per_document(training):
     for n in docs:
         _, s, _ = _measure(model, ids[:, :n], training=False)
         per_doc_sdpa += s[attn_layer]
-    assert flops_breakdown(config, docs, causal=False)["attention.core"] == per_doc_sdpa
+    assert layer_flops(config, "full_attention", docs, causal=False)["attention.core"] == per_doc_sdpa
     assert per_doc_sdpa < sdpa[attn_layer] or training  # (training counts include the backward)
     # The other terms of the packed row do not depend on where the documents start.
     packed, row = flops_breakdown(config, docs), flops_breakdown(config, [50])
     assert {k: v for k, v in packed.items() if k != "attention.core"} == {
         k: v for k, v in row.items() if k != "attention.core"
     }
-    assert packed["attention.core"] == 4 * config.num_attention_heads * config.head_dim * sum(n * n for n in docs) // 2
+    n_attn = config.layers_block_type.count("full_attention")
+    assert packed["attention.core"] == n_attn * 4 * config.num_attention_heads * config.head_dim * sum(n * n for n in docs) // 2
 
 
 def test_formula_terms_by_hand():
@@ -221,20 +215,22 @@ def test_formula_terms_by_hand():
     H, V = c.hidden_size, c.vocab_size
     # attention: q, k, v, o with head_dim 24 and 2 kv heads
     att = layer_flops(c, "full_attention", 1)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 24)
     assert att["attention.qkv"] == 2 * H * (4 * 24 + 2 * 2 * 24)
     assert att["attention.o"] == 2 * 4 * 24 * H
     # MLP: two projections (not three)
     mlp = layer_flops(c, "mlp", 1)
-    assert mlp["mlp.up"] + mlp["mlp.down"] == 2 * 2 * H * 96
+    assert mlp["mlp.up"] + mlp["mlp.down"] == 2 * 2 * H * c.intermediate_size
     # MoE: router + top-2 of the routed experts + the shared expert
     moe = layer_flops(c, "moe", 1)
-    assert moe["moe.router"] == 2 * H * 6
-    assert moe["moe.experts"] == 2 * 2 * (2 * H * 40)
-    assert moe["moe.shared"] == 2 * 2 * H * 56
+    assert moe["moe.router"] == 2 * H * c.n_routed_experts
+    assert moe["moe.experts"] == c.num_experts_per_tok * 2 * (2 * H * c.moe_intermediate_size)
+    assert moe["moe.shared"] == 2 * 2 * H * c.moe_shared_expert_intermediate_size
     # Mamba in_proj: z, x, B, C, dt
     mam = layer_flops(c, "linear_attention", 1)
-    assert mam["mamba.in_proj"] == 2 * H * (2 * 128 + 2 * 2 * 16 + 8)
-    assert mam["mamba.out_proj"] == 2 * 128 * H
+    d_in, g, n, nh = c.mamba_num_heads * c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.mamba_num_heads
+    assert mam["mamba.in_proj"] == 2 * H * (2 * d_in + 2 * g * n + nh)
+    assert mam["mamba.out_proj"] == 2 * d_in * H
     # causal attention is half the pairs; training is 3x forward; LM head 2 H V per token
     assert layer_flops(c, "full_attention", 10)["attention.core"] * 2 == layer_flops(
         c, "full_attention", 10, causal=False)["attention.core"]
