@@ -1,0 +1,413 @@
+"""Checkpoints: ``step_{N}/`` written atomically, a ``latest`` pointer, resume, retention, HF export.
+
+Layout of ``<checkpoint.dir>/step_{N}/``::
+
+    dcp/                  torch.distributed.checkpoint of every *tensor* of the model and
+                          optimizer state (sharded on N ranks, one file set in one process)
+    trainer_state.json    step scheduler (step, epoch, consumed samples, data position),
+                          LR scheduler, optimizer hyper-parameters (for reading), world size
+    rng/rank_{r}.json     python / numpy / torch CPU / CUDA RNG states of each rank
+    config.json           the model config (resume refuses a different one)
+    tokenizer/            tokenizer files (for ``convert``)
+    hf/                   optional consolidated Hugging Face export
+
+Only tensors go through DCP (its non-tensor path unpickles); everything else is JSON. Optimizer
+hyper-parameters come from the run's config on resume and the LR from the LR scheduler.
+
+A checkpoint is written into ``.step_{N}.tmp`` and renamed to ``step_{N}`` when complete; the
+``latest`` file (``step_{N}``) is then replaced atomically. A crash at any point leaves the
+previous checkpoint and ``latest`` untouched.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from hybridtrain.training.rng import get_rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+# Config keys that do not change the model's function; ignored when comparing on resume.
+_CONFIG_IGNORE = {
+    "transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "auto_map",
+    "_attn_implementation", "_attn_implementation_autoset", "_attn_implementation_internal",
+    "use_cache", "output_hidden_states", "output_attentions", "return_dict", "_commit_hash",
+}
+_SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+# -- distributed helpers ----------------------------------------------------------------------
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _dcp_save(tensors: dict[str, torch.Tensor], path: str) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        dcp.save(tensors, checkpoint_id=path, no_dist=not _dist())
+
+
+def _dcp_load(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Loads in place into ``tensors`` (plain or DTensor, resharding as needed)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        dcp.load(tensors, checkpoint_id=path, no_dist=not _dist())
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- state dicts ------------------------------------------------------------------------------
+def _tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    """Collects the tensor leaves of a nested dict/list under dotted keys."""
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _tensors(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _tensors(v, f"{prefix}.{i}", out)
+
+
+def model_config_dict(model: torch.nn.Module) -> dict[str, Any] | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    return json.loads(json.dumps(d, default=str))
+
+
+def _config_diff(saved: dict, current: dict) -> list[str]:
+    keys = (set(saved) | set(current)) - _CONFIG_IGNORE
+    return [
+        f"{k}: checkpoint {saved.get(k, '<missing>')!r} vs run {current.get(k, '<missing>')!r}"
+        for k in sorted(keys) if saved.get(k) != current.get(k)
+    ]
+
+
+def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | None) -> None:
+    if not hasattr(model, "save_pretrained"):
+        raise ValueError(f"{type(model).__name__} has no save_pretrained(); cannot export hf/")
+    if state_dict is not None and "state_dict" in inspect.signature(model.save_pretrained).parameters:
+        model.save_pretrained(out_dir, state_dict=state_dict)
+    else:
+        model.save_pretrained(out_dir)
+
+
+def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None) -> None:
+    """Consolidated Hugging Face export: full tensors gathered to rank 0, which writes
+    ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    sd = None
+    if sharded:
+        sd = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    if _rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _save_pretrained(model, out_dir, sd)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    _barrier()
+
+
+def _latest_in(run_dir: str) -> str | None:
+    path = os.path.join(run_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    ckpt = os.path.join(run_dir, name)
+    if not os.path.isdir(ckpt):
+        raise ValueError(f"{path} names {name!r}, which does not exist in {run_dir}")
+    return ckpt
+
+
+# -- the checkpointer -------------------------------------------------------------------------
+class Checkpointer:
+    """Saves and restores training state under ``dir`` (see module docstring).
+
+    ``keep_last``: keep the newest K ``step_*`` folders (never the one ``latest`` names);
+    ``save_hf``: also write ``hf/`` into each checkpoint (the final export is the trainer's).
+    """
+
+    def __init__(self, dir: str, keep_last: int | None = None, save_hf: bool = False):
+        self.dir = os.path.abspath(dir)
+        self.keep_last = keep_last
+        self.save_hf = save_hf
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1 or null, got {keep_last}")
+        if _rank() == 0:
+            os.makedirs(self.dir, exist_ok=True)
+            for stale in glob.glob(os.path.join(self.dir, ".step_*.tmp")):
+                logger.warning("removing incomplete checkpoint %s (a run died while writing it)",
+                               stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+
+    # -- discovery ---------------------------------------------------------------------------
+    def latest(self) -> str | None:
+        """The folder ``latest`` names, or None."""
+        return _latest_in(self.dir)
+
+    def steps(self) -> list[int]:
+        out = []
+        for name in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
+            m = _STEP_RE.match(name)
+            if m and os.path.isdir(os.path.join(self.dir, name)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def resolve_resume(self, resume: str | bool | None) -> str | None:
+        """``auto`` -> ``latest`` if present; a path -> that checkpoint (a run folder means its
+        ``latest``); ``None``/``false`` -> None."""
+        if resume in (None, False, "", "none", "null"):
+            return None
+        if resume in ("auto", True):
+            return self.latest()
+        path = os.path.abspath(str(resume))
+        if os.path.isfile(os.path.join(path, LATEST)):
+            return _latest_in(path)
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            raise ValueError(
+                f"checkpoint.resume={resume!r}: {path} is not a checkpoint folder (no "
+                "trainer_state.json) nor a run folder with a 'latest' file"
+            )
+        return path
+
+    # -- save --------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler=None,
+        step_scheduler=None,
+        tokenizer=None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Writes ``step_{step}``; collective (every rank calls it). Returns the folder."""
+        t0 = time.perf_counter()
+        name = f"step_{step}"
+        final = os.path.join(self.dir, name)
+        tmp = os.path.join(self.dir, f".{name}.tmp")
+        rank = _rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+        _barrier()
+
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
+        tensors: dict[str, torch.Tensor] = {}
+        _tensors(model_sd, "model", tensors)
+        _tensors(optim_sd["state"], "optim.state", tensors)
+        _dcp_save(tensors, os.path.join(tmp, "dcp"))
+        _write_json(os.path.join(tmp, "rng", f"rank_{rank}.json"), get_rng_state())
+
+        if rank == 0:
+            state = {
+                "step": step,
+                "world_size": _world(),
+                "step_scheduler": step_scheduler.state_dict() if step_scheduler else None,
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
+                "optimizer_hparams": [
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in optim_sd.get("param_groups", [])
+                ],
+                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                "extra": extra or {},
+            }
+            _write_json(os.path.join(tmp, "trainer_state.json"), json.loads(
+                json.dumps(state, default=lambda o: o.item() if hasattr(o, "item") else str(o))))
+            cfg = model_config_dict(model)
+            if cfg is not None:
+                _write_json(os.path.join(tmp, "config.json"), cfg)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        if self.save_hf:
+            export_hf(model, os.path.join(tmp, "hf"), tokenizer)
+        _barrier()
+
+        if rank == 0:
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # re-saving a step (after a resume): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.dir)
+            latest_tmp = os.path.join(self.dir, f".{LATEST}.tmp")
+            with open(latest_tmp, "w") as f:
+                f.write(name + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(latest_tmp, os.path.join(self.dir, LATEST))
+            _fsync_dir(self.dir)
+            self._retain(name)
+            logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+        _barrier()
+        return final
+
+    def _retain(self, latest_name: str) -> None:
+        if not self.keep_last:
+            return
+        steps = self.steps()
+        for s in steps[: max(len(steps) - self.keep_last, 0)]:
+            if f"step_{s}" != latest_name:
+                shutil.rmtree(os.path.join(self.dir, f"step_{s}"), ignore_errors=True)
+
+    # -- load --------------------------------------------------------------------------------
+    def load(
+        self,
+        path: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler=None,
+        step_scheduler=None,
+        check_config: bool = True,
+    ) -> dict[str, Any]:
+        """Restores everything :meth:`save` wrote from ``path``; collective. Returns the
+        trainer state dict."""
+        state_path = os.path.join(path, "trainer_state.json")
+        if not os.path.isfile(state_path):
+            raise ValueError(f"{path} is not a complete checkpoint (no trainer_state.json)")
+        state = _read_json(state_path)
+        cfg_path = os.path.join(path, "config.json")
+        current = model_config_dict(model)
+        if check_config and current is not None and os.path.isfile(cfg_path):
+            diff = _config_diff(_read_json(cfg_path), current)
+            if diff:
+                raise ValueError(
+                    f"refusing to resume from {path}: its model config differs from this run's "
+                    f"model config:\n  " + "\n  ".join(diff) + "\nUse the same model config, a "
+                    "new checkpoint.dir, or checkpoint.resume: null to start over"
+                )
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
+        else:
+            model_sd, optim_sd = get_model_state_dict(model, options=_SD_OPTIONS), None
+        tensors: dict[str, torch.Tensor] = {}
+        _tensors(model_sd, "model", tensors)
+        if optim_sd is not None:
+            _tensors(optim_sd["state"], "optim.state", tensors)
+        _dcp_load(tensors, os.path.join(path, "dcp"))  # in place
+        if optim_sd is not None:
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                           options=_SD_OPTIONS)
+        else:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(model, model_sd, options=_SD_OPTIONS)
+        if step_scheduler is not None and state.get("step_scheduler") is not None:
+            step_scheduler.load_state_dict(state["step_scheduler"])
+        if lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+        rank = _rank()
+        rng_path = os.path.join(path, "rng", f"rank_{rank}.json")
+        if not os.path.isfile(rng_path):
+            logger.warning("checkpoint has no RNG state for rank %d (saved on %s ranks); using "
+                           "rank 0's", rank, state.get("world_size"))
+            rng_path = os.path.join(path, "rng", "rank_0.json")
+        set_rng_state(_read_json(rng_path))
+        logger.info("resumed from %s (step %s)", path, state.get("step"))
+        return state
+
+
+# -- convert ----------------------------------------------------------------------------------
+def _import_model_class(dotted: str):
+    if not dotted.startswith("hybridtrain."):
+        raise ValueError(f"checkpoint model class {dotted!r} is not a hybridtrain model")
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def convert(ckpt_dir: str, out_hf_dir: str) -> str:
+    """Exports a checkpoint (``step_N`` folder, or a run folder -> its ``latest``) as a
+    consolidated Hugging Face folder. Works in one process whatever layout wrote it."""
+    path = os.path.abspath(ckpt_dir)
+    if os.path.isfile(os.path.join(path, LATEST)):
+        path = _latest_in(path)
+    state_path = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(state_path):
+        raise ValueError(f"{ckpt_dir} is not a checkpoint (no trainer_state.json) nor a run "
+                         "folder with a 'latest' file")
+    state = _read_json(state_path)
+    cls = _import_model_class(state["model_class"])
+    cfg_cls = getattr(importlib.import_module(cls.__module__), "NemotronHConfig", None)
+    cfg_cls = getattr(cls, "config_class", None) or cfg_cls
+    if cfg_cls is None:
+        raise ValueError(f"cannot find the config class of {state['model_class']}")
+    cfg = _read_json(os.path.join(path, "config.json"))
+    config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
+    model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
+    model_sd = model.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    _tensors(model_sd, "model", tensors)
+    _dcp_load(tensors, os.path.join(path, "dcp"))
+    model.load_state_dict(model_sd)
+    os.makedirs(out_hf_dir, exist_ok=True)
+    _save_pretrained(model, out_hf_dir, None)
+    tok_dir = os.path.join(path, "tokenizer")
+    if os.path.isdir(tok_dir):
+        for f in os.listdir(tok_dir):
+            shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_hf_dir, f))
+    logger.info("exported %s to %s", path, out_hf_dir)
+    return out_hf_dir

@@ -1,0 +1,195 @@
+"""Run metrics: ``training.jsonl`` / ``validation.jsonl``, optional TensorBoard, a tqdm progress
+bar and ``loss.png``. Only the main rank writes; other ranks get a logger that does nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRAIN_FIELDS = (
+    "step", "loss", "grad_norm", "lr", "num_label_tokens", "num_tokens", "tps", "tps_per_device",
+    "tflops_per_device", "mfu", "mem_gb", "consumed_samples", "skipped_steps",
+)
+
+
+def peak_memory_gb(device: torch.device | None = None) -> float:
+    """Peak accelerator memory allocated on ``device`` (CUDA), else the process' peak RSS."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kb / 2**20
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe scalars (non-finite floats become null)."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_jsonl(path: str, max_step: int) -> None:
+    """Drops the records after ``max_step`` (left by a run that crashed after its last
+    checkpoint), so a resumed run's files read as one run."""
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes the run's metrics. :meth:`open` (called by the trainer at the start of ``fit``)
+    starts fresh files, or, on a resumed run, drops records past the resumed step."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        is_main: bool = True,
+        tensorboard: bool = False,
+        tensorboard_dir: str | None = None,
+        progress: bool = True,
+        jsonl: bool = True,
+        plot: bool = True,
+    ):
+        self.out_dir = out_dir
+        self.is_main = is_main
+        self.train_path = os.path.join(out_dir, "training.jsonl")
+        self.val_path = os.path.join(out_dir, "validation.jsonl")
+        self.tensorboard = tensorboard
+        self.tensorboard_dir = tensorboard_dir or os.path.join(out_dir, "tb")
+        self.show_progress = progress
+        self.jsonl = jsonl
+        self.plot = plot
+        self._tb = None
+        self._bar = None
+
+    def open(self, start_step: int = 0, total_steps: int | None = None) -> None:
+        if not self.is_main:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        if start_step > 0:
+            _truncate_jsonl(self.train_path, start_step)
+            _truncate_jsonl(self.val_path, start_step)
+        else:  # a fresh run starts fresh files
+            for p in (self.train_path, self.val_path):
+                if os.path.exists(p):
+                    os.remove(p)
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.warning("tensorboard is not installed (pip install 'hybridtrain[tb]'); "
+                               "TensorBoard logging is off")
+            else:
+                self._tb = SummaryWriter(self.tensorboard_dir, purge_step=start_step + 1)
+        if self.show_progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def _append(self, path: str, record: dict) -> None:
+        if not self.jsonl:
+            return
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def log_train(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        record = {k: _clean(v) for k, v in record.items()}
+        self._append(self.train_path, record)
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"train/{k}", v, record["step"])
+
+    def log_val(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        record = {k: _clean(v) for k, v in record.items()}
+        self._append(self.val_path, record)
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"val/{k}", v, record["step"])
+        msg = f"step {record['step']}: val_loss {record.get('val_loss')}"
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            logger.info(msg)
+
+    def progress(self, step: int, loss: float | None, lr: float, tps: float | None) -> None:
+        if self._bar is None:
+            return
+        post = {"lr": f"{lr:.2e}"}
+        if loss is not None:
+            post["loss"] = f"{loss:.4f}"
+        if tps is not None:
+            post["tok/s"] = f"{tps:,.0f}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self, plot: bool | None = None) -> str | None:
+        """Closes the bar and TensorBoard; writes ``loss.png``; returns its path (or None)."""
+        if not self.is_main:
+            return None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        return plot_losses(self.out_dir) if (self.plot if plot is None else plot) else None
+
+
+def plot_losses(out_dir: str) -> str | None:
+    """Writes ``out_dir/loss.png`` (train and val loss against step) with matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed (pip install 'hybridtrain[plot]'); "
+                    "skipping loss.png")
+        return None
+    train = [r for r in read_jsonl(os.path.join(out_dir, "training.jsonl"))
+             if r.get("loss") is not None]
+    val = [r for r in read_jsonl(os.path.join(out_dir, "validation.jsonl"))
+           if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (token-weighted cross-entropy)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "loss.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,390 @@
+"""The training loop.
+
+One step = one global batch: every data-parallel rank runs ``grad_acc_steps`` micro-batches,
+then the optimizer updates once. The loss is exact for any split of the global batch:
+
+    loss = sum over all label tokens of the global batch of CE / (number of those tokens)
+
+The label-token count of the global batch is known before any forward pass (summed over this
+rank's micro-batches, then all-reduced over the data-parallel group), and each micro-batch's CE
+*sum* is scaled by ``1 / count`` before backward. Gradients are therefore summed over ranks,
+never averaged.
+
+A step whose loss or gradient norm is not finite is skipped: gradients are dropped, the optimizer
+and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
+without any label token is skipped the same way (it has no loss).
+
+Extension points for the distributed layouts:
+
+* the recipe applies ``parallelize`` (FSDP2/TP/EP) to the model before the optimizer is built;
+* :class:`TrainStep` is the forward+backward of one global batch on one rank; pipeline
+  parallelism replaces it (its ``__call__`` runs ``schedule.step``) and returns the local CE sum;
+* :class:`DistContext` names the data-parallel group used for counts and loss reductions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
+from hybridtrain.training.optim import clip_grad_norm
+from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
+
+try:
+    from hybridtrain.training.loss import cross_entropy_sum
+except ImportError:  # pragma: no cover - loss.py is part of the package
+    cross_entropy_sum = None
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+# Batch keys the model's forward takes (besides input_ids); others (labels, attention_mask,
+# bookkeeping) stay with the trainer.
+MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
+
+
+@dataclass
+class DistContext:
+    """Where this process sits. Single process by default."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None  # process group for label-count / loss sums (None: default group)
+    world_size: int = 1
+    is_main: bool = True
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.world_size > 1
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return t
+
+
+# -- loss ------------------------------------------------------------------------------------
+def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Non-padding tokens of a batch."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel()
+
+
+def _fallback_ce_sum(hidden, weight, labels, chunk_size=None):
+    logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float()
+    return nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
+             chunk_size: int | None = 4096) -> torch.Tensor:
+    """Sum of token cross-entropies of one micro-batch (labels already shifted: ``labels[t]`` is
+    the target of position ``t``). Uses the model's final hidden states and its LM head through
+    the chunked linear cross-entropy, so the full logits are never materialised."""
+    kwargs = {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
+    if hasattr(model, "hidden_states"):
+        hidden = model.hidden_states(batch["input_ids"], **kwargs)
+        ce = cross_entropy_sum or _fallback_ce_sum
+        return ce(hidden, model.lm_head.weight, batch["labels"], chunk_size)
+    out = model(batch["input_ids"], **kwargs)
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), batch["labels"].reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class TrainStep:
+    """Forward and backward of this rank's micro-batches of one global batch.
+
+    ``__call__(model, micro_batches, num_label_tokens)`` back-propagates
+    ``CE_sum(micro_batch) / num_label_tokens`` for each micro-batch (``num_label_tokens`` is the
+    global count) and returns the detached fp32 CE sum over this rank's micro-batches.
+    """
+
+    def __init__(self, loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
+                 chunk_size: int | None = 4096,
+                 autocast_dtype: torch.dtype | None = None):
+        self.loss_fn = loss_fn or (lambda m, b: loss_sum(m, b, chunk_size))
+        self.autocast_dtype = autocast_dtype
+
+    def _autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def __call__(self, model: nn.Module, micro_batches: Sequence[dict],
+                 num_label_tokens: int) -> torch.Tensor:
+        total = None
+        sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce once per step
+        for i, mb in enumerate(micro_batches):
+            if sync is not None:
+                sync(i == len(micro_batches) - 1)
+            with self._autocast(mb["input_ids"].device):
+                ce = self.loss_fn(model, mb)
+            (ce / num_label_tokens).backward()
+            ce = ce.detach().float()
+            total = ce if total is None else total + ce
+        return total
+
+
+# -- the trainer -----------------------------------------------------------------------------
+def _to_device(batch: dict, device: torch.device) -> dict:
+    nb = device.type == "cuda"
+    return {k: v.to(device, non_blocking=nb) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
+class Trainer:
+    """Runs the loop of :mod:`hybridtrain.training` (see module docstring).
+
+    ``make_loader(dataset, batch_sampler)`` turns a batch sampler into an iterable of collated
+    batches (the recipe wraps ``torch.utils.data.DataLoader`` with its collator).
+    ``flops_per_token`` (training FLOPs per token, i.e. 6N-style, for the whole model) and
+    ``peak_tflops`` (per device) enable ``tflops_per_device`` and ``mfu``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        step_scheduler: StepScheduler,
+        train_dataset,
+        make_loader: Callable[[Any, Any], Any],
+        val_dataset=None,
+        checkpointer=None,
+        metrics: MetricsLogger | None = None,
+        tokenizer=None,
+        device: torch.device | str = "cpu",
+        grad_clip: float | None = 1.0,
+        dist_ctx: DistContext | None = None,
+        train_step: TrainStep | None = None,
+        max_val_steps: int | None = None,
+        val_micro_batch_size: int | None = None,
+        flops_per_token: Callable[[dict], float] | float | None = None,
+        peak_tflops: float | None = None,
+        save_hf_at_end: bool = True,
+        save_ckpt: bool = True,
+        gc_every_steps: int | None = None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.sched = step_scheduler
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.make_loader = make_loader
+        self.checkpointer = checkpointer
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.grad_clip = grad_clip
+        self.ctx = dist_ctx or DistContext()
+        self.train_step = train_step or TrainStep()
+        self.max_val_steps = max_val_steps
+        self.val_micro_batch_size = val_micro_batch_size or step_scheduler.micro_batch_size
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.save_hf_at_end = save_hf_at_end
+        self.save_ckpt = save_ckpt
+        self.gc_every_steps = gc_every_steps
+        self.history: list[dict] = []  # every step's record (also the non-logged ones)
+        self.val_history: list[dict] = []
+
+    # -- one step ----------------------------------------------------------------------------
+    def _params(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train_one_step(self, micro_batches: list[dict]) -> dict[str, Any]:
+        """Runs one global batch: forward/backward, clip, update (or skip). Returns its record."""
+        t0 = time.perf_counter()
+        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
+        counts = torch.tensor(
+            [sum(count_label_tokens(mb) for mb in micro_batches),
+             sum(count_tokens(mb) for mb in micro_batches)],
+            dtype=torch.float64, device=self.device)
+        self.ctx.all_reduce_sum(counts)
+        num_label_tokens, num_tokens = int(counts[0]), int(counts[1])
+        lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
+        self.model.train()
+        if num_label_tokens == 0:
+            logger.warning("step %d: the global batch has no label tokens; skipping it",
+                           self.sched.step + 1)
+            loss = torch.tensor(float("nan"))
+            grad_norm = torch.tensor(float("nan"))
+        else:
+            ce = self.train_step(self.model, micro_batches, num_label_tokens)
+            ce = ce.to(self.device, torch.float64).reshape(1)
+            loss = self.ctx.all_reduce_sum(ce)[0] / num_label_tokens
+            grad_norm = clip_grad_norm(self._params(), self.grad_clip)
+        loss_v, grad_norm_v = float(loss), float(grad_norm)
+        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
+        if skipped:
+            if num_label_tokens:
+                logger.warning("step %d: non-finite %s; skipping the update (lr stays %.3g)",
+                               self.sched.step + 1,
+                               "loss" if not math.isfinite(loss_v) else "gradient norm", lr)
+        else:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(self.sched.global_batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        epoch = self.sched.epoch
+        self.sched.advance(skipped=skipped)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        tps = num_tokens / dt if dt > 0 else None
+        world = self.ctx.world_size
+        tflops = mfu = None
+        if self.flops_per_token is not None and tps is not None:
+            fpt = self.flops_per_token
+            fpt = fpt(micro_batches) if callable(fpt) else fpt
+            tflops = fpt * tps / world / 1e12
+            if self.peak_tflops:
+                mfu = tflops / self.peak_tflops
+        return {
+            "step": self.sched.step,
+            "loss": loss_v,
+            "grad_norm": grad_norm_v,
+            "lr": lr,
+            "num_label_tokens": num_label_tokens,
+            "num_tokens": num_tokens,
+            "tps": tps,
+            "tps_per_device": tps / world if tps is not None else None,
+            "tflops_per_device": tflops,
+            "mfu": mfu,
+            "mem_gb": peak_memory_gb(self.device),
+            "consumed_samples": self.sched.consumed_samples,
+            "skipped_steps": self.sched.skipped_steps,
+            "epoch": epoch,
+            "step_time_s": dt,
+        }
+
+    # -- validation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any] | None:
+        """Token-weighted CE over the validation set (all ranks); returns the record."""
+        if self.val_dataset is None:
+            return None
+        t0 = time.perf_counter()
+        sampler = EvalBatchSampler(len(self.val_dataset), self.val_micro_batch_size,
+                                   self.ctx.dp_rank, self.ctx.dp_size)
+        was_training = self.model.training
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
+        for i, batch in enumerate(self.make_loader(self.val_dataset, sampler)):
+            if self.max_val_steps and i >= self.max_val_steps:
+                break
+            batch = _to_device(batch, self.device)
+            n_real = sampler.num_real[i]
+            if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
+                batch["labels"] = batch["labels"].clone()
+                batch["labels"][n_real:] = IGNORE_INDEX
+            with self.train_step._autocast(self.device):
+                ce = self.train_step.loss_fn(self.model, batch)
+            sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
+                                 dtype=torch.float64, device=self.device)
+        self.ctx.all_reduce_sum(sums)
+        self.model.train(was_training)
+        val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
+        return {
+            "step": self.sched.step,
+            "val_loss": val_loss,
+            "val_ppl": math.exp(val_loss) if val_loss is not None and val_loss < 50 else None,
+            "num_label_tokens": int(sums[1]),
+            "num_samples": int(sums[2]),
+            "time_s": time.perf_counter() - t0,
+        }
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, hf: bool = False) -> str | None:
+        if self.checkpointer is None:
+            return None
+        save_hf = self.checkpointer.save_hf
+        self.checkpointer.save_hf = save_hf or hf
+        try:
+            return self.checkpointer.save(
+                self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
+                tokenizer=self.tokenizer)
+        finally:
+            self.checkpointer.save_hf = save_hf
+
+    def resume(self, path: str) -> None:
+        assert self.checkpointer is not None
+        self.checkpointer.load(path, self.model, self.optimizer, self.lr_scheduler, self.sched)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Trains until ``max_steps``; returns a summary (paths, first/last loss, times)."""
+        import gc
+
+        sched = self.sched
+        t_start = time.perf_counter()
+        last_ckpt = None
+        if self.metrics is not None:
+            self.metrics.open(sched.step, sched.max_steps)
+        batches = sched.train_batches(
+            lambda sampler: self.make_loader(self.train_dataset, sampler),
+            len(self.train_dataset), dp_rank=self.ctx.dp_rank)
+        while not sched.done:
+            micro_batches = next(batches)
+            rec = self.train_one_step(micro_batches)
+            self.history.append(rec)
+            if self.metrics is not None:
+                if sched.is_log_step:
+                    self.metrics.log_train(rec)
+                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
+            if self.gc_every_steps and sched.step % self.gc_every_steps == 0:
+                gc.collect()
+            if self.val_dataset is not None and sched.is_val_step:
+                val = self.validate()
+                self.val_history.append(val)
+                if self.metrics is not None:
+                    self.metrics.log_val(val)
+            if self.checkpointer is not None and self.save_ckpt and sched.is_ckpt_step:
+                last_ckpt = self.save_checkpoint(hf=sched.done and self.save_hf_at_end)
+        hf_dir = None
+        if self.save_hf_at_end:
+            if last_ckpt is not None:
+                hf_dir = os.path.join(last_ckpt, "hf")
+            elif self.checkpointer is not None and self.save_ckpt:
+                # resumed a finished run, or the final checkpoint already existed
+                latest = self.checkpointer.latest()
+                if latest and os.path.isdir(os.path.join(latest, "hf")):
+                    hf_dir = os.path.join(latest, "hf")
+            if hf_dir is None and self.checkpointer is not None:
+                from hybridtrain.training.checkpoint import export_hf
+
+                hf_dir = os.path.join(self.checkpointer.dir, "hf")
+                export_hf(self.model, hf_dir, self.tokenizer)
+        plot = self.metrics.close() if self.metrics is not None else None
+        losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
+        return {
+            "steps": sched.step,
+            "skipped_steps": sched.skipped_steps,
+            "consumed_samples": sched.consumed_samples,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "last_val_loss": self.val_history[-1]["val_loss"] if self.val_history else None,
+            "wall_time_s": time.perf_counter() - t_start,
+            "checkpoint": last_ckpt,
+            "hf_dir": hf_dir,
+            "loss_png": plot,
+        }
