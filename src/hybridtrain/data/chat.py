@@ -274,6 +274,7 @@ def chat_tokenize_batch(
     out: dict[str, list] = {
         k: [] for k in ("input_ids", "labels", "length", "num_label_tokens", "drop_reason")
     }
+    out["id"] = list(batch["where"])
     for mj, tj, where in zip(batch["messages_json"], batch["tools_json"], batch["where"]):
         messages = json.loads(mj)
         tools = json.loads(tj) if tj else None

@@ -13,7 +13,8 @@ Every batch has ``input_ids``, ``labels`` (shifted; -100 = no loss), ``position_
 Unpacked batches (``PaddingCollator``) are right-padded to the longest example, rounded up to
 ``pad_to_multiple_of`` (or to ``max_length``), and add ``attention_mask`` ``[B, L]``.
 
-Packed batches (``PackedCollator``) add ``cu_seqlens``: int32, flattened over the ``B * L`` tokens of
+Packed batches (``PackedCollator``) add ``attention_mask`` (1 on document tokens; documents are
+separated by ``cu_seqlens``, not by it) and ``cu_seqlens``: int32, flattened over the ``B * L`` tokens of
 the batch (row ``r`` offset by ``r * L``), so ``cu_seqlens[-1] == B * L``; every document and every
 row's trailing padding is a segment of its own. ``position_ids`` restart at 0 in every segment.
 ``max_seqlen`` (an int) is the longest segment.
@@ -93,6 +94,7 @@ class PackedCollator:
             "input_ids": torch.stack([r["input_ids"] for r in rows]),
             "labels": labels,
             "position_ids": torch.stack([r["position_ids"] for r in rows]),
+            "attention_mask": torch.stack([r["attention_mask"] for r in rows]),
             "cu_seqlens": cu_seqlens.to(torch.int32),
             "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
             "num_tokens": torch.tensor(sum(int(r["num_tokens"]) for r in rows), dtype=torch.long),

@@ -92,14 +92,15 @@ def tokenize_records(
 ):
     """Run ``fn`` over ``raw`` (a dict of columns) with ``datasets.map``; split off the drops.
 
-    ``fn(batch, **fn_kwargs)`` returns the columns ``input_ids``, ``labels``, ``length``,
-    ``num_label_tokens`` and ``drop_reason`` (``""`` for a kept example).
+    ``fn(batch, **fn_kwargs)`` returns the columns ``id`` (the source record), ``input_ids``,
+    ``labels``, ``length``, ``num_label_tokens`` and ``drop_reason`` (``""`` for a kept example).
     Returns ``(dataset_of_kept_examples, Counter(drop_reason))``.
     """
     import datasets
 
     features = datasets.Features(
         {
+            "id": datasets.Value("string"),
             "input_ids": datasets.List(datasets.Value("int32")),
             "labels": datasets.List(datasets.Value("int32")),
             "length": datasets.Value("int32"),
@@ -264,6 +265,10 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def record_id(self, i: int) -> str:
+        """The source record of example ``i`` (its SQuAD id, or file and line)."""
+        return self.hf_dataset.data.column("id")[i].as_py()
 
     def get_unpadded(self, i: int) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of example ``i`` as lists, without padding."""

@@ -16,6 +16,8 @@ Documents go into rows of ``pack_size`` tokens by first-fit-decreasing. Each row
   restart at 0 at every document;
 - ``cu_seqlens``: int32 ``[num_segments + 1]``, from 0 to ``pack_size``: the document boundaries,
   with the row's leftover space (pad tokens, labels -100) as a last segment of its own;
+- ``attention_mask``: 1 on document tokens, 0 on padding (it does not separate documents --
+  ``cu_seqlens`` does);
 - ``num_tokens`` (document tokens, no padding) and ``num_label_tokens``: ints;
 - ``doc_ids``: the source indices of the documents in the row, in order.
 
@@ -93,6 +95,7 @@ def build_row(
     ids: list[int] = []
     labels: list[int] = []
     pos: list[int] = []
+    mask: list[int] = []
     cu = [0]
     num_tokens = num_label_tokens = 0
     for d_ids, d_labels in docs:
@@ -109,6 +112,7 @@ def build_row(
         labels.extend(d_labels)
         labels.extend([IGNORE_INDEX] * (padded - n))
         pos.extend(range(padded))
+        mask.extend([1] * n + [0] * (padded - n))
         cu.append(cu[-1] + padded)
         num_tokens += n
         num_label_tokens += sum(1 for x in d_labels if x != IGNORE_INDEX)
@@ -118,12 +122,14 @@ def build_row(
         ids.extend([pad_token_id] * (pack_size - used))
         labels.extend([IGNORE_INDEX] * (pack_size - used))
         pos.extend(range(pack_size - used))
+        mask.extend([0] * (pack_size - used))
         cu.append(pack_size)
     return {
         "input_ids": torch.tensor(ids, dtype=torch.long),
         "labels": torch.tensor(labels, dtype=torch.long),
         "position_ids": torch.tensor(pos, dtype=torch.long),
         "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "attention_mask": torch.tensor(mask, dtype=torch.long),
         "num_tokens": num_tokens,
         "num_label_tokens": num_label_tokens,
     }

@@ -162,7 +162,7 @@ class _Reader:
             if start != start0:
                 self.repaired += 1
         for k, v in (
-            ("id", str(rec.get("id", ""))),
+            ("id", str(rec.get("id") or where)),
             ("title", str(rec.get("title", title) or "")),
             ("context", context),
             ("question", question.strip()),
@@ -293,6 +293,7 @@ def squad_tokenize_batch(
     prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "num_label_tokens")}
     out["drop_reason"] = []
+    out["id"] = list(batch["id"])
     for i in range(n):
         comp = list(comp_ids[i]) + [eos]
         p = prompt_ids[i]

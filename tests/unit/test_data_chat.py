@@ -1,0 +1,198 @@
+"""Chat data: loss on assistant content + end-of-turn only, checked token by token."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from data_testutils import bpe_tokenizer
+
+from hybridtrain.data import (
+    CHATML_TEMPLATE,
+    CHATML_TEMPLATE_NO_GENERATION,
+    ChatDataset,
+    ChatFormatError,
+    EmptyDatasetError,
+    build_chat_dataset,
+)
+
+TEMPLATES = {"generation": CHATML_TEMPLATE, "no_generation": CHATML_TEMPLATE_NO_GENERATION}
+
+MULTI_TURN = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Who ruled Normandy?"},
+    {"role": "assistant", "content": "Rollo, in 911."},
+    {"role": "user", "content": "And then?"},
+    {"role": "assistant", "content": "His descendants, the dukes of Normandy."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return bpe_tokenizer(tmp_path_factory)
+
+
+def expected(tok, messages, train_on="all"):
+    """Token ids and supervision mask built piece by piece from the ChatML layout."""
+    ids, mask = [], []
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+
+    def add(text, sup):
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids.extend(t)
+        mask.extend([sup] * len(t))
+
+    for i, m in enumerate(messages):
+        add("<|im_start|>" + m["role"] + "\n", 0)  # the header is never supervised
+        sup = int(m["role"] == "assistant" and (train_on == "all" or i == last))
+        add(m["content"] + "<|im_end|>", sup)
+        add("\n", 0)
+    labels = [ids[t + 1] if mask[t + 1] else -100 for t in range(len(ids) - 1)] + [-100]
+    return ids, labels
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("template", ["generation", "no_generation"])
+@pytest.mark.parametrize("train_on", ["all", "last"])
+def test_masks_token_by_token(tok, tmp_path, template, train_on):
+    convs = [
+        MULTI_TURN,
+        MULTI_TURN[1:3],  # single turn, no system prompt
+        [{"role": "system", "content": "S."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}],
+    ]
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in convs])
+    ds = build_chat_dataset(p, tok, chat_template=TEMPLATES[template], train_on=train_on,
+                            cache_dir=False)
+    assert len(ds) == len(convs)
+    for i, conv in enumerate(convs):
+        ids, labels = expected(tok, conv, train_on)
+        assert ds[i]["input_ids"].tolist() == ids
+        assert ds[i]["labels"].tolist() == labels
+        sup = [l for l in labels if l != -100]
+        assert "assistant" not in tok.decode(sup)  # never the header
+        assert tok.decode(sup).endswith("<|im_end|>")
+
+
+def test_generation_and_prefix_strategies_agree_with_tools(tok, tmp_path):
+    conv = {
+        "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny, 21C"},
+            {"role": "assistant", "content": "It is sunny."},
+        ],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+    }
+    p = write_jsonl(tmp_path / "t.jsonl", [conv])
+    gen = build_chat_dataset(p, tok, mask_strategy="generation", cache_dir=False)
+    pre = build_chat_dataset(p, tok, mask_strategy="prefix", cache_dir=False)
+    assert gen[0]["input_ids"].tolist() == pre[0]["input_ids"].tolist()
+    assert gen[0]["labels"].tolist() == pre[0]["labels"].tolist()
+    text = tok.decode(gen[0]["input_ids"])
+    assert '"name": "get_weather"' in text and "Current weather" in text
+    sup = tok.decode([l for l in gen[0]["labels"].tolist() if l != -100])
+    assert sup == ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                   "<|im_end|>It is sunny.<|im_end|>")
+
+
+def test_sharegpt_and_parquet_and_datasets(tok, tmp_path):
+    import datasets
+
+    sg = {"system": "You are terse.", "conversations": [
+        {"from": "human", "value": "Who ruled Normandy?"},
+        {"from": "gpt", "value": "Rollo, in 911."},
+        {"from": "human", "value": "And then?"},
+        {"from": "gpt", "value": "His descendants, the dukes of Normandy."},
+    ]}
+    ids, labels = expected(tok, MULTI_TURN)
+    p = write_jsonl(tmp_path / "sg.jsonl", [sg])
+    pq = tmp_path / "m.parquet"
+    datasets.Dataset.from_list([{"messages": MULTI_TURN}]).to_parquet(str(pq))
+    js = tmp_path / "m.json"
+    js.write_text(json.dumps([{"messages": MULTI_TURN}]))
+    hf = datasets.Dataset.from_list([{"messages": MULTI_TURN}])
+    for src in (p, pq, js, hf):
+        ds = ChatDataset(src, tok, cache_dir=False)
+        assert ds[0]["input_ids"].tolist() == ids
+        assert ds[0]["labels"].tolist() == labels
+
+
+def test_truncation_keeps_or_drops(tok, tmp_path, caplog):
+    long_user = {"role": "user", "content": "word " * 200}
+    convs = [
+        {"messages": MULTI_TURN},
+        {"messages": [long_user, {"role": "assistant", "content": "ok"}]},
+    ]
+    p = write_jsonl(tmp_path / "c.jsonl", convs)
+    full_ids, full_labels = expected(tok, MULTI_TURN)
+    L = len(full_ids) - 5  # cuts into the last assistant turn
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.data"):
+        ds = build_chat_dataset(p, tok, seq_length=L, padding="max_length", cache_dir=False)
+    assert len(ds) == 1 and ds.stats["dropped"] == {"no_supervised_tokens_after_truncation": 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "dropped 1 of 2" in warnings[0]
+    ex = ds[0]
+    assert len(ex["input_ids"]) == L
+    assert ex["input_ids"].tolist() == full_ids[:L]
+    assert ex["labels"].tolist() == full_labels[: L - 1] + [-100]
+    with pytest.raises(EmptyDatasetError, match="1 no_supervised_tokens_after_truncation"):
+        build_chat_dataset(write_jsonl(tmp_path / "d.jsonl", convs[1:]), tok, seq_length=50,
+                           cache_dir=False)
+
+
+def test_no_assistant_turn_is_rejected(tok, tmp_path):
+    p = write_jsonl(tmp_path / "c.jsonl", [
+        {"messages": MULTI_TURN},
+        {"id": "conv-7", "messages": [{"role": "user", "content": "hello?"}]},
+    ])
+    with pytest.raises(ChatFormatError, match=r"c\.jsonl line 2 \(id 'conv-7'\): .*no assistant turn"):
+        build_chat_dataset(p, tok, cache_dir=False)
+
+
+def test_bad_chat_records(tok, tmp_path):
+    cases = [
+        ({"messages": [{"role": "wizard", "content": "x"}]}, ChatFormatError, "unknown role 'wizard'"),
+        ({"messages": [{"content": "x"}]}, ValueError, r"messages\[0\]: missing required field 'role'"),
+        ({"conversations": [{"from": "alien", "value": "x"}]}, ChatFormatError, "unknown speaker"),
+        ({"text": "plain"}, ValueError, "missing required field 'messages'"),
+        ({"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}, ValueError,
+         r"messages\[0\]: missing required field 'content'"),
+    ]
+    for k, (rec, exc, msg) in enumerate(cases):
+        p = write_jsonl(tmp_path / f"b{k}.jsonl", [rec])
+        with pytest.raises(exc, match=msg):
+            build_chat_dataset(p, tok, cache_dir=False)
+
+
+def test_template_without_markers_that_is_not_prefix_stable(tok, tmp_path):
+    # Renders the last assistant turn differently from the earlier ones.
+    bad = ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+           "{%- if loop.last -%}{{- m['content'] + '!<|im_end|>\\n' -}}"
+           "{%- else -%}{{- m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+           "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": MULTI_TURN}])
+    with pytest.raises(ChatFormatError, match="prefix-stable"):
+        build_chat_dataset(p, tok, chat_template=bad, cache_dir=False)
+
+
+def test_cache_key_includes_chat_options(tok, tmp_path):
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": MULTI_TURN}])
+    a = build_chat_dataset(p, tok, cache_dir=tmp_path / "cache")
+    b = build_chat_dataset(p, tok, cache_dir=tmp_path / "cache")
+    c = build_chat_dataset(p, tok, cache_dir=tmp_path / "cache", train_on="last")
+    d = build_chat_dataset(p, tok, cache_dir=tmp_path / "cache",
+                           chat_template=CHATML_TEMPLATE_NO_GENERATION)
+    assert a.cache_path == b.cache_path
+    assert len({a.cache_path, c.cache_path, d.cache_path}) == 3
+    assert a[0]["labels"].tolist() != c[0]["labels"].tolist()
