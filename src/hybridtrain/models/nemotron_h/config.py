@@ -48,7 +48,8 @@ FIELD_ALIASES = {
 # keys that are not stored as fields but are understood (layout spellings, derived values)
 _LAYOUT_KEYS = ("hybrid_override_pattern", "layers_block_type", "layer_types", "num_hidden_layers")
 # keys of a source config.json that we drop when writing one (we never ship remote code)
-_DROP_ON_WRITE = ("auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
+# (architectures / model_type / dtype are written from the model itself)
+_DROP_ON_WRITE = ("auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "architectures", "model_type")
 
 _INF = float("inf")
 
@@ -279,8 +280,7 @@ class NemotronHConfig:
             d["mtp_layers_block_type"] = pattern_to_layer_types(mtp_pattern, "mtp_hybrid_override_pattern")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "layers_block_type"}
         kwargs = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known and k not in _LAYOUT_KEYS}
-        extra.pop("model_type", None)
+        extra = {k: v for k, v in d.items() if k not in known and k not in _LAYOUT_KEYS and k not in _DROP_ON_WRITE}
         if "time_step_limit" in kwargs and kwargs["time_step_limit"] is not None:
             kwargs["time_step_limit"] = tuple(kwargs["time_step_limit"])
         elif "time_step_limit" in kwargs:
@@ -327,6 +327,9 @@ class NemotronHConfig:
         if dtype is not None:
             out["dtype"] = dtype
         return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.to_hf_dict()
 
     def to_json_string(self, dtype: str | None = None) -> str:
         # json writes inf as `Infinity`, as the Hub's Nemotron-H config.json files do
