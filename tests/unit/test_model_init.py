@@ -73,6 +73,7 @@ def test_bf16_forward_runs_close_to_fp32():
     with torch.no_grad():
         ref = m(ids)
         out = m.to(torch.bfloat16)(ids, cu_seqlens=torch.tensor([0, 7, 20]))
+        assert m.backbone.layers["3"].mixer.gate.e_score_correction_bias.dtype == torch.float32
         ref_packed = m.float()(ids, cu_seqlens=torch.tensor([0, 7, 20]))
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - ref_packed).abs().max() < 0.05

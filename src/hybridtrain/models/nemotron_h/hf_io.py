@@ -187,10 +187,7 @@ def load_pretrained(
         counts = Counter(found[n][1] for n in found if not IGNORED_ON_LOAD.match(n) and found[n][1] in _ST_DTYPES)
         dtype = _ST_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
     device = torch.device(device) if device is not None else torch.device("cpu")
-    model.to(dtype=dtype)
-    for name, buf in model.named_buffers():
-        if name.endswith(_KEEP_FP32):
-            buf.data = buf.data.float()
+    model.to(dtype=dtype)  # (the router keeps e_score_correction_bias in fp32 itself)
     model.to_empty(device=device)
 
     state = model.state_dict(keep_vars=True)

@@ -49,6 +49,14 @@ class TopkRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=self.config.initializer_range)
         self.e_score_correction_bias.zero_()
 
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` must not round the correction bias (transformers keeps it in
+        # fp32 too): cast it back after any module-wide conversion
+        super()._apply(fn, recurse)
+        if self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (router_logits [T, E] fp32, topk_weights [T, k] fp32, topk_idx [T, k])."""
         logits = F.linear(x.float(), self.weight.float())

@@ -93,6 +93,7 @@ class NemotronHStage(nn.Module):
         self.loss_fn = loss_fn or full_logits_ce_sum
         # a bound method, not a submodule: the model's packing logic (seq_idx, attention mask)
         self._sequence_info = model.sequence_info
+        self.hidden_dtype: torch.dtype | None = None  # set under pipeline parallelism
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None,
@@ -103,6 +104,12 @@ class NemotronHStage(nn.Module):
         for block in self.layers.values():
             h = block(h, info)
         if not self.is_last:
+            if self.hidden_dtype is not None and h.dtype != self.hidden_dtype:
+                raise RuntimeError(
+                    f"pipeline stage output is {h.dtype}, but the stages exchange "
+                    f"{self.hidden_dtype} activations; keep the residual stream in the "
+                    "parameter dtype"
+                )
             return h
         h = self.norm_f(h)
         if labels is None:
@@ -344,8 +351,14 @@ def parallelize_nemotron_h(
 
     pp_group = dims.group("pp") if dims.pp > 1 else None
     if dims.pp > 1:
+        hidden_dtype = mixed_precision_policy(param_dtype, reduce_dtype).param_dtype
+        if hidden_dtype is None or not dims.fsdp_enabled:
+            hidden_dtype = next(model.parameters()).dtype
+        for stage in stages:
+            stage.hidden_dtype = hidden_dtype
         train_step = PipelineTrainStep(
-            stages, stage_ids, num_stages, pp_group, device, schedule=pp_schedule,
+            stages, stage_ids, num_stages, pp_group, device, hidden_size=config.hidden_size,
+            hidden_dtype=hidden_dtype, schedule=pp_schedule,
             microbatch_size=pp_microbatch_size, autocast_dtype=autocast_dtype)
     else:
         train_step = StageTrainStep(stages[0], autocast_dtype=autocast_dtype)
