@@ -1,0 +1,356 @@
+"""LoRA adapters in the Hugging Face PEFT format, and merged checkpoints.
+
+An adapter directory holds ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``,
+``target_modules``, ...) and ``adapter_model.safetensors`` with PEFT's key names, under Hub module
+names::
+
+    base_model.model.backbone.layers.{i}.mixer.q_proj.lora_A.weight          [r, in]
+    base_model.model.backbone.layers.{i}.mixer.q_proj.lora_B.weight          [out, r]
+    base_model.model.backbone.layers.{i}.mixer.experts.{j}.up_proj.lora_A.weight   (one per expert)
+
+``target_modules`` is the list of adapted leaf names (``["in_proj", "q_proj", ...]``) when every
+module with those names is adapted, otherwise a regular expression (PEFT full-matches it against
+module names) that names exactly the adapted modules.
+
+Loading accepts these files and adapters PEFT wrote for transformers' Nemotron-H (whose module
+names start with ``model.`` instead of ``backbone.``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from hybridtrain.models.nemotron_h.moe import Experts
+
+from .lora import (
+    EXCLUDED_LINEARS,
+    LoRAExperts,
+    apply_lora,
+    has_lora,
+    load_lora_state_dict,
+    lora_modules,
+    lora_settings,
+    merge_lora,
+    merged_state_dict,
+)
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "adapter_config",
+    "peft_state_dict",
+    "save_peft_adapter",
+    "export_peft",
+    "load_peft_adapter",
+    "save_merged_hf",
+    "merge_adapter_into_hf",
+]
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
+_HUB_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(up_proj|down_proj)$")
+# tokenizer / generation files copied next to a merged checkpoint
+_SIDE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|chat_template\.jinja|"
+                         r"vocab\.json|merges\.txt)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective), as a CPU tensor."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+# ---------------------------------------------------------------------------------- naming
+def _hub_modules(model: nn.Module) -> list[str]:
+    """Hub names of every module LoRA could adapt (experts one per expert)."""
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Experts):
+            out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(mod.up_proj.shape[0])]
+        elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
+            out.append(name)
+    return out
+
+
+def _adapted_hub_modules(model: nn.Module) -> list[str]:
+    out = []
+    for name, mod in lora_modules(model):
+        if isinstance(mod, LoRAExperts):
+            out += [f"{name}.{j}.{p}" for p in mod.lora_projs for j in range(mod.up_proj.shape[0])]
+        else:
+            out.append(name)
+    return out
+
+
+def _target_modules(model: nn.Module) -> list[str] | str:
+    adapted = _adapted_hub_modules(model)
+    leaves = {n.rsplit(".", 1)[-1] for n in adapted}
+    same_leaf = {n for n in _hub_modules(model) if n.rsplit(".", 1)[-1] in leaves}
+    if same_leaf == set(adapted):
+        return sorted(leaves)
+    # exact set; names relative to the decoder stack so that transformers' `model.layers...` match too
+    rel = []
+    for n in adapted:
+        n = re.sub(r"^(backbone|model)\.", "", n)
+        e = _HUB_EXPERT.match(n)
+        rel.append(re.escape(e.group(1)) + r"\.\d+\." + e.group(3) if e else re.escape(n))
+    return r"(?:.*\.)?(?:" + "|".join(dict.fromkeys(rel)) + r")"
+
+
+def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None) -> dict:
+    """The PEFT ``LoraConfig`` dict of the model's adapters."""
+    s = lora_settings(model)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or None,
+        "revision": None,
+        "r": s["dim"],
+        "lora_alpha": s["alpha"],
+        "lora_dropout": s["dropout"],
+        "target_modules": _target_modules(model),
+        "exclude_modules": None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "auto_mapping": None,
+    }
+
+
+def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors under PEFT key names (full CPU tensors; collective under FSDP/EP)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in lora_modules(model):
+        if isinstance(mod, LoRAExperts):
+            for p in mod.lora_projs:
+                A, B = _full(getattr(mod, f"{p}_lora_A")), _full(getattr(mod, f"{p}_lora_B"))
+                for j in range(A.shape[0]):
+                    out[f"{PEFT_PREFIX}{name}.{j}.{p}.lora_A.weight"] = A[j].clone()
+                    out[f"{PEFT_PREFIX}{name}.{j}.{p}.lora_B.weight"] = B[j].clone()
+        else:
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = _full(mod.lora_A).contiguous()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = _full(mod.lora_B).contiguous()
+    return out
+
+
+# ---------------------------------------------------------------------------------- saving
+def _write_dir(out_dir: str, write) -> None:
+    """Write into a temporary sibling, then move the files into ``out_dir``."""
+    out_dir = os.path.abspath(out_dir)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        os.makedirs(out_dir, exist_ok=True)
+        for fn in sorted(os.listdir(tmp), key=lambda f: f == ADAPTER_CONFIG):  # config last
+            os.replace(os.path.join(tmp, fn), os.path.join(out_dir, fn))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
+                      base_model_name_or_path: str | None = None,
+                      tensors: Mapping[str, torch.Tensor] | None = None) -> str:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (single process; see
+    :func:`export_peft` under torch.distributed). Returns the directory."""
+    if not has_lora(model):
+        raise ValueError("the model has no LoRA adapters to export (call apply_lora first)")
+    tensors = dict(peft_state_dict(model) if tensors is None else tensors)
+    cfg = adapter_config(model, base_model_name_or_path)
+
+    def write(tmp):
+        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(cfg, f, indent=2)
+            f.write("\n")
+
+    _write_dir(os.fspath(out_dir), write)
+    return os.path.abspath(out_dir)
+
+
+def export_peft(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None,
+                tokenizer=None) -> str:
+    """PEFT export of a (possibly sharded) LoRA model; collective: call on every rank, rank 0
+    writes. ``tokenizer`` (with ``save_pretrained``) is saved alongside when given."""
+    tensors = peft_state_dict(model)  # gathers DTensors on every rank
+    if _rank() == 0:
+        save_peft_adapter(model, out_dir, base_model_name_or_path, tensors=tensors)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.fspath(out_dir))
+    _barrier()
+    return os.path.abspath(out_dir)
+
+
+def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
+                   max_shard_size: int | str = "5GB") -> str:
+    """A plain Hugging Face checkpoint with the adapters folded in; the model keeps its adapters.
+    Collective under torch.distributed (full state dict gathered, rank 0 writes)."""
+    from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
+
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = model.state_dict()
+    if _rank() == 0:
+        save_hf_checkpoint(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.fspath(out_dir))
+    _barrier()
+    return os.path.abspath(out_dir)
+
+
+# ---------------------------------------------------------------------------------- loading
+def _read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    w_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(cfg_path) or not os.path.isfile(w_path):
+        extra = " (adapter_model.bin is not supported: convert it to safetensors)" \
+            if os.path.isfile(os.path.join(adapter_dir, "adapter_model.bin")) else ""
+        raise ValueError(f"{adapter_dir}: not a PEFT adapter directory; expected {ADAPTER_CONFIG} and "
+                         f"{ADAPTER_WEIGHTS}{extra}")
+    with open(cfg_path) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    if str(cfg.get("peft_type", "")).upper() != "LORA":
+        raise ValueError(f"{cfg_path}: peft_type is {cfg.get('peft_type')!r}; only LORA adapters are supported")
+    unsupported = {
+        "use_dora": cfg.get("use_dora"), "use_rslora": cfg.get("use_rslora"),
+        "fan_in_fan_out": cfg.get("fan_in_fan_out"), "rank_pattern": cfg.get("rank_pattern"),
+        "alpha_pattern": cfg.get("alpha_pattern"), "modules_to_save": cfg.get("modules_to_save"),
+        "lora_bias": cfg.get("lora_bias"), "target_parameters": cfg.get("target_parameters"),
+    }
+    bad = {k: v for k, v in unsupported.items() if v}
+    if cfg.get("bias", "none") != "none":
+        bad["bias"] = cfg["bias"]
+    if bad:
+        raise ValueError(f"{cfg_path}: unsupported LoRA options {bad}; hybridtrain loads plain LoRA "
+                         "(bias none, no DoRA/rsLoRA/rank or alpha patterns/modules_to_save)")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)):
+            raise ValueError(f"{cfg_path}: missing or invalid {key!r}")
+    with safe_open(w_path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return cfg, tensors
+
+
+def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
+    """PEFT keys -> (our LoRA state dict, adapted names)."""
+    linear: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if not m:
+            raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight "
+                             "(expected '<module>.lora_A.weight' / '<module>.lora_B.weight')")
+        mod, ab = m.group(1), m.group(2)
+        if mod.startswith("model.") and not hasattr(model, "model"):  # transformers' module names
+            mod = "backbone." + mod[len("model."):]
+        e = _HUB_EXPERT.match(mod)
+        if e:
+            experts.setdefault((e.group(1), e.group(3), ab), {})[int(e.group(2))] = t
+        else:
+            linear[f"{mod}.lora_{ab}"] = t
+    sd = dict(linear)
+    names = sorted({k.rsplit(".", 1)[0] for k in linear})
+    for (mod, proj, ab), per in sorted(experts.items()):
+        try:
+            n = model.get_submodule(mod).up_proj.shape[0]
+        except AttributeError:
+            raise ValueError(f"{where}: adapter for {mod}.*.{proj}, but the model has no experts module {mod}") \
+                from None
+        if sorted(per) != list(range(n)):
+            raise ValueError(f"{where}: {mod}.*.{proj}.lora_{ab}: the adapter has experts {sorted(per)[:8]}..., "
+                             f"the model has {n}; every expert needs its adapter")
+        sd[f"{mod}.{proj}_lora_{ab}"] = torch.stack([per[j] for j in range(n)])
+        names.append(f"{mod}.{proj}")
+    return sd, sorted(set(names))
+
+
+def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
+    """Load a PEFT LoRA adapter into ``model``: adds the adapters (if the model has none yet;
+    their dtype is the file's) and copies the weights. Returns the adapted names."""
+    adapter_dir = os.fspath(adapter_dir)
+    cfg, tensors = _read_adapter(adapter_dir)
+    where = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    sd, names = _to_ours(tensors, model, where)
+    if not sd:
+        raise ValueError(f"{where} holds no tensors")
+    r, alpha, dropout = int(cfg["r"]), cfg["lora_alpha"], float(cfg.get("lora_dropout") or 0.0)
+    if has_lora(model):
+        s = lora_settings(model)
+        if (s["dim"], s["alpha"], sorted(s["targets"])) != (r, alpha, names):
+            raise ValueError(f"{adapter_dir}: adapter (r={r}, alpha={alpha}, {len(names)} targets) does not "
+                             f"match the model's adapters (r={s['dim']}, alpha={s['alpha']}, "
+                             f"{len(s['targets'])} targets)")
+    else:
+        dtype = next(iter(tensors.values())).dtype
+        try:
+            apply_lora(model, dim=r, alpha=alpha, dropout=dropout, target_modules=names, dtype=dtype)
+        except ValueError as e:
+            raise ValueError(f"{where}: the adapter's modules do not fit this model: {e}") from None
+    try:
+        load_lora_state_dict(model, sd)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return names
+
+
+def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
+                          out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                          max_shard_size: int | str = "5GB") -> str:
+    """Base HF checkpoint + PEFT adapter -> merged plain HF checkpoint (plus the base's tokenizer
+    and generation files). Returns the output directory."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+
+    base_dir, adapter_dir, out_dir = (os.path.abspath(os.fspath(d)) for d in (base_dir, adapter_dir, out_dir))
+    if out_dir in (base_dir, adapter_dir):
+        raise ValueError(f"--out {out_dir} must differ from --base and --adapter")
+    _read_adapter(adapter_dir)  # fail on a bad adapter before loading a large base model
+    model = NemotronHForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    names = load_peft_adapter(model, adapter_dir)
+    merge_lora(model)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    for src in (base_dir, adapter_dir):  # adapter's tokenizer files win
+        for fn in os.listdir(src):
+            if _SIDE_FILES.match(fn) and os.path.isfile(os.path.join(src, fn)):
+                shutil.copyfile(os.path.join(src, fn), os.path.join(out_dir, fn))
+    logger.info("merged %d adapted modules from %s into %s -> %s", len(names), adapter_dir, base_dir, out_dir)
+    return out_dir

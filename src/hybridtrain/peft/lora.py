@@ -1,0 +1,509 @@
+"""LoRA for Nemotron-H: adapter-aware linear and experts modules, target selection, merging.
+
+``apply_lora(model, dim, alpha, ...)`` replaces each selected module *in place* by an adapter-aware
+subclass that keeps the base parameters (same ``Parameter`` objects, same names) and adds:
+
+* ``nn.Linear`` -> :class:`LoRALinear`: ``y = x W^T + b + s * B(A(dropout(x)))`` with
+  ``lora_A [r, in]``, ``lora_B [out, r]`` and ``s = alpha / r``;
+* MoE :class:`~hybridtrain.models.nemotron_h.moe.Experts` (stacked ``up_proj [E, I, H]``,
+  ``down_proj [E, H, I]``) -> :class:`LoRAExperts`: one adapter per expert and projection,
+  ``up_proj_lora_A [E, r, H]``, ``up_proj_lora_B [E, I, r]`` (same for ``down_proj``), applied to
+  each expert's rows inside the grouped / per-expert-loop compute.
+
+Base parameter names are unchanged (``backbone.layers.3.mixer.q_proj.weight``), so checkpoints
+and Hub I/O see the same names; the adapters are ``<module>.lora_A`` / ``<module>.lora_B`` and
+``<experts>.{up,down}_proj_lora_{A,B}``. Every base parameter is frozen (``requires_grad =
+False``): an optimizer built from the parameters that require grad sees only the adapters, and a
+checkpoint taken with ``ignore_frozen_params`` holds only the adapters.
+
+Target selection: candidate names are the module names of every ``nn.Linear`` except ``lm_head``
+(the chunked loss reads its weight directly), plus ``<experts>.up_proj`` / ``<experts>.down_proj``
+for each MoE experts module (whose Hub names are ``<experts>.{j}.up_proj``; a pattern may use
+either form but cannot select some experts only). A pattern is a glob (``fnmatch``) matched
+against the whole dotted name or a dotted suffix of it: ``q_proj`` == ``*.q_proj``,
+``mixer.in_proj`` matches ``backbone.layers.0.mixer.in_proj``. No ``target_modules`` (and
+``match_all_linear`` false) means every candidate, as ``match_all_linear: true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import logging
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridtrain.models.nemotron_h import moe as _moe
+from hybridtrain.models.nemotron_h.moe import Experts
+
+__all__ = [
+    "LoRALinear",
+    "LoRAExperts",
+    "apply_lora",
+    "lora_modules",
+    "has_lora",
+    "is_lora_param",
+    "lora_state_dict",
+    "load_lora_state_dict",
+    "init_lora_weights",
+    "lora_settings",
+    "merge_lora",
+    "merged_state_dict",
+    "merge_cli",
+]
+
+logger = logging.getLogger(__name__)
+
+EXPERT_PROJS = ("up_proj", "down_proj")
+EXCLUDED_LINEARS = ("lm_head",)
+_LORA_PARAM = re.compile(r"(^|\.|_)lora_[AB]$")
+_GROUPED_MM_OK = True  # set False after the first grouped_mm failure (then the per-expert loop)
+
+
+def is_lora_param(name: str) -> bool:
+    """Whether a parameter / state-dict name is a LoRA adapter tensor."""
+    return bool(_LORA_PARAM.search(name))
+
+
+def _adopt(new: nn.Module, base: nn.Module) -> None:
+    """Give ``new`` (an uninitialised subclass instance) the attributes, parameters, buffers and
+    children of ``base`` -- the very same objects, nothing copied."""
+    nn.Module.__init__(new)
+    for k, v in vars(base).items():
+        if not k.startswith("_") and k != "training":
+            object.__setattr__(new, k, v)
+    new.training = base.training
+    for n, p in base._parameters.items():
+        new.register_parameter(n, p)
+    for n, b in base._buffers.items():
+        new.register_buffer(n, b, persistent=n not in base._non_persistent_buffers_set)
+    for n, m in base._modules.items():
+        new.add_module(n, m)
+
+
+def _init_pair(A: torch.Tensor, B: torch.Tensor) -> None:
+    """A ~ kaiming_uniform(a=sqrt(5)) over its input dim (U(-1/sqrt(in), 1/sqrt(in)), per expert
+    for stacked [E, r, in] tensors), B = 0: the adapted model starts equal to the base."""
+    with torch.no_grad():
+        bound = 1.0 / math.sqrt(A.shape[-1])
+        A.uniform_(-bound, bound)
+        B.zero_()
+
+
+def _dropout(p: float) -> nn.Module:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"peft.dropout must be in [0, 1), got {p}")
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * B(A(x)) in the adapter dtype, returned in x's dtype."""
+    return (F.linear(F.linear(x.to(A.dtype), A), B) * scale).to(x.dtype)
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` plus a low-rank update (same ``weight``/``bias`` parameters as the base)."""
+
+    def __init__(self, base: nn.Linear, dim: int, alpha: float, dropout: float = 0.0,
+                 dtype: torch.dtype | None = None):
+        _adopt(self, base)
+        w = base.weight
+        dtype = dtype or w.dtype
+        self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
+        self.scale = alpha / dim
+        self.lora_dropout = _dropout(dropout)
+        self.lora_A = nn.Parameter(torch.empty(dim, base.in_features, device=w.device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, dim, device=w.device, dtype=dtype))
+        if w.device.type != "meta":
+            self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        _init_pair(self.lora_A, self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + _delta(self.lora_dropout(x), self.lora_A, self.lora_B, self.scale).to(out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A in fp32, [out, in]."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+
+    def to_plain(self) -> nn.Linear:
+        """An ``nn.Linear`` holding this module's (unmerged) weight and bias parameters."""
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight = self.weight
+        if self.bias is not None:
+            plain.bias = self.bias
+        plain.train(self.training)
+        return plain
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora_dim={self.lora_dim}, lora_alpha={self.lora_alpha}"
+
+
+class LoRAExperts(Experts):
+    """MoE experts with one LoRA adapter per expert for each projection in ``projs``.
+
+    ``forward(sorted_x, counts)`` as :class:`Experts`: rows grouped by expert. Expert ``e``
+    computes ``down(act(up(x)))`` with ``up(x) = x W_up[e]^T + s * x A_up[e]^T B_up[e]^T``.
+    Adapter tensors are stacked over the expert dim like the base weights, so expert
+    parallelism shards them with the experts.
+    """
+
+    def __init__(self, base: Experts, dim: int, alpha: float, dropout: float = 0.0,
+                 projs: Sequence[str] = EXPERT_PROJS, dtype: torch.dtype | None = None):
+        _adopt(self, base)
+        assert set(projs) <= set(EXPERT_PROJS) and projs, projs
+        self.lora_projs = tuple(p for p in EXPERT_PROJS if p in projs)
+        self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
+        self.scale = alpha / dim
+        self.lora_dropout = _dropout(dropout)
+        for p in self.lora_projs:
+            w = getattr(self, p)  # [E, out, in]
+            E, out_f, in_f = w.shape
+            kw = dict(device=w.device, dtype=dtype or w.dtype)
+            self.register_parameter(f"{p}_lora_A", nn.Parameter(torch.empty(E, dim, in_f, **kw)))
+            self.register_parameter(f"{p}_lora_B", nn.Parameter(torch.empty(E, out_f, dim, **kw)))
+        if base.up_proj.device.type != "meta":
+            self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        for p in self.lora_projs:
+            _init_pair(getattr(self, f"{p}_lora_A"), getattr(self, f"{p}_lora_B"))
+
+    def _ab(self, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if proj not in self.lora_projs:
+            return None
+        return getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
+
+    def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        global _GROUPED_MM_OK
+        up_ab, down_ab = self._ab("up_proj"), self._ab("down_proj")
+        if (_GROUPED_MM_OK and _moe._GROUPED_MM and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
+                and hasattr(F, "grouped_mm")):
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            try:
+                return self._grouped(sorted_x, offs, up_ab, down_ab)
+            except RuntimeError as e:  # e.g. a rank whose row size the kernel does not support
+                logger.warning("LoRA experts: torch grouped_mm failed (%s); using the per-expert loop", e)
+                _GROUPED_MM_OK = False
+        outs = []
+        for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
+            if xe.shape[0] == 0:
+                continue
+            h = F.linear(xe, self.up_proj[e])
+            if up_ab is not None:
+                h = h + _delta(self.lora_dropout(xe), up_ab[0][e], up_ab[1][e], self.scale)
+            h = self.act_fn(h)
+            y = F.linear(h, self.down_proj[e])
+            if down_ab is not None:
+                y = y + _delta(self.lora_dropout(h), down_ab[0][e], down_ab[1][e], self.scale)
+            outs.append(y)
+        if not outs:
+            return sorted_x.new_zeros(sorted_x.shape[0], self.down_proj.shape[1])
+        return torch.cat(outs, dim=0)
+
+    def _grouped(self, x, offs, up_ab, down_ab) -> torch.Tensor:
+        def proj(inp, w, ab):
+            out = F.grouped_mm(inp, w.transpose(1, 2), offs=offs)
+            if ab is not None:
+                A, B = (t.to(inp.dtype) for t in ab)
+                t = F.grouped_mm(self.lora_dropout(inp), A.transpose(1, 2), offs=offs)
+                out = out + F.grouped_mm(t, B.transpose(1, 2), offs=offs) * self.scale
+            return out
+
+        return proj(self.act_fn(proj(x, self.up_proj, up_ab)), self.down_proj, down_ab)
+
+    def delta_weight(self, proj: str) -> torch.Tensor:
+        """scale * B[e] @ A[e] for every expert, fp32 [E, out, in]."""
+        A, B = self._ab(proj)
+        return torch.bmm(B.float(), A.float()) * self.scale
+
+    def to_plain(self) -> Experts:
+        with torch.device("meta"):
+            plain = Experts(self.config)
+        plain.up_proj, plain.down_proj = self.up_proj, self.down_proj
+        plain.train(self.training)
+        return plain
+
+
+LORA_TYPES = (LoRALinear, LoRAExperts)
+
+
+# ---------------------------------------------------------------------------------- selection
+def _candidates(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """Adaptable names -> (module name, expert projection or None), in model order."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LORA_TYPES):
+            raise ValueError(f"the model already has LoRA adapters ({name}); apply_lora once per model")
+        if isinstance(mod, Experts):
+            for p in EXPERT_PROJS:
+                out[f"{name}.{p}"] = (name, p)
+        elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
+            out[name] = (name, None)
+    return out
+
+
+def _match(pattern: str, name: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def _matches(pattern: str, cand: str, where: tuple[str, str | None], num_experts: dict[str, int],
+             key: str) -> bool:
+    """Does ``pattern`` select candidate ``cand``? Expert projections also match by Hub name
+    (``<experts>.{j}.<proj>``), which must then hold for all experts or none."""
+    if _match(pattern, cand):
+        return True
+    mod, proj = where
+    if proj is None:
+        return False
+    hits = [_match(pattern, f"{mod}.{j}.{proj}") for j in range(num_experts[mod])]
+    if any(hits) and not all(hits):
+        raise ValueError(
+            f"peft.{key}: pattern {pattern!r} selects only some experts of {mod} ({proj}); LoRA adapts "
+            f"all experts of a layer or none -- use e.g. '{mod}.*.{proj}' or '*.experts.{proj}'"
+        )
+    return any(hits)
+
+
+def _as_list(v, key: str) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(p, str) for p in v):
+        raise ValueError(f"peft.{key} must be a list of glob strings, got {v!r}")
+    return list(v)
+
+
+def select_targets(model: nn.Module, target_modules=None, exclude_modules=None,
+                   match_all_linear: bool = False) -> list[str]:
+    """The candidate names (see module docstring) that the patterns select, in model order."""
+    cands = _candidates(model)
+    n_exp = {n: m.up_proj.shape[0] for n, m in model.named_modules() if isinstance(m, Experts)}
+    targets = _as_list(target_modules, "target_modules")
+    excludes = _as_list(exclude_modules, "exclude_modules")
+    if not cands:
+        raise ValueError(f"{type(model).__name__} has no linear layers or MoE experts LoRA could adapt")
+
+    def no_match(key: str, pattern: str) -> ValueError:
+        names = list(cands)
+        shown = names[:6] + (["..."] if len(names) > 6 else [])
+        leaves = sorted({n.split(".")[-1] for n in names})
+        return ValueError(
+            f"peft.{key}: pattern {pattern!r} matches no adaptable module. Patterns are globs over "
+            f"dotted module names (a bare name matches as a suffix: 'q_proj' == '*.q_proj'). Valid "
+            f"names ({len(names)}) look like: {', '.join(shown)}; leaf names: {', '.join(leaves)} "
+            f"({', '.join(EXCLUDED_LINEARS)} is never adapted)"
+        )
+
+    if match_all_linear or not targets:
+        selected = set(cands)
+    else:
+        selected = set()
+        for pat in targets:
+            hit = {c for c, w in cands.items() if _matches(pat, c, w, n_exp, "target_modules")}
+            if not hit:
+                raise no_match("target_modules", pat)
+            selected |= hit
+    for pat in excludes:
+        hit = {c for c, w in cands.items() if _matches(pat, c, w, n_exp, "exclude_modules")}
+        if not hit:
+            raise no_match("exclude_modules", pat)
+        selected -= hit
+    if not selected:
+        raise ValueError("peft: exclude_modules removes every targeted module; nothing left to adapt")
+    return [c for c in cands if c in selected]
+
+
+# ---------------------------------------------------------------------------------- apply
+def apply_lora(
+    model: nn.Module,
+    dim: int = 8,
+    alpha: float = 32,
+    dropout: float = 0.0,
+    target_modules: Sequence[str] | str | None = None,
+    exclude_modules: Sequence[str] | str | None = None,
+    match_all_linear: bool = False,
+    method: str = "lora",
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Add LoRA adapters to ``model`` in place and freeze everything else.
+
+    Accepts the ``peft:`` recipe section as keyword arguments (``apply_lora(model, **cfg.peft)``).
+    ``dtype``: adapter dtype (default: the base weight's). Returns the adapted names (module
+    names; ``<experts>.up_proj`` / ``<experts>.down_proj`` for MoE experts).
+    """
+    if str(method).lower() != "lora":
+        raise ValueError(f"peft.method: only 'lora' is supported, got {method!r}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise ValueError(f"peft.dim (LoRA rank) must be a positive integer, got {dim!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ValueError(f"peft.alpha must be a positive number, got {alpha!r}")
+    _dropout(float(dropout))
+    names = select_targets(model, target_modules, exclude_modules, match_all_linear)
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    by_module: dict[str, list[str | None]] = {}
+    for n in names:
+        mod, proj = _resolve(model, n)
+        by_module.setdefault(mod, []).append(proj)
+    for mod_name, projs in by_module.items():
+        parent_name, _, child = mod_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        base = getattr(parent, child)
+        if isinstance(base, Experts):
+            new = LoRAExperts(base, dim, alpha, dropout, projs=projs, dtype=dtype)
+        else:
+            new = LoRALinear(base, dim, alpha, dropout, dtype=dtype)
+        setattr(parent, child, new)
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    n_exp = sum(1 for n in names if _resolve(model, n)[1] is not None)
+    logger.info("LoRA r=%d alpha=%s: %d linear layers and %d expert projections adapted; trainable "
+                "parameters %s of %s (%.3f%%)", dim, alpha, len(names) - n_exp, n_exp,
+                f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1))
+    return names
+
+
+def _resolve(model: nn.Module, name: str) -> tuple[str, str | None]:
+    """Adapted name -> (module name, expert projection or None)."""
+    head, _, last = name.rpartition(".")
+    if last in EXPERT_PROJS and head and isinstance(model.get_submodule(head), Experts):
+        return head, last
+    return name, None
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear | LoRAExperts]]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, LORA_TYPES):
+            yield name, mod
+
+
+def has_lora(model: nn.Module) -> bool:
+    return next(lora_modules(model), None) is not None
+
+
+def lora_settings(model: nn.Module) -> dict:
+    """``{dim, alpha, dropout, targets}`` of the model's adapters (all share one setting)."""
+    mods = list(lora_modules(model))
+    if not mods:
+        raise ValueError("the model has no LoRA adapters (call apply_lora first)")
+    settings = {(m.lora_dim, m.lora_alpha, m.lora_dropout_p) for _, m in mods}
+    assert len(settings) == 1, f"adapters with different settings: {settings}"
+    dim, alpha, dropout = settings.pop()
+    targets = []
+    for name, m in mods:
+        targets += [f"{name}.{p}" for p in m.lora_projs] if isinstance(m, LoRAExperts) else [name]
+    return {"dim": dim, "alpha": alpha, "dropout": dropout, "targets": targets}
+
+
+@torch.no_grad()
+def init_lora_weights(model: nn.Module) -> None:
+    """(Re-)initialise every adapter (A uniform, B zero), e.g. after ``to_empty`` of a model
+    built on the meta device."""
+    for _, m in lora_modules(model):
+        m.reset_lora_parameters()
+
+
+# ---------------------------------------------------------------------------------- state dicts
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors only, under the model's parameter names (``...q_proj.lora_A``,
+    ``...experts.up_proj_lora_A``). Detached, sharing storage (DTensors stay DTensors), so
+    ``torch.distributed.checkpoint.load`` into it loads in place."""
+    return {n: p.detach() for n, p in model.named_parameters() if is_lora_param(n)}
+
+
+@torch.no_grad()
+def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy adapter tensors (as returned by :func:`lora_state_dict`) into ``model``."""
+    params = {n: p for n, p in model.named_parameters() if is_lora_param(n)}
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    bad = [(n, tuple(state_dict[n].shape), tuple(params[n].shape)) for n in state_dict
+           if n in params and tuple(state_dict[n].shape) != tuple(params[n].shape)]
+    if bad or (strict and (missing or unexpected)):
+        lines = ["LoRA state dict does not match the model's adapters:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): {', '.join(unexpected[:8])}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
+        lines += [f"  wrong shape: {n}: given {list(g)}, model has {list(m)}" for n, g, m in bad]
+        raise ValueError("\n".join(lines))
+    for n, t in state_dict.items():
+        if n in params:
+            params[n].copy_(t)
+
+
+# ---------------------------------------------------------------------------------- merging
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (``W += s * B @ A``, computed in fp32) and put the
+    plain modules back; all parameters require grad again. Returns the model (changed in place)."""
+    for name, mod in list(lora_modules(model)):
+        if isinstance(mod, LoRAExperts):
+            for p in mod.lora_projs:
+                w = getattr(mod, p)
+                w.copy_((w.float() + mod.delta_weight(p)).to(w.dtype))
+        else:
+            mod.weight.copy_((mod.weight.float() + mod.delta_weight()).to(mod.weight.dtype))
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, mod.to_plain())
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """A plain (adapter-free) state dict with the adapters folded in, from a LoRA model's full
+    state dict (default ``model.state_dict()``; pass the gathered full state dict under FSDP).
+    The model itself is not changed."""
+    sd = dict(model.state_dict() if state_dict is None else state_dict)
+    for name, mod in lora_modules(model):
+        pre = f"{name}." if name else ""
+        projs = mod.lora_projs if isinstance(mod, LoRAExperts) else (None,)
+        for p in projs:
+            w_key = f"{pre}{p}" if p else f"{pre}weight"
+            a_key, b_key = (f"{pre}{p}_lora_{x}" if p else f"{pre}lora_{x}" for x in "AB")
+            A, B = sd.pop(a_key).float(), sd.pop(b_key).float()
+            w = sd[w_key]
+            delta = torch.bmm(B, A) if p else B @ A
+            sd[w_key] = (w.float() + delta.to(w.device) * mod.scale).to(w.dtype)
+    leftover = [k for k in sd if is_lora_param(k)]
+    assert not leftover, leftover
+    return sd
+
+
+# ---------------------------------------------------------------------------------- CLI
+def merge_cli(argv: Sequence[str] | None = None) -> int:
+    """``hybridtrain merge --base BASE_HF_DIR --adapter ADAPTER_DIR --out OUT_DIR [--dtype D]``:
+    fold a PEFT-format LoRA adapter into its base checkpoint and write a plain HF checkpoint."""
+    from .export import merge_adapter_into_hf
+
+    parser = argparse.ArgumentParser(
+        prog="hybridtrain merge",
+        description="Merge a LoRA adapter (adapter_config.json + adapter_model.safetensors, as "
+                    "written by hybridtrain or PEFT) into its base Hugging Face checkpoint.")
+    parser.add_argument("--base", required=True, help="local base model directory (config.json + safetensors)")
+    parser.add_argument("--adapter", required=True, help="adapter directory")
+    parser.add_argument("--out", required=True, help="output directory for the merged checkpoint")
+    parser.add_argument("--dtype", default=None,
+                        help="dtype of the merged weights (default: the base checkpoint's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    out = merge_adapter_into_hf(args.base, args.adapter, args.out, dtype=args.dtype,
+                                max_shard_size=args.max_shard_size)
+    print(f"merged {args.adapter} into {args.base} -> {out}")
+    return 0
+
