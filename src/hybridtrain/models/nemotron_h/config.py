@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .mlp import ACTIVATIONS
+
 # one character per layer type, as in `hybrid_override_pattern`
 PATTERN_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 TYPE_TO_PATTERN = {v: k for k, v in PATTERN_TO_TYPE.items()}
@@ -226,8 +228,6 @@ class NemotronHConfig:
                 need(isinstance(self.moe_latent_size, int) and self.moe_latent_size > 0, "moe_latent_size",
                      f"must be a positive integer or null, got {self.moe_latent_size!r}")
         if types & {"mlp", "moe"}:
-            from .mlp import ACTIVATIONS
-
             need(self.mlp_hidden_act in ACTIVATIONS, "mlp_hidden_act",
                  f"unknown activation {self.mlp_hidden_act!r}; known: {sorted(ACTIVATIONS)}")
         need(not self.tie_word_embeddings, "tie_word_embeddings", "Nemotron-H uses an untied lm_head")
