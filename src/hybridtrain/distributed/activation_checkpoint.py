@@ -10,8 +10,8 @@ Accepted settings (``training.activation_checkpointing``):
 * ``false`` / ``"none"`` -- off;  ``true`` / ``"all"`` -- every block;
 * an int ``k`` or ``{"every": k}`` -- blocks 0, k, 2k, ...;
 * a layer-type name or list, e.g. ``"moe"``, ``["mamba", "attention"]`` or
-  ``{"layer_types": [...]}`` -- the blocks of those types (``mamba``, ``attention``, ``mlp``,
-  ``moe``; the Nemotron-H pattern characters ``M``, ``*``, ``-``, ``E`` also work).
+  ``{"layer_types": [...]}`` -- the blocks of those types: ``linear_attention`` (alias
+  ``mamba``, ``M``), ``full_attention`` (``attention``, ``*``), ``mlp`` (``-``), ``moe`` (``E``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ACPolicy", "parse_ac_policy", "apply_activation_checkpointing"]
 
-LAYER_TYPES = ("mamba", "attention", "mlp", "moe")
-_PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
+_ALIASES = {"M": "linear_attention", "mamba": "linear_attention", "*": "full_attention",
+            "attention": "full_attention", "-": "mlp", "E": "moe"}
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,12 @@ class ACPolicy:
 def _types(value: Iterable[Any], where: str) -> tuple[str, ...]:
     out = []
     for t in value:
-        t = _PATTERN_CHARS.get(str(t), str(t).lower())
+        t = str(t) if str(t) in _ALIASES else str(t).lower()
+        t = _ALIASES.get(t, t)
         if t not in LAYER_TYPES:
             raise ValueError(
                 f"{where}: unknown layer type {t!r}; valid types are {', '.join(LAYER_TYPES)} "
-                "(or the pattern characters M, *, -, E)"
+                "(or mamba, attention, or the pattern characters M, *, -, E)"
             )
         out.append(t)
     return tuple(out)

@@ -260,7 +260,7 @@ def parallelize_nemotron_h(
     ep_backend: str = "alltoall",
     pp_schedule: str = "1f1b",
     pp_stages_per_rank: int | None = None,
-    pp_microbatch_size: int | None = 1,
+    pp_microbatch_size: int | None = None,
     pp_split_points: Sequence[Any] | None = None,
     pp_layer_costs: Sequence[float] | None = None,
     autocast_dtype: torch.dtype | None = None,

@@ -1,0 +1,98 @@
+"""FSDP2 (``fully_shard``) helpers: mixed-precision policy, sum-reduced gradients, unit wrapping.
+
+Gradients are *summed* over data-parallel ranks, never averaged: the trainer scales each
+micro-batch's cross-entropy sum by ``1 / (label tokens of the global batch)``, so the sum over
+ranks is already the exact global mean. Every FSDP unit therefore gets
+``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)`` (plain SUM
+collectives; no ``PREMUL_SUM``/``AVG``, which gloo lacks and NCCL's zero-copy path avoids).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = [
+    "DTYPES",
+    "resolve_dtype",
+    "mixed_precision_policy",
+    "shard_module",
+    "sum_gradients",
+    "resolve_reshard_after_forward",
+]
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
+    """``None``/``"none"`` -> None; a dtype name or ``torch.dtype`` -> the dtype."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).lower().replace("torch.", "")
+    if name in ("none", "null", "auto", ""):
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"{key}: unknown dtype {value!r}; use one of float32, bfloat16, float16")
+    return DTYPES[name]
+
+
+def mixed_precision_policy(
+    param_dtype: Any = None, reduce_dtype: Any = torch.float32
+) -> MixedPrecisionPolicy:
+    """FSDP2 policy: parameters all-gathered (and computed) in ``param_dtype`` (``None``: the
+    stored dtype), gradients reduced in ``reduce_dtype``. GPU runs use bf16 / fp32."""
+    p = resolve_dtype(param_dtype, "distributed.fsdp_param_dtype")
+    r = resolve_dtype(reduce_dtype, "distributed.fsdp_reduce_dtype")
+    return MixedPrecisionPolicy(param_dtype=p, reduce_dtype=r, cast_forward_inputs=True)
+
+
+def resolve_reshard_after_forward(value: Any, pp_enabled: bool) -> bool:
+    """``default`` -> reshard, except under pipeline parallelism (where each micro-batch would
+    all-gather again); ``always``/``true`` / ``never``/``false``."""
+    if value in (None, "default"):
+        return not pp_enabled
+    if value in (True, "always", "true"):
+        return True
+    if value in (False, "never", "false"):
+        return False
+    raise ValueError(
+        f"distributed.fsdp_reshard_after_forward: {value!r} is not one of default, always, never"
+    )
+
+
+def sum_gradients(module: nn.Module) -> None:
+    """Make every FSDP unit under ``module`` reduce gradients with a plain SUM."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def shard_module(
+    module: nn.Module | Sequence[nn.Module],
+    mesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    shard_placement_fn=None,
+):
+    """``fully_shard`` one unit (a module or a list of modules sharing one all-gather)."""
+    if isinstance(module, (list, tuple)):
+        module = list(module)
+    return fully_shard(
+        module,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+    )
+
+
+def fsdp_units(model: nn.Module) -> Iterable[FSDPModule]:
+    return (m for m in model.modules() if isinstance(m, FSDPModule))

@@ -1,0 +1,406 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: schedules, stage split, train step.
+
+* **Schedules** (``distributed.pp_schedule``, case and ``_``/``-`` insensitive): ``1f1b``,
+  ``gpipe``, ``interleaved1f1b``, ``loopedbfs``, ``interleavedzb``, ``zbv`` and ``dualpipev``.
+  Single-stage schedules run one stage per rank; the multi-stage ones default to 2 stages per
+  rank (``distributed.pp_stages_per_rank``). Stage ``s`` lives on rank ``s % pp`` ("loop"),
+  except for the V schedules (``zbv``, ``dualpipev``), where rank ``r`` holds stages ``r`` and
+  ``2·pp-1-r``.
+* **Stage split**: contiguous layer ranges balancing a per-layer cost (the first stage also
+  pays for the embeddings, the last for ``norm_f`` + the LM head), or a manual override
+  (``distributed.pp_split_points``: the first layer of every stage after the first).
+* **Train step** (:class:`PipelineTrainStep`): one ``schedule.step`` per global batch; the
+  trainer's micro-batches of the step become the pipeline's micro-batches (or, with
+  ``distributed.pp_microbatch_size``, the step's rows are re-split into micro-batches of that
+  many rows). The last stage
+  computes each micro-batch's cross-entropy *sum*; the schedule back-propagates
+  ``sum / label tokens of the global batch`` (``scale_grads=False``), so gradients equal the
+  single-process ones. The last stage keeps no outputs (``return_outputs=False``); the loss
+  sum is then all-reduced over the ``pp`` group so every rank logs it.
+
+Every stage receives ``position_ids`` (document boundaries of packed rows; derived from
+``cu_seqlens`` when only those are given) and ``labels`` as keyword inputs, split into
+micro-batches along the batch dimension like ``input_ids``. All micro-batches of a step share
+one sequence length: shorter ones are right-padded (labels ``-100``, positions continuing, so
+nothing real changes); the pipeline keeps one schedule per sequence length it has seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "resolve_schedule",
+    "stage_ids_for_rank",
+    "balanced_split",
+    "split_from_points",
+    "PipelineTrainStep",
+]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    cls_name: str
+    multi: bool  # several stages per rank
+    style: str  # "loop" or "v"
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "1f1b": ScheduleSpec("1f1b", "Schedule1F1B", False, "loop"),
+    "gpipe": ScheduleSpec("gpipe", "ScheduleGPipe", False, "loop"),
+    "interleaved1f1b": ScheduleSpec("interleaved1f1b", "ScheduleInterleaved1F1B", True, "loop"),
+    "loopedbfs": ScheduleSpec("loopedbfs", "ScheduleLoopedBFS", True, "loop"),
+    "interleavedzb": ScheduleSpec("interleavedzb", "ScheduleInterleavedZeroBubble", True, "loop"),
+    "zbv": ScheduleSpec("zbv", "ScheduleZBVZeroBubble", True, "v"),
+    "dualpipev": ScheduleSpec("dualpipev", "ScheduleDualPipeV", True, "v"),
+}
+_SCHEDULE_ALIASES = {
+    "interleavedzerobubble": "interleavedzb",
+    "zbvzerobubble": "zbv",
+}
+
+
+def resolve_schedule(name: str) -> ScheduleSpec:
+    """``ScheduleSpec`` of a schedule name; ``ValueError`` listing the valid ones."""
+    key = str(name).lower().replace("_", "").replace("-", "").replace("schedule", "")
+    key = _SCHEDULE_ALIASES.get(key, key)
+    if key not in SCHEDULES:
+        raise ValueError(
+            f"distributed.pp_schedule: unknown pipeline schedule {name!r}; valid schedules are "
+            f"{', '.join(SCHEDULES)}"
+        )
+    return SCHEDULES[key]
+
+
+def _schedule_class(spec: ScheduleSpec):
+    import torch.distributed.pipelining.schedules as s
+
+    cls = getattr(s, spec.cls_name, None)
+    if cls is None:  # pragma: no cover - depends on torch version
+        raise ValueError(
+            f"pipeline schedule {spec.name!r} needs torch.distributed.pipelining."
+            f"{spec.cls_name}, which torch {torch.__version__} does not have"
+        )
+    return cls
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:
+    """The stage indices rank ``pp_rank`` runs, in increasing order."""
+    if style == "v":
+        assert stages_per_rank == 2, "V schedules run exactly 2 stages per rank"
+        return sorted([pp_rank, 2 * pp - 1 - pp_rank])
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def balanced_split(
+    costs: Sequence[float],
+    num_stages: int,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+) -> list[tuple[int, int]]:
+    """Split layers ``0..N-1`` into ``num_stages`` contiguous non-empty ranges ``[start, end)``
+    minimising the largest stage cost (the first stage also costs ``first_extra``, the last
+    ``last_extra``). Exact dynamic programme; ties go to the earlier split."""
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError(
+            f"pipeline: {num_stages} stages need at least {num_stages} layers, the model has {n}; "
+            "lower pp (or pp_stages_per_rank)"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(i: int, j: int, s: int) -> float:  # layers [i, j) as stage s
+        c = prefix[j] - prefix[i]
+        if s == 0:
+            c += first_extra
+        if s == num_stages - 1:
+            c += last_extra
+        return c
+
+    inf = float("inf")
+    # best[s][j]: minimal max cost of the first s+1 stages covering layers [0, j)
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    arg = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, j, 0)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                v = max(best[s - 1][i], cost(i, j, s))
+                if v < best[s][j] - 1e-12 * max(1.0, abs(v)):
+                    best[s][j], arg[s][j] = v, i
+    bounds, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        i = arg[s][j]
+        bounds.append((i, j))
+        j = i
+    bounds.append((0, j))
+    return bounds[::-1]
+
+
+def split_from_points(points: Sequence[Any], num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Layer ranges from the first layer index of each stage after the first
+    (``distributed.pp_split_points``; ints or names like ``layers.4`` /
+    ``backbone.layers.4``)."""
+    idx = []
+    for p in points:
+        s = str(p).rsplit(".", 1)[-1] if not isinstance(p, int) else p
+        try:
+            idx.append(int(s))
+        except ValueError:
+            raise ValueError(
+                f"distributed.pp_split_points: cannot read {p!r}; give layer indices "
+                "(e.g. [4, 8]) or names like 'layers.4'"
+            ) from None
+    if len(idx) != num_stages - 1:
+        raise ValueError(
+            f"distributed.pp_split_points: {len(idx)} split points give {len(idx) + 1} stages, "
+            f"but the layout has {num_stages} stages (pp × pp_stages_per_rank); give "
+            f"{num_stages - 1} points"
+        )
+    if any(b <= a for a, b in zip([0] + idx, idx + [num_layers])):
+        raise ValueError(
+            f"distributed.pp_split_points: {idx} must be strictly increasing layer indices in "
+            f"1..{num_layers - 1} (every stage needs at least one layer)"
+        )
+    starts = [0] + idx
+    ends = idx + [num_layers]
+    return list(zip(starts, ends))
+
+
+# -- batches ------------------------------------------------------------------------------------
+def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Positions restarting at every segment start of ``cu_seqlens`` (flattened ``B·L``) and at
+    every row start: the same document boundaries, in a form that splits by rows."""
+    n = batch * length
+    cu = cu_seqlens.to(torch.long).cpu()
+    start = torch.zeros(n, dtype=torch.long)
+    start[cu[:-1][cu[:-1] < n]] = 1
+    start = start.view(batch, length)
+    start[:, 0] = 1
+    ar = torch.arange(length).expand(batch, length)
+    last_start = torch.where(start.bool(), ar, torch.zeros_like(ar)).cummax(dim=1).values
+    return (ar - last_start).to(cu_seqlens.device)
+
+
+def _pad_right(t: torch.Tensor, length: int, value) -> torch.Tensor:
+    if t.shape[1] == length:
+        return t
+    pad = t.new_full((t.shape[0], length - t.shape[1]) + tuple(t.shape[2:]), value)
+    return torch.cat([t, pad], dim=1)
+
+
+def merge_micro_batches(micro_batches: Sequence[dict], length: int | None = None) -> dict:
+    """One batch ``[sum B_i, L]`` with ``input_ids``, ``position_ids``, ``labels``."""
+    rows = []
+    for mb in micro_batches:
+        ids = mb["input_ids"]
+        B, L = ids.shape
+        if mb.get("position_ids") is not None:
+            pos = mb["position_ids"].expand(B, L)
+        elif mb.get("cu_seqlens") is not None:
+            pos = position_ids_from_cu_seqlens(mb["cu_seqlens"], B, L)
+        else:
+            pos = torch.arange(L, device=ids.device).expand(B, L)
+        rows.append((ids, pos, mb["labels"]))
+    L = max(r[0].shape[1] for r in rows) if length is None else length
+    ids = torch.cat([_pad_right(r[0], L, 0) for r in rows])
+    labels = torch.cat([_pad_right(r[2], L, IGNORE_INDEX) for r in rows])
+    pos = []
+    for _, p, _ in rows:
+        if p.shape[1] < L:  # padding continues the row's last document
+            extra = p[:, -1:] + torch.arange(1, L - p.shape[1] + 1, device=p.device)
+            p = torch.cat([p, extra], dim=1)
+        pos.append(p)
+    return {"input_ids": ids, "position_ids": torch.cat(pos), "labels": labels}
+
+
+# -- the train step -----------------------------------------------------------------------------
+class PipelineTrainStep:
+    """Forward+backward of one global batch through the pipeline (see module docstring).
+
+    ``stages``: this rank's stage modules, each ``forward(x, position_ids=, labels=)`` returning
+    the hidden states ``[rows, L, hidden_size]`` in ``hidden_dtype`` (or, on the last stage, the
+    fp32 CE *sum*); ``stage_ids``: their indices.
+    Interchangeable with the trainer's ``TrainStep``: ``__call__(model, micro_batches,
+    num_label_tokens)`` returns the CE sum of this data-parallel rank's batch (on every pp rank),
+    ``loss_fn(model, batch)`` is the forward-only CE sum used by validation.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        num_stages: int,
+        pp_group,
+        device: torch.device,
+        hidden_size: int,
+        hidden_dtype: torch.dtype,
+        schedule: str = "1f1b",
+        microbatch_size: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        pad_multiple: int = 1,
+    ):
+        self.spec = resolve_schedule(schedule)
+        self.stages = list(stages)
+        self.stage_ids = list(stage_ids)
+        self.num_stages = num_stages
+        self.pp_group = pp_group
+        self.pp = dist.get_world_size(pp_group)
+        self.device = torch.device(device)
+        self.hidden_size = hidden_size
+        self.hidden_dtype = hidden_dtype
+        self.microbatch_size = microbatch_size
+        self.autocast_dtype = autocast_dtype
+        self.pad_multiple = max(1, int(pad_multiple))
+        self.has_last = (num_stages - 1) in self.stage_ids
+        if self.spec.multi != (len(self.stages) > 1):
+            raise ValueError(
+                f"distributed.pp_schedule={self.spec.name!r} runs "
+                f"{'several stages' if self.spec.multi else 'one stage'} per rank, but this rank "
+                f"has {len(self.stages)}; set pp_stages_per_rank accordingly"
+            )
+        self._schedules: dict[tuple, Any] = {}
+        self._num_label_tokens = 1.0
+        self._ce_sums: list[torch.Tensor] = []
+
+    # TrainStep compatibility ---------------------------------------------------------------
+    def _autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=self.autocast_dtype)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self._ce_sums.append(output.detach().float().reshape(()))
+        return output / self._num_label_tokens
+
+    def _n_microbatches(self, batch_size: int, requested: int) -> int:
+        if self.microbatch_size:
+            if batch_size % self.microbatch_size:
+                raise ValueError(
+                    f"pipeline: the local batch of {batch_size} samples (micro_batch_size × "
+                    f"gradient accumulation) is not divisible by distributed.pp_microbatch_size="
+                    f"{self.microbatch_size}"
+                )
+            return batch_size // self.microbatch_size
+        return requested
+
+    def _stage_meta(self, sid: int, rows: int, length: int):
+        """Static shapes of a stage's input and output (no run-time shape inference, which
+        would run an extra forward/backward and leave gradients behind)."""
+        meta = torch.device("meta")
+        # activations carry gradients in both directions (requires_grad is part of the meta)
+        hidden = torch.empty(rows, length, self.hidden_size, dtype=self.hidden_dtype,
+                             device=meta).requires_grad_(True)
+        if sid == 0:
+            inp = torch.empty(rows, length, dtype=torch.long, device=meta)
+        else:
+            inp = hidden
+        out = torch.empty((), dtype=torch.float32, device=meta) if sid == self.num_stages - 1 else hidden
+        return inp, out
+
+    def _schedule(self, n_micro: int, rows: int, length: int, train: bool):
+        key = (n_micro, rows, length, train)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            stages = []
+            for m, sid in zip(self.stages, self.stage_ids):
+                inp, out = self._stage_meta(sid, rows, length)
+                stages.append(PipelineStage(m, sid, self.num_stages, self.device, input_args=inp,
+                                            output_args=out, group=self.pp_group))
+            cls = _schedule_class(self.spec)
+            kwargs = dict(n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
+            try:
+                sched = cls(stages if self.spec.multi else stages[0], **kwargs)
+            except ValueError as e:
+                raise ValueError(
+                    f"pipeline schedule {self.spec.name!r} with pp={self.pp} and "
+                    f"{n_micro} micro-batches per step: {e}"
+                ) from None
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    def _global_length(self, length: int) -> int:
+        """Every rank must run the same shapes (FSDP/EP collectives inside stages)."""
+        m = self.pad_multiple
+        length = -(-length // m) * m
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([length], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            length = int(t)
+        return length
+
+    def _eval_rows(self, batch: dict) -> dict:
+        """Validation batches may be small: add label-free rows until every stage gets work
+        (at least ``num_stages`` micro-batches, a multiple of ``pp``)."""
+        mbs = self.microbatch_size or 1
+        n = -(-batch["input_ids"].shape[0] // mbs)
+        need = max(n, self.num_stages)
+        need = -(-need // self.pp) * self.pp
+        extra = need * mbs - batch["input_ids"].shape[0]
+        if extra <= 0:
+            return batch
+        out = {}
+        for k, v in batch.items():
+            fill = IGNORE_INDEX if k == "labels" else 0
+            if k == "position_ids":
+                pad = torch.arange(v.shape[1], device=v.device).expand(extra, -1)
+            else:
+                pad = v.new_full((extra,) + tuple(v.shape[1:]), fill)
+            out[k] = torch.cat([v, pad])
+        return out
+
+    def _run(self, micro_batches: Sequence[dict], num_label_tokens: float, train: bool):
+        length = self._global_length(max(mb["input_ids"].shape[1] for mb in micro_batches))
+        batch = merge_micro_batches(micro_batches, length)
+        if not train:
+            batch = self._eval_rows(batch)
+        n_rows = batch["input_ids"].shape[0]
+        n_micro = self._n_microbatches(n_rows, len(micro_batches))
+        if n_rows % n_micro:
+            raise ValueError(
+                f"pipeline: {n_rows} rows do not split into {n_micro} equal micro-batches; "
+                "use equal micro-batch sizes (or set distributed.pp_microbatch_size)"
+            )
+        sched = self._schedule(n_micro, n_rows // n_micro, length, train)
+        self._num_label_tokens = float(num_label_tokens)
+        self._ce_sums = []
+        first = 0 in self.stage_ids
+        args = (batch["input_ids"],) if first else ()
+        kwargs = dict(position_ids=batch["position_ids"], labels=batch["labels"])
+        with self._autocast(self.device):
+            if train:
+                sched.step(*args, target=batch["labels"], return_outputs=False, **kwargs)
+            else:
+                sched.eval(*args, target=batch["labels"], **kwargs)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s in self._ce_sums:
+            total = total + s.to(self.device)
+        self._ce_sums = []
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds it
+        return total
+
+    def __call__(self, model: nn.Module, micro_batches: Sequence[dict], num_label_tokens: int):
+        return self._run(micro_batches, num_label_tokens, train=True)
+
+    def loss_fn(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """Forward-only CE sum of one batch (validation); equal on every pp rank."""
+        with torch.no_grad():
+            return self._run([batch], 1.0, train=False)

@@ -1,0 +1,77 @@
+"""Helpers that need the parallel layout: gradient norm/clipping over meshes and pipeline stages."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_", "grad_norm"]
+
+
+def _mesh_key(t: torch.Tensor):
+    spec = getattr(t, "_spec", None)
+    if spec is None:
+        return None
+    return (id(spec.mesh), tuple(spec.placements))
+
+
+@torch.no_grad()
+def grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group=None
+) -> torch.Tensor:
+    """Total gradient norm over every rank's shard of every parameter.
+
+    Gradients may be DTensors on different meshes (FSDP over ``dp_shard_cp`` for dense weights,
+    over ``efsdp × ep`` for experts) or plain tensors; under pipeline parallelism each stage
+    holds different parameters, so the per-stage results are combined over ``pp_group``.
+    Returns a plain fp32 scalar tensor, equal on every rank.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    groups = defaultdict(list)
+    for g in grads:
+        groups[_mesh_key(g)].append(g)
+    parts = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type=norm_type, foreach=True)
+        if hasattr(n, "full_tensor"):
+            n = n.full_tensor()
+        parts.append(n.float())
+    device = grads[0].device if grads else torch.device("cpu")
+    if not parts:
+        parts = [torch.zeros((), device=device)]
+    parts = torch.stack([p.to(device) for p in parts])
+    if math.isinf(norm_type):
+        total = parts.max()
+        if pp_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+    else:
+        total = (parts ** norm_type).sum()
+        if pp_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+        total = total ** (1.0 / norm_type)
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float | None,
+    norm_type: float = 2.0,
+    pp_group=None,
+) -> torch.Tensor:
+    """Clip in place to ``max_norm`` (when set) by the global norm; returns the norm before."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, norm_type, pp_group)
+    if max_norm is not None and max_norm > 0 and params:
+        groups = defaultdict(list)
+        for p in params:
+            groups[_mesh_key(p.grad)].append(p)
+        for ps in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device),
+                                                 foreach=True)
+    return total
