@@ -68,3 +68,38 @@ def test_lora_fsdp_ep2_matches_single_process(tmp_path):
     assert set(got) == set(ref_tensors)
     for k, t in ref_tensors.items():
         torch.testing.assert_close(got[k], t, rtol=0, atol=0, msg=k)
+
+
+def _pp_worker(rank, world, out_dir):
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+    from hybridtrain.peft import export_peft
+
+    m, _, _ = _lora_model()
+    dims = ParallelDims(world_size=world, pp=2).build_mesh("cpu")
+    parallelize_nemotron_h(m, dims, device="cpu")
+    n_layers = len(m.backbone.layers)
+    export_peft(m, out_dir, "base")
+    return n_layers
+
+
+@pytest.mark.distributed
+def test_lora_export_under_pipeline_parallel(tmp_path):
+    """Each pipeline stage holds some layers' adapters; the export holds all of them once."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hybridtrain.peft import save_peft_adapter
+
+    m, _, _ = _lora_model()
+    save_peft_adapter(m, tmp_path / "ref", "base")
+    layers = run_distributed(_pp_worker, 2, str(tmp_path / "adapter"))
+    assert sum(layers) == m.config.num_hidden_layers and min(layers) > 0
+    ref, got = load_file(str(tmp_path / "ref" / "adapter_model.safetensors")), \
+        load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert set(got) == set(ref)
+    for k, t in ref.items():
+        torch.testing.assert_close(got[k], t, rtol=0, atol=0, msg=k)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((tmp_path / "ref" / "adapter_config.json").read_text())

@@ -107,11 +107,10 @@ def _adapted_hub_modules(model: nn.Module) -> list[str]:
     return out
 
 
-def _target_modules(model: nn.Module) -> list[str] | str:
-    adapted = _adapted_hub_modules(model)
+def _target_modules(adapted: list[str], candidates: list[str]) -> list[str] | str:
+    """PEFT ``target_modules`` naming exactly the ``adapted`` Hub module names."""
     leaves = {n.rsplit(".", 1)[-1] for n in adapted}
-    same_leaf = {n for n in _hub_modules(model) if n.rsplit(".", 1)[-1] in leaves}
-    if same_leaf == set(adapted):
+    if {n for n in candidates if n.rsplit(".", 1)[-1] in leaves} == set(adapted):
         return sorted(leaves)
     # exact set; names relative to the decoder stack so that transformers' `model.layers...` match too
     rel = []
@@ -122,9 +121,27 @@ def _target_modules(model: nn.Module) -> list[str] | str:
     return r"(?:.*\.)?(?:" + "|".join(dict.fromkeys(rel)) + r")"
 
 
-def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None) -> dict:
-    """The PEFT ``LoraConfig`` dict of the model's adapters."""
-    s = lora_settings(model)
+def _adapter_meta(model: nn.Module) -> dict:
+    """What the adapter config needs from this rank's part of the model."""
+    return {"settings": lora_settings(model) if has_lora(model) else None,
+            "adapted": _adapted_hub_modules(model), "candidates": _hub_modules(model)}
+
+
+def _combine_meta(metas: list[dict]) -> dict:
+    """Union over ranks (pipeline stages hold different layers; other ranks repeat them)."""
+    settings = [m["settings"] for m in metas if m["settings"] is not None]
+    if not settings:
+        raise ValueError("the model has no LoRA adapters to export (call apply_lora first)")
+    s = {k: settings[0][k] for k in ("dim", "alpha", "dropout")}
+    assert all({k: o[k] for k in s} == s for o in settings), settings
+    return {"settings": s, "adapted": list(dict.fromkeys(n for m in metas for n in m["adapted"])),
+            "candidates": list(dict.fromkeys(n for m in metas for n in m["candidates"]))}
+
+
+def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None, meta: dict | None = None) -> dict:
+    """The PEFT ``LoraConfig`` dict of the model's adapters (``meta``: the union over ranks)."""
+    meta = meta or _combine_meta([_adapter_meta(model)])
+    s = meta["settings"]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -133,7 +150,7 @@ def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None)
         "r": s["dim"],
         "lora_alpha": s["alpha"],
         "lora_dropout": s["dropout"],
-        "target_modules": _target_modules(model),
+        "target_modules": _target_modules(meta["adapted"], meta["candidates"]),
         "exclude_modules": None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -184,13 +201,11 @@ def _write_dir(out_dir: str, write) -> None:
 
 def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
                       base_model_name_or_path: str | None = None,
-                      tensors: Mapping[str, torch.Tensor] | None = None) -> str:
+                      tensors: Mapping[str, torch.Tensor] | None = None, meta: dict | None = None) -> str:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (single process; see
     :func:`export_peft` under torch.distributed). Returns the directory."""
-    if not has_lora(model):
-        raise ValueError("the model has no LoRA adapters to export (call apply_lora first)")
+    cfg = adapter_config(model, base_model_name_or_path, meta)
     tensors = dict(peft_state_dict(model) if tensors is None else tensors)
-    cfg = adapter_config(model, base_model_name_or_path)
 
     def write(tmp):
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -202,13 +217,37 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
     return os.path.abspath(out_dir)
 
 
+def _gather_to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every key once on rank 0, sent by the lowest rank that holds it (pipeline stages hold
+    different keys; data-parallel replicas the same ones)."""
+    world = dist.get_world_size()
+    keys: list = [None] * world
+    dist.all_gather_object(keys, sorted(tensors))
+    owner: dict[str, int] = {}
+    for r, ks in enumerate(keys):
+        for k in ks:
+            owner.setdefault(k, r)
+    mine = {k: t for k, t in tensors.items() if owner[k] == _rank()}
+    parts: list | None = [None] * world if _rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: t for p in parts for k, t in p.items()} if parts is not None else {}
+
+
 def export_peft(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None,
                 tokenizer=None) -> str:
-    """PEFT export of a (possibly sharded) LoRA model; collective: call on every rank, rank 0
-    writes. ``tokenizer`` (with ``save_pretrained``) is saved alongside when given."""
+    """PEFT export of a LoRA model, also sharded (FSDP2 / EP) or split into pipeline stages;
+    collective: call on every rank, rank 0 writes. ``tokenizer`` (with ``save_pretrained``) is
+    saved alongside when given."""
     tensors = peft_state_dict(model)  # gathers DTensors on every rank
+    meta = _adapter_meta(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        metas: list = [None] * dist.get_world_size()
+        dist.all_gather_object(metas, meta)
+        tensors = _gather_to_rank0(tensors)
+    else:
+        metas = [meta]
     if _rank() == 0:
-        save_peft_adapter(model, out_dir, base_model_name_or_path, tensors=tensors)
+        save_peft_adapter(model, out_dir, base_model_name_or_path, tensors=tensors, meta=_combine_meta(metas))
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
     _barrier()
@@ -221,6 +260,12 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     Collective under torch.distributed (full state dict gathered, rank 0 writes)."""
     from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
 
+    cfg = model.config
+    if (model.backbone.embeddings is None or model.lm_head is None
+            or len(model.backbone.layers) != cfg.num_hidden_layers):
+        raise ValueError("save_merged_hf needs the whole model on every rank (not pipeline stages); "
+                         "export the adapter (export_peft) and run `hybridtrain merge --base BASE "
+                         "--adapter ADAPTER --out OUT` instead")
     if any(hasattr(p, "full_tensor") for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
