@@ -204,6 +204,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
                       tensors: Mapping[str, torch.Tensor] | None = None, meta: dict | None = None) -> str:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (single process; see
     :func:`export_peft` under torch.distributed). Returns the directory."""
+    meta = meta or _combine_meta([_adapter_meta(model)])
     cfg = adapter_config(model, base_model_name_or_path, meta)
     tensors = dict(peft_state_dict(model) if tensors is None else tensors)
 
@@ -214,7 +215,27 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
             f.write("\n")
 
     _write_dir(os.fspath(out_dir), write)
+    _note_peft_compat(meta["adapted"])
     return os.path.abspath(out_dir)
+
+
+_NOTED = False
+
+
+def _note_peft_compat(adapted: list[str]) -> None:
+    """Say once which adapters PEFT's ``PeftModel`` on transformers' Nemotron-H cannot take."""
+    global _NOTED
+    parts = []
+    if any(n.endswith(".mixer.out_proj") for n in adapted):
+        parts.append("Mamba out_proj (PEFT refuses it for nemotron_h)")
+    if any(_HUB_EXPERT.match(n) for n in adapted):
+        parts.append("routed experts (transformers stacks them and PEFT does not convert nemotron_h "
+                     "expert adapters)")
+    if parts and not _NOTED:
+        _NOTED = True
+        logger.info("the LoRA adapter includes %s: hybridtrain loads and merges it (load_peft_adapter, "
+                    "`hybridtrain merge`); peft.PeftModel on transformers' NemotronHForCausalLM "
+                    "takes only the other modules", " and ".join(parts))
 
 
 def _gather_to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
