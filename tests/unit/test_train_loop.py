@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from train_helpers import SyntheticDataset, build_trainer, collate, tiny_model
+from train_helpers import SyntheticDataset, build_trainer, collate, standin_model, tiny_model
 
 from hybridtrain.training.optim import build_optimizer, is_no_decay
 from hybridtrain.training.trainer import TrainStep, loss_sum
@@ -41,7 +41,7 @@ def test_grad_accumulation_through_the_trainer(tmp_path):
     """Same per-step losses and weights for micro_batch_size 2 (grad-acc 4) and 8 (no acc)."""
     runs = []
     for mbs in (2, 8):
-        tr = build_trainer(None, max_steps=4, mbs=mbs, val=False)
+        tr = build_trainer(None, max_steps=2, mbs=mbs, val=False)
         tr.fit()
         runs.append(([r["loss"] for r in tr.history], tr.model.state_dict()))
     (la, wa), (lb, wb) = runs
@@ -82,22 +82,22 @@ class NaNAt(TrainStep):
 
 
 def test_nan_step_is_skipped_and_lr_does_not_advance(tmp_path):
-    tr = build_trainer(str(tmp_path), max_steps=8, train_step=NaNAt(5), ckpt_every=None)
+    tr = build_trainer(str(tmp_path), max_steps=6, train_step=NaNAt(4), ckpt_every=None)
     summary = tr.fit()
     hist = tr.history
-    assert summary["steps"] == 8 and summary["skipped_steps"] == 1
-    assert math.isnan(hist[4]["loss"]) and hist[4]["skipped_steps"] == 1
-    assert hist[3]["skipped_steps"] == 0 and hist[7]["skipped_steps"] == 1
+    assert summary["steps"] == 6 and summary["skipped_steps"] == 1
+    assert math.isnan(hist[3]["loss"]) and hist[3]["skipped_steps"] == 1
+    assert hist[2]["skipped_steps"] == 0 and hist[5]["skipped_steps"] == 1
     # the skipped step's LR is used again by the next step: the schedule did not advance
     f = tr.lr_scheduler.lr_at
-    assert [r["lr"] for r in hist] == [f(0), f(1), f(2), f(3), f(4), f(4), f(5), f(6)]
-    assert f(3) != f(4) != f(5)
-    assert tr.lr_scheduler.num_steps == 7
+    assert [r["lr"] for r in hist] == [f(0), f(1), f(2), f(3), f(3), f(4)]
+    assert f(2) != f(3) != f(4)
+    assert tr.lr_scheduler.num_steps == 5
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
-    assert all(math.isfinite(r["loss"]) for i, r in enumerate(hist) if i != 4)
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(hist) if i != 3)
     recs = [json.loads(line) for line in open(tmp_path / "training.jsonl")]
-    assert recs[4]["loss"] is None and recs[4]["skipped_steps"] == 1  # NaN written as null
-    assert [r["consumed_samples"] for r in recs] == [8 * i for i in range(1, 9)]
+    assert recs[3]["loss"] is None and recs[3]["skipped_steps"] == 1  # NaN written as null
+    assert [r["consumed_samples"] for r in recs] == [8 * i for i in range(1, 7)]
 
 
 def test_zero_label_batch_is_skipped():
@@ -125,43 +125,62 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_resume_is_bitwise(tmp_path):
-    ref = build_trainer(str(tmp_path / "ref"), max_steps=8, ckpt_every=4)
-    ref.fit()
-    ref_losses = [r["loss"] for r in ref.history]
+STEPS, EVERY = 6, 3  # checkpoints at steps 3 and 6
 
+
+def _reference(out_dir, model_fn):
+    ref = build_trainer(out_dir, max_steps=STEPS, ckpt_every=EVERY, model_fn=model_fn)
+    ref.fit()
+    return ([r["loss"] for r in ref.history], _weights(ref.model),
+            ref.optimizer.state_dict()["state"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of the tiny Nemotron-H: per-step losses, weights, optimizer state."""
+    return _reference(str(tmp_path_factory.mktemp("ref")), tiny_model)
+
+
+@pytest.fixture(scope="module")
+def reference_standin(tmp_path_factory):
+    """The same with the small stand-in model (for the checkpoint-crash tests)."""
+    return _reference(str(tmp_path_factory.mktemp("ref_standin")), standin_model)
+
+
+def test_resume_is_bitwise(tmp_path, reference):
+    ref_losses, ref_weights, ref_opt = reference
     run = tmp_path / "run"
-    first = build_trainer(str(run), max_steps=8, ckpt_every=4, train_step=CrashAt(6))
+    first = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, train_step=CrashAt(5))
     with pytest.raises(KeyboardInterrupt):
         first.fit()
-    assert open(run / "latest").read().strip() == "step_4"
-    second = build_trainer(str(run), max_steps=8, ckpt_every=4, seed=0)
+    assert open(run / "latest").read().strip() == "step_3"
+    second = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY)
     second.resume(second.checkpointer.resolve_resume("auto"))
-    assert second.sched.step == 4 and second.lr_scheduler.num_steps == 4
+    assert second.sched.step == 3 and second.lr_scheduler.num_steps == 3
     second.fit()
-    losses = [r["loss"] for r in first.history[:4]] + [r["loss"] for r in second.history]
+    losses = [r["loss"] for r in first.history[:3]] + [r["loss"] for r in second.history]
     assert losses == ref_losses  # bitwise
-    wa, wb = _weights(ref.model), _weights(second.model)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    # optimizer state too
-    sa, sb = ref.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-    # the jsonl reads as one uninterrupted run (records of the dead steps 5 were dropped)
+    w = _weights(second.model)
+    assert all(torch.equal(ref_weights[k], w[k]) for k in w)
+    opt = second.optimizer.state_dict()["state"]
+    assert all(torch.equal(ref_opt[i][k], opt[i][k]) for i in ref_opt for k in ref_opt[i])
+    # the jsonl files read as one uninterrupted run (the dead step 4's record was dropped)
     recs = [json.loads(line) for line in open(run / "training.jsonl")]
-    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in recs] == ref_losses
     vals = [json.loads(line)["step"] for line in open(run / "validation.jsonl")]
-    assert vals == [4, 8]
+    assert vals == [4, 6]  # val_every_steps=4, and at the end
 
 
 @pytest.mark.parametrize("where", ["dcp", "state", "rename", "latest"])
-def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where):
+def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where,
+                                                  reference_standin):
     import hybridtrain.training.checkpoint as ck
 
-    ref = build_trainer(str(tmp_path / "ref"), max_steps=8, ckpt_every=4, val=False)
-    ref.fit()
+    ref_losses = reference_standin[0]
     run = tmp_path / "run"
-    tr = build_trainer(str(run), max_steps=8, ckpt_every=4, val=False)
+    tr = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, model_fn=standin_model)
+    last = f"step_{STEPS}"
 
     class Boom(RuntimeError):
         pass
@@ -172,7 +191,7 @@ def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where):
 
         def bad_save(sd, **kw):
             calls["n"] += 1
-            if calls["n"] == 2:  # the step-8 checkpoint: write half of it, then die
+            if calls["n"] == 2:  # the last checkpoint: write half of it, then die
                 real({k: v for i, (k, v) in enumerate(sd.items()) if i % 2}, **kw)
                 raise Boom()
             return real(sd, **kw)
@@ -182,7 +201,7 @@ def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where):
         real_json = ck._write_json
 
         def bad_json(path, obj):
-            if path.endswith("trainer_state.json") and ".step_8.tmp" in path:
+            if path.endswith("trainer_state.json") and f".{last}.tmp" in path:
                 raise Boom()
             return real_json(path, obj)
 
@@ -191,44 +210,46 @@ def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where):
         real_rename = os.rename
 
         def bad_rename(a, b):
-            if str(b).endswith("step_8"):
+            if str(b).endswith(last):
                 raise Boom()
             return real_rename(a, b)
 
         monkeypatch.setattr(ck.os, "rename", bad_rename)
-    else:  # crash after step_8 is in place, before `latest` is replaced
+    else:  # crash after the folder is in place, before `latest` is replaced
         real_replace = os.replace
 
         def bad_replace(a, b):
-            if str(b).endswith("latest") and calls["n"] == 1:
-                raise Boom()
             if str(b).endswith("latest"):
                 calls["n"] += 1
+                if calls["n"] == 2:
+                    raise Boom()
             return real_replace(a, b)
 
         monkeypatch.setattr(ck.os, "replace", bad_replace)
     with pytest.raises(Boom):
         tr.fit()
     monkeypatch.undo()
-    assert open(run / "latest").read().strip() == "step_4"
-    assert (run / "step_4" / "trainer_state.json").exists()
+    assert open(run / "latest").read().strip() == f"step_{EVERY}"
+    assert (run / f"step_{EVERY}" / "trainer_state.json").exists()
 
-    again = build_trainer(str(run), max_steps=8, ckpt_every=4, val=False)
-    assert not list(run.glob(".step_*.tmp"))  # stale temp folder cleaned at start
+    again = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, model_fn=standin_model)
+    assert not list(run.glob(".step_*.tmp"))  # a stale temp folder is removed at start
     again.resume(again.checkpointer.resolve_resume("auto"))
-    assert again.sched.step == 4
+    assert again.sched.step == EVERY
     again.fit()
-    assert [r["loss"] for r in again.history] == [r["loss"] for r in ref.history[4:]]
-    assert open(run / "latest").read().strip() == "step_8"
+    assert [r["loss"] for r in again.history] == ref_losses[EVERY:]
+    assert open(run / "latest").read().strip() == last
 
 
 def test_no_weight_decay_groups():
     model = tiny_model(0)
     names = {n: is_no_decay(n, p) for n, p in model.named_parameters()}
-    assert names["layers.0.mixer.weight"] is False
-    assert names["layers.0.mixer.bias"] and names["layers.0.A_log"]
-    assert names["layers.0.norm.weight"] and names["norm_f.weight"]
-    assert names["lm_head.weight"] is False and names["embeddings.weight"] is False
+    m = "backbone.layers.0.mixer."
+    assert all(names[m + k] for k in ("A_log", "D", "dt_bias", "conv1d.bias", "norm.weight"))
+    assert not names[m + "in_proj.weight"] and not names[m + "conv1d.weight"]
+    assert names["backbone.layers.0.norm.weight"] and names["backbone.norm_f.weight"]
+    assert not names["lm_head.weight"] and not names["backbone.embeddings.weight"]
+    assert not names["backbone.layers.3.mixer.experts.up_proj"]
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     for n, p in model.named_parameters():

@@ -70,9 +70,20 @@ class TinyLM(torch.nn.Module):
             json.dump(self.config.to_dict(), f)
 
 
-def tiny_model(seed: int = 0):
+def standin_model(seed: int = 0):
     torch.manual_seed(seed)
     return TinyLM(TinyConfig())
+
+
+def tiny_model(seed: int = 0):
+    """The tiny Nemotron-H with all four layer types (Mamba, attention, MLP, MoE)."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+
+    torch.manual_seed(seed)
+    return NemotronHForCausalLM(tiny_config("mixed", vocab_size=VOCAB, hidden_size=32,
+                                            intermediate_size=64, moe_intermediate_size=16,
+                                            moe_shared_expert_intermediate_size=16,
+                                            mamba_num_heads=4, n_routed_experts=4))
 
 
 class SyntheticDataset(torch.utils.data.Dataset):
@@ -124,7 +135,7 @@ def build_trainer(out_dir, max_steps=8, gbs=8, mbs=2, ckpt_every=4, lr=3e-3, see
     lrs = LRScheduler(opt, lr_decay_style="cosine", lr_warmup_steps=2, total_steps=max_steps,
                       min_lr=lr / 10)
     ckpt = Checkpointer(out_dir, keep_last=keep_last) if out_dir else None
-    metrics = MetricsLogger(out_dir, progress=False) if out_dir else None
+    metrics = MetricsLogger(out_dir, progress=False, plot=False) if out_dir else None
     return Trainer(
         model, opt, lrs, sched, SyntheticDataset(n_train), make_loader,
         val_dataset=SyntheticDataset(10, seed=1) if val else None, checkpointer=ckpt,

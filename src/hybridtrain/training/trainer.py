@@ -81,6 +81,8 @@ def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Non-padding tokens of a batch."""
+    if "num_tokens" in batch:
+        return int(batch["num_tokens"])
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return batch["input_ids"].numel()
@@ -155,8 +157,10 @@ class Trainer:
 
     ``make_loader(dataset, batch_sampler)`` turns a batch sampler into an iterable of collated
     batches (the recipe wraps ``torch.utils.data.DataLoader`` with its collator).
-    ``flops_per_token`` (training FLOPs per token, i.e. 6N-style, for the whole model) and
-    ``peak_tflops`` (per device) enable ``tflops_per_device`` and ``mfu``.
+    ``flops_fn(micro_batch)`` (training FLOPs of the whole model on that micro-batch) enables
+    ``tflops_per_device``, and with ``peak_tflops`` (per device) ``mfu``.
+    ``clip_grad_norm_fn(params, max_norm)`` replaces :func:`clip_grad_norm` (a parallel plan's
+    norm over every mesh and pipeline stage).
     """
 
     def __init__(
@@ -177,8 +181,9 @@ class Trainer:
         train_step: TrainStep | None = None,
         max_val_steps: int | None = None,
         val_micro_batch_size: int | None = None,
-        flops_per_token: Callable[[dict], float] | float | None = None,
+        flops_fn: Callable[[dict], float] | None = None,
         peak_tflops: float | None = None,
+        clip_grad_norm_fn: Callable[[list, float | None], torch.Tensor] | None = None,
         save_hf_at_end: bool = True,
         save_ckpt: bool = True,
         gc_every_steps: int | None = None,
@@ -199,7 +204,8 @@ class Trainer:
         self.train_step = train_step or TrainStep()
         self.max_val_steps = max_val_steps
         self.val_micro_batch_size = val_micro_batch_size or step_scheduler.micro_batch_size
-        self.flops_per_token = flops_per_token
+        self.flops_fn = flops_fn
+        self.clip_grad_norm_fn = clip_grad_norm_fn or clip_grad_norm
         self.peak_tflops = peak_tflops
         self.save_hf_at_end = save_hf_at_end
         self.save_ckpt = save_ckpt
@@ -215,12 +221,13 @@ class Trainer:
         """Runs one global batch: forward/backward, clip, update (or skip). Returns its record."""
         t0 = time.perf_counter()
         micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
+        flops = sum(self.flops_fn(mb) for mb in micro_batches) if self.flops_fn else 0.0
         counts = torch.tensor(
             [sum(count_label_tokens(mb) for mb in micro_batches),
-             sum(count_tokens(mb) for mb in micro_batches)],
+             sum(count_tokens(mb) for mb in micro_batches), flops],
             dtype=torch.float64, device=self.device)
-        self.ctx.all_reduce_sum(counts)
-        num_label_tokens, num_tokens = int(counts[0]), int(counts[1])
+        self.ctx.all_reduce_sum(counts)  # global batch: all data-parallel ranks
+        num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
         self.model.train()
         if num_label_tokens == 0:
@@ -232,7 +239,7 @@ class Trainer:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.ctx.all_reduce_sum(ce)[0] / num_label_tokens
-            grad_norm = clip_grad_norm(self._params(), self.grad_clip)
+            grad_norm = self.clip_grad_norm_fn(self._params(), self.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
         if skipped:
@@ -253,10 +260,8 @@ class Trainer:
         tps = num_tokens / dt if dt > 0 else None
         world = self.ctx.world_size
         tflops = mfu = None
-        if self.flops_per_token is not None and tps is not None:
-            fpt = self.flops_per_token
-            fpt = fpt(micro_batches) if callable(fpt) else fpt
-            tflops = fpt * tps / world / 1e12
+        if self.flops_fn is not None and dt > 0:
+            tflops = flops / dt / world / 1e12
             if self.peak_tflops:
                 mfu = tflops / self.peak_tflops
         return {
@@ -278,6 +283,16 @@ class Trainer:
         }
 
     # -- validation --------------------------------------------------------------------------
+    def _eval_loss(self, batch: dict) -> torch.Tensor:
+        """CE sum of one batch without gradients (``train_step.eval_loss`` when it has one, as a
+        pipeline schedule needs)."""
+        step = self.train_step
+        if hasattr(step, "eval_loss"):
+            return step.eval_loss(self.model, batch)
+        ctx = step._autocast(self.device) if hasattr(step, "_autocast") else contextlib.nullcontext()
+        with ctx:
+            return step.loss_fn(self.model, batch)
+
     @torch.no_grad()
     def validate(self) -> dict[str, Any] | None:
         """Token-weighted CE over the validation set (all ranks); returns the record."""
@@ -297,8 +312,7 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
-            with self.train_step._autocast(self.device):
-                ce = self.train_step.loss_fn(self.model, batch)
+            ce = self._eval_loss(batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
         self.ctx.all_reduce_sum(sums)
