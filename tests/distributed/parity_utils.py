@@ -17,7 +17,7 @@ STEPS = 5
 GBS = 8
 MBS = 2
 SEQ = 16
-LR = 2e-3
+LR = 2e-4
 IGNORE = -100
 
 
@@ -95,7 +95,7 @@ def train(plan, steps_rows, packed: bool, optimizer=None, start: int = 0, steps:
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
-    losses = []
+    losses, norms = [], []
     for step in range(start, start + steps):
         mbs = micro_batches(steps_rows[step], plan.dp_rank, plan.dp_size, packed)
         counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE).sum()) for mb in mbs))],
@@ -106,11 +106,24 @@ def train(plan, steps_rows, packed: bool, optimizer=None, start: int = 0, steps:
         ce = plan.train_step(model, mbs, n).to(torch.float64).reshape(1)
         if plan.dp_group is not None:
             dist.all_reduce(ce, group=plan.dp_group)
-        plan.clip_grad_norm(params, 1.0)
+        norms.append(float(plan.clip_grad_norm(params, 1.0)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(ce[0]) / n)
+    train.grad_norms = norms  # the last run's pre-clipping gradient norms
     return losses, optimizer
+
+
+def evaluate(plan, rows: list[dict], packed: bool) -> float:
+    """Token-weighted CE of ``rows`` (split over data-parallel ranks) without gradients."""
+    per = len(rows) // plan.dp_size
+    batch = collate(rows[plan.dp_rank * per : (plan.dp_rank + 1) * per], packed)
+    ce = plan.train_step.eval_loss(plan.model, batch).to(torch.float64).reshape(1)
+    n = torch.tensor([float((batch["labels"] != IGNORE).sum())], dtype=torch.float64)
+    if plan.dp_group is not None:
+        dist.all_reduce(ce, group=plan.dp_group)
+        dist.all_reduce(n, group=plan.dp_group)
+    return float(ce[0] / n[0])
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
@@ -161,6 +174,11 @@ def reference(packed: bool):
     rows = global_batches(packed)
 
     class _Step:
+        @torch.no_grad()
+        def eval_loss(self, m, b):
+            kw = {k: b[k] for k in ("position_ids", "cu_seqlens") if k in b}
+            return ce_sum(m.hidden_states(b["input_ids"], **kw), m.lm_head.weight, b["labels"])
+
         def __call__(self, m, mbs, n):
             total = 0.0
             for mb in mbs:
@@ -177,10 +195,40 @@ def reference(packed: bool):
     plan = SimpleNamespace(model=model, train_step=_Step(), dp_rank=0, dp_size=1, dp_group=None,
                            clip_grad_norm=clip)
     losses, _ = train(plan, rows, packed)
-    return losses, full_state(model)
+    return losses, full_state(model), evaluate(plan, rows[0], packed), train.grad_norms
 
 
-def run_layout(layout: dict, world: int, packed: bool):
+def run_layout(layout: dict, world: int, packed: bool, ac=None):
+    """(per-step losses, final full weights (rank 0), validation loss, per-step gradient norms)
+    of one layout."""
+    plan = build(layout, world, ac=ac)
+    rows = global_batches(packed)
+    losses, _ = train(plan, rows, packed)
+    norms = train.grad_norms
+    state = gather_state(plan.model)
+    val = evaluate(plan, rows[0], packed)
+    return losses, state if dist.get_rank() == 0 else None, val, norms
+
+
+def train_and_save(layout: dict, world: int, path: str, steps: int, packed: bool = False):
+    """Train ``steps`` steps under ``layout`` and write a checkpoint (step_{steps}/)."""
+    from hybridtrain.training.checkpoint import Checkpointer
+
     plan = build(layout, world)
-    losses, _ = train(plan, global_batches(packed), packed)
-    return losses, gather_state(plan.model)
+    losses, opt = train(plan, global_batches(packed), packed, steps=steps)
+    Checkpointer(path).save(steps, plan.model, opt)
+    return losses
+
+
+def resume_and_train(layout: dict, world: int, path: str, start: int, packed: bool = False):
+    """Load ``path`` (any layout's checkpoint) under ``layout`` and train the remaining steps."""
+    from hybridtrain.training.checkpoint import Checkpointer
+
+    plan = build(layout, world)
+    params = [p for p in plan.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
+    ck = Checkpointer(path)
+    ck.load(ck.latest(), plan.model, opt)
+    losses, _ = train(plan, global_batches(packed), packed, optimizer=opt, start=start,
+                      steps=STEPS - start)
+    return losses

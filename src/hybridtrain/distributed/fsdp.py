@@ -81,8 +81,12 @@ def shard_module(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool,
     shard_placement_fn=None,
+    cpu_offload: bool = False,
 ):
-    """``fully_shard`` one unit (a module or a list of modules sharing one all-gather)."""
+    """``fully_shard`` one unit (a module or a list of modules sharing one all-gather);
+    ``cpu_offload`` keeps the sharded parameters, gradients and optimizer step on the CPU."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
     if isinstance(module, (list, tuple)):
         module = list(module)
     return fully_shard(
@@ -91,6 +95,7 @@ def shard_module(
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
         shard_placement_fn=shard_placement_fn,
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
 
 

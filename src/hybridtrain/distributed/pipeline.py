@@ -231,6 +231,18 @@ def merge_micro_batches(micro_batches: Sequence[dict], length: int | None = None
     return {"input_ids": ids, "position_ids": torch.cat(pos), "labels": labels}
 
 
+class _AsVector(nn.Module):
+    """The last stage's scalar CE sum as a 1-element vector (forward-only schedules merge the
+    micro-batch outputs by concatenation)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs).reshape(1)
+
+
 # -- the train step -----------------------------------------------------------------------------
 class PipelineTrainStep:
     """Forward+backward of one global batch through the pipeline (see module docstring).
@@ -240,7 +252,7 @@ class PipelineTrainStep:
     fp32 CE *sum*); ``stage_ids``: their indices.
     Interchangeable with the trainer's ``TrainStep``: ``__call__(model, micro_batches,
     num_label_tokens)`` returns the CE sum of this data-parallel rank's batch (on every pp rank),
-    ``loss_fn(model, batch)`` is the forward-only CE sum used by validation.
+    ``eval_loss(model, batch)`` (alias ``loss_fn``) is the forward-only CE sum for validation.
     """
 
     def __init__(
@@ -323,10 +335,15 @@ class PipelineTrainStep:
             stages = []
             for m, sid in zip(self.stages, self.stage_ids):
                 inp, out = self._stage_meta(sid, rows, length)
+                if not train:  # forward only: the last stage's CE sums are merged outputs
+                    inp, out = inp.detach(), out.detach()
+                    if sid == self.num_stages - 1:
+                        m, out = _AsVector(m), out.reshape(1)
                 stages.append(PipelineStage(m, sid, self.num_stages, self.device, input_args=inp,
                                             output_args=out, group=self.pp_group))
             cls = _schedule_class(self.spec)
-            kwargs = dict(n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
+            kwargs = dict(n_microbatches=n_micro, loss_fn=self._loss if train else None,
+                          scale_grads=False)
             try:
                 sched = cls(stages if self.spec.multi else stages[0], **kwargs)
             except ValueError as e:
@@ -373,7 +390,10 @@ class PipelineTrainStep:
         if not train:
             batch = self._eval_rows(batch)
         n_rows = batch["input_ids"].shape[0]
-        n_micro = self._n_microbatches(n_rows, len(micro_batches))
+        if train:
+            n_micro = self._n_microbatches(n_rows, len(micro_batches))
+        else:  # _eval_rows made the rows a multiple of the micro-batch size
+            n_micro = n_rows // (self.microbatch_size or 1)
         if n_rows % n_micro:
             raise ValueError(
                 f"pipeline: {n_rows} rows do not split into {n_micro} equal micro-batches; "
@@ -385,14 +405,16 @@ class PipelineTrainStep:
         first = 0 in self.stage_ids
         args = (batch["input_ids"],) if first else ()
         kwargs = dict(position_ids=batch["position_ids"], labels=batch["labels"])
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         with self._autocast(self.device):
             if train:
                 sched.step(*args, target=batch["labels"], return_outputs=False, **kwargs)
+                for s in self._ce_sums:
+                    total = total + s.to(self.device)
             else:
-                sched.eval(*args, target=batch["labels"], **kwargs)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for s in self._ce_sums:
-            total = total + s.to(self.device)
+                out = sched.step(*args, **kwargs)
+                if out is not None:  # the rank of the last stage: one CE sum per micro-batch
+                    total = total + out.float().sum().to(self.device)
         self._ce_sums = []
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds it
         return total
@@ -400,7 +422,9 @@ class PipelineTrainStep:
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict], num_label_tokens: int):
         return self._run(micro_batches, num_label_tokens, train=True)
 
-    def loss_fn(self, model: nn.Module, batch: dict) -> torch.Tensor:
+    def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         """Forward-only CE sum of one batch (validation); equal on every pp rank."""
         with torch.no_grad():
             return self._run([batch], 1.0, train=False)
+
+    loss_fn = eval_loss

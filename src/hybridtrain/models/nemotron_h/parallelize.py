@@ -137,6 +137,11 @@ class StageTrainStep:
         kwargs = {k: batch[k] for k in self.MODEL_INPUT_KEYS if batch.get(k) is not None}
         return self.stage(batch["input_ids"], labels=batch["labels"], **kwargs)
 
+    @torch.no_grad()
+    def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        with self._autocast(batch["input_ids"].device):
+            return self.loss_fn(model, batch)
+
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict], num_label_tokens: int):
         total = None
         sync = getattr(self.stage, "set_requires_gradient_sync", None)
@@ -257,6 +262,7 @@ def parallelize_nemotron_h(
     param_dtype: Any = None,
     reduce_dtype: Any = torch.float32,
     reshard_after_forward: Any = "default",
+    cpu_offload: bool = False,
     ep_backend: str = "alltoall",
     pp_schedule: str = "1f1b",
     pp_stages_per_rank: int | None = None,
@@ -331,7 +337,7 @@ def parallelize_nemotron_h(
         rf = resolve_reshard_after_forward(reshard_after_forward, dims.pp_enabled)
         mesh = dims.dense_fsdp_mesh()
         if model.backbone.embeddings is not None:
-            shard_module(model.backbone.embeddings, mesh, mp, rf)
+            shard_module(model.backbone.embeddings, mesh, mp, rf, cpu_offload=cpu_offload)
         for idx, (_, block) in enumerate(blocks):
             if dims.ep > 1 and block.block_type == "moe":
                 experts = block.mixer.experts
@@ -341,11 +347,12 @@ def parallelize_nemotron_h(
                     from torch.distributed.tensor import Shard
 
                     placement = lambda p: Shard(1)  # noqa: E731
-                shard_module(experts, dims.expert_fsdp_mesh(), mp, rf, placement)
+                shard_module(experts, dims.expert_fsdp_mesh(), mp, rf, placement,
+                             cpu_offload=cpu_offload)
             # the last block's parameters are needed again at once by backward
-            shard_module(block, mesh, mp, rf and idx < len(blocks) - 1)
+            shard_module(block, mesh, mp, rf and idx < len(blocks) - 1, cpu_offload=cpu_offload)
         for stage in stages:  # roots: norm_f + lm_head of the last stage, and the schedule hooks
-            shard_module(stage, mesh, mp, reshard_after_forward=False)
+            shard_module(stage, mesh, mp, reshard_after_forward=False, cpu_offload=cpu_offload)
             sum_gradients(stage)
         sum_gradients(model)
 
