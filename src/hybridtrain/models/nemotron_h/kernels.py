@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .numerics import fp32_region
 from .ssd import causal_conv1d_torch, ssd_chunked
 
 try:  # pragma: no cover - not installed on CPU machines
@@ -73,6 +74,7 @@ def ssd_scan(
             x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
             dt_limit=dt_limit, seq_idx=seq_idx,
         )
-    dt = F.softplus(dt.float() + dt_bias.float())
-    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)
+    with fp32_region(dt):  # softplus(dt + dt_bias) and the scan in fp32 (see ssd_chunked)
+        dt = F.softplus(dt.float() + dt_bias.float())
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+        return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)

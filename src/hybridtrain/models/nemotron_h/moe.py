@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
+from .numerics import fp32_region
 
 _GROUPED_MM = os.environ.get("HYBRIDTRAIN_GROUPED_MM", "1") not in ("0", "false", "False")
 
@@ -58,7 +59,14 @@ class TopkRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (router_logits [T, E] fp32, topk_weights [T, k] fp32, topk_idx [T, k])."""
+        """x [T, H] -> (router_logits [T, E] fp32, topk_weights [T, k] fp32, topk_idx [T, k]).
+
+        All of it in fp32 whatever the parameter dtype or autocast (logits, sigmoid, the
+        correction bias, group / top-k selection and the gate weights)."""
+        with fp32_region(x):
+            return self._route(x)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         with torch.no_grad():

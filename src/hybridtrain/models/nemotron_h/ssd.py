@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .numerics import fp32_region
+
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
     """out[..., i, j] = sum_{k=j+1..i} x[..., k] for j <= i, -inf above the diagonal.
@@ -51,7 +53,15 @@ def ssd_chunked(
     B, C [b, L, g, n]; D [h]; seq_idx [b, L] int or None; initial_state [b, h, p, n] or None
     (it belongs to the document of the first token). Returns y [b, L, h, p] in fp32
     (and the final state [b, h, p, n] of the last token's document if asked).
+
+    Everything is computed in fp32, also under autocast: dt * A, its cumsum and exp (decays
+    span many orders of magnitude), the chunk states and their accumulation across chunks.
     """
+    with fp32_region(x):
+        return _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_final_state)
+
+
+def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_final_state):
     b, L, h, p = x.shape
     g, n = B.shape[-2], B.shape[-1]
     assert h % g == 0, (h, g)

@@ -1,0 +1,21 @@
+"""fp32 islands under mixed precision.
+
+Under ``torch.autocast(bf16)`` every matmul / einsum / linear runs in bf16, even when its inputs
+were explicitly taken to fp32. The few places whose numerics need fp32 (the MoE router, the SSD
+scan) run inside :func:`fp32_region`, which switches autocast off for the device of a tensor;
+they then take their inputs to fp32 themselves. Outside autocast it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def fp32_region(t: torch.Tensor):
+    """A context in which autocast is off for ``t``'s device (a no-op when it is not on)."""
+    device_type = t.device.type
+    if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
