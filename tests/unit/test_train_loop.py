@@ -169,7 +169,7 @@ def test_resume_is_bitwise(tmp_path, reference):
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in recs] == ref_losses
     vals = [json.loads(line)["step"] for line in open(run / "validation.jsonl")]
-    assert vals == [4, 6]  # val_every_steps=4, and at the end
+    assert vals == [0, 4, 6]  # before training, val_every_steps=4, and at the end
 
 
 @pytest.mark.parametrize("where", ["dcp", "state", "rename", "latest"])

@@ -9,7 +9,8 @@ Layout of ``<checkpoint.dir>/step_{N}/``::
     rng/rank_{r}.json     python / numpy / torch CPU / CUDA RNG states of each rank
     config.json           the model config (resume refuses a different one)
     tokenizer/            tokenizer files (for ``convert``)
-    hf/                   optional consolidated Hugging Face export
+    hf/                   consolidated Hugging Face export (the final checkpoint, or each one
+                          with ``save_hf``); LoRA runs write ``adapter/`` (PEFT format) instead
 
 Only tensors go through DCP (its non-tensor path unpickles); everything else is JSON. Optimizer
 hyper-parameters come from the run's config on resume and the LR from the LR scheduler.
@@ -31,6 +32,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -148,15 +150,36 @@ def _config_diff(saved: dict, current: dict) -> list[str]:
 def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | None) -> None:
     if not hasattr(model, "save_pretrained"):
         raise ValueError(f"{type(model).__name__} has no save_pretrained(); cannot export hf/")
-    if state_dict is not None and "state_dict" in inspect.signature(model.save_pretrained).parameters:
-        model.save_pretrained(out_dir, state_dict=state_dict)
-    else:
+    if state_dict is None:
         model.save_pretrained(out_dir)
+    elif "state_dict" in inspect.signature(model.save_pretrained).parameters:
+        model.save_pretrained(out_dir, state_dict=state_dict)
+    else:  # gathered full tensors of a sharded model
+        from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+        from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
+
+        if not isinstance(model, NemotronHForCausalLM):
+            raise ValueError(f"cannot export a sharded {type(model).__name__}")
+        save_hf_checkpoint(state_dict, model.config, out_dir)
+
+
+def _is_partial(model: torch.nn.Module) -> bool:
+    """True for a pipeline stage's share of a model (layers or embeddings/head missing)."""
+    cfg, bb = getattr(model, "config", None), getattr(model, "backbone", None)
+    if cfg is None or bb is None or not hasattr(cfg, "num_hidden_layers"):
+        return False
+    return (len(bb.layers) != cfg.num_hidden_layers or bb.embeddings is None
+            or getattr(model, "lm_head", 0) is None)
 
 
 def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None) -> None:
     """Consolidated Hugging Face export: full tensors gathered to rank 0, which writes
     ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
+    if _is_partial(model):  # under pipeline parallelism every rank holds a part
+        if _rank() == 0:
+            logger.warning("the model is split into pipeline stages: not writing %s; export the "
+                           "checkpoint with `hybridtrain convert STEP_DIR OUT_DIR`", out_dir)
+        return
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
     sd = None
     if sharded:
@@ -183,18 +206,32 @@ def _latest_in(run_dir: str) -> str | None:
     return ckpt
 
 
+def default_export(model: torch.nn.Module, step_dir: str, tokenizer=None,
+                   final: bool = False) -> str:
+    """The export written into a checkpoint: ``hf/``. Collective."""
+    out = os.path.join(step_dir, "hf")
+    export_hf(model, out, tokenizer)
+    return out
+
+
 # -- the checkpointer -------------------------------------------------------------------------
 class Checkpointer:
     """Saves and restores training state under ``dir`` (see module docstring).
 
     ``keep_last``: keep the newest K ``step_*`` folders (never the one ``latest`` names);
-    ``save_hf``: also write ``hf/`` into each checkpoint (the final export is the trainer's).
+    ``save_hf``: write the export into every checkpoint (otherwise only when ``save(...,
+    export=True)``, which the trainer does for the final one). ``export_fn(model, step_dir,
+    tokenizer, final)`` writes the export (default: ``hf/``; LoRA: ``adapter/``).
+    ``state_extra`` is stored in ``trainer_state.json`` (e.g. the LoRA settings, for ``convert``).
     """
 
-    def __init__(self, dir: str, keep_last: int | None = None, save_hf: bool = False):
+    def __init__(self, dir: str, keep_last: int | None = None, save_hf: bool = False,
+                 export_fn: Callable | None = None, state_extra: dict | None = None):
         self.dir = os.path.abspath(dir)
         self.keep_last = keep_last
         self.save_hf = save_hf
+        self.export_fn = export_fn or default_export
+        self.state_extra = dict(state_extra or {})
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1 or null, got {keep_last}")
         if _rank() == 0:
@@ -245,8 +282,11 @@ class Checkpointer:
         step_scheduler=None,
         tokenizer=None,
         extra: dict[str, Any] | None = None,
+        export: bool | None = None,
+        final: bool = False,
     ) -> str:
-        """Writes ``step_{step}``; collective (every rank calls it). Returns the folder."""
+        """Writes ``step_{step}``; collective (every rank calls it). Returns the folder.
+        ``export``: write the HF / adapter export into it (default: ``save_hf``)."""
         t0 = time.perf_counter()
         name = f"step_{step}"
         final = os.path.join(self.dir, name)
@@ -275,6 +315,7 @@ class Checkpointer:
                     for g in optim_sd.get("param_groups", [])
                 ],
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                **self.state_extra,
                 "extra": extra or {},
             }
             _write_json(os.path.join(tmp, "trainer_state.json"), json.loads(
@@ -284,8 +325,8 @@ class Checkpointer:
                 _write_json(os.path.join(tmp, "config.json"), cfg)
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
-        if self.save_hf:
-            export_hf(model, os.path.join(tmp, "hf"), tokenizer)
+        if self.save_hf if export is None else export:
+            self.export_fn(model, tmp, tokenizer, final)
         _barrier()
 
         if rank == 0:
@@ -381,7 +422,8 @@ def _import_model_class(dotted: str):
 
 def convert(ckpt_dir: str, out_hf_dir: str) -> str:
     """Exports a checkpoint (``step_N`` folder, or a run folder -> its ``latest``) as a
-    consolidated Hugging Face folder. Works in one process whatever layout wrote it."""
+    consolidated Hugging Face folder (a LoRA run's: a PEFT adapter folder), with the tokenizer.
+    Works in one process whatever parallel layout wrote the checkpoint."""
     path = os.path.abspath(ckpt_dir)
     if os.path.isfile(os.path.join(path, LATEST)):
         path = _latest_in(path)
@@ -398,14 +440,25 @@ def convert(ckpt_dir: str, out_hf_dir: str) -> str:
     cfg = _read_json(os.path.join(path, "config.json"))
     config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
     model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
-    model_sd = model.state_dict()
+    peft = state.get("peft")
+    if peft:  # a LoRA checkpoint holds the adapters only: export them in PEFT format
+        from hybridtrain.peft.export import export_peft
+        from hybridtrain.peft.lora import apply_lora
+
+        apply_lora(model, **peft)
+    model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
     tensors: dict[str, torch.Tensor] = {}
     _tensors(model_sd, "model", tensors)
     _dcp_load(tensors, os.path.join(path, "dcp"))
-    model.load_state_dict(model_sd)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, model_sd, options=_SD_OPTIONS)
     os.makedirs(out_hf_dir, exist_ok=True)
-    _save_pretrained(model, out_hf_dir, None)
     tok_dir = os.path.join(path, "tokenizer")
+    if peft:
+        export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
+    else:
+        _save_pretrained(model, out_hf_dir, None)
     if os.path.isdir(tok_dir):
         for f in os.listdir(tok_dir):
             shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_hf_dir, f))

@@ -19,8 +19,11 @@ at ``x = warmup`` and ``min_lr`` is reached at ``x = decay_steps`` and kept afte
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 STYLES = ("constant", "linear", "cosine", "wsd")
 DECAY_STYLES = ("linear", "cosine", "minus_sqrt")
@@ -117,9 +120,11 @@ class LRScheduler:
                     "lengths in steps or all in samples"
                 )
             warmup, length, wsd = lr_warmup_samples, lr_decay_samples, lr_wsd_decay_samples
+            implicit = length is None
             length = length if length is not None else total_samples
         else:
             warmup, length, wsd = lr_warmup_steps, lr_decay_steps, lr_wsd_decay_steps
+            implicit = length is None
             length = length if length is not None else total_steps
         warmup = int(warmup or 0)
         if warmup < 0:
@@ -129,6 +134,10 @@ class LRScheduler:
                              "or a known run length")
         if style == "wsd" and wsd is None:
             wsd = max(int(round(0.1 * length)), 1)
+        if length is not None and style != "constant" and warmup > length and implicit:
+            logger.warning("lr_scheduler: the run is %d %s long, shorter than lr_warmup_%s=%d; "
+                           "warming up over the whole run", length, units, units, warmup)
+            warmup = int(length)
         if length is not None and style != "constant" and warmup > length:
             raise ValueError(
                 f"lr_scheduler: warmup ({warmup} {units}) is longer than the decay length "

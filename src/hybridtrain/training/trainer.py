@@ -10,6 +10,9 @@ rank's micro-batches, then all-reduced over the data-parallel group), and each m
 *sum* is scaled by ``1 / count`` before backward. Gradients are therefore summed over ranks,
 never averaged.
 
+Validation (token-weighted CE over the whole validation set) runs before the first step, every
+``val_every_steps`` and after the last step.
+
 A step whose loss or gradient norm is not finite is skipped: gradients are dropped, the optimizer
 and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
 without any label token is skipped the same way (it has no loss).
@@ -327,18 +330,20 @@ class Trainer:
             "time_s": time.perf_counter() - t0,
         }
 
+    def _validate_and_log(self) -> None:
+        val = self.validate()
+        self.val_history.append(val)
+        if self.metrics is not None:
+            self.metrics.log_val(val)
+
     # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, hf: bool = False) -> str | None:
+    def save_checkpoint(self, final: bool = False) -> str | None:
         if self.checkpointer is None:
             return None
-        save_hf = self.checkpointer.save_hf
-        self.checkpointer.save_hf = save_hf or hf
-        try:
-            return self.checkpointer.save(
-                self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
-                tokenizer=self.tokenizer)
-        finally:
-            self.checkpointer.save_hf = save_hf
+        export = self.checkpointer.save_hf or (final and self.save_hf_at_end)
+        return self.checkpointer.save(
+            self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
+            tokenizer=self.tokenizer, export=export, final=final)
 
     def resume(self, path: str) -> None:
         assert self.checkpointer is not None
@@ -354,6 +359,8 @@ class Trainer:
         last_ckpt = None
         if self.metrics is not None:
             self.metrics.open(sched.step, sched.max_steps)
+        if self.val_dataset is not None and sched.step == 0:  # the starting point of the curve
+            self._validate_and_log()
         batches = sched.train_batches(
             lambda sampler: self.make_loader(self.train_dataset, sampler),
             len(self.train_dataset), dp_rank=self.ctx.dp_rank)
@@ -368,26 +375,19 @@ class Trainer:
             if self.gc_every_steps and sched.step % self.gc_every_steps == 0:
                 gc.collect()
             if self.val_dataset is not None and sched.is_val_step:
-                val = self.validate()
-                self.val_history.append(val)
-                if self.metrics is not None:
-                    self.metrics.log_val(val)
+                self._validate_and_log()
             if self.checkpointer is not None and self.save_ckpt and sched.is_ckpt_step:
-                last_ckpt = self.save_checkpoint(hf=sched.done and self.save_hf_at_end)
-        hf_dir = None
-        if self.save_hf_at_end:
+                last_ckpt = self.save_checkpoint(final=sched.done)
+        export_dir = None
+        if self.save_hf_at_end and self.checkpointer is not None:
+            if last_ckpt is None and self.save_ckpt:
+                last_ckpt = self.checkpointer.latest()  # a finished run resumed: nothing to do
             if last_ckpt is not None:
-                hf_dir = os.path.join(last_ckpt, "hf")
-            elif self.checkpointer is not None and self.save_ckpt:
-                # resumed a finished run, or the final checkpoint already existed
-                latest = self.checkpointer.latest()
-                if latest and os.path.isdir(os.path.join(latest, "hf")):
-                    hf_dir = os.path.join(latest, "hf")
-            if hf_dir is None and self.checkpointer is not None:
-                from hybridtrain.training.checkpoint import export_hf
-
-                hf_dir = os.path.join(self.checkpointer.dir, "hf")
-                export_hf(self.model, hf_dir, self.tokenizer)
+                export_dir = last_ckpt
+            else:  # checkpoints off: the export goes into the run folder itself
+                self.checkpointer.export_fn(self.model, self.checkpointer.dir, self.tokenizer,
+                                            True)
+                export_dir = self.checkpointer.dir
         plot = self.metrics.close() if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {
@@ -399,6 +399,6 @@ class Trainer:
             "last_val_loss": self.val_history[-1]["val_loss"] if self.val_history else None,
             "wall_time_s": time.perf_counter() - t_start,
             "checkpoint": last_ckpt,
-            "hf_dir": hf_dir,
+            "export_dir": export_dir,
             "loss_png": plot,
         }

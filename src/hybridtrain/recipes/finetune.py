@@ -1,0 +1,395 @@
+"""``hybridtrain finetune``: compose model, tokenizer, data, optimizer, schedules, checkpoints and
+metrics from a recipe, and train.
+
+    from hybridtrain.recipes.finetune import run
+    summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
+
+Order of events: process group (when launched with several ranks) -> seeds -> tokenizer ->
+model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) -> datasets
+(+ packing) -> parallel layout -> optimizer, LR scheduler, step scheduler -> checkpointer and
+resume -> train -> final checkpoint with the HF (or PEFT adapter) export -> summary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
+from hybridtrain.training.checkpoint import Checkpointer, default_export
+from hybridtrain.training.lr_schedule import LRScheduler
+from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.optim import build_optimizer, param_groups
+from hybridtrain.training.rng import seed_all
+from hybridtrain.training.step_scheduler import StepScheduler
+from hybridtrain.training.trainer import DistContext, Trainer, TrainStep
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _as_config(cfg: Any) -> ConfigNode:
+    if isinstance(cfg, ConfigNode):
+        return cfg
+    if isinstance(cfg, (str, os.PathLike)):
+        return load_config(cfg)
+    if isinstance(cfg, Mapping):
+        return build_config(dict(cfg))
+    raise ValueError(f"run() takes a recipe path, a loaded config or a dict, got {type(cfg)}")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _instantiate_with(node, **offered):
+    """``instantiate(node, **kw)`` where ``kw`` are the ``offered`` arguments the target takes
+    and the recipe does not set itself (e.g. the tokenizer object for a dataset builder)."""
+    if node is None:
+        return None
+    try:
+        params = inspect.signature(resolve_target(node["_target_"])).parameters
+    except (TypeError, ValueError, KeyError):
+        params = {}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kw = {k: v for k, v in offered.items() if (k in params or var_kw) and k not in node}
+    return instantiate(node, **kw)
+
+
+def _main_first(is_main: bool, build):
+    """Rank 0 builds first (writes files, fills caches), then the other ranks."""
+    out = build() if is_main else None
+    _barrier()
+    if not is_main:
+        out = build()
+    return out
+
+
+def _build_tokenizer(cfg: ConfigNode, is_main: bool):
+    node = cfg.tokenizer
+    if node is None:
+        return None
+    target = str(node.get("_target_", ""))
+    if target.endswith("build_bpe_tokenizer") and not is_main:
+        # rank 0 trained and saved it; the others load it instead of re-writing the files
+        _barrier()
+        from hybridtrain.data import load_tokenizer
+
+        return load_tokenizer(node["out_dir"])
+    tok = instantiate(node)
+    if target.endswith("build_bpe_tokenizer"):
+        _barrier()
+    return tok
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype (parameters and optimizer state stay fp32; lower precision runs under
+    autocast). ``auto`` is fp32 until mixed-precision auto-selection lands."""
+    if name == "auto":
+        logger.info("training.dtype=auto -> float32 on %s", device.type)
+        return torch.float32
+    return _DTYPES[name]
+
+
+def batch_doc_lengths(batch: dict) -> list[list[int]]:
+    """Rows of document lengths (padding excluded) of a collated batch, for FLOPs counting."""
+    mask = batch.get("attention_mask")
+    B, L = batch["input_ids"].shape
+    if mask is None:
+        return [[L] for _ in range(B)]
+    if "cu_seqlens" not in batch:
+        return [[int(n)] for n in mask.sum(1).tolist() if n > 0]
+    flat = mask.reshape(-1).tolist()
+    cu = batch["cu_seqlens"].tolist()
+    rows: list[list[int]] = [[] for _ in range(B)]
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a and flat[a]:
+            rows[a // L].append(b - a)
+    return [r for r in rows if r]
+
+
+def _flops_fn(model_config):
+    try:
+        from hybridtrain.training.flops import model_flops
+    except ImportError:
+        return None
+
+    def flops(batch: dict) -> float:
+        rows = batch_doc_lengths(batch)
+        return float(model_flops(model_config, rows, training=True)) if rows else 0.0
+
+    return flops
+
+
+def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> float | None:
+    if cfg.metrics.peak_tflops:
+        return float(cfg.metrics.peak_tflops)
+    try:
+        from hybridtrain.training.flops import peak_tflops
+    except ImportError:
+        return None
+    try:
+        return peak_tflops(device, dtype)
+    except ValueError as e:
+        logger.warning("no peak TFLOP/s for MFU: %s", e)
+        return None
+
+
+# -- parallel layout --------------------------------------------------------------------------
+def _parallelize(cfg: ConfigNode, model, world_size: int, device: torch.device, loss_fn,
+                 autocast_dtype):
+    """Applies the ``distributed:`` layout (and activation checkpointing / compile). Returns
+    ``(plan or None, DistContext)``; ``plan`` carries the train step and the clip function."""
+    d, t = cfg.distributed, cfg.training
+    trivial = world_size == 1 and not t.activation_checkpointing and not t.compile
+    if trivial:
+        return None, DistContext()
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+
+    try:
+        from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+    except ImportError as e:
+        raise ValueError(f"this layout needs hybridtrain.models.nemotron_h.parallelize ({e})")
+    dims = ParallelDims(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp,
+                        pp=d.pp, ep=d.ep, world_size=world_size)
+    if world_size > 1:
+        dims.build_mesh(device.type)
+    kwargs = dict(device=device, loss_fn=loss_fn,
+                  activation_checkpointing=t.activation_checkpointing, compile=t.compile,
+                  reshard_after_forward=d.fsdp_reshard_after_forward,
+                  pp_schedule=d.pp_schedule, pp_microbatch_size=d.pp_microbatch_size,
+                  pp_split_points=d.pp_split_points, autocast_dtype=autocast_dtype)
+    accepted = inspect.signature(parallelize_nemotron_h).parameters
+    plan = parallelize_nemotron_h(model, dims, **{k: v for k, v in kwargs.items()
+                                                  if k in accepted})
+    ctx = DistContext(dp_rank=plan.dp_rank, dp_size=plan.dp_size, dp_group=plan.dp_group,
+                      world_size=world_size,
+                      is_main=not dist.is_initialized() or dist.get_rank() == 0)
+    return plan, ctx
+
+
+# -- the recipe -------------------------------------------------------------------------------
+def run(cfg: Any) -> dict[str, Any]:
+    """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
+    cfg = _as_config(cfg)
+    t_start = time.perf_counter()
+    t, ck = cfg.training, cfg.checkpoint
+
+    # process group + device
+    from hybridtrain.distributed.init import destroy_distributed, init_distributed
+
+    backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
+    info = init_distributed(device=None if t.device == "auto" else t.device, backend=backend,
+                            timeout_minutes=cfg.distributed.timeout_seconds / 60)
+    started_pg = info.world_size > 1
+    device, is_main = info.device, info.is_main
+    try:
+        return _run(cfg, device, is_main, info.world_size, t_start)
+    finally:
+        if started_pg:
+            destroy_distributed()
+
+
+def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
+         t_start: float) -> dict[str, Any]:
+    t, ck = cfg.training, cfg.checkpoint
+    out_dir = os.path.abspath(ck.dir)
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+    seed_all(t.seed)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    dtype = resolve_dtype(t.dtype, device)
+    autocast_dtype = None if dtype == torch.float32 else dtype
+
+    # tokenizer, model
+    tokenizer = _build_tokenizer(cfg, is_main)
+    if cfg.model is None:
+        raise ValueError(f"the recipe has no model section ({cfg.source_file})")
+    torch.manual_seed(t.seed)
+    model = instantiate(cfg.model)
+    model_config = getattr(model, "config", None)
+    if tokenizer is not None and model_config is not None and \
+            len(tokenizer) > model_config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
+            f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
+            "use a smaller tokenizer")
+    peft = None
+    if cfg.peft is not None:
+        from hybridtrain.peft.lora import apply_lora
+
+        peft = cfg.peft.to_dict()
+        apply_lora(model, **peft)
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("model %s: %s parameters (%s trainable) on %s", type(model).__name__,
+                f"{n_params:,}", f"{n_train:,}", device)
+
+    # data
+    if cfg.dataset is None:
+        raise ValueError(f"the recipe has no dataset section ({cfg.source_file})")
+    train_ds = _main_first(is_main, lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer))
+    val_ds = _main_first(
+        is_main, lambda: _instantiate_with(cfg.validation_dataset, tokenizer=tokenizer))
+    from hybridtrain.data import build_collator, pack_dataset
+
+    if cfg.packing.enabled:
+        if cfg.packing.split_across_pack:
+            raise ValueError("packing.split_across_pack is not supported; set it to false")
+        train_ds = pack_dataset(train_ds, cfg.packing.pack_size,
+                                pad_to_multiple_of=cfg.packing.pad_to_multiple_of)
+        if cfg.packing.max_packs:
+            train_ds = torch.utils.data.Subset(train_ds, range(min(cfg.packing.max_packs,
+                                                                   len(train_ds))))
+            train_ds.pad_token_id = train_ds.dataset.pad_token_id
+        logger.info("packing: %d rows of %d tokens", len(train_ds), cfg.packing.pack_size)
+    base_train = train_ds.dataset if isinstance(train_ds, torch.utils.data.Subset) else train_ds
+    collators = {id(train_ds): build_collator(base_train)}
+    if val_ds is not None:
+        collators[id(val_ds)] = build_collator(val_ds)
+    pin = cfg.dataloader.pin_memory and device.type == "cuda"
+
+    def make_loader(dataset, batch_sampler):
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collators[id(dataset)],
+                          num_workers=cfg.dataloader.num_workers, pin_memory=pin,
+                          generator=torch.Generator())  # never draws from the global RNG
+
+    # parallel layout, train step
+    from hybridtrain.training.loss import cross_entropy_sum
+
+    plan, ctx = _parallelize(cfg, model, world_size, device, cross_entropy_sum, autocast_dtype)
+    if plan is not None:
+        model, train_step, clip_fn = plan.model, plan.train_step, plan.clip_grad_norm
+    else:
+        train_step, clip_fn = TrainStep(autocast_dtype=autocast_dtype), None
+
+    # step scheduler, optimizer, LR scheduler
+    sched = StepScheduler(
+        t.global_batch_size, t.micro_batch_size, dp_size=ctx.dp_size, max_steps=t.max_steps,
+        num_epochs=t.num_epochs, num_train_samples=len(train_ds),
+        val_every_steps=t.val_every_steps, ckpt_every_steps=t.ckpt_every_steps,
+        log_every_steps=t.log_every_steps, seed=t.seed, shuffle=cfg.dataloader.shuffle,
+        drop_last=cfg.dataloader.drop_last)
+    if "_target_" in cfg.optimizer:
+        wd = cfg.optimizer.get("weight_decay", 0.0)
+        optimizer = instantiate(cfg.optimizer, param_groups(model, wd))
+    else:
+        o = cfg.optimizer
+        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                                    eps=o.eps, implementation=o.implementation, name=o.name)
+    total_samples = sched.max_steps * sched.global_batch_size
+    if "_target_" in cfg.lr_scheduler:
+        lr_scheduler = instantiate(cfg.lr_scheduler, optimizer)
+    else:
+        lr_scheduler = LRScheduler(optimizer, **cfg.lr_scheduler.to_dict(),
+                                   total_steps=sched.max_steps, total_samples=total_samples)
+
+    # checkpoints, metrics, resume
+    export_fn, state_extra = default_export, {}
+    if peft is not None:
+        from hybridtrain.peft.export import export_peft, save_merged_hf
+
+        base = cfg.model.get("local_dir")
+        state_extra = {"peft": peft, "base_model_name_or_path": base}
+
+        def export_fn(m, step_dir, tok, final):
+            export_peft(m, os.path.join(step_dir, "adapter"), base, tok)
+            if final and ck.save_merged_hf:
+                save_merged_hf(m, os.path.join(step_dir, "merged_hf"), tok)
+
+    checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
+                                export_fn=export_fn, state_extra=state_extra)
+    resume = checkpointer.resolve_resume(ck.resume)
+    if resume is None and ck.resume is None and checkpointer.latest() and is_main:
+        logger.warning("%s already holds a run (latest: %s); starting a new one over it "
+                       "(set checkpoint.resume: auto to continue that run)", out_dir,
+                       os.path.basename(checkpointer.latest()))
+    metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
+                            tensorboard_dir=cfg.metrics.tensorboard_dir,
+                            progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
+                            plot=cfg.metrics.plot)
+    trainer = Trainer(
+        model, optimizer, lr_scheduler, sched, train_ds, make_loader, val_dataset=val_ds,
+        checkpointer=checkpointer, metrics=metrics, tokenizer=tokenizer, device=device,
+        grad_clip=t.grad_clip, dist_ctx=ctx, train_step=train_step,
+        max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
+        flops_fn=_flops_fn(model_config) if model_config is not None else None,
+        peak_tflops=_peak_tflops(cfg, device, dtype), save_hf_at_end=ck.save_hf_at_end,
+        save_ckpt=ck.enabled, gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=clip_fn)
+    if resume is not None:
+        trainer.resume(resume)
+    logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "
+                "data-parallel ranks); %d training samples, %s validation samples",
+                sched.max_steps, sched.global_batch_size, sched.grad_acc_steps,
+                sched.micro_batch_size, sched.dp_size, len(train_ds),
+                len(val_ds) if val_ds is not None else "no")
+    summary = trainer.fit()
+    summary["out_dir"] = out_dir
+    summary["total_time_s"] = time.perf_counter() - t_start
+    if is_main:
+        print(format_summary(summary, out_dir), flush=True)
+    return summary
+
+
+def _fmt_time(s: float) -> str:
+    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
+
+
+def format_summary(summary: dict[str, Any], out_dir: str) -> str:
+    def rel(p: str | None) -> str | None:
+        return os.path.relpath(p, out_dir) if p else None
+
+    def f(x):
+        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.4f}"
+
+    lines = [
+        f"hybridtrain finetune: {summary['steps']} steps in {_fmt_time(summary['total_time_s'])}"
+        f" (training {_fmt_time(summary['wall_time_s'])}); loss {f(summary['first_loss'])} -> "
+        f"{f(summary['last_loss'])}"
+        + (f", validation loss {f(summary['last_val_loss'])}"
+           if summary.get("last_val_loss") is not None else "")
+        + (f"; {summary['skipped_steps']} steps skipped" if summary["skipped_steps"] else ""),
+        f"outputs in {out_dir}/",
+    ]
+    entries = []
+    for name, what in (("training.jsonl", "per-step metrics"),
+                       ("validation.jsonl", "validation metrics"), ("loss.png", "loss curve"),
+                       ("config.yaml", "the resolved recipe")):
+        if os.path.exists(os.path.join(out_dir, name)):
+            entries.append((name, what))
+    ck = summary.get("checkpoint")
+    if ck:
+        entries.append((rel(ck) + "/", "checkpoint (resume with --checkpoint.resume=auto)"))
+    exp = summary.get("export_dir")
+    if exp:
+        for sub, what in (("hf", "Hugging Face model + tokenizer"),
+                          ("adapter", "PEFT LoRA adapter"), ("merged_hf", "merged HF model")):
+            if os.path.isdir(os.path.join(exp, sub)):
+                entries.append(((rel(os.path.join(exp, sub)) or sub) + "/", what))
+    if os.path.exists(os.path.join(out_dir, "latest")):
+        entries.append(("latest", "name of the newest checkpoint"))
+    width = max(len(n) for n, _ in entries) + 2 if entries else 0
+    lines += [f"  {n:<{width}}{w}" for n, w in entries]
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""Checkpointer: layout, retention, resume resolution, config checks, RNG, convert."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from train_helpers import standin_model, tiny_model
+
+from hybridtrain.training.checkpoint import Checkpointer, convert
+from hybridtrain.training.lr_schedule import LRScheduler
+from hybridtrain.training.optim import build_optimizer
+from hybridtrain.training.step_scheduler import StepScheduler
+
+
+def _state(model_fn=standin_model, seed=0):
+    model = model_fn(seed)
+    opt = build_optimizer(model, lr=1e-2)
+    # one real update so the optimizer has state
+    model(torch.tensor([[1, 2, 3]])).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    lrs = LRScheduler(opt, lr_decay_style="linear", total_steps=10)
+    lrs.step(4)
+    sched = StepScheduler(4, 2, max_steps=10, num_train_samples=40)
+    sched.advance()
+    return model, opt, lrs, sched
+
+
+def test_layout_and_roundtrip(tmp_path):
+    model, opt, lrs, sched = _state()
+    ck = Checkpointer(str(tmp_path))
+    torch.manual_seed(7)
+    random.seed(7)
+    path = ck.save(1, model, opt, lrs, sched)
+    expect_torch, expect_py = torch.rand(3), random.random()
+    assert os.path.basename(path) == "step_1"
+    assert open(tmp_path / "latest").read() == "step_1\n"
+    names = set(os.listdir(path))
+    assert {"dcp", "trainer_state.json", "rng", "config.json"} <= names
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+    state = json.load(open(os.path.join(path, "trainer_state.json")))
+    assert state["step_scheduler"]["step"] == 1 and state["lr_scheduler"]["num_steps"] == 1
+
+    model2, opt2, lrs2, sched2 = _state(seed=1)  # different weights and counters
+    lrs2.step(4)
+    sched2.advance()
+    ck.load(ck.resolve_resume("auto"), model2, opt2, lrs2, sched2)
+    for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), n
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert all(torch.equal(s1["state"][i][k], s2["state"][i][k])
+               for i in s1["state"] for k in s1["state"][i])
+    assert lrs2.num_steps == 1 and sched2.step == 1
+    assert opt2.param_groups[0]["lr"] == lrs.get_lr()
+    assert torch.equal(torch.rand(3), expect_torch) and random.random() == expect_py
+
+
+def test_resolve_resume(tmp_path):
+    model, opt, lrs, sched = _state()
+    ck = Checkpointer(str(tmp_path / "run"))
+    assert ck.resolve_resume("auto") is None and ck.resolve_resume(None) is None
+    ck.save(1, model, opt, lrs, sched)
+    ck.save(2, model, opt, lrs, sched)
+    step2 = str(tmp_path / "run" / "step_2")
+    assert ck.resolve_resume("auto") == step2
+    assert ck.resolve_resume(str(tmp_path / "run")) == step2  # a run folder -> its latest
+    assert ck.resolve_resume(str(tmp_path / "run" / "step_1")).endswith("step_1")
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        ck.resolve_resume(str(tmp_path / "nowhere"))
+
+
+def test_keep_last_never_deletes_latest(tmp_path):
+    model, opt, lrs, sched = _state()
+    ck = Checkpointer(str(tmp_path), keep_last=2)
+    for s in (2, 4, 6, 8):
+        ck.save(s, model, opt, lrs, sched)
+    assert ck.steps() == [6, 8]
+    # a run resumed from an older checkpoint saves step 3: it is `latest`, so it stays
+    ck.save(3, model, opt, lrs, sched)
+    assert open(tmp_path / "latest").read().strip() == "step_3"
+    assert 3 in ck.steps() and ck.steps() == [3, 6, 8]
+
+
+def test_refuses_a_different_model_config(tmp_path):
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+
+    model, opt, lrs, sched = _state(tiny_model)
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, model, opt, lrs, sched)
+    other = NemotronHForCausalLM(model.config.replace(hidden_size=48))
+    with pytest.raises(ValueError, match=r"model config differs[\s\S]*hidden_size: checkpoint 32"):
+        ck.load(ck.latest(), other, build_optimizer(other))
+
+
+def test_convert_gives_the_hf_export(tmp_path):
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+
+    model, opt, lrs, sched = _state(tiny_model)
+    ck = Checkpointer(str(tmp_path / "run"))
+    step = ck.save(1, model, opt, lrs, sched, export=True)
+    assert os.path.isfile(os.path.join(step, "hf", "config.json"))
+    out = convert(str(tmp_path / "run"), str(tmp_path / "converted"))
+    loaded = NemotronHForCausalLM.from_pretrained(out)
+    exported = NemotronHForCausalLM.from_pretrained(os.path.join(step, "hf"))
+    for (n, a), b, c in zip(model.state_dict().items(), loaded.state_dict().values(),
+                            exported.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c), n
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        convert(str(tmp_path), str(tmp_path / "x"))
