@@ -112,19 +112,20 @@ class _LossWrapper(torch.nn.Module):
     """Training forward as the trainer runs it: hidden states, then the linear cross-entropy.
     (A module, so that FlopCounterMode names the layers by their full path.)"""
 
-    def __init__(self, model, ce_chunk):
+    def __init__(self, model, ce_chunk, ce_recompute):
         super().__init__()
-        self.model, self.ce_chunk = model, ce_chunk
+        self.model, self.ce_chunk, self.ce_recompute = model, ce_chunk, ce_recompute
 
     def forward(self, input_ids, labels, cu_seqlens=None):
         h = self.model.hidden_states(input_ids, cu_seqlens=cu_seqlens)
-        return cross_entropy_sum(h, self.model.lm_head.weight, labels, chunk_size=self.ce_chunk)
+        return cross_entropy_sum(h, self.model.lm_head.weight, labels, chunk_size=self.ce_chunk,
+                                 recompute=self.ce_recompute)
 
 
-def _measure(model, input_ids, training, cu_seqlens=None, ce_chunk=None):
+def _measure(model, input_ids, training, cu_seqlens=None, ce_chunk=None, ce_recompute=False):
     model.zero_grad(set_to_none=True)
     labels = torch.randint(0, model.config.vocab_size, input_ids.shape)
-    wrapper = _LossWrapper(model, ce_chunk)
+    wrapper = _LossWrapper(model, ce_chunk, ce_recompute)
     with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA) as fc:
         if training:
             wrapper(input_ids, labels, cu_seqlens=cu_seqlens).backward()
@@ -165,17 +166,17 @@ def test_matmul_flops_match_flop_counter(pattern, training):
     assert total - extras == pytest.approx(model_flops(config, rows, training, causal=False, matmul_only=True), rel=0.05)
 
 
-def test_chunked_cross_entropy_recomputes_the_head_once():
-    """The chunked loss recomputes the chunk logits in backward: one more LM-head matmul."""
+def test_chunked_cross_entropy_head_matmuls():
+    """The chunked loss forms its gradients in forward (3 LM-head matmuls, as the plain loss) or,
+    with ``recompute=True``, recomputes the chunk logits in backward (one more)."""
     torch.manual_seed(0)
     config = _config("mixed")
     model = NemotronHForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (1, 40))
-    plain, _, _ = _measure(model, ids, training=True, ce_chunk=None)
-    chunked, _, _ = _measure(model, ids, training=True, ce_chunk=16)
     head_fwd = 2 * 40 * config.hidden_size * config.vocab_size
-    assert plain["lm_head"] == 3 * head_fwd
-    assert chunked["lm_head"] == 4 * head_fwd
+    for ce_chunk, recompute, n_matmuls in [(None, False, 3), (16, False, 3), (16, True, 4)]:
+        measured, _, _ = _measure(model, ids, training=True, ce_chunk=ce_chunk, ce_recompute=recompute)
+        assert measured["lm_head"] == n_matmuls * head_fwd, (ce_chunk, recompute)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])

@@ -32,12 +32,15 @@ def _loss_and_grads(fn, hidden, weight, labels):
     return loss.detach(), hidden.grad, weight.grad
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
 @pytest.mark.parametrize("chunk_size", [1, 5, 8, 36, 37, 64, 4096])
 @pytest.mark.parametrize("shape", [None, (1, 37)])
-def test_fp32_loss_and_grads_match_plain(chunk_size, shape):
+def test_fp32_loss_and_grads_match_plain(chunk_size, shape, recompute):
     hidden, weight, labels = _inputs(shape=shape)
     plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
-    chunked = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=chunk_size), hidden, weight, labels)
+    chunked = _loss_and_grads(
+        lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=chunk_size, recompute=recompute), hidden, weight, labels
+    )
     ref = _loss_and_grads(_reference, hidden, weight, labels)
     assert chunked[0].dtype == torch.float32
     for got, want in zip(chunked, plain):
@@ -53,18 +56,19 @@ def test_batched_shape_equals_flat():
     torch.testing.assert_close(flat, batched, rtol=0, atol=0)
 
 
-def test_ignore_index_and_all_ignored_chunk():
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
+def test_ignore_index_and_all_ignored_chunk(recompute):
     hidden, weight, labels = _inputs(n=20, ignore_frac=0.0)
     labels[:8] = -100  # first chunk of 8 entirely ignored, second one partly
     labels[9] = -100
     plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
-    chunked = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=8), hidden, weight, labels)
+    chunked = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=8, recompute=recompute), hidden, weight, labels)
     for got, want in zip(chunked, plain):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Ignored positions get exactly zero gradient and do not enter the loss.
     assert torch.all(chunked[1][:8] == 0) and torch.all(chunked[1][9] == 0)
     kept = labels != -100
-    only_kept = cross_entropy_sum(hidden[kept], weight, labels[kept], chunk_size=8)
+    only_kept = cross_entropy_sum(hidden[kept], weight, labels[kept], chunk_size=8, recompute=recompute)
     torch.testing.assert_close(chunked[0], only_kept.detach(), rtol=1e-6, atol=1e-5)
 
 
@@ -78,18 +82,20 @@ def test_custom_ignore_index():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_all_ignored_gives_zero_loss_and_grads():
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
+def test_all_ignored_gives_zero_loss_and_grads(recompute):
     hidden, weight, labels = _inputs(n=10)
     labels[:] = -100
-    loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=4), hidden, weight, labels)
+    loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=4, recompute=recompute), hidden, weight, labels)
     assert loss.item() == 0.0 and torch.all(gh == 0) and torch.all(gw == 0)
 
 
-def test_grad_output_scaling_and_frozen_weight():
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
+def test_grad_output_scaling_and_frozen_weight(recompute):
     hidden, weight, labels = _inputs()
     weight.requires_grad_(False)
     h1 = hidden.detach().clone().requires_grad_()
-    (cross_entropy_sum(h1, weight, labels, chunk_size=6) * 0.25).backward()
+    (cross_entropy_sum(h1, weight, labels, chunk_size=6, recompute=recompute) * 0.25).backward()
     h2 = hidden.detach().clone().requires_grad_()
     (cross_entropy_sum(h2, weight, labels, chunk_size=None) * 0.25).backward()
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
@@ -104,9 +110,10 @@ def _assert_bf16_close(got, want):
     assert (got.double() - want.double()).abs().max() <= 2**-7 * scale
 
 
-def test_bf16_inputs_fp32_loss_grads_in_input_dtypes():
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
+def test_bf16_inputs_fp32_loss_grads_in_input_dtypes(recompute):
     hidden, weight, labels = _inputs(n=64, h=32, v=257, dtype=torch.bfloat16)
-    loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=16), hidden, weight, labels)
+    loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=16, recompute=recompute), hidden, weight, labels)
     assert loss.dtype == torch.float32 and gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
     # Same bf16 logits as the plain path and fp32 softmax in both: the losses agree to fp32 rounding.
     plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
@@ -117,13 +124,14 @@ def test_bf16_inputs_fp32_loss_grads_in_input_dtypes():
     _assert_bf16_close(gw, ref[2])
 
 
-def test_autocast_recomputes_the_same_logits():
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
+def test_autocast_recomputes_the_same_logits(recompute):
     """Under autocast the chunk logits are bf16 matmuls in forward AND in backward (autocast is not
     active in backward), so the saved log-sum-exp matches the recomputed logits."""
     hidden, weight, labels = _inputs(n=40, h=32, v=129)
     hidden = (hidden.detach() * 8).requires_grad_()  # logits of O(30): a bf16/fp32 mix-up shows
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=16), hidden, weight, labels)
+        loss, gh, gw = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=16, recompute=recompute), hidden, weight, labels)
         plain = _loss_and_grads(lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=None), hidden, weight, labels)
     assert loss.dtype == torch.float32 and gh.dtype == torch.float32 and gw.dtype == torch.float32
     torch.testing.assert_close(loss, plain[0], rtol=1e-5, atol=1e-4)
@@ -140,3 +148,27 @@ def test_shape_errors_name_the_tensors():
         cross_entropy_sum(hidden, weight, labels[:-1])
     with pytest.raises(ValueError, match="chunk_size"):
         cross_entropy_sum(hidden, weight, labels, chunk_size=0)
+
+
+def test_no_grad_forward_forms_no_gradients():
+    hidden, weight, labels = _inputs()
+    with torch.no_grad():
+        got = cross_entropy_sum(hidden, weight, labels, chunk_size=8)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, cross_entropy_sum(hidden, weight, labels, chunk_size=None).detach(),
+                               rtol=1e-6, atol=1e-5)
+    frozen = cross_entropy_sum(hidden.detach(), weight.detach(), labels, chunk_size=8)
+    assert not frozen.requires_grad and frozen.item() == got.item()
+
+
+def test_eager_grads_refuse_a_second_backward():
+    hidden, weight, labels = _inputs()
+    loss = cross_entropy_sum(hidden, weight, labels, chunk_size=8) * 2
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="recompute=True"):
+        loss.backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss = cross_entropy_sum(h2, w2, labels, chunk_size=8, recompute=True)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(h2.grad, hidden.grad, rtol=1e-5, atol=1e-6)  # 2 x one backward each

@@ -2,12 +2,23 @@
 
 With a 131k vocabulary the ``[tokens, vocab]`` logits are the largest tensor of a training step
 (8k tokens x 131k x 4 bytes = 4 GiB in fp32). :func:`cross_entropy_sum` never builds them whole:
-it walks the tokens in chunks, keeps one fp32 log-sum-exp per token in forward and recomputes each
-chunk's logits in backward to form the gradients of the hidden states and of the head weight.
+it walks the tokens in chunks of ``chunk_size`` and, per chunk, forms the logits, their fp32
+log-sum-exp and the loss terms, and the chunk's share of the gradients of the hidden states and
+of the head weight. Two ways to get the gradients:
 
-Precision (issue 7): the matmul runs in the input dtype (bf16 on GPU / bf16-capable CPUs); the
-logits are then taken to fp32 and every softmax, log-sum-exp and the loss sum are fp32. The
-weight gradient is accumulated over chunks in fp32 and returned in the weight's dtype.
+* ``recompute=True``: forward keeps one fp32 log-sum-exp per token and backward recomputes each
+  chunk's logits. Costs one more LM-head matmul per step; nothing but the inputs is held between
+  forward and backward (use it where forwards run long before their backwards, as in a GPipe
+  pipeline schedule).
+* ``recompute=False`` (default): the gradients are formed in forward from the chunk logits
+  already at hand and held until backward scales them by the incoming gradient. Same peak memory
+  when backward follows forward (the buffers are the ones backward would allocate first), one
+  LM-head matmul less. Without autograd (``torch.no_grad()`` or inputs without
+  ``requires_grad``) no gradient is formed.
+
+Precision (issue 7): the matmul runs in the input dtype (or autocast's); the logits are then taken
+to fp32 and every softmax, log-sum-exp and the loss sum are fp32. The weight gradient is
+accumulated over chunks in fp32 and returned in the weight's dtype.
 
 Labels are aligned with ``hidden`` (the caller shifts them for next-token prediction); positions
 equal to ``ignore_index`` contribute nothing. The result is the fp32 SUM over label tokens:
@@ -28,13 +39,14 @@ def cross_entropy_sum(
     labels: torch.Tensor,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     ignore_index: int = -100,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Sum over tokens of ``cross_entropy(hidden @ weight.T, labels)``, as an fp32 scalar.
 
     hidden: ``[N, H]`` or ``[B, L, H]``; weight: ``[V, H]`` (the LM head); labels: ``[N]`` or
     ``[B, L]`` integer class ids or ``ignore_index``. ``chunk_size`` tokens are processed at a
     time (``None`` computes the full logits, the plain reference). Gradients come back in the
-    dtypes of ``hidden`` and ``weight``.
+    dtypes of ``hidden`` and ``weight``. ``recompute``: see the module docstring.
     """
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(
@@ -53,7 +65,10 @@ def cross_entropy_sum(
     if chunk_size is None:
         logits = (hidden @ weight.t()).float()
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        with torch.no_grad():
+            return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight))[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, recompute)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -65,65 +80,98 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, grad_hidden=None, grad_weight=None,
+             scale=None):
+    """One pass over the chunks, with autocast off and the matmuls in ``dtype``.
+
+    Returns ``(loss_sum, lse)``. When ``lse`` is given (a per-token fp32 log-sum-exp from an
+    earlier pass) the logits are not reduced again. When ``grad_hidden`` ([N, H]) and/or
+    ``grad_weight`` ([V, H] fp32, accumulated into) are given, the gradients of
+    ``scale * loss_sum`` are written to them.
+    """
+    n = hidden.shape[0]
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # 0 stands in; masked below
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    out_lse = lse if lse is not None else torch.empty(n, dtype=torch.float32, device=hidden.device)
+    want_grads = grad_hidden is not None or grad_weight is not None
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            h = hidden[start:end].to(dtype)
+            y, ok = safe_labels[start:end], valid[start:end]
+            logits = (h @ w.t()).float()
+            if lse is None:
+                chunk_lse = torch.logsumexp(logits, dim=-1)
+                out_lse[start:end] = chunk_lse
+                target = logits.gather(1, y[:, None]).squeeze(1)
+                total += torch.where(ok, chunk_lse - target, 0.0).sum()
+            else:
+                chunk_lse = lse[start:end]
+            if not want_grads:
+                continue
+            # d(lse - logit[label]) / d logits = softmax - onehot(label); zero on ignored rows.
+            g = logits
+            g.sub_(chunk_lse[:, None]).exp_()
+            g[torch.arange(end - start, device=g.device), y] -= 1.0
+            g.mul_(torch.where(ok, scale, 0.0)[:, None])
+            g = g.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = g @ w
+            if grad_weight is not None:
+                if dtype == torch.float32:
+                    # (the out= form, not addmm_, so FlopCounterMode sees the matmul)
+                    torch.addmm(grad_weight, g.t(), h, out=grad_weight)
+                else:
+                    grad_weight += (g.t() @ h).float()
+            del g, logits
+    return total, out_lse
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     # Autocast is switched off inside and the compute dtype chosen once in forward, so that the
     # logits recomputed in backward (where autocast is not active) are bit-identical to forward's.
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, recompute):
         dtype = _compute_dtype(hidden, weight)
-        n = hidden.shape[0]
-        valid = labels != ignore_index
-        # Index 0 stands in for ignored positions; their terms are masked out.
-        safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            for start in range(0, n, chunk_size):
-                end = min(start + chunk_size, n)
-                logits = (hidden[start:end].to(dtype) @ w.t()).float()
-                chunk_lse = torch.logsumexp(logits, dim=-1)
-                target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)
-                lse[start:end] = chunk_lse
-                total += torch.where(valid[start:end], chunk_lse - target, 0.0).sum()
-                del logits
-        ctx.save_for_backward(hidden, weight, safe_labels, valid, lse)
-        ctx.chunk_size = chunk_size
-        ctx.dtype = dtype
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.args = (chunk_size, ignore_index, dtype)
+        ctx.recompute = recompute
+        if recompute:
+            total, lse = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype)
+            ctx.save_for_backward(hidden, weight, labels, lse)
+            return total
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
+        total, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype,
+                            grad_hidden=grad_hidden, grad_weight=grad_weight, scale=one)
+        ctx.grads = [grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)]
         return total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        hidden, weight, safe_labels, valid, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dtype, chunk_size, n = ctx.dtype, ctx.chunk_size, hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # The weight gradient is summed over chunks in fp32 (bf16 partial sums would lose bits).
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        chunk_size, ignore_index, dtype = ctx.args
         scale = grad_total.float()
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            for start in range(0, n, chunk_size):
-                end = min(start + chunk_size, n)
-                h = hidden[start:end].to(dtype)
-                # d(lse - logit[label]) / d logits = softmax - onehot(label); zero on ignored rows.
-                g = (h @ w.t()).float()
-                g.sub_(lse[start:end, None]).exp_()
-                rows = torch.arange(end - start, device=g.device)
-                g[rows, safe_labels[start:end]] -= 1.0
-                g.mul_(torch.where(valid[start:end], scale, 0.0)[:, None])
-                g = g.to(dtype)
-                if need_hidden:
-                    grad_hidden[start:end] = g @ w
-                if need_weight:
-                    if dtype == torch.float32:
-                        # (the out= form, not addmm_, so FlopCounterMode sees the matmul)
-                        torch.addmm(grad_weight, g.t(), h, out=grad_weight)
-                    else:
-                        grad_weight += (g.t() @ h).float()
-                del g
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        if ctx.recompute:
+            hidden, weight, labels, lse = ctx.saved_tensors
+            need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            grad_hidden = torch.empty_like(hidden) if need_hidden else None
+            # The weight gradient is summed over chunks in fp32 (bf16 partial sums would lose bits).
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+            _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=lse,
+                     grad_hidden=grad_hidden, grad_weight=grad_weight, scale=scale)
+            if grad_weight is not None:
+                grad_weight = grad_weight.to(weight.dtype)
+            return grad_hidden, grad_weight, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError(
+                "cross_entropy_sum(recompute=False) gives its gradients to one backward only; "
+                "use recompute=True to backward through it more than once (retain_graph)"
+            )
+        grads, ctx.grads = ctx.grads, None
+        # scaled in place (by the fp32 scalar): these buffers were made for this backward
+        return tuple(g.mul_(scale) if g is not None else None for g in grads) + (None,) * 4
