@@ -1,0 +1,109 @@
+"""`hybridtrain benchmark`: the recipe runs on CPU and reports what issue 6 asks for.
+
+Speed itself is not asserted here (timed unit tests are flaky by nature); benchmarks/ prints the
+measured ratios."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hybridtrain.recipes.benchmark import _collate_synthetic, run, synthetic_rows
+
+
+def _cfg(tmp_path, **bench):
+    return {
+        "model": {
+            "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
+            "config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed"},
+        },
+        "training": {"global_batch_size": 2, "micro_batch_size": 2, "seed": 0, "device": "cpu"},
+        "checkpoint": {"dir": str(tmp_path / "run")},
+        "benchmark": {"warmup_steps": 1, "steps": 1, "seq_len": 32, "seq_lengths": [16, 64], **bench},
+    }
+
+
+def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, capsys):
+    res = run(_cfg(tmp_path, profile=str(tmp_path / "prof"), measure_peak=True, doc_length=12))
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "MFU" in out and "cost growth" in out
+    on_disk = json.loads(open(tmp_path / "run" / "benchmark.json").read())
+    assert [r["name"] for r in on_disk["runs"]] == ["float32_main", "float32_L16", "float32_L64"]
+    for r in on_disk["runs"]:
+        for key in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb"):
+            assert r[key] is not None and r[key] > 0, (r["name"], key)
+        assert r["tokens_per_step"] == 64  # global_batch_size x seq_len tokens, at every length
+    assert on_disk["matmul_peak_tflops_measured"]["torch.float32"] > 0
+    main = on_disk["runs"][0]
+    assert main["peak_tflops"] == on_disk["matmul_peak_tflops_measured"]["torch.float32"]
+    assert main["mfu"] == pytest.approx(main["tflops_per_device"] / main["peak_tflops"])
+    assert os.path.isfile(main["profile"]) and json.load(open(main["profile"]))["traceEvents"]
+    growth = on_disk["cost_growth"]["torch.float32"]
+    assert [g["seq_len"] for g in growth] == [16, 64]
+    assert res["output"] == str(tmp_path / "run" / "benchmark.json")
+
+
+def test_benchmark_compares_dtypes(tmp_path):
+    res = run(_cfg(tmp_path, dtypes=["float32", "bfloat16"], seq_lengths=[]))
+    assert [r["name"] for r in res["runs"]] == ["float32_main", "bfloat16_main"]
+    assert [r["dtype"] for r in res["runs"]] == ["torch.float32", "torch.bfloat16"]
+    assert all(r["tokens_per_s"] > 0 for r in res["runs"])
+
+
+def test_benchmark_on_the_recipe_data(tmp_path):
+    cfg = _cfg(tmp_path, data="recipe", seq_lengths=[])
+    cfg["tokenizer"] = {
+        "_target_": "hybridtrain.data.build_bpe_tokenizer",
+        "texts": {"_target_": "hybridtrain.data.synthetic_texts", "num_questions": 50, "seed": 0},
+        "out_dir": str(tmp_path / "tok"), "vocab_size": 512,
+    }
+    cfg["model"]["config"]["vocab_size"] = 512
+    cfg["dataset"] = {
+        "_target_": "hybridtrain.data.build_squad_dataset",
+        "path": {"_target_": "hybridtrain.data.write_synthetic_squad", "path": str(tmp_path / "d.json"),
+                 "num_questions": 50, "seed": 0},
+        "seq_length": 128, "cache_dir": str(tmp_path / "cache"),
+    }
+    cfg["packing"] = {"enabled": True, "pack_size": 256}
+    res = run(cfg)
+    main = res["runs"][0]
+    assert main["data"] == "recipe" and main["tokens_per_s"] > 0
+    # packed rows of real examples: fewer tokens than the 2 x 256 slots, never more
+    assert 0 < main["tokens_per_step"] <= 2 * 256
+
+
+def test_synthetic_rows_are_packed_documents():
+    rows = synthetic_rows(2, 10, 50, doc_length=4, seed=0)
+    r = rows[0]
+    assert r["cu_seqlens"].tolist() == [0, 4, 8, 10]
+    assert r["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    ids, labels = r["input_ids"], r["labels"]
+    for a, b in [(0, 4), (4, 8), (8, 10)]:  # labels shifted inside each document, none across
+        assert labels[a:b - 1].tolist() == ids[a + 1:b].tolist() and labels[b - 1] == -100
+    batch = _collate_synthetic(rows, packed=True)
+    assert batch["cu_seqlens"].tolist() == [0, 4, 8, 10, 14, 18, 20]
+    assert int(batch["num_tokens"]) == 20 and int(batch["num_label_tokens"]) == 14
+    assert "cu_seqlens" not in _collate_synthetic(synthetic_rows(2, 10, 50), packed=False)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"data": "files"}, "benchmark.data"),
+    ({"steps": 0}, "benchmark.steps"),
+    ({"seq_lengths": [0]}, "seq_lengths"),
+    ({"stepz": 3}, "unknown key"),
+])
+def test_benchmark_options_are_checked(tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        run(_cfg(tmp_path, **bad))
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_an_error(tmp_path):
+    cfg = _cfg(tmp_path, data="recipe")
+    cfg["tokenizer"] = {
+        "_target_": "hybridtrain.data.build_bpe_tokenizer",
+        "texts": {"_target_": "hybridtrain.data.synthetic_texts", "num_questions": 20, "seed": 0},
+        "out_dir": str(tmp_path / "tok"), "vocab_size": 300,
+    }
+    with pytest.raises(ValueError, match="vocab_size"):
+        run(cfg)
