@@ -182,10 +182,10 @@ def load_pretrained(
     state = model.state_dict(keep_vars=True)
     check_tensors(expected_hub_shapes(state), found, local_dir)
 
-    dtype = parse_dtype(dtype)
-    if dtype is None:  # as stored: the most common floating dtype of the checkpoint
-        counts = Counter(found[n][1] for n in found if not IGNORED_ON_LOAD.match(n) and found[n][1] in _ST_DTYPES)
-        dtype = _ST_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+    # as stored: the most common floating dtype of the checkpoint
+    counts = Counter(found[n][1] for n in found if not IGNORED_ON_LOAD.match(n) and found[n][1] in _ST_DTYPES)
+    stored = _ST_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+    dtype = parse_dtype(dtype) or stored
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(dtype=dtype)  # (the router keeps e_score_correction_bias in fp32 itself)
     model.to_empty(device=device)
@@ -204,6 +204,9 @@ def load_pretrained(
                         target = target[expert]
                     target.copy_(f.get_tensor(k))
     model.eval()
+    # what `checkpoint.save_dtype: auto` writes back (a bf16 Hub checkpoint trained in fp32
+    # is exported as bf16 again)
+    model.checkpoint_dtype = stored
     return model
 
 
@@ -213,9 +216,13 @@ def save_hf_checkpoint(
     config: NemotronHConfig,
     save_dir: str | os.PathLike,
     max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
 ) -> None:
     """Write our (full, unsharded) state dict as a Hub checkpoint: safetensors shards of at most
     ``max_shard_size`` (+ index when more than one), and config.json.
+
+    ``dtype``: write the floating-point tensors in this dtype (None: as they are); the tensors
+    transformers keeps in fp32 (``e_score_correction_bias``) stay fp32 either way.
 
     Written into a temporary directory next to ``save_dir`` first. A new ``save_dir`` appears by
     one rename; an existing one has its files replaced one by one (stale weight files are removed,
@@ -224,13 +231,20 @@ def save_hf_checkpoint(
     save_dir = os.path.abspath(os.fspath(save_dir))
     limit = parse_size(max_shard_size)
     items = list(hub_tensors(state_dict))
-    float_dtypes = Counter(t.dtype for n, t in items if t.is_floating_point() and not n.endswith(_KEEP_FP32))
+    dtype = parse_dtype(dtype)
+
+    def out_dtype(name: str, t: torch.Tensor) -> torch.dtype:  # each tensor is cast as it is written
+        if dtype is None or not t.is_floating_point() or name.endswith(_KEEP_FP32):
+            return t.dtype
+        return dtype
+
+    float_dtypes = Counter(out_dtype(n, t) for n, t in items if t.is_floating_point() and not n.endswith(_KEEP_FP32))
     main_dtype = float_dtypes.most_common(1)[0][0] if float_dtypes else torch.float32
 
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in items:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * out_dtype(name, t).itemsize
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -249,9 +263,9 @@ def save_hf_checkpoint(
             tensors = {}
             for name, t in shard:
                 # a fresh contiguous CPU tensor per entry (expert slices share storage otherwise)
-                tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+                tensors[name] = t.detach().to("cpu", dtype=out_dtype(name, t), copy=True).contiguous()
                 weight_map[name] = fname
-                total += t.numel() * t.element_size()
+                total += tensors[name].nbytes
             save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
             del tensors
         if n > 1:
@@ -281,5 +295,12 @@ def _publish(tmp: str, save_dir: str) -> None:
             os.remove(os.path.join(save_dir, fn))
 
 
-def save_pretrained(model: "NemotronHForCausalLM", save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
-    save_hf_checkpoint(model.state_dict(), model.config, save_dir, max_shard_size=max_shard_size)
+def save_pretrained(
+    model: "NemotronHForCausalLM",
+    save_dir: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    sd = model.state_dict() if state_dict is None else state_dict
+    save_hf_checkpoint(sd, model.config, save_dir, max_shard_size=max_shard_size, dtype=dtype)

@@ -231,12 +231,22 @@ class NemotronHForCausalLM(nn.Module):
 
         return load_pretrained(cls, local_dir, dtype=dtype, device=device)
 
-    def save_pretrained(self, save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+    def save_pretrained(
+        self,
+        save_dir: str | os.PathLike,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | str | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """Write a Hugging Face checkpoint (Hub names, per-expert tensors, config.json, index when
-        sharded) that ``transformers.NemotronHForCausalLM.from_pretrained`` loads."""
+        sharded) that ``transformers.NemotronHForCausalLM.from_pretrained`` loads.
+
+        ``dtype``: the dtype to write (e.g. bf16 from fp32 master weights; None: as held).
+        ``state_dict``: full tensors to write instead of this module's (e.g. gathered from FSDP
+        shards). ``from_pretrained`` records the dtype it read as ``checkpoint_dtype``."""
         from .hf_io import save_pretrained
 
-        save_pretrained(self, save_dir, max_shard_size=max_shard_size)
+        save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype, state_dict=state_dict)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
