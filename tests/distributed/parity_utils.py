@@ -83,10 +83,10 @@ def micro_batches(step_rows: list[dict], dp_rank: int, dp_size: int, packed: boo
     return out
 
 
-def ce_sum(hidden, weight, labels):
+def ce_sum(hidden, weight, labels, recompute: bool = False):
     from hybridtrain.training.loss import cross_entropy_sum
 
-    return cross_entropy_sum(hidden, weight, labels)
+    return cross_entropy_sum(hidden, weight, labels, recompute=recompute)
 
 
 def train(plan, steps_rows, packed: bool, optimizer=None, start: int = 0, steps: int = STEPS):

@@ -22,6 +22,8 @@ LAYOUTS_2 = {
     "ep2": {"ep": 2},
     "pp2_1f1b": {"pp": 2},
     "pp2_interleaved": {"pp": 2, "schedule": "interleaved1f1b"},
+    "pp2_gpipe": {"pp": 2, "schedule": "gpipe"},
+    "pp2_zbv": {"pp": 2, "schedule": "zbv"},
 }
 LAYOUTS_4 = {
     "hsdp2x2": {"dp_replicate": 2},

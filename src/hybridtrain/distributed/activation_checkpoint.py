@@ -124,6 +124,7 @@ def apply_activation_checkpointing(
     policy = parse_ac_policy(policy)
     chosen = []
     for i, block in blocks:
+        i = int(i)  # ModuleDict keys are strings
         if policy.selects(i, layer_type(block)):
             checkpoint_module(block)
             chosen.append(i)

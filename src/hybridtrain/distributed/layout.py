@@ -32,9 +32,10 @@ def init_options(dcfg: Mapping | None) -> dict[str, Any]:
             "timeout_minutes": float(timeout_s) / 60.0}
 
 
-def parallel_dims_from_config(dcfg: Mapping | None, world_size: int,
-                              device_type: str = "cpu") -> ParallelDims:
-    """Validated degrees; the named meshes are built when there is more than one rank."""
+def parallel_dims_from_config(dcfg: Mapping | None, world_size: int, device_type: str = "cpu",
+                              build_mesh: bool = True) -> ParallelDims:
+    """Validated degrees; the named meshes are built (a collective) when there is more than
+    one rank and ``build_mesh``."""
     dims = ParallelDims(
         dp_replicate=_get(dcfg, "dp_replicate", 1),
         dp_shard=_get(dcfg, "dp_shard", -1),
@@ -44,7 +45,7 @@ def parallel_dims_from_config(dcfg: Mapping | None, world_size: int,
         ep=_get(dcfg, "ep", 1),
         world_size=world_size,
     )
-    if world_size > 1:
+    if world_size > 1 and build_mesh:
         dims.build_mesh(device_type)
     return dims
 

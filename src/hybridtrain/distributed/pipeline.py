@@ -57,6 +57,7 @@ class ScheduleSpec:
     cls_name: str
     multi: bool  # several stages per rank
     style: str  # "loop" or "v"
+    split_backward: bool = False  # zero-bubble: input and weight gradients in two passes
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -64,9 +65,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec("gpipe", "ScheduleGPipe", False, "loop"),
     "interleaved1f1b": ScheduleSpec("interleaved1f1b", "ScheduleInterleaved1F1B", True, "loop"),
     "loopedbfs": ScheduleSpec("loopedbfs", "ScheduleLoopedBFS", True, "loop"),
-    "interleavedzb": ScheduleSpec("interleavedzb", "ScheduleInterleavedZeroBubble", True, "loop"),
-    "zbv": ScheduleSpec("zbv", "ScheduleZBVZeroBubble", True, "v"),
-    "dualpipev": ScheduleSpec("dualpipev", "ScheduleDualPipeV", True, "v"),
+    "interleavedzb": ScheduleSpec("interleavedzb", "ScheduleInterleavedZeroBubble", True, "loop",
+                                  True),
+    "zbv": ScheduleSpec("zbv", "ScheduleZBVZeroBubble", True, "v", True),
+    "dualpipev": ScheduleSpec("dualpipev", "ScheduleDualPipeV", True, "v", True),
 }
 _SCHEDULE_ALIASES = {
     "interleavedzerobubble": "interleavedzb",
@@ -104,6 +106,13 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, style: str) 
         assert stages_per_rank == 2, "V schedules run exactly 2 stages per rank"
         return sorted([pp_rank, 2 * pp - 1 - pp_rank])
     return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def stage_rank(stage: int, pp: int, style: str) -> int:
+    """The pp rank that runs ``stage``."""
+    if style == "v" and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 def balanced_split(
@@ -406,6 +415,12 @@ class PipelineTrainStep:
         args = (batch["input_ids"],) if first else ()
         kwargs = dict(position_ids=batch["position_ids"], labels=batch["labels"])
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if not train and self.spec.style == "v":
+            # the V schedules have no forward-only mode: walk the stages micro-batch by micro-batch
+            with self._autocast(self.device):
+                total = total + self._forward_only(batch, n_micro, *args)
+            dist.all_reduce(total, group=self.pp_group)
+            return total
         with self._autocast(self.device):
             if train:
                 sched.step(*args, target=batch["labels"], return_outputs=False, **kwargs)
@@ -417,6 +432,37 @@ class PipelineTrainStep:
                     total = total + out.float().sum().to(self.device)
         self._ce_sums = []
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds it
+        return total
+
+    def _forward_only(self, batch: dict, n_micro: int, *args) -> torch.Tensor:
+        """Forward-only pass without a schedule: micro-batch after micro-batch, every rank walks
+        the stages in order, running its own and sending/receiving at rank boundaries (one
+        global order, so no deadlock). Returns this rank's CE sum (the last stage's)."""
+        me = dist.get_rank(self.pp_group)
+        owner = [stage_rank(s, self.pp, self.spec.style) for s in range(self.num_stages)]
+        module = dict(zip(self.stage_ids, self.stages))
+        rows = batch["input_ids"].shape[0] // n_micro
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for m in range(n_micro):
+            sl = slice(m * rows, (m + 1) * rows)
+            kwargs = dict(position_ids=batch["position_ids"][sl], labels=batch["labels"][sl])
+            x = None
+            for s in range(self.num_stages):
+                if owner[s] != me:
+                    continue
+                if s == 0:
+                    x = batch["input_ids"][sl]
+                elif owner[s - 1] != me:
+                    x = torch.empty(rows, batch["input_ids"].shape[1], self.hidden_size,
+                                    dtype=self.hidden_dtype, device=self.device)
+                    dist.recv(x, group=self.pp_group, group_src=owner[s - 1])
+                out = module[s](x, **kwargs)
+                if s == self.num_stages - 1:
+                    total = total + out.float()
+                    continue
+                x = out
+                if owner[s + 1] != me:
+                    dist.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
         return total
 
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict], num_label_tokens: int):

@@ -297,6 +297,13 @@ def parallelize_nemotron_h(
     if dims.pp > 1:
         spec, num_stages, ranges, stage_ids = _pipeline_layout(
             config, dims, pp_schedule, pp_stages_per_rank, pp_split_points, pp_layer_costs)
+        if spec.split_backward and loss_fn is not None:
+            # zero-bubble schedules back-propagate twice through the loss (inputs, then weights)
+            import functools
+            import inspect
+
+            if "recompute" in inspect.signature(loss_fn).parameters:
+                loss_fn = functools.partial(loss_fn, recompute=True)
         keep = {i for s in stage_ids for i in range(*ranges[s])}
         _prune(model, keep, first=0 in stage_ids, last=num_stages - 1 in stage_ids)
         logger.info("pipeline: %d stages, layer ranges %s; this rank runs stages %s (%s)",

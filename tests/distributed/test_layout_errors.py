@@ -1,0 +1,173 @@
+"""Layout helpers and user errors that need no processes: schedules, stage splits, options."""
+
+import pytest
+import torch
+
+from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.pipeline import (
+    balanced_split,
+    merge_micro_batches,
+    position_ids_from_cu_seqlens,
+    resolve_schedule,
+    split_from_points,
+    stage_ids_for_rank,
+    stage_rank,
+)
+
+
+def test_schedule_names():
+    assert resolve_schedule("1F1B").name == "1f1b"
+    assert resolve_schedule("Interleaved1F1B").multi
+    assert resolve_schedule("interleaved_1f1b").name == "interleaved1f1b"
+    assert resolve_schedule("ZBVZeroBubble").style == "v"
+    with pytest.raises(ValueError) as e:
+        resolve_schedule("pipedream")
+    msg = str(e.value)
+    assert "unknown pipeline schedule 'pipedream'" in msg
+    assert "1f1b, gpipe, interleaved1f1b" in msg and "zbv" in msg
+
+
+def test_stage_placement():
+    assert stage_ids_for_rank(0, 2, 1, "loop") == [0]
+    assert stage_ids_for_rank(1, 2, 2, "loop") == [1, 3]
+    assert stage_ids_for_rank(0, 2, 2, "v") == [0, 3]
+    assert [stage_rank(s, 2, "v") for s in range(4)] == [0, 1, 1, 0]
+    assert [stage_rank(s, 2, "loop") for s in range(4)] == [0, 1, 0, 1]
+
+
+def test_balanced_split_by_cost():
+    # one expensive layer in the middle; the head is expensive too
+    costs = [1, 1, 8, 1, 1, 1]
+    assert balanced_split(costs, 2) == [(0, 3), (3, 6)]
+    assert balanced_split(costs, 2, last_extra=6) == [(0, 3), (3, 6)]
+    assert balanced_split([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # the head pushes layers towards the first stage
+    assert balanced_split([1] * 8, 2, last_extra=4) == [(0, 6), (6, 8)]
+    with pytest.raises(ValueError, match="4 stages need at least 4 layers, the model has 3"):
+        balanced_split([1, 1, 1], 4)
+
+
+def test_manual_split_points():
+    assert split_from_points([2, "layers.5"], 7, 3) == [(0, 2), (2, 5), (5, 7)]
+    assert split_from_points(["backbone.layers.3"], 7, 2) == [(0, 3), (3, 7)]
+    with pytest.raises(ValueError, match="1 split points give 2 stages, but the layout has 4"):
+        split_from_points([3], 7, 4)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        split_from_points([4, 2], 7, 3)
+    with pytest.raises(ValueError, match="cannot read 'x.y'"):
+        split_from_points(["x.y"], 7, 2)
+
+
+def test_nemotron_layer_costs_and_layouts():
+    from hybridtrain.models.nemotron_h import tiny_config
+    from hybridtrain.models.nemotron_h.parallelize import _pipeline_layout, layer_costs
+
+    cfg = tiny_config("mixed")  # M * - E M * E
+    costs = layer_costs(cfg, seq_len=4096)
+    assert costs[1] > costs[2]  # attention at 4k tokens costs more than the MLP
+    dims = ParallelDims(world_size=2, pp=2)
+    spec, n, ranges, ids = _pipeline_layout(cfg, dims, "interleaved1f1b", None, None, None)
+    assert n == 4 and ids == [0, 2] and ranges[0][0] == 0 and ranges[-1][1] == 7
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        _pipeline_layout(cfg, dims, "1f1b", 2, None, None)
+    with pytest.raises(ValueError, match="pp_stages_per_rank >= 2"):
+        _pipeline_layout(cfg, dims, "interleaved1f1b", 1, None, None)
+    with pytest.raises(ValueError, match="8 stages need at least 8 layers, the model has 7"):
+        _pipeline_layout(cfg, ParallelDims(world_size=4, pp=4), "interleaved1f1b", None, None, None)
+
+
+def test_unsupported_degrees_and_ep_errors():
+    from hybridtrain.distributed.expert_parallel import check_ep_backend
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+
+    model = NemotronHForCausalLM(tiny_config("mixed"))
+    with pytest.raises(ValueError, match="distributed.tp=2: tensor parallelism is not implemented"):
+        parallelize_nemotron_h(model, ParallelDims(world_size=2, tp=2))
+    with pytest.raises(ValueError, match="distributed.cp=2: context parallelism is not implemented"):
+        parallelize_nemotron_h(model, ParallelDims(world_size=2, cp=2))
+    with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by ep=3"):
+        ParallelDims(world_size=3, ep=3).check_experts(8)
+    with pytest.raises(ValueError, match="deepep needs CUDA"):
+        check_ep_backend("deepep", "cpu")
+
+
+def test_packed_positions_travel_by_rows():
+    # 2 rows of 6 tokens: docs [3, 3 | 2, 4]
+    cu = torch.tensor([0, 3, 6, 8, 12])
+    pos = position_ids_from_cu_seqlens(cu, 2, 6)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]
+    mbs = [{"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long),
+            "cu_seqlens": torch.tensor([0, 2, 4])},
+           {"input_ids": torch.ones(1, 6, dtype=torch.long), "labels": torch.ones(1, 6, dtype=torch.long),
+            "position_ids": torch.arange(6)[None]}]
+    b = merge_micro_batches(mbs)
+    assert b["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+    assert b["labels"][0].tolist() == [1, 1, 1, 1, -100, -100]
+
+
+def test_single_process_plan_is_the_model():
+    """With one process the plan runs the model's own modules: same loss as its forward."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(tiny_config("mixed"))
+    ids = torch.randint(0, 256, (2, 12))
+    labels = torch.randint(0, 256, (2, 12))
+    ref = model(ids, labels=labels) * labels.numel()
+    plan = parallelize_nemotron_h(model, ParallelDims(world_size=1))
+    assert plan.model is model and plan.dp_size == 1
+    torch.testing.assert_close(plan.stages[0](ids, labels=labels), ref, rtol=1e-6, atol=1e-5)
+    assert set(dict(model.named_parameters())) == set(
+        dict(NemotronHForCausalLM(tiny_config("mixed")).named_parameters()))
+
+
+def test_config_helpers():
+    from hybridtrain.distributed.layout import init_options, parallel_dims_from_config, parallelize_options
+
+    dims = parallel_dims_from_config({"pp": 2, "ep": 2, "dp_shard": -1}, 8, build_mesh=False)
+    assert (dims.dp_shard, dims.efsdp) == (4, 2)
+    assert init_options({"backend": "auto", "timeout_seconds": 120}) == {
+        "backend": None, "timeout_minutes": 2.0}
+    opts = parallelize_options({"pp_schedule": "zbv"}, {"activation_checkpointing": "moe"})
+    assert opts["pp_schedule"] == "zbv" and opts["activation_checkpointing"] == "moe"
+    with pytest.raises(ValueError, match="world size 8 is not divisible by tp·cp·pp = 3"):
+        parallel_dims_from_config({"pp": 3}, 8, build_mesh=False)
+
+
+def test_activation_checkpointing_policies():
+    from hybridtrain.distributed.activation_checkpoint import ACPolicy, parse_ac_policy
+
+    assert parse_ac_policy(True) == ACPolicy("all")
+    assert parse_ac_policy(False).mode == "none"
+    assert parse_ac_policy(2) == ACPolicy("every", every=2)
+    assert parse_ac_policy({"every": 3}).every == 3
+    assert parse_ac_policy("mamba, moe").layer_types == ("linear_attention", "moe")
+    assert parse_ac_policy(["*", "E"]).layer_types == ("full_attention", "moe")
+    with pytest.raises(ValueError, match="unknown layer type 'conv'"):
+        parse_ac_policy(["conv"])
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_ac_policy({"bogus": 1})
+
+
+def test_activation_checkpointing_is_bitwise_and_keeps_names():
+    from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+
+    def run(policy):
+        torch.manual_seed(0)
+        m = NemotronHForCausalLM(tiny_config("mixed"))
+        names = set(dict(m.named_parameters()))
+        chosen = apply_activation_checkpointing(m.backbone.layers.items(), policy) if policy else []
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+        m(ids, labels=ids).backward()
+        assert set(dict(m.named_parameters())) == names
+        return chosen, {n: p.grad for n, p in m.named_parameters()}
+
+    _, ref = run(None)
+    for policy, expect in [(True, list(range(7))), ({"every": 3}, [0, 3, 6]), ("moe", [3, 6])]:
+        chosen, grads = run(policy)
+        assert [int(c) for c in chosen] == expect
+        for n, g in ref.items():
+            assert torch.equal(grads[n], g), n
