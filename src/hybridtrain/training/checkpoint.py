@@ -57,7 +57,11 @@ _CONFIG_IGNORE = {
     "_attn_implementation", "_attn_implementation_autoset", "_attn_implementation_internal",
     "use_cache", "output_hidden_states", "output_attentions", "return_dict", "_commit_hash",
 }
+# Frozen parameters (a LoRA run's base weights) are not saved: they come from the base model.
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Loading fills the templates taken with _SD_OPTIONS (DCP itself fails on a missing key), so
+# the frozen parameters absent from them are expected.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 # -- distributed helpers ----------------------------------------------------------------------
@@ -392,11 +396,11 @@ class Checkpointer:
         _dcp_load(tensors, os.path.join(path, "dcp"))  # in place
         if optim_sd is not None:
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                           options=_SD_OPTIONS)
+                           options=_LOAD_OPTIONS)
         else:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            set_model_state_dict(model, model_sd, options=_SD_OPTIONS)
+            set_model_state_dict(model, model_sd, options=_LOAD_OPTIONS)
         if step_scheduler is not None and state.get("step_scheduler") is not None:
             step_scheduler.load_state_dict(state["step_scheduler"])
         if lr_scheduler is not None and state.get("lr_scheduler") is not None:
@@ -452,7 +456,7 @@ def convert(ckpt_dir: str, out_hf_dir: str) -> str:
     _dcp_load(tensors, os.path.join(path, "dcp"))
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, model_sd, options=_SD_OPTIONS)
+    set_model_state_dict(model, model_sd, options=_LOAD_OPTIONS)
     os.makedirs(out_hf_dir, exist_ok=True)
     tok_dir = os.path.join(path, "tokenizer")
     if peft:
