@@ -109,3 +109,33 @@ def test_convert_gives_the_hf_export(tmp_path):
         assert torch.equal(a, b) and torch.equal(a, c), n
     with pytest.raises(ValueError, match="not a checkpoint"):
         convert(str(tmp_path), str(tmp_path / "x"))
+
+
+def test_lora_checkpoint_holds_adapters_only(tmp_path):
+    from hybridtrain.peft.lora import apply_lora
+
+    peft = {"dim": 2, "alpha": 4, "target_modules": ["q_proj", "in_proj"]}
+    model = tiny_model(0)
+    apply_lora(model, **peft)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p)  # non-trivial adapters
+    opt = build_optimizer(model, lr=1e-2)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    ck = Checkpointer(str(tmp_path / "run"), state_extra={"peft": peft})
+    step = ck.save(1, model, opt)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(os.path.join(step, "dcp")).read_metadata().state_dict_metadata
+    buffers = {n for n, _ in model.named_buffers()}
+    assert {k[len("model."):] for k in saved if k.startswith("model.")} - buffers == trainable
+
+    fresh = tiny_model(0)  # same base init, fresh adapters
+    apply_lora(fresh, **peft)
+    ck.load(step, fresh, build_optimizer(fresh, lr=1e-2))
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    out = convert(str(tmp_path / "run"), str(tmp_path / "adapter"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
