@@ -81,6 +81,9 @@ def test_keep_last_never_deletes_latest(tmp_path):
     ck.save(3, model, opt, lrs, sched)
     assert open(tmp_path / "latest").read().strip() == "step_3"
     assert 3 in ck.steps() and ck.steps() == [3, 6, 8]
+    # a new run in the same folder (resume: null) starts from a clean slate
+    assert ck.clear() == ["step_3", "step_6", "step_8", "latest"]
+    assert ck.steps() == [] and ck.latest() is None
 
 
 def test_refuses_a_different_model_config(tmp_path):

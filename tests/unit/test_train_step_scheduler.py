@@ -27,6 +27,13 @@ def test_epochs_and_events():
     assert events == [(1, False, False, 0), (2, True, False, 1), (3, False, False, 1),
                       (4, True, True, 2), (5, False, False, 2), (6, True, True, 3)]
     assert s.consumed_samples == 48
+    # no interval: validate and checkpoint after the last step only
+    s = StepScheduler(8, 2, max_steps=3)
+    flags = []
+    while not s.done:
+        s.advance()
+        flags.append((s.is_val_step, s.is_ckpt_step))
+    assert flags == [(False, False), (False, False), (True, True)]
     # max_steps wins over num_epochs; fractional epochs
     assert StepScheduler(8, 2, max_steps=10, num_epochs=1, num_train_samples=20).max_steps == 10
     assert StepScheduler(4, 2, num_epochs=0.5, num_train_samples=40).max_steps == 5

@@ -322,10 +322,12 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
                                 export_fn=export_fn, state_extra=state_extra)
     resume = checkpointer.resolve_resume(ck.resume)
-    if resume is None and ck.resume is None and checkpointer.latest() and is_main:
-        logger.warning("%s already holds a run (latest: %s); starting a new one over it "
-                       "(set checkpoint.resume: auto to continue that run)", out_dir,
-                       os.path.basename(checkpointer.latest()))
+    if resume is None and checkpointer.steps() and ck.enabled:
+        removed = checkpointer.clear()
+        if is_main:
+            logger.warning("%s held an earlier run: starting a new one there, removed its %s "
+                           "(checkpoint.resume: auto continues a run instead)", out_dir,
+                           ", ".join(removed))
     metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,

@@ -351,6 +351,20 @@ class Checkpointer:
         _barrier()
         return final
 
+    def clear(self) -> list[str]:
+        """Removes the ``step_*`` folders and ``latest`` of an earlier run in ``dir`` (a new run
+        starts there); collective. Returns the removed names."""
+        names = [f"step_{s}" for s in self.steps()]
+        if os.path.exists(os.path.join(self.dir, LATEST)):
+            names.append(LATEST)
+        _barrier()
+        if _rank() == 0:
+            for n in names:
+                p = os.path.join(self.dir, n)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        _barrier()
+        return names
+
     def _retain(self, latest_name: str) -> None:
         if not self.keep_last:
             return

@@ -193,11 +193,13 @@ class StepScheduler:
 
     @property
     def is_val_step(self) -> bool:
-        return self._every(self.val_every_steps) or (bool(self.val_every_steps) and self.done)
+        """Every ``val_every_steps`` and after the last step (only then when it is null/0)."""
+        return self._every(self.val_every_steps) or self.done
 
     @property
     def is_ckpt_step(self) -> bool:
-        return self._every(self.ckpt_every_steps) or (bool(self.ckpt_every_steps) and self.done)
+        """Every ``ckpt_every_steps`` and after the last step (only then when it is null/0)."""
+        return self._every(self.ckpt_every_steps) or self.done
 
     # -- data ------------------------------------------------------------------------------
     def train_batches(
