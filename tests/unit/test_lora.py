@@ -264,9 +264,16 @@ def test_meta_device_then_init():
 
 
 def test_adapter_dtype():
-    m = make_model("dense").to(torch.bfloat16)
-    apply_lora(m, dim=4, alpha=8, dtype=torch.float32, target_modules=["in_proj"])
+    m = make_model("moe").to(torch.bfloat16)
+    apply_lora(m, dim=4, alpha=8, target_modules=["in_proj", "experts.up_proj"])
     lin = m.backbone.layers["0"].mixer.in_proj
+    # a half-precision base gets fp32 adapters (as PEFT does)
     assert lin.weight.dtype == torch.bfloat16 and lin.lora_A.dtype == torch.float32
+    assert m.backbone.layers["1"].mixer.experts.up_proj_lora_B.dtype == torch.float32
+    randomize_adapters(m)
     y = lin(torch.randn(2, 3, 64, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16
+    assert m(ids()).isfinite().all()
+    m2 = make_model("dense").to(torch.bfloat16)
+    apply_lora(m2, dim=4, alpha=8, dtype=torch.bfloat16, target_modules=["in_proj"])
+    assert m2.backbone.layers["0"].mixer.in_proj.lora_A.dtype == torch.bfloat16

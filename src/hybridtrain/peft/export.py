@@ -193,7 +193,10 @@ def _write_dir(out_dir: str, write) -> None:
     try:
         write(tmp)
         os.makedirs(out_dir, exist_ok=True)
+        umask = os.umask(0)
+        os.umask(umask)
         for fn in sorted(os.listdir(tmp), key=lambda f: f == ADAPTER_CONFIG):  # config last
+            os.chmod(os.path.join(tmp, fn), 0o666 & ~umask)  # safetensors writes 0600
             os.replace(os.path.join(tmp, fn), os.path.join(out_dir, fn))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -106,6 +106,14 @@ def _delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> t
     return (F.linear(F.linear(x.to(A.dtype), A), B) * scale).to(x.dtype)
 
 
+def adapter_dtype(base_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype`` if given; else fp32 for a half-precision base (as PEFT: bf16 adapters train
+    poorly, and they are small), else the base dtype."""
+    if dtype is not None:
+        return dtype
+    return torch.float32 if base_dtype in (torch.bfloat16, torch.float16) else base_dtype
+
+
 class LoRALinear(nn.Linear):
     """``nn.Linear`` plus a low-rank update (same ``weight``/``bias`` parameters as the base)."""
 
@@ -113,7 +121,7 @@ class LoRALinear(nn.Linear):
                  dtype: torch.dtype | None = None):
         _adopt(self, base)
         w = base.weight
-        dtype = dtype or w.dtype
+        dtype = adapter_dtype(w.dtype, dtype)
         self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
         self.scale = alpha / dim
         self.lora_dropout = _dropout(dropout)
@@ -166,7 +174,7 @@ class LoRAExperts(Experts):
         for p in self.lora_projs:
             w = getattr(self, p)  # [E, out, in]
             E, out_f, in_f = w.shape
-            kw = dict(device=w.device, dtype=dtype or w.dtype)
+            kw = dict(device=w.device, dtype=adapter_dtype(w.dtype, dtype))
             self.register_parameter(f"{p}_lora_A", nn.Parameter(torch.empty(E, dim, in_f, **kw)))
             self.register_parameter(f"{p}_lora_B", nn.Parameter(torch.empty(E, out_f, dim, **kw)))
         if base.up_proj.device.type != "meta":
@@ -337,7 +345,7 @@ def apply_lora(
     """Add LoRA adapters to ``model`` in place and freeze everything else.
 
     Accepts the ``peft:`` recipe section as keyword arguments (``apply_lora(model, **cfg.peft)``).
-    ``dtype``: adapter dtype (default: the base weight's). Returns the adapted names (module
+    ``dtype``: adapter dtype (default: the base weight's, fp32 for a bf16/fp16 base). Returns the adapted names (module
     names; ``<experts>.up_proj`` / ``<experts>.down_proj`` for MoE experts).
     """
     if str(method).lower() != "lora":
