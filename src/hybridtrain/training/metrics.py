@@ -83,6 +83,7 @@ class MetricsLogger:
         self.plot = plot
         self._tb = None
         self._bar = None
+        self._redirect = None
 
     def open(self, start_step: int = 0, total_steps: int | None = None) -> None:
         if not self.is_main:
@@ -105,9 +106,12 @@ class MetricsLogger:
                 self._tb = SummaryWriter(self.tensorboard_dir, purge_step=start_step + 1)
         if self.show_progress:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr)
+            self._redirect = logging_redirect_tqdm()  # log lines go above the bar
+            self._redirect.__enter__()
 
     def _append(self, path: str, record: dict) -> None:
         if not self.jsonl:
@@ -158,6 +162,9 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
