@@ -40,14 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridtrain.training.loss import cross_entropy_sum
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import clip_grad_norm
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
-
-try:
-    from hybridtrain.training.loss import cross_entropy_sum
-except ImportError:  # pragma: no cover - loss.py is part of the package
-    cross_entropy_sum = None
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +87,6 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     return batch["input_ids"].numel()
 
 
-def _fallback_ce_sum(hidden, weight, labels, chunk_size=None):
-    logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float()
-    return nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
-
-
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
              chunk_size: int | None = 4096) -> torch.Tensor:
     """Sum of token cross-entropies of one micro-batch (labels already shifted: ``labels[t]`` is
@@ -105,8 +95,7 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
     kwargs = {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
     if hasattr(model, "hidden_states"):
         hidden = model.hidden_states(batch["input_ids"], **kwargs)
-        ce = cross_entropy_sum or _fallback_ce_sum
-        return ce(hidden, model.lm_head.weight, batch["labels"], chunk_size)
+        return cross_entropy_sum(hidden, model.lm_head.weight, batch["labels"], chunk_size)
     out = model(batch["input_ids"], **kwargs)
     logits = out.logits if hasattr(out, "logits") else out
     return nn.functional.cross_entropy(
