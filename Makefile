@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/python examples/parity_demo.py
+	$(BIN)/hybridtrain finetune -c examples/squad_tiny.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q tests
