@@ -137,12 +137,20 @@ class Experts(nn.Module):
             except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
                 warnings.warn(f"torch grouped_mm failed ({e}); using the per-expert loop from now on")
                 _GROUPED_MM = False
-        # fallback: a loop over experts on contiguous slices (never over tokens)
+        # fallback: a loop over experts on contiguous slices (never over tokens). The stacked
+        # weights are split once (one gradient buffer in backward, not a zero-filled [E, ...]
+        # buffer per expert) and, under autocast, cast once rather than per expert.
+        up, down = self.up_proj, self.down_proj
+        device_type = sorted_x.device.type
+        if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
+        ups, downs = up.unbind(0), down.unbind(0)
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
             if xe.shape[0] == 0:
                 continue
-            outs.append(F.linear(self.act_fn(F.linear(xe, self.up_proj[e])), self.down_proj[e]))
+            outs.append(F.linear(self.act_fn(F.linear(xe, ups[e])), downs[e]))
         if not outs:
             return sorted_x.new_zeros(sorted_x.shape[0], self.up_proj.shape[2])
         return torch.cat(outs, dim=0)

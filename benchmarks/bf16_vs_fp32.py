@@ -1,0 +1,206 @@
+"""bf16 against fp32 training steps, and against transformers' NemotronH under bf16 autocast.
+
+    python benchmarks/bf16_vs_fp32.py [--seq-len 512] [--batch-size 1] [--steps 6]
+        [--threads N] [--clock wall|cpu] [--malloc-tune] [--strategies] [--json out.json]
+
+One process, one ~48M-parameter MoE Nemotron-H (``small_moe_config()``, ``MEM*EM-E``),
+initialised once and saved as a Hugging Face checkpoint that every run loads; identical random
+token rows (``batch_size x seq_len``, one document per row) for every run. A step is a full
+training step: forward, loss, backward, gradient clipping, AdamW (fp32 state).
+
+Runs (interleaved step by step, so that load on a shared machine hits all of them alike; the
+best step of each is kept):
+
+* ``hybridtrain fp32``      -- fp32 weights and compute; chunked linear cross-entropy.
+* ``hybridtrain bf16``      -- what ``training.dtype: bf16`` runs: fp32 master weights and AdamW
+  state, ``torch.autocast(bf16)``; router, SSD scan, norm statistics and the loss in fp32.
+* ``transformers bf16``     -- ``transformers.NemotronHForCausalLM`` (fp32 weights, fused AdamW)
+  under the same autocast, loss from fp32 logits (what a TRL user runs).
+* ``--strategies`` adds ``hybridtrain bf16 copies`` -- the alternative strategy: bf16 model
+  parameters with fp32 master copies in the optimizer (grads copied up, masters copied down).
+
+``--clock cpu`` times process CPU seconds instead of wall seconds (use with ``--threads 1`` on a
+machine shared with other jobs: it is insensitive to time-slicing). ``--malloc-tune`` keeps freed
+memory in the process (glibc ``mallopt``: no mmap for large blocks, no trimming) so that the
+large per-step buffers are not page-faulted in again every step; it applies to all runs.
+
+Prints tokens/s, achieved TFLOP/s and MFU against the measured matmul peak of each run's dtype,
+and the ratios: targets (issue 7) bf16 >= 3x fp32, and >= 1.2x transformers bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TARGETS = {"bf16 / fp32": 3.0, "bf16 / transformers bf16": 1.2}
+
+
+def malloc_tune() -> bool:
+    """glibc: serve large blocks from the heap and never trim it (M_MMAP_MAX=0,
+    M_TRIM_THRESHOLD=1 GiB). Returns False where not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 2**30))
+    except (OSError, AttributeError):
+        return False
+
+
+def make_runs(model_dir: str, batch: dict, strategies: bool) -> dict:
+    """name -> (step function returning the loss, dtype of its matmuls)."""
+    import transformers
+
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+    from hybridtrain.training.optim import build_optimizer, clip_grad_norm
+    from hybridtrain.training.precision import autocast_context
+    from hybridtrain.training.trainer import loss_sum
+
+    ids, labels = batch["input_ids"], batch["labels"]
+    n_label = int((labels != -100).sum())
+    runs = {}
+
+    def hybridtrain_run(dtype):
+        model = NemotronHForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        opt = build_optimizer(model, lr=1e-5)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step():
+            with autocast_context(dtype, "cpu"):
+                ce = loss_sum(model, batch)
+            (ce / n_label).backward()
+            clip_grad_norm(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(ce) / n_label
+        return step
+
+    runs["hybridtrain fp32"] = (hybridtrain_run(torch.float32), torch.float32)
+    runs["hybridtrain bf16"] = (hybridtrain_run(torch.bfloat16), torch.bfloat16)
+
+    if strategies:
+        model16 = NemotronHForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).train()
+        params16 = [p for p in model16.parameters() if p.requires_grad]
+        masters = [p.detach().float().requires_grad_() for p in params16]
+        opt16 = torch.optim.AdamW(masters, lr=1e-5, fused=True)
+
+        def step_copies():
+            ce = loss_sum(model16, batch)
+            (ce / n_label).backward()
+            for m, p in zip(masters, params16):
+                m.grad, p.grad = p.grad.float(), None
+            clip_grad_norm(masters, 1.0)
+            opt16.step()
+            opt16.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                torch._foreach_copy_(params16, masters)
+            return float(ce) / n_label
+        runs["hybridtrain bf16 copies"] = (step_copies, torch.bfloat16)
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        hf = transformers.NemotronHForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=True)
+    hf_params = list(hf.parameters())
+
+    def step_hf():
+        with autocast_context(torch.bfloat16, "cpu"):
+            logits = hf(input_ids=ids, use_cache=False).logits
+            ce = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                reduction="sum")
+        (ce / n_label).backward()
+        torch.nn.utils.clip_grad_norm_(hf_params, 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
+        return float(ce) / n_label
+    runs["transformers bf16"] = (step_hf, torch.bfloat16)
+    return runs
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run (after 1 warm-up)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--malloc-tune", action="store_true")
+    p.add_argument("--strategies", action="store_true", help="also time bf16 params + fp32 masters")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, small_moe_config
+    from hybridtrain.training.flops import measure_matmul_peak, model_flops
+    from hybridtrain.training.precision import cpu_has_native_bf16
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tuned = malloc_tune() if args.malloc_tune else False
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    cfg = small_moe_config()
+    B, L = args.batch_size, args.seq_len
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # shifted, as the data layer
+    batch = {"input_ids": ids, "labels": labels}
+    flops = model_flops(cfg, [[L]] * B, training=True)
+    peaks = {dt: measure_matmul_peak(name) for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))}
+
+    with tempfile.TemporaryDirectory(prefix="bf16_vs_fp32_") as tmp:
+        torch.manual_seed(args.seed)
+        model = NemotronHForCausalLM(cfg)
+        n_params = model.num_parameters()
+        model.save_pretrained(tmp)
+        del model
+        runs = make_runs(tmp, batch, args.strategies)
+    native, why = cpu_has_native_bf16()
+    print(f"small_moe_config: {n_params / 1e6:.1f}M parameters; {B} x {L} tokens; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; clock {args.clock}; malloc tune {tuned}; bf16: {why}; "
+          f"matmul peak fp32 {peaks[torch.float32]:.3f} / bf16 {peaks[torch.bfloat16]:.3f} TFLOP/s")
+
+    times = {name: [] for name in runs}
+    losses = {name: [] for name in runs}
+    for i in range(args.steps + 1):
+        for name, (step, _) in runs.items():
+            t0 = clock()
+            loss = step()
+            dt = clock() - t0
+            losses[name].append(loss)
+            if i > 0:
+                times[name].append(dt)
+    res = {}
+    for name, (_, dtype) in runs.items():
+        best = min(times[name])
+        tflops = flops / best / 1e12
+        res[name] = {"tokens_per_s": B * L / best, "best_step_s": best, "median_step_s": sorted(times[name])[len(times[name]) // 2],
+                     "tflops": tflops, "mfu": tflops / peaks[dtype], "losses": losses[name]}
+        print(f"  {name:24s} {res[name]['tokens_per_s']:8.1f} tokens/s  best step {best:.3f} s  "
+              f"(median {res[name]['median_step_s']:.3f})  {tflops:.3f} TFLOP/s  MFU {res[name]['mfu']:.1%} of the "
+              f"{str(dtype).removeprefix('torch.')} matmul peak  loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}")
+    tps = {k: v["tokens_per_s"] for k, v in res.items()}
+    ratios = {"bf16 / fp32": tps["hybridtrain bf16"] / tps["hybridtrain fp32"],
+              "bf16 / transformers bf16": tps["hybridtrain bf16"] / tps["transformers bf16"]}
+    if "hybridtrain bf16 copies" in tps:
+        ratios["bf16 copies / fp32"] = tps["hybridtrain bf16 copies"] / tps["hybridtrain fp32"]
+    for k, v in ratios.items():
+        t = TARGETS.get(k)
+        print(f"  {k:26s} {v:5.2f}x" + (f"   (target >= {t}x: {'met' if v >= t else 'MISSED'})" if t else ""))
+    print(f"  load average {os.getloadavg()[0]:.1f}")
+    out = {"args": vars(args), "params": n_params, "flops_per_step": flops, "peaks_tflops":
+           {str(k): v for k, v in peaks.items()}, "runs": res, "ratios": ratios, "loadavg": os.getloadavg()[0]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
