@@ -78,7 +78,10 @@ TRAINING = {
                           _OPT_INT),
     "log_every_steps": K(1, "write training.jsonl / progress every N steps", (int,)),
     "seed": K(42, "global seed (model init, data order, dropout)", (int,)),
-    "dtype": K("auto", "parameter/compute dtype; auto -> bfloat16 on GPU, float32 on CPU",
+    "dtype": K("auto", "compute dtype (master weights and optimizer state stay float32; "
+                       "bfloat16 runs under autocast); auto -> bfloat16 on CUDA and on CPUs with "
+                       "native bf16 matmul (avx512_bf16/amx_bf16), else float32; float16 is "
+                       "refused (needs loss scaling)",
                choices=("auto", "float32", "bfloat16", "float16")),
     "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
@@ -147,6 +150,10 @@ CHECKPOINT = {
     "keep_last": K(None, "keep only the newest K step_{N}/ folders (null: keep all)", _OPT_INT),
     "save_hf_at_end": K(True, "write a consolidated HF export (hf/ or adapter/) at the end"),
     "save_hf_every": K(False, "also write the HF export inside every step_{N}/"),
+    "save_dtype": K("auto", "dtype of the HF export (hf/, convert); step_{N}/ always keeps the "
+                            "float32 masters. auto -> the dtype the weights were loaded from "
+                            "(bfloat16 for a bf16 Hub checkpoint), else the parameter dtype",
+                    choices=("auto", "float32", "bfloat16", "float16")),
     "save_merged_hf": K(False, "LoRA: also write a merged full-weight HF dir (merged_hf/)"),
 }
 
