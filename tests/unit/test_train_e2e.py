@@ -68,3 +68,11 @@ def test_squad_tiny_output_folder(tmp_path, capsys):
     assert [r["step"] for r in recs2] == [1, 2, 3, 4, 5, 6]
     assert recs2[:4] == recs
     assert [json.loads(line)["step"] for line in open(out / "validation.jsonl")] == [0, 2, 4, 6]
+
+    # a fresh start (resume null) in a folder holding a run refuses unless overwrite is set
+    capsys.readouterr()
+    assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 2),
+                 "--checkpoint.overwrite=false"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "checkpoint.resume=auto" in err
+    assert open(out / "latest").read().strip() == "step_6"

@@ -119,7 +119,7 @@ OPTIMIZER = {
     "weight_decay": K(0.0, "decoupled weight decay (not applied to norms/biases)", (float, int)),
     "betas": K([0.9, 0.999], "Adam betas", (list, tuple)),
     "eps": K(1e-8, "Adam epsilon", (float, int)),
-    "implementation": K("auto", "auto -> fused on CUDA, foreach elsewhere",
+    "implementation": K("auto", "auto -> fused when torch has it for the device (CUDA and CPU), else foreach",
                         choices=("auto", "fused", "foreach", "for_loop")),
 }
 
@@ -147,6 +147,8 @@ CHECKPOINT = {
     "enabled": K(True, "write step_{N}/ checkpoints (every ckpt_every_steps and at the end)"),
     "resume": K(None, "null: start fresh; auto: resume from <dir>/latest if present; "
                       "or a path to a step_{N} folder", (str, bool, type(None))),
+    "overwrite": K(False, "with resume null, start over in a checkpoint.dir that holds an earlier "
+                          "run's step_{N}/ (deleting them); false -> refuse with an error"),
     "keep_last": K(None, "keep only the newest K step_{N}/ folders (null: keep all)", _OPT_INT),
     "save_hf_at_end": K(True, "write a consolidated HF export (hf/ or adapter/) at the end"),
     "save_hf_every": K(False, "also write the HF export inside every step_{N}/"),

@@ -323,6 +323,11 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                                 export_fn=export_fn, state_extra=state_extra)
     resume = checkpointer.resolve_resume(ck.resume)
     if resume is None and checkpointer.steps() and ck.enabled:
+        if not ck.overwrite:
+            raise ValueError(
+                f"checkpoint.dir {out_dir} already holds a run ({', '.join(f'step_{s}' for s in checkpointer.steps())}); "
+                "set checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
+                "checkpoint.overwrite=true to delete it and start over")
         removed = checkpointer.clear()
         if is_main:
             logger.warning("%s held an earlier run: starting a new one there, removed its %s "
