@@ -72,3 +72,15 @@ def test_mesh_4_ranks():
     assert r0[("dp_replicate", "dp_shard_cp")] == [[0, 1]]
     assert [r["ep_sum"] for r in res] == [1.0, 1.0, 5.0, 5.0]
     assert res[3]["coords"] == {"pp": 1, "dp_shard": 1, "ep": 1, "efsdp": 0}
+
+
+def test_ranks_from_launcher_environment():
+    from hybridtrain.distributed.init import dist_env_ranks
+
+    assert dist_env_ranks({}) == (0, 1, 0)
+    assert dist_env_ranks({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
+    assert dist_env_ranks(slurm) == (5, 8, 1)
+    # torchrun inside an srun task wins over Slurm's task numbering
+    assert dist_env_ranks({**slurm, "RANK": "2", "WORLD_SIZE": "16", "LOCAL_RANK": "2"}) == (2, 16, 2)
+    assert dist_env_ranks({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == (0, 1, 0)

@@ -27,11 +27,17 @@ class DistInfo:
         return self.rank == 0
 
 
-def dist_env_ranks() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun/Slurm-style environment variables."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", rank))
+def dist_env_ranks(environ=None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's variables (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``) or, for tasks started directly by ``srun`` (several tasks, no torchrun),
+    from Slurm's (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``)."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env and int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        return rank, world, int(env.get("SLURM_LOCALID", 0))
+    rank = int(env.get("RANK", 0))
+    world = int(env.get("WORLD_SIZE", 1))
+    local = int(env.get("LOCAL_RANK", rank))
     return rank, world, local
 
 
@@ -70,6 +76,13 @@ def init_distributed(
             raise ValueError(f"distributed timeout_minutes must be > 0 (got {timeout_minutes})")
         if backend is None:
             backend = "nccl" if device_type == "cuda" else "gloo"
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"{world} ranks but {' and '.join(missing)} not set: launch with torchrun (or "
+                "`hybridtrain ... --nproc-per-node N`), or export MASTER_ADDR (the first node) "
+                "and MASTER_PORT when starting the ranks with srun"
+            )
         kwargs = {}
         if device_type == "cuda":
             kwargs["device_id"] = dev
