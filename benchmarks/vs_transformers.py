@@ -87,6 +87,10 @@ def run_child(spec: dict) -> dict:
             )
     else:
         model = NemotronHForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+        if spec["ac"]:
+            from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model.backbone.layers.items(), spec["ac"])
         opt = build_optimizer(model, lr=1e-5)
 
         def loss_fn(b):
@@ -201,7 +205,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--ce-chunk", type=int, default=4096)
+    p.add_argument("--ce-chunk", type=int, default=1024, help="hybridtrain's loss chunk (tokens)")
+    p.add_argument("--ac", default="", help="hybridtrain's training.activation_checkpointing "
+                   "(e.g. mamba, all); default off")
     p.add_argument("--tokenizer-vocab", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
@@ -218,8 +224,9 @@ def main(argv=None) -> dict:
               f"({info['examples']} examples, mean {info['mean_example_tokens']:.0f} tokens); "
               f"seq_len {args.seq_len}, batch {args.batch_size}; "
               f"utilization padded {info['padded_utilization']:.2f} / packed {info['packed_utilization']:.2f}; "
-              f"torch threads {torch.get_num_threads()}")
-        common = dict(model_dir=str(workdir / "model"), warmup=args.warmup, ce_chunk=args.ce_chunk)
+              f"torch threads {torch.get_num_threads()}; hybridtrain: loss chunk {args.ce_chunk}, "
+              f"activation checkpointing {args.ac or 'off'}")
+        common = dict(model_dir=str(workdir / "model"), warmup=args.warmup, ce_chunk=args.ce_chunk, ac=args.ac)
         runs = {
             # (a) fixed-length padded examples (transformers) vs packed rows (hybridtrain)
             "a_transformers": dict(side="transformers", batches=str(workdir / "padded.pt"), pass_mask=True),
