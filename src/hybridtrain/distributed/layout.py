@@ -55,7 +55,7 @@ def parallelize_options(dcfg: Mapping | None, tcfg: Mapping | None = None) -> di
     return {
         "activation_checkpointing": _get(tcfg, "activation_checkpointing", False),
         "compile": bool(_get(tcfg, "compile", False)),
-        "param_dtype": _get(dcfg, "fsdp_param_dtype", None),
+        "param_dtype": _get(dcfg, "fsdp_param_dtype", "auto"),
         "reduce_dtype": _get(dcfg, "fsdp_reduce_dtype", "float32"),
         "reshard_after_forward": _get(dcfg, "fsdp_reshard_after_forward", "default"),
         "cpu_offload": bool(_get(dcfg, "cpu_offload", False)),

@@ -259,7 +259,7 @@ def parallelize_nemotron_h(
     loss_fn: LossFn | None = None,
     activation_checkpointing: Any = None,
     compile: bool = False,
-    param_dtype: Any = None,
+    param_dtype: Any = "auto",
     reduce_dtype: Any = torch.float32,
     reshard_after_forward: Any = "default",
     cpu_offload: bool = False,
@@ -273,12 +273,21 @@ def parallelize_nemotron_h(
 ) -> ParallelPlan:
     """Apply the layout of ``dims`` to ``model`` (in place) and return the :class:`ParallelPlan`.
 
+    ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed-precision policy (``auto``: the training
+    compute dtype ``autocast_dtype``, i.e. bf16 all-gathers and compute in bf16 runs; gradients
+    are reduced in ``reduce_dtype``, fp32 by default; master weights and optimizer state stay in
+    the parameters' own dtype).
+
     Every rank must call it with an identically initialised model. With a single process and
     all degrees 1 it only wraps the model in one stage (and applies activation checkpointing /
     compile when asked), so the same code path runs everywhere.
     """
     device = torch.device(device)
     config = model.config
+    if param_dtype in ("auto", None):
+        # FSDP gathers and computes in the training dtype (bf16 runs: bf16 all-gathers, fp32
+        # masters and fp32 gradient reduction); an explicit float32 keeps fp32 all-gathers
+        param_dtype = autocast_dtype
     if dims.tp > 1:
         raise ValueError(
             f"distributed.tp={dims.tp}: tensor parallelism is not implemented for Nemotron-H yet; "
