@@ -355,12 +355,26 @@ def test_resolve_dtype(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="hybridtrain.training.precision"):
         assert precision.resolve_dtype("auto", "cpu") == torch.bfloat16
     assert "training.dtype=auto -> bfloat16 on cpu" in caplog.text
+    assert precision.resolve_dtype("auto", "cpu", hidden_size=2688) == torch.bfloat16
+    assert precision.resolve_dtype("auto", "cpu", hidden_size=96) == torch.float32  # too narrow
+    assert precision.resolve_dtype("bf16", "cpu", hidden_size=96) == torch.bfloat16  # as asked
     precision.cpu_has_native_bf16.cache_clear()
     monkeypatch.setenv("HYBRIDTRAIN_CPU_BF16", "0")
     assert precision.resolve_dtype("auto", torch.device("cpu")) == torch.float32
     precision.cpu_has_native_bf16.cache_clear()
     monkeypatch.delenv("HYBRIDTRAIN_CPU_BF16")
-    assert precision.resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)  # flags + probe
+    flags = precision.cpu_bf16_flags()
+    expected = torch.bfloat16 if flags else torch.float32
+    if flags is None:  # no /proc/cpuinfo: the probe decides
+        expected = precision.resolve_dtype("auto", "cpu")
+    assert precision.resolve_dtype("auto", "cpu") == expected
+    precision.cpu_has_native_bf16.cache_clear()
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: None)
+    monkeypatch.setattr(precision, "_probe_bf16_speedup", lambda: 0.5)
+    assert precision.resolve_dtype("auto", "cpu") == torch.float32
+    precision.cpu_has_native_bf16.cache_clear()
+    monkeypatch.setattr(precision, "_probe_bf16_speedup", lambda: 5.0)
+    assert precision.resolve_dtype("auto", "cpu") == torch.bfloat16
     precision.cpu_has_native_bf16.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

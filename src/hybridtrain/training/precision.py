@@ -10,17 +10,23 @@ group-norm statistics; see ``models/nemotron_h/numerics.py``), and so do the log
 cross-entropy (``training/loss.py``).
 
 The alternative, bf16 parameters with separate fp32 master copies in the optimizer, was
-measured on the 2-core CPU (``benchmarks/bf16_vs_fp32.py --strategies``): no faster than
-autocast, a 2x larger weight footprint for the masters, a bf16 residual stream whose first-step
-loss is ~100x further from fp32 than autocast's, and a trainer/optimizer/checkpoint rewrite.
+measured on the 2-core CPU (``benchmarks/bf16_vs_fp32.py --strategies``, ~48M MoE, 512 tokens,
+one thread): within 4 % of autocast's speed (2.20x vs 2.12x fp32), but its bf16 residual stream
+drifts: after 5 steps its loss is 0.114 away from fp32's, autocast's 0.0014; and it needs an
+extra weight copy plus a trainer/optimizer/checkpoint rewrite.
 On GPUs under FSDP2 the ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gives
 bf16 compute copies of the fp32 shards for free; autocast on top of it is harmless.
 
 ``training.dtype``:
 
 * ``auto``: bf16 on CUDA (when the GPU supports it) and on CPUs with native bf16 matmul
-  (``avx512_bf16`` / ``amx_bf16`` on x86, ``bf16`` on Arm, confirmed by a short timed matmul
-  probe), fp32 otherwise. The choice and its reason are logged.
+  (``avx512_bf16`` / ``amx_bf16`` on x86, ``bf16`` on Arm; a short timed matmul probe where the
+  flags cannot be read), fp32 otherwise. On CPU also only for models of ``hidden_size >=``
+  :data:`CPU_BF16_MIN_HIDDEN`: below it the per-op costs of casts and small kernels outweigh the
+  faster matmuls (2-core EPYC, 4 x 256-token steps of the mixed tiny model: hidden 96 bf16 is
+  0.89x fp32, 192 0.99x, 256 1.27x, 384 1.49x; the ~48M MoE at hidden 512 2.1x). The rule uses
+  no timing when the flags are known, so a resumed run picks the same dtype. The choice and its
+  reason are logged.
 * ``float32`` / ``bfloat16``: as asked. ``float16`` is refused: it needs dynamic loss scaling,
   which hybridtrain does not implement.
 
@@ -59,6 +65,8 @@ _NAMES = {
 }
 # x86 (/proc/cpuinfo "flags") and Arm ("Features") names of native bf16 dot-product support
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+# `auto` on CPU: narrower models train faster in fp32 (see the module docstring)
+CPU_BF16_MIN_HIDDEN = 256
 
 
 def parse_dtype(value: str | torch.dtype, key: str = "dtype") -> torch.dtype:
@@ -107,25 +115,28 @@ def _probe_bf16_speedup(n: int = 512, k: int = 1024, repeats: int = 3) -> float:
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> tuple[bool, str]:
     """(whether bf16 matmuls are fast on this CPU, the reason). ``HYBRIDTRAIN_CPU_BF16=0/1``
-    overrides the detection. Otherwise: the CPU flags, confirmed by a timed probe (bf16 must
-    beat fp32 by 1.3x; a torch build without oneDNN bf16 kernels emulates it slowly)."""
+    overrides the detection. Otherwise the CPU flags, or where they cannot be read (not Linux)
+    a timed probe (bf16 must beat fp32 by 1.3x)."""
     env = os.environ.get("HYBRIDTRAIN_CPU_BF16")
     if env is not None and env.strip() != "":
         on = env.strip().lower() not in ("0", "false", "no", "off")
         return on, f"HYBRIDTRAIN_CPU_BF16={env}"
     flags = cpu_bf16_flags()
-    if flags is not None and not flags:
+    if flags is not None:
+        if flags:
+            return True, f"CPU flags {', '.join(sorted(flags))}"
         return False, "the CPU has no avx512_bf16 / amx_bf16 (no native bf16 matmul)"
     speedup = _probe_bf16_speedup()
-    where = f"CPU flags {', '.join(sorted(flags))}" if flags else "CPU flags unknown"
     if speedup >= 1.3:
-        return True, f"{where}; bf16 matmul {speedup:.1f}x faster than fp32"
-    return False, f"{where}, but a bf16 matmul is only {speedup:.1f}x as fast as fp32"
+        return True, f"CPU flags unknown; a bf16 matmul is {speedup:.1f}x faster than fp32"
+    return False, f"CPU flags unknown; a bf16 matmul is only {speedup:.1f}x as fast as fp32"
 
 
 # -- training dtype -----------------------------------------------------------------------------
-def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
-    """``training.dtype`` -> the compute dtype on ``device`` (see the module docstring)."""
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str,
+                  hidden_size: int | None = None) -> torch.dtype:
+    """``training.dtype`` -> the compute dtype on ``device`` (see the module docstring).
+    ``hidden_size``: the model's, for ``auto`` on CPU (None: not considered)."""
     device = torch.device(device)
     if not isinstance(name, torch.dtype) and str(name).lower() == "auto":
         if device.type == "cuda":
@@ -136,6 +147,10 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.
         elif device.type == "cpu":
             native, why = cpu_has_native_bf16()
             dtype = torch.bfloat16 if native else torch.float32
+            if native and hidden_size is not None and hidden_size < CPU_BF16_MIN_HIDDEN:
+                dtype = torch.float32
+                why += (f", but hidden_size {hidden_size} < {CPU_BF16_MIN_HIDDEN}: too narrow for "
+                        "bf16 to pay off on CPU")
         else:
             dtype, why = torch.float32, f"no bf16 auto-selection for {device.type}"
         logger.info("training.dtype=auto -> %s on %s (%s); parameters and optimizer state stay "
