@@ -209,6 +209,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                        "(config.json, safetensors, tokenizer; adapter_* for LoRA runs).")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a step_N/ folder or a run folder")
     p.add_argument("out_dir", metavar="OUT_HF_DIR", help="output folder")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the exported weights (default: as trained, float32)")
     sub.add_parser("merge", add_help=False,
                    help="merge a LoRA adapter into its base model "
                         "(see 'hybridtrain merge --help')")
@@ -264,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.command == "convert":
             convert = _load_entry("hybridtrain.training.checkpoint", "convert", "convert")
-            convert(args.ckpt_dir, args.out_dir)
+            convert(args.ckpt_dir, args.out_dir, **({"dtype": args.dtype} if args.dtype else {}))
             return 0
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, CommandUnavailable) as e:

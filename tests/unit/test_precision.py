@@ -429,3 +429,17 @@ def test_bf16_training_follows_fp32():
     assert runs["bf16"][-1]["skipped_steps"] == 0 and runs["fp32"][-1]["skipped_steps"] == 0
     assert fp32[-1] < 0.9 * fp32[0]  # it trains
     assert rel <= 0.02
+
+
+def test_hf_export_in_save_dtype(tmp_path):
+    """The trainer's export path (``default_export`` -> ``export_hf``) writes ``save_dtype``."""
+    from hybridtrain.training.checkpoint import default_export, export_hf
+
+    model = perturbed_model(tiny_config("moe"))
+    export_hf(model, str(tmp_path / "a"), dtype=torch.bfloat16)
+    dts = _st_dtypes(tmp_path / "a")
+    assert {d for k, d in dts.items() if not k.endswith("e_score_correction_bias")} == {"BF16"}
+    out = default_export(model, str(tmp_path / "step_1"), dtype=None)  # None: as held (fp32)
+    assert set(_st_dtypes(tmp_path / "step_1" / "hf").values()) == {"F32"}
+    assert out.endswith("hf")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # masters untouched

@@ -12,6 +12,7 @@ resume -> train -> final checkpoint with the HF (or PEFT adapter) export -> summ
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -29,6 +30,9 @@ from hybridtrain.training.checkpoint import Checkpointer, default_export
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer, param_groups
+from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
+from hybridtrain.training.precision import resolve_dtype as _resolve_dtype
+from hybridtrain.training.precision import resolve_save_dtype
 from hybridtrain.training.rng import seed_all
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import DistContext, Trainer, TrainStep
@@ -100,13 +104,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, hidden_size: int | None = None) -> torch.dtype:
     """The compute dtype (parameters and optimizer state stay fp32; lower precision runs under
-    autocast). ``auto`` is fp32 until mixed-precision auto-selection lands."""
-    if name == "auto":
-        logger.info("training.dtype=auto -> float32 on %s", device.type)
-        return torch.float32
-    return _DTYPES[name]
+    autocast); see :mod:`hybridtrain.training.precision`."""
+    return _resolve_dtype(name, device, hidden_size=hidden_size)
 
 
 def batch_doc_lengths(batch: dict) -> list[list[int]]:
@@ -219,8 +220,6 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     seed_all(t.seed)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
-    dtype = resolve_dtype(t.dtype, device)
-    autocast_dtype = None if dtype == torch.float32 else dtype
 
     # tokenizer, model
     tokenizer = _build_tokenizer(cfg, is_main)
@@ -229,6 +228,9 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     torch.manual_seed(t.seed)
     model = instantiate(cfg.model)
     model_config = getattr(model, "config", None)
+    dtype = resolve_dtype(t.dtype, device, getattr(model_config, "hidden_size", None))
+    autocast_dtype = autocast_dtype_of(dtype)
+    save_dtype = resolve_save_dtype(ck.save_dtype, model)  # before LoRA / sharding wrap it
     if tokenizer is not None and model_config is not None and \
             len(tokenizer) > model_config.vocab_size:
         raise ValueError(
@@ -307,7 +309,7 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                                    total_steps=sched.max_steps, total_samples=total_samples)
 
     # checkpoints, metrics, resume
-    export_fn, state_extra = default_export, {}
+    export_fn, state_extra = functools.partial(default_export, dtype=save_dtype), {}
     if peft is not None:
         from hybridtrain.peft.export import export_peft, save_merged_hf
 

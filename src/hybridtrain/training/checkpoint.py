@@ -151,20 +151,24 @@ def _config_diff(saved: dict, current: dict) -> list[str]:
     ]
 
 
-def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | None) -> None:
+def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | None,
+                     dtype: torch.dtype | None = None) -> None:
+    """``dtype``: the dtype to write (``checkpoint.save_dtype``; None: as held)."""
     if not hasattr(model, "save_pretrained"):
         raise ValueError(f"{type(model).__name__} has no save_pretrained(); cannot export hf/")
+    params = inspect.signature(model.save_pretrained).parameters
+    kw = {"dtype": dtype} if dtype is not None and "dtype" in params else {}
     if state_dict is None:
-        model.save_pretrained(out_dir)
-    elif "state_dict" in inspect.signature(model.save_pretrained).parameters:
-        model.save_pretrained(out_dir, state_dict=state_dict)
+        model.save_pretrained(out_dir, **kw)
+    elif "state_dict" in params:
+        model.save_pretrained(out_dir, state_dict=state_dict, **kw)
     else:  # gathered full tensors of a sharded model
         from hybridtrain.models.nemotron_h import NemotronHForCausalLM
         from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
 
         if not isinstance(model, NemotronHForCausalLM):
             raise ValueError(f"cannot export a sharded {type(model).__name__}")
-        save_hf_checkpoint(state_dict, model.config, out_dir)
+        save_hf_checkpoint(state_dict, model.config, out_dir, dtype=dtype)
 
 
 def _is_partial(model: torch.nn.Module) -> bool:
@@ -176,7 +180,8 @@ def _is_partial(model: torch.nn.Module) -> bool:
             or getattr(model, "lm_head", 0) is None)
 
 
-def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None) -> None:
+def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
+              dtype: torch.dtype | None = None) -> None:
     """Consolidated Hugging Face export: full tensors gathered to rank 0, which writes
     ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
     if _is_partial(model):  # under pipeline parallelism every rank holds a part
@@ -192,7 +197,7 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None) -> None:
         )
     if _rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
-        _save_pretrained(model, out_dir, sd)
+        _save_pretrained(model, out_dir, sd, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
     _barrier()
@@ -211,10 +216,10 @@ def _latest_in(run_dir: str) -> str | None:
 
 
 def default_export(model: torch.nn.Module, step_dir: str, tokenizer=None,
-                   final: bool = False) -> str:
-    """The export written into a checkpoint: ``hf/``. Collective."""
+                   final: bool = False, dtype: torch.dtype | None = None) -> str:
+    """The export written into a checkpoint: ``hf/`` (in ``dtype``). Collective."""
     out = os.path.join(step_dir, "hf")
-    export_hf(model, out, tokenizer)
+    export_hf(model, out, tokenizer, dtype)
     return out
 
 
@@ -438,7 +443,7 @@ def _import_model_class(dotted: str):
     return getattr(importlib.import_module(module), name)
 
 
-def convert(ckpt_dir: str, out_hf_dir: str) -> str:
+def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = None) -> str:
     """Exports a checkpoint (``step_N`` folder, or a run folder -> its ``latest``) as a
     consolidated Hugging Face folder (a LoRA run's: a PEFT adapter folder), with the tokenizer.
     Works in one process whatever parallel layout wrote the checkpoint."""
@@ -476,7 +481,9 @@ def convert(ckpt_dir: str, out_hf_dir: str) -> str:
     if peft:
         export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
     else:
-        _save_pretrained(model, out_hf_dir, None)
+        from hybridtrain.training.precision import resolve_save_dtype
+
+        _save_pretrained(model, out_hf_dir, None, resolve_save_dtype(dtype, model))
     if os.path.isdir(tok_dir):
         for f in os.listdir(tok_dir):
             shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_hf_dir, f))
