@@ -172,6 +172,10 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, n_experts: int) -> nn.Mod
             for n in names:
                 params[n] = _local(saved[n])
             y_local = inner(x_local, local_counts, *args, **kwargs)
+            if x_local.shape[0] == 0:
+                # no token reached this rank's experts: still give every expert weight a (zero)
+                # gradient, so that the FSDP reduce-scatter over efsdp ranks stays in step
+                y_local = y_local + sum(params[n].reshape(-1)[:1].sum() * 0 for n in names)
         finally:
             params.update(saved)
         return ep_combine(y_local, state, group)

@@ -264,6 +264,8 @@ class PipelineTrainStep:
     ``eval_loss(model, batch)`` (alias ``loss_fn``) is the forward-only CE sum for validation.
     """
 
+    MAX_CACHED_SCHEDULES = 16
+
     def __init__(
         self,
         stages: Sequence[nn.Module],
@@ -360,6 +362,8 @@ class PipelineTrainStep:
                     f"pipeline schedule {self.spec.name!r} with pp={self.pp} and "
                     f"{n_micro} micro-batches per step: {e}"
                 ) from None
+            if len(self._schedules) >= self.MAX_CACHED_SCHEDULES:  # e.g. unpacked batches of
+                self._schedules.pop(next(iter(self._schedules)))  # many lengths: drop the oldest
             self._schedules[key] = sched
         return self._schedules[key]
 

@@ -13,10 +13,11 @@ __all__ = ["clip_grad_norm_", "grad_norm"]
 
 
 def _mesh_key(t: torch.Tensor):
-    spec = getattr(t, "_spec", None)
-    if spec is None:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
         return None
-    return (id(spec.mesh), tuple(spec.placements))
+    return (id(t.device_mesh), tuple(t.placements))
 
 
 @torch.no_grad()
