@@ -218,3 +218,14 @@ def test_dataset_pickles_for_dataloader_workers(tok, tmp_path):
     ds = build_squad_dataset(p, tok, seq_length=64, padding="max_length", cache_dir=tmp_path / "c")
     again = pickle.loads(pickle.dumps(ds))
     assert again[3]["input_ids"].tolist() == ds[3]["input_ids"].tolist()
+
+
+def test_builders_have_explicit_signatures_for_yaml():
+    import inspect
+
+    from hybridtrain.data import ChatDataset, SquadDataset, build_chat_dataset
+
+    for fn in (build_squad_dataset, SquadDataset, build_chat_dataset, ChatDataset):
+        params = inspect.signature(fn).parameters
+        assert "seq_length" in params and "cache_dir" in params and "num_proc" in params
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -89,3 +89,15 @@ def test_fingerprint_tracks_what_changes_ids(tok, tmp_path):
 def test_bpe_rejects_tiny_vocab(tmp_path):
     with pytest.raises(DataError, match="vocab_size"):
         build_bpe_tokenizer(["x"], tmp_path, vocab_size=100)
+
+
+def test_encode_batch_matches_the_tokenizer_call(tok):
+    from hybridtrain.data.tokenizer import encode_batch
+
+    texts = ["Context: The Normans.\nQuestion: Who?\nAnswer:", " France", "<|im_start|>user\nhi"]
+    for special in (True, False):
+        assert encode_batch(tok, texts, special) == [
+            list(x) for x in tok(texts, add_special_tokens=special)["input_ids"]
+        ]
+    tok(texts, truncation=True, max_length=2)  # leaves truncation state on the backend?
+    assert encode_batch(tok, texts, True) == [list(x) for x in tok(texts)["input_ids"]]

@@ -38,6 +38,7 @@ A conversation without an assistant turn is an error (:class:`ChatFormatError`).
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import Counter
 from collections.abc import Mapping
@@ -400,3 +401,8 @@ class ChatDataset(TokenizedDataset):
 def build_chat_dataset(path, tokenizer, **kwargs) -> ChatDataset:
     """``ChatDataset(path, tokenizer, **kwargs)``; the form a YAML ``_target_`` calls."""
     return ChatDataset(path, tokenizer, **kwargs)
+
+
+# The public entry points take exactly the arguments of _build_chat (YAML `_target_` checks them).
+ChatDataset.__signature__ = inspect.signature(_build_chat).replace(return_annotation="ChatDataset")
+build_chat_dataset.__signature__ = inspect.signature(_build_chat).replace(return_annotation="ChatDataset")

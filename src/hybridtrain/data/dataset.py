@@ -165,7 +165,10 @@ def build_cached(
 
     if cache_dir is False:
         ds, stats = build()
-        return ds.flatten_indices() if ds._indices is not None else ds, stats, None
+        if ds._indices is not None:
+            with _quiet_datasets():
+                ds = ds.flatten_indices()
+        return ds, stats, None
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{kind}-{hash_key(key_parts)}"
@@ -240,7 +243,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
         self.stats = Stats(stats or {})
         self.cache_path = cache_path
         if hf_dataset._indices is not None:
-            hf_dataset = self.hf_dataset = hf_dataset.flatten_indices()
+            with _quiet_datasets():
+                hf_dataset = self.hf_dataset = hf_dataset.flatten_indices()
         self._columns()
         self.lengths = np.asarray(hf_dataset.data.column("length").to_numpy(), dtype=np.int64)
         self.num_label_tokens = np.asarray(

@@ -33,6 +33,7 @@ drops are reported in one warning with their count (``dataset.stats["dropped"]``
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections import Counter
@@ -56,7 +57,7 @@ from .io import (
     require,
     resolve_data_files,
 )
-from .tokenizer import load_tokenizer, tokenizer_fingerprint
+from .tokenizer import encode_batch, load_tokenizer, tokenizer_fingerprint
 
 DEFAULT_PROMPT_TEMPLATE = "Context: {context}\nQuestion: {question}\nAnswer:"
 DEFAULT_COMPLETION_TEMPLATE = " {answer}"
@@ -235,7 +236,7 @@ def _word_window(words, a_s, a_e, extra):
 
 def _fit_prompt(tok, ctx, a_s, a_e, n_full, prompt_of, budget):
     """Prompt ids with the largest word window of ``ctx`` around ``[a_s, a_e)`` within ``budget``."""
-    enc = lambda text: tok(text, add_special_tokens=True)["input_ids"]  # noqa: E731
+    enc = lambda text: encode_batch(tok, [text], add_special_tokens=True)[0]  # noqa: E731
     p_min = enc(prompt_of(ctx[a_s:a_e] if a_e > a_s else ""))
     if len(p_min) > budget:
         return None
@@ -280,22 +281,29 @@ def squad_tokenize_batch(
 ) -> dict[str, list]:
     """``datasets.map`` function: normalised SQuAD columns -> tokenized examples (see module doc)."""
     eos = tokenizer.eos_token_id
-    n = len(batch["context"])
-    answers = [a if a else (unanswerable_answer or "") for a in batch["answer"]]
-    completions = [render(completion_template, answer=a) for a in answers]
-    comp_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    ids_col, contexts, questions = batch["id"], batch["context"], batch["question"]
+    titles, answers, starts = batch["title"], batch["answer"], batch["answer_start"]
+    n = len(contexts)
+    completions = [
+        render(completion_template, answer=a if a else (unanswerable_answer or "")) for a in answers
+    ]
+    comp_ids = encode_batch(tokenizer, completions, add_special_tokens=False)
 
     def prompt_fn(i):
-        q, t = batch["question"][i], batch["title"][i]
+        q, t = questions[i], titles[i]
         return lambda c: render(prompt_template, context=c, question=q, title=t)
 
-    prompts = [prompt_fn(i)(batch["context"][i]) for i in range(n)]
-    prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    prompts = [
+        render(prompt_template, context=c, question=q, title=t)
+        for c, q, t in zip(contexts, questions, titles)
+    ]
+    prompt_ids = encode_batch(tokenizer, prompts, add_special_tokens=True)
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "num_label_tokens")}
     out["drop_reason"] = []
-    out["id"] = list(batch["id"])
+    out["id"] = list(ids_col)
     for i in range(n):
-        comp = list(comp_ids[i]) + [eos]
+        comp = comp_ids[i]
+        comp.append(eos)
         p = prompt_ids[i]
         reason = ""
         if seq_length is not None and len(p) + len(comp) > seq_length:
@@ -304,11 +312,11 @@ def squad_tokenize_batch(
             elif "{context}" not in prompt_template:
                 reason = "too_long"
             else:
-                a_s = batch["answer_start"][i]
-                a_e = a_s + len(batch["answer"][i]) if a_s >= 0 else 0
+                a_s = starts[i]
+                a_e = a_s + len(answers[i]) if a_s >= 0 else 0
                 a_s = max(a_s, 0)
                 fitted = _fit_prompt(
-                    tokenizer, batch["context"][i], a_s, a_e, len(p), prompt_fn(i),
+                    tokenizer, contexts[i], a_s, a_e, len(p), prompt_fn(i),
                     seq_length - len(comp),
                 )
                 if fitted is None:
@@ -323,8 +331,10 @@ def squad_tokenize_batch(
         if reason:
             ids, labels = [], []
         else:
-            ids = list(p) + comp
-            labels = [IGNORE_INDEX] * (len(p) - 1) + comp + [IGNORE_INDEX]
+            ids = p + comp
+            labels = [IGNORE_INDEX] * (len(p) - 1)
+            labels += comp
+            labels.append(IGNORE_INDEX)
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["length"].append(len(ids))
@@ -434,3 +444,8 @@ class SquadDataset(TokenizedDataset):
 def build_squad_dataset(path, tokenizer, **kwargs) -> SquadDataset:
     """``SquadDataset(path, tokenizer, **kwargs)``; the form a YAML ``_target_`` calls."""
     return SquadDataset(path, tokenizer, **kwargs)
+
+
+# The public entry points take exactly the arguments of _build_squad (YAML `_target_` checks them).
+SquadDataset.__signature__ = inspect.signature(_build_squad).replace(return_annotation="SquadDataset")
+build_squad_dataset.__signature__ = inspect.signature(_build_squad).replace(return_annotation="SquadDataset")

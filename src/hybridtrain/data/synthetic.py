@@ -2,17 +2,19 @@
 
 ::
 
-    synthetic_squad(num_questions=2000, seed=0, facts_per_paragraph=3,
-                    paragraphs_per_article=20) -> dict           # the SQuAD v1.1 document
+    synthetic_squad(num_questions=2000, seed=0, facts_per_paragraph=2,
+                    paragraphs_per_article=20, n_countries=8, n_people=12,
+                    n_rivers=4) -> dict                          # the SQuAD v1.1 document
     write_synthetic_squad(path, num_questions=2000, seed=0, **kw) -> Path
-    synthetic_texts(num_questions=2000, seed=0) -> list[str]   # contexts + questions, for BPE
+    synthetic_texts(num_questions=2000, seed=0, **kw) -> list[str]   # for training a BPE
 
-The world (``seed``) has a few dozen invented countries, cities, people and rivers with fixed
-facts ("The capital of Veloria is Tarnis."). Each paragraph states a few of them; each question
-asks one ("What is the capital of Veloria?") and its answer is a span of the paragraph, with the
-exact ``answer_start``. Contexts are short and the templates repeat, and the facts are the same
-everywhere, so a tiny model learns the task (by copying from the context or by remembering) in
-about a hundred steps -- the data of the tiny demo.
+The world (``seed``) has a few invented countries, cities, people and rivers with fixed facts
+("The capital of Veloria is Tarnis.", 4 per country, 3 per person, 1 per river: 72 by default).
+Each paragraph states ``facts_per_paragraph`` of them; each question asks one ("What is the
+capital of Veloria?") and its answer is a span of the paragraph, with the exact ``answer_start``.
+Contexts are short, the templates repeat, and a question always has the same answer, so a tiny
+model can learn it by copying from the context or by remembering the small world -- the data of
+the tiny demo.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _name(rng: random.Random, syllables: int, used: set) -> str:
             return s
 
 
-def _world(seed: int, n_countries: int = 24, n_people: int = 40, n_rivers: int = 12):
+def _world(seed: int, n_countries: int, n_people: int, n_rivers: int):
     rng = random.Random(seed)
     used: set = set()
     countries = [_name(rng, 2, used) + rng.choice(["ia", "land", "a", "or"]) for _ in range(n_countries)]
@@ -83,13 +85,18 @@ def _world(seed: int, n_countries: int = 24, n_people: int = 40, n_rivers: int =
 def synthetic_squad(
     num_questions: int = 2000,
     seed: int = 0,
-    facts_per_paragraph: int = 3,
+    facts_per_paragraph: int = 2,
     paragraphs_per_article: int = 20,
+    n_countries: int = 8,
+    n_people: int = 12,
+    n_rivers: int = 4,
 ) -> dict:
     """A SQuAD v1.1 document with ``num_questions`` answerable questions."""
     if num_questions < 1 or facts_per_paragraph < 1 or paragraphs_per_article < 1:
         raise ValueError("num_questions, facts_per_paragraph and paragraphs_per_article must be >= 1")
-    facts = _world(seed)
+    facts = _world(seed, n_countries, n_people, n_rivers)
+    if facts_per_paragraph > len(facts):
+        raise ValueError(f"facts_per_paragraph={facts_per_paragraph} exceeds the {len(facts)} facts")
     rng = random.Random(seed + 1)
     articles, paragraphs, n = [], [], 0
     while n < num_questions:
@@ -133,10 +140,10 @@ def write_synthetic_squad(path: str | os.PathLike, num_questions: int = 2000, se
     return path
 
 
-def synthetic_texts(num_questions: int = 2000, seed: int = 0) -> list[str]:
+def synthetic_texts(num_questions: int = 2000, seed: int = 0, **kwargs) -> list[str]:
     """Contexts and questions of :func:`synthetic_squad`, e.g. to train the demo tokenizer on."""
     out = []
-    for art in synthetic_squad(num_questions, seed)["data"]:
+    for art in synthetic_squad(num_questions, seed, **kwargs)["data"]:
         for par in art["paragraphs"]:
             out.append(par["context"])
             out.extend(qa["question"] for qa in par["qas"])

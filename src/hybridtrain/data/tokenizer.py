@@ -145,6 +145,20 @@ def build_bpe_tokenizer(
     return load_tokenizer(out_dir)
 
 
+def encode_batch(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of ``texts`` (new lists), as ``tokenizer(texts)["input_ids"]`` gives them.
+
+    A fast tokenizer's Rust backend is called directly when it has no truncation or padding
+    state (the ids are the same; it skips building the per-text Python encodings).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in fast(texts, add_special_tokens=add_special_tokens)]
+    ids = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [list(x) for x in ids]
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of everything that determines the token ids a tokenizer produces."""
     h = hashlib.sha256()
