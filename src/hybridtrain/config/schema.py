@@ -180,13 +180,19 @@ DISTRIBUTED = {
     "ep": K(1, "expert-parallel degree (borrowed from dp_shard*cp)", (int,)),
     "ep_backend": K("alltoall", "expert token dispatch: torch all-to-all, or DeepEP (CUDA)",
                     choices=("alltoall", "deepep")),
-    "pp_schedule": K("1F1B", "pipeline schedule (torch.distributed.pipelining name)", (str,)),
-    "pp_microbatch_size": K(1, "samples per pipeline micro-batch", (int,)),
-    "pp_split_points": K(None, "layer names/indices where stages start; null -> even split",
-                         (list, type(None))),
+    "pp_schedule": K("1f1b", "pipeline schedule: 1f1b, gpipe, interleaved1f1b, loopedbfs, "
+                             "interleavedzb, zbv, dualpipev (case and '_' insensitive)", (str,)),
+    "pp_stages_per_rank": K(None, "stages per rank for interleaved / V schedules; null -> 2 for "
+                                  "those, else 1", _OPT_INT),
+    "pp_microbatch_size": K(None, "rows per pipeline micro-batch; null -> the trainer's "
+                                  "micro-batches (same micro-batching as one process)", _OPT_INT),
+    "pp_split_points": K(None, "manual split: first layer index of every stage after the first; "
+                               "null -> balanced by per-layer FLOPs", (list, type(None))),
     "sequence_parallel": K(True, "with tp > 1, shard norms/activations along the sequence"),
     "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy",
                                     choices=("default", "always", "never")),
+    "fsdp_param_dtype": K("auto", "FSDP2 all-gather/compute dtype; auto -> training dtype",
+                          choices=("auto", "float32", "bfloat16")),
     "fsdp_reduce_dtype": K("float32", "gradient reduce-scatter dtype",
                            choices=("float32", "bfloat16")),
     "cpu_offload": K(False, "FSDP2 CPU offload of parameters/optimizer state"),

@@ -173,11 +173,14 @@ def _parallelize(cfg: ConfigNode, model, world_size: int, device: torch.device, 
                         pp=d.pp, ep=d.ep, world_size=world_size)
     if world_size > 1:
         dims.build_mesh(device.type)
-    kwargs = dict(device=device, loss_fn=loss_fn,
-                  activation_checkpointing=t.activation_checkpointing, compile=t.compile,
-                  reshard_after_forward=d.fsdp_reshard_after_forward,
-                  pp_schedule=d.pp_schedule, pp_microbatch_size=d.pp_microbatch_size,
-                  pp_split_points=d.pp_split_points, autocast_dtype=autocast_dtype)
+    from hybridtrain.distributed.layout import parallelize_options
+    from hybridtrain.training.flops import layer_flops
+
+    seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
+    costs = [sum(layer_flops(model.config, ty, seq_len).values())
+             for ty in model.config.layers_block_type]
+    kwargs = dict(device=device, loss_fn=loss_fn, autocast_dtype=autocast_dtype,
+                  pp_layer_costs=costs, **parallelize_options(d, t))
     accepted = inspect.signature(parallelize_nemotron_h).parameters
     plan = parallelize_nemotron_h(model, dims, **{k: v for k, v in kwargs.items()
                                                   if k in accepted})
