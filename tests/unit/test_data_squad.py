@@ -91,27 +91,23 @@ def test_real_subset_too_short_drops_with_one_warning(tok, subset_answers, caplo
     _check_fixed(ds, tok, 40, subset_answers)
 
 
-def test_window_is_maximal_and_centred(tok):
+def test_window_is_maximal_and_centred(tok, tmp_path):
     ctx = " ".join(f"w{i}" for i in range(300)) + " ANSWER " + " ".join(f"v{i}" for i in range(300))
     rec = {"id": "a", "context": ctx, "question": "Where?",
            "answers": [{"text": "ANSWER", "answer_start": ctx.index("ANSWER")}]}
     doc = {"version": "1.1", "data": [{"title": "t", "paragraphs": [
         {"context": ctx, "qas": [{k: rec[k] for k in ("id", "question", "answers")}]}]}]}
-    import tempfile, pathlib
-
-    with tempfile.TemporaryDirectory() as d:
-        p = pathlib.Path(d) / "s.json"
-        p.write_text(json.dumps(doc))
-        for L in (64, 128):
-            ds = build_squad_dataset(p, tok, seq_length=L, cache_dir=False)
-            ex = ds[0]
-            assert len(ex["input_ids"]) <= L
-            # No more than one more word would have fitted.
-            assert len(ex["input_ids"]) >= L - 6
-            text = tok.decode(ex["input_ids"])
-            window = text.split("Context: ", 1)[1].split("\nQuestion:", 1)[0].split()
-            k = window.index("ANSWER")
-            assert abs(k - (len(window) - 1 - k)) <= 2  # centred on the answer
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(doc))
+    for L in (64, 128):
+        ds = build_squad_dataset(p, tok, seq_length=L, cache_dir=False)
+        ex = ds[0]
+        assert len(ex["input_ids"]) <= L
+        assert len(ex["input_ids"]) >= L - 6  # about one more word would not have fitted
+        text = tok.decode(ex["input_ids"])
+        window = text.split("Context: ", 1)[1].split("\nQuestion:", 1)[0].split()
+        k = window.index("ANSWER")
+        assert abs(k - (len(window) - 1 - k)) <= 2  # centred on the answer
 
 
 def test_variable_length_and_no_truncation(tok, tmp_path):
