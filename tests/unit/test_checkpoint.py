@@ -142,3 +142,15 @@ def test_lora_checkpoint_holds_adapters_only(tmp_path):
         assert torch.equal(a, b), n
     out = convert(str(tmp_path / "run"), str(tmp_path / "adapter"))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
+
+
+def test_refuses_different_peft_settings(tmp_path):
+    model, opt, lrs, sched = _state()
+    peft = {"method": "lora", "dim": 8, "alpha": 32, "dropout": 0.0, "target_modules": ["*"]}
+    path = Checkpointer(str(tmp_path), state_extra={"peft": peft}).save(1, model, opt, lrs, sched)
+    # dropout does not shape the adapters: allowed to change
+    Checkpointer(str(tmp_path), state_extra={"peft": {**peft, "dropout": 0.1}}).load(path, model)
+    with pytest.raises(ValueError, match=r"peft settings differ[\s\S]*peft.dim: checkpoint 8, this run 4"):
+        Checkpointer(str(tmp_path), state_extra={"peft": {**peft, "dim": 4}}).load(path, model)
+    with pytest.raises(ValueError, match="checkpoint has adapters, this run has no peft section"):
+        Checkpointer(str(tmp_path)).load(path, model)

@@ -224,6 +224,20 @@ def default_export(model: torch.nn.Module, step_dir: str, tokenizer=None,
 
 
 # -- the checkpointer -------------------------------------------------------------------------
+def _peft_diff(saved: dict | None, current: dict | None) -> list[str]:
+    """Differences between the LoRA settings of a checkpoint and of this run (dropout ignored:
+    it does not change the adapters); a LoRA checkpoint vs a full one is a difference too."""
+    saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))
+    if not saved and not current:
+        return []
+    if not saved or not current:
+        return [f"peft: checkpoint {'has' if saved else 'has no'} adapters, this run "
+                f"{'has' if current else 'has no'} peft section"]
+    keys = (set(saved) | set(current)) - {"dropout"}
+    return [f"peft.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
+            for k in sorted(keys) if saved.get(k) != current.get(k)]
+
+
 class Checkpointer:
     """Saves and restores training state under ``dir`` (see module docstring).
 
@@ -404,6 +418,13 @@ class Checkpointer:
                     f"model config:\n  " + "\n  ".join(diff) + "\nUse the same model config, a "
                     "new checkpoint.dir, or checkpoint.resume: null to start over"
                 )
+        if check_config:
+            peft_diff = _peft_diff(state.get("peft"), self.state_extra.get("peft"))
+            if peft_diff:
+                raise ValueError(
+                    f"refusing to resume from {path}: its peft settings differ from this run's "
+                    f"peft section:\n  " + "\n  ".join(peft_diff) + "\nUse the same peft "
+                    "settings, a new checkpoint.dir, or checkpoint.resume: null to start over")
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
         else:
