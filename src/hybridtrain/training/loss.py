@@ -102,20 +102,27 @@ def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, 
             h = hidden[start:end].to(dtype)
             y, ok = safe_labels[start:end], valid[start:end]
             logits = (h @ w.t()).float()
+            rows = torch.arange(end - start, device=logits.device)
+            weight_rows = torch.where(ok, scale, 0.0) if want_grads else None  # d total / d row
             if lse is None:
-                chunk_lse = torch.logsumexp(logits, dim=-1)
+                target = logits[rows, y]
+                if want_grads:
+                    # one exp pass, in place: e = exp(logits - max), lse = max + log(sum e),
+                    # softmax = e / sum e (the fp32 chunk is reused as the gradient buffer)
+                    m = logits.amax(dim=-1, keepdim=True)
+                    s = logits.sub_(m).exp_().sum(dim=-1, keepdim=True)
+                    chunk_lse = (m + s.log()).squeeze(1)
+                    g = logits.mul_((weight_rows[:, None] / s))
+                else:
+                    chunk_lse = torch.logsumexp(logits, dim=-1)
                 out_lse[start:end] = chunk_lse
-                target = logits.gather(1, y[:, None]).squeeze(1)
                 total += torch.where(ok, chunk_lse - target, 0.0).sum()
             else:
-                chunk_lse = lse[start:end]
+                g = logits.sub_(lse[start:end, None]).exp_().mul_(weight_rows[:, None])
             if not want_grads:
                 continue
             # d(lse - logit[label]) / d logits = softmax - onehot(label); zero on ignored rows.
-            g = logits
-            g.sub_(chunk_lse[:, None]).exp_()
-            g[torch.arange(end - start, device=g.device), y] -= 1.0
-            g.mul_(torch.where(ok, scale, 0.0)[:, None])
+            g[rows, y] -= weight_rows
             g = g.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = g @ w
@@ -123,8 +130,8 @@ def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, 
                 if dtype == torch.float32:
                     # (the out= form, not addmm_, so FlopCounterMode sees the matmul)
                     torch.addmm(grad_weight, g.t(), h, out=grad_weight)
-                else:
-                    grad_weight += (g.t() @ h).float()
+                else:  # bf16 partial product, summed into the fp32 buffer (no fp32 copy)
+                    grad_weight.add_(g.t() @ h)
             del g, logits
     return total, out_lse
 
