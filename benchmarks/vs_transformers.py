@@ -155,9 +155,11 @@ def prepare(workdir: Path, args) -> dict:
 
     if len(padded) < n * B or len(packed) < n * B:
         raise SystemExit(f"not enough data for {n} steps of {B}: {len(padded)} examples, {len(packed)} rows")
+    # shuffled, as a trainer draws them (the file's first examples are not typical in length)
+    order = torch.randperm(len(padded), generator=torch.Generator().manual_seed(args.seed)).tolist()
     pad_batches = []
     for s in range(n):
-        b = stack([padded[s * B + i] for i in range(B)], ("input_ids", "labels", "attention_mask"))
+        b = stack([padded[order[s * B + i]] for i in range(B)], ("input_ids", "labels", "attention_mask"))
         b["num_tokens"] = b["attention_mask"].sum()
         pad_batches.append(b)
     from hybridtrain.data.collate import PackedCollator
@@ -203,7 +205,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--ce-chunk", type=int, default=1024, help="hybridtrain's loss chunk (tokens)")
     p.add_argument("--ac", default="", help="hybridtrain's training.activation_checkpointing "
