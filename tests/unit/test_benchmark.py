@@ -18,7 +18,7 @@ def _cfg(tmp_path, **bench):
             "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
             "config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed"},
         },
-        "training": {"global_batch_size": 2, "micro_batch_size": 2, "seed": 0, "device": "cpu", "dtype": "float32"},
+        "training": {"global_batch_size": 2, "micro_batch_size": 2, "seed": 0, "device": "cpu"},  # dtype auto: fp32 for this narrow model
         "checkpoint": {"dir": str(tmp_path / "run")},
         "benchmark": {"warmup_steps": 1, "steps": 1, "seq_len": 32, "seq_lengths": [16, 64], **bench},
     }

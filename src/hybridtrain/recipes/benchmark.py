@@ -290,8 +290,6 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     t = cfg.training
     seed_all(t.seed)
     base_mem = _rss_bytes() if device.type != "cuda" else 0
-    dtypes = [resolve_dtype(n, device) for n in (opts["dtypes"] or [t.dtype])]
-    dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
 
     tokenizer = _build_tokenizer(cfg, is_main) if opts["data"] == "recipe" else None
     if cfg.model is None:
@@ -301,6 +299,10 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
 
     model = instantiate(cfg.model)
     model_config = getattr(model, "config", None)
+    # `auto` depends on the model's width on CPU (as in finetune), so resolve after building it
+    hidden = getattr(model_config, "hidden_size", None)
+    dtypes = [resolve_dtype(n, device, hidden_size=hidden) for n in (opts["dtypes"] or [t.dtype])]
+    dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
     if tokenizer is not None and model_config is not None and len(tokenizer) > model_config.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
