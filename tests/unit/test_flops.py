@@ -177,6 +177,14 @@ def test_chunked_cross_entropy_head_matmuls():
     for ce_chunk, recompute, n_matmuls in [(None, False, 3), (16, False, 3), (16, True, 4)]:
         measured, _, _ = _measure(model, ids, training=True, ce_chunk=ce_chunk, ce_recompute=recompute)
         assert measured["lm_head"] == n_matmuls * head_fwd, (ce_chunk, recompute)
+    # Only label tokens go through the chunked head (an SFT prompt has none).
+    labels = torch.full(ids.shape, -100)
+    labels[:, 30:] = torch.randint(0, config.vocab_size, (1, 10))
+    h = model.hidden_states(ids).detach().requires_grad_()
+    with FlopCounterMode(display=False) as fc:
+        cross_entropy_sum(h, model.lm_head.weight, labels, chunk_size=16).backward()
+    assert fc.get_total_flops() == 3 * head_fwd // 4  # 10 of the 40 tokens
+    assert torch.all(h.grad[:, :30] == 0) and torch.any(h.grad[:, 30:] != 0)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])

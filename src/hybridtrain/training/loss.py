@@ -4,7 +4,9 @@ With a 131k vocabulary the ``[tokens, vocab]`` logits are the largest tensor of 
 (8k tokens x 131k x 4 bytes = 4 GiB in fp32). :func:`cross_entropy_sum` never builds them whole:
 it walks the tokens in chunks of ``chunk_size`` and, per chunk, forms the logits, their fp32
 log-sum-exp and the loss terms, and the chunk's share of the gradients of the hidden states and
-of the head weight. Two ways to get the gradients:
+of the head weight. Tokens whose label is ``ignore_index`` (an SFT prompt) get no logits at all:
+their gradient is zero, so only the label tokens go through the head. Two ways to get the
+gradients:
 
 * ``recompute=True``: forward keeps one fp32 log-sum-exp per token and backward recomputes each
   chunk's logits. Costs one more LM-head matmul per step; nothing but the inputs is held between
@@ -65,6 +67,13 @@ def cross_entropy_sum(
     if chunk_size is None:
         logits = (hidden @ weight.t()).float()
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    # Only label tokens need logits: in SFT most positions (the prompt) carry ignore_index. Their
+    # rows are dropped here (index_select's backward puts zeros there); this syncs with the device
+    # once for the count.
+    keep = labels != ignore_index
+    if not bool(keep.all()):
+        idx = keep.nonzero().squeeze(1)
+        hidden, labels = hidden.index_select(0, idx), labels.index_select(0, idx)
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.no_grad():
             return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight))[0]
