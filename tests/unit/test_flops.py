@@ -245,6 +245,8 @@ def test_formula_terms_by_hand():
         c, "full_attention", 10, causal=False)["attention.core"]
     assert model_flops(c, 10, training=True) == 3 * model_flops(c, 10, training=False)
     assert flops_breakdown(c, 1)["lm_head"] == 2 * H * V
+    assert flops_breakdown(c, [10, 20], lm_head_tokens=3)["lm_head"] == 3 * 2 * H * V
+    assert model_flops(c, 30) - model_flops(c, 30, lm_head_tokens=5) == 3 * 25 * 2 * H * V
     assert flops_per_token(c, [10, 20], training=False) == model_flops(c, [10, 20], training=False) / 30
 
 

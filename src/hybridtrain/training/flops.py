@@ -20,7 +20,9 @@ Counting rules (one multiply-add = 2 FLOPs; forward pass unless ``training``):
   projections each ``2 * 2 H' I_moe`` where H' is ``moe_latent_size`` if set (plus the latent
   projections ``2 * 2 H H'``), and the shared expert MLP ``2 * 2 H I_shared`` (transformers builds
   one shared MLP of ``moe_shared_expert_intermediate_size``, whatever ``n_shared_experts`` says).
-* **LM head** ``2 H V``. Embedding lookups, residual adds and the pre-norms are not counted.
+* **LM head** ``2 H V`` per position that gets logits: every token by default, or the label
+  tokens only (``lm_head_tokens``), which is what the chunked training loss computes.
+  Embedding lookups, residual adds and the pre-norms are not counted.
 * **Training** = 3 x forward (backward = 2 x forward: gradients of inputs and of weights).
 
 ``matmul_only=True`` keeps the terms that are matrix products (GEMMs and the batched products
@@ -125,32 +127,42 @@ def layer_flops(config, layer_type: str, doc_lengths: Docs, causal: bool = True)
     )
 
 
-def flops_breakdown(config, doc_lengths: Docs, causal: bool = True) -> dict[str, int]:
-    """Forward FLOPs of the whole model over the given rows, summed by term over the layers."""
+def flops_breakdown(config, doc_lengths: Docs, causal: bool = True,
+                    lm_head_tokens: int | None = None) -> dict[str, int]:
+    """Forward FLOPs of the whole model over the given rows, summed by term over the layers.
+
+    ``lm_head_tokens``: how many positions go through the LM head (default: all). The training
+    loss computes logits for label tokens only (an SFT prompt has none), so the trainer passes
+    the number of label tokens.
+    """
     rows = _rows(doc_lengths)
     total: dict[str, int] = {}
     for t in _layer_types(config):
         for name, f in layer_flops(config, t, rows, causal).items():
             total[name] = total.get(name, 0) + f
-    T = sum(sum(r) for r in rows)
+    T = sum(sum(r) for r in rows) if lm_head_tokens is None else lm_head_tokens
     total["lm_head"] = 2 * T * config.hidden_size * config.vocab_size
     return total
 
 
 def model_flops(
-    config, doc_lengths: Docs, training: bool = True, causal: bool = True, matmul_only: bool = False
+    config, doc_lengths: Docs, training: bool = True, causal: bool = True, matmul_only: bool = False,
+    lm_head_tokens: int | None = None,
 ) -> int:
     """FLOPs of one forward (and backward when ``training``) pass over ``doc_lengths``: an int
-    (one sequence), a list of document lengths of one packed row, or a list of such rows."""
-    terms = flops_breakdown(config, doc_lengths, causal)
+    (one sequence), a list of document lengths of one packed row, or a list of such rows.
+    ``lm_head_tokens``: see :func:`flops_breakdown`."""
+    terms = flops_breakdown(config, doc_lengths, causal, lm_head_tokens)
     fwd = sum(f for name, f in terms.items() if not (matmul_only and name in NON_MATMUL_TERMS))
     return 3 * fwd if training else fwd
 
 
-def flops_per_token(config, doc_lengths: Docs, training: bool = True, causal: bool = True) -> float:
+def flops_per_token(config, doc_lengths: Docs, training: bool = True, causal: bool = True,
+                    lm_head_tokens: int | None = None) -> float:
     """:func:`model_flops` divided by the number of tokens."""
     tokens = sum(sum(r) for r in _rows(doc_lengths))
-    return model_flops(config, doc_lengths, training=training, causal=causal) / tokens
+    return model_flops(config, doc_lengths, training=training, causal=causal,
+                       lm_head_tokens=lm_head_tokens) / tokens
 
 
 # ---------------------------------------------------------------------------------------------
