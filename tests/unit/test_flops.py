@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
 from hybridtrain.training.flops import (
+    batch_flops,
     flops_breakdown,
     flops_per_token,
     gpu_peak_tflops,
@@ -248,6 +249,19 @@ def test_formula_terms_by_hand():
     assert flops_breakdown(c, [10, 20], lm_head_tokens=3)["lm_head"] == 3 * 2 * H * V
     assert model_flops(c, 30) - model_flops(c, 30, lm_head_tokens=5) == 3 * 25 * 2 * H * V
     assert flops_per_token(c, [10, 20], training=False) == model_flops(c, [10, 20], training=False) / 30
+
+
+def test_batch_flops_of_padded_and_packed_batches():
+    c = _config("mixed")
+    padded = {"input_ids": torch.zeros(2, 8, dtype=torch.long),
+              "attention_mask": torch.tensor([[1] * 5 + [0] * 3, [1] * 8]),
+              "labels": torch.tensor([[-100] * 3 + [1, 2] + [-100] * 3, [-100] * 6 + [3, 4]])}
+    assert batch_flops(c, padded) == model_flops(c, [[5], [8]], lm_head_tokens=4)
+    packed = {"input_ids": torch.zeros(2, 8, dtype=torch.long),
+              "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2]),
+              "cu_seqlens": torch.tensor([0, 3, 8, 14, 16]),
+              "labels": torch.full((2, 8), 5)}
+    assert batch_flops(c, packed) == model_flops(c, [[3, 5], [6]], lm_head_tokens=16)
 
 
 def test_legacy_layer_names_and_bad_input():

@@ -38,7 +38,7 @@ sampled every 2 ms during the timed steps, less the resident size before the mod
 weights, gradients, optimizer state and activations, plus whatever the C allocator keeps. It is
 comparable between the measurements of one run (lengths are run shortest first), not exact.
 FLOPs follow :mod:`hybridtrain.training.flops` (training = 3 x forward, causal attention per
-document); MFU is against the data-sheet peak of the GPU for the dtype, or on CPU the measured
+document, the LM head on label tokens); MFU is against the data-sheet peak of the GPU for the dtype, or on CPU the measured
 matmul peak of the dtype.
 """
 
@@ -58,14 +58,12 @@ import torch
 from hybridtrain.recipes.finetune import (
     _as_config,
     _build_tokenizer,
-    _flops_fn,
     _instantiate_with,
     _main_first,
     _parallelize,
-    batch_doc_lengths,
     resolve_dtype,
 )
-from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
+from hybridtrain.training.flops import batch_flops, measure_matmul_peak, peak_tflops
 from hybridtrain.training.optim import build_optimizer, param_groups
 from hybridtrain.training.rng import seed_all
 from hybridtrain.training.step_scheduler import StepScheduler
@@ -332,8 +330,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     else:
         optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                                     eps=o.eps, implementation=o.implementation, name=o.name)
-    setup = Setup(model, optimizer, device, ctx, plan,
-                  _flops_fn(model_config) if model_config is not None else None,
+    flops_fn = (lambda mb: float(batch_flops(model_config, mb))) if model_config is not None else None
+    setup = Setup(model, optimizer, device, ctx, plan, flops_fn,
                   plan.clip_grad_norm if plan is not None else None, t.grad_clip, t.seed, base_mem)
 
     peaks_measured = {}

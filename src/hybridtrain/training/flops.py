@@ -165,6 +165,34 @@ def flops_per_token(config, doc_lengths: Docs, training: bool = True, causal: bo
                        lm_head_tokens=lm_head_tokens) / tokens
 
 
+def batch_doc_lengths(batch: dict) -> list[list[int]]:
+    """Rows of document lengths (padding excluded) of a collated batch: ``cu_seqlens`` segments
+    of a packed batch, else each row's ``attention_mask`` count, else whole rows."""
+    mask = batch.get("attention_mask")
+    B, L = batch["input_ids"].shape
+    if mask is None:
+        return [[L] for _ in range(B)]
+    if "cu_seqlens" not in batch:
+        return [[int(n)] for n in mask.sum(1).tolist() if n > 0]
+    flat = mask.reshape(-1).tolist()
+    cu = batch["cu_seqlens"].tolist()
+    rows: list[list[int]] = [[] for _ in range(B)]
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a and flat[a]:
+            rows[a // L].append(b - a)
+    return [r for r in rows if r]
+
+
+def batch_flops(config, batch: dict, training: bool = True, ignore_index: int = -100) -> int:
+    """Training (or forward) FLOPs of the model on one collated batch: attention per document,
+    the LM head on the label tokens only (as the chunked loss computes it)."""
+    rows = batch_doc_lengths(batch)
+    if not rows:
+        return 0
+    n_label = int((batch["labels"] != ignore_index).sum()) if "labels" in batch else None
+    return model_flops(config, rows, training=training, lm_head_tokens=n_label)
+
+
 # ---------------------------------------------------------------------------------------------
 # Peak throughput
 # ---------------------------------------------------------------------------------------------
