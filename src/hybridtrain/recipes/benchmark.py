@@ -253,7 +253,9 @@ def _measure(setup: Setup, name: str, dataset, make_loader, global_batch_size: i
         "tokens_per_s_per_device": tokens / time_s / world,
         "tflops_per_device": tflops_dev,
         "mfu": tflops_dev / peak if tflops_dev is not None and peak else None,
-        "peak_memory_gb": (mem.peak - base) / 2**30,
+        # CPU: growth of the resident size over the pre-model baseline (never negative: freed
+        # start-up memory can leave the process smaller than the baseline on a tiny model)
+        "peak_memory_gb": max(mem.peak - base, 0) / 2**30,
         "loss": records[-1]["loss"],
         "profile": trace if n_prof else None,
     }
