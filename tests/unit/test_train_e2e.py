@@ -76,3 +76,17 @@ def test_squad_tiny_output_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "already holds a run" in err and "checkpoint.resume=auto" in err
     assert open(out / "latest").read().strip() == "step_6"
+
+
+def test_loss_chunk_size_switch_keeps_the_losses(tmp_path):
+    """training.loss_chunk_size: null (plain full-logit loss) gives the chunked run's losses."""
+    from hybridtrain.cli import main
+
+    losses = []
+    for chunk in ("null", "64"):
+        out = tmp_path / f"chunk_{chunk}"
+        assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 2),
+                     f"--training.loss_chunk_size={chunk}", "--checkpoint.enabled=false",
+                     "--checkpoint.save_hf_at_end=false", "--training.val_every_steps=0"]) == 0
+        losses.append([json.loads(line)["loss"] for line in open(out / "training.jsonl")])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

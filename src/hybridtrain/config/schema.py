@@ -84,6 +84,8 @@ TRAINING = {
                        "refused (needs loss scaling)",
                choices=("auto", "float32", "bfloat16", "float16")),
     "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
+    "loss_chunk_size": K(4096, "tokens per chunk of the linear cross-entropy (logits never "
+                               "materialised whole); null -> plain full-logit loss", _OPT_INT),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
     "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
                                          "'all', k (every k-th block), layer types "

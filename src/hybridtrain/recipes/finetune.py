@@ -284,11 +284,13 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     # parallel layout, train step
     from hybridtrain.training.loss import cross_entropy_sum
 
-    plan, ctx = _parallelize(cfg, model, world_size, device, cross_entropy_sum, autocast_dtype)
+    loss_fn = functools.partial(cross_entropy_sum, chunk_size=t.loss_chunk_size)
+    plan, ctx = _parallelize(cfg, model, world_size, device, loss_fn, autocast_dtype)
     if plan is not None:
         model, train_step, clip_fn = plan.model, plan.train_step, plan.clip_grad_norm
     else:
-        train_step, clip_fn = TrainStep(autocast_dtype=autocast_dtype), None
+        train_step = TrainStep(chunk_size=t.loss_chunk_size, autocast_dtype=autocast_dtype)
+        clip_fn = None
 
     # step scheduler, optimizer, LR scheduler
     sched = StepScheduler(
