@@ -110,30 +110,14 @@ def resolve_dtype(name: str, device: torch.device, hidden_size: int | None = Non
     return _resolve_dtype(name, device, hidden_size=hidden_size)
 
 
-def batch_doc_lengths(batch: dict) -> list[list[int]]:
-    """Rows of document lengths (padding excluded) of a collated batch, for FLOPs counting."""
-    mask = batch.get("attention_mask")
-    B, L = batch["input_ids"].shape
-    if mask is None:
-        return [[L] for _ in range(B)]
-    if "cu_seqlens" not in batch:
-        return [[int(n)] for n in mask.sum(1).tolist() if n > 0]
-    flat = mask.reshape(-1).tolist()
-    cu = batch["cu_seqlens"].tolist()
-    rows: list[list[int]] = [[] for _ in range(B)]
-    for a, b in zip(cu[:-1], cu[1:]):
-        if b > a and flat[a]:
-            rows[a // L].append(b - a)
-    return [r for r in rows if r]
-
-
-def _flops_fn(model_config):
-    try:
-        from hybridtrain.training.flops import model_flops
-    except ImportError:
-        return None
+def _flops_fn(model_config, loss_chunk_size):
+    """Training FLOPs of a collated batch: attention per document; the LM head on label tokens
+    only when the chunked loss is on (it gives logits to nothing else), else on every token."""
+    from hybridtrain.training.flops import batch_doc_lengths, batch_flops, model_flops
 
     def flops(batch: dict) -> float:
+        if loss_chunk_size is not None:
+            return float(batch_flops(model_config, batch))
         rows = batch_doc_lengths(batch)
         return float(model_flops(model_config, rows, training=True)) if rows else 0.0
 
@@ -349,7 +333,7 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
         checkpointer=checkpointer, metrics=metrics, tokenizer=tokenizer, device=device,
         grad_clip=t.grad_clip, dist_ctx=ctx, train_step=train_step,
         max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
-        flops_fn=_flops_fn(model_config) if model_config is not None else None,
+        flops_fn=_flops_fn(model_config, t.loss_chunk_size) if model_config is not None else None,
         peak_tflops=_peak_tflops(cfg, device, dtype), save_hf_at_end=ck.save_hf_at_end,
         save_ckpt=ck.enabled, gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=clip_fn)
     if resume is not None:
