@@ -154,6 +154,28 @@ def test_merge_cli_and_save_merged_hf(tmp_path):
             merge_cli(["--base", "x"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_save_merged_hf_writes_the_save_dtype(tmp_path, dtype):
+    """``checkpoint.save_dtype`` applies to merged_hf/ as to hf/ (fp32 weights in both cases)."""
+    m = make_model()
+    apply_lora(m, dim=4, alpha=8)
+    randomize_adapters(m)
+    save_merged_hf(m, tmp_path / "merged", dtype=dtype)
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), framework="pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    want = {torch.bfloat16: "BF16", torch.float32: "F32"}[dtype]
+    kept_fp32 = {k for k in dtypes if k.endswith("e_score_correction_bias")}  # transformers keeps fp32
+    assert {v for k, v in dtypes.items() if k not in kept_fp32} == {want}
+    assert "backbone.layers.1.mixer.q_proj.weight" in dtypes  # merged weights, not adapter keys
+    assert not any("lora" in k for k in dtypes)
+    if dtype == torch.bfloat16:  # the merged values, rounded
+        merged = NemotronHForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        lin = m.backbone.layers["1"].mixer.q_proj
+        q = (lin.weight + lin.delta_weight()).detach()
+        torch.testing.assert_close(merged.backbone.layers["1"].mixer.q_proj.weight,
+                                   q.to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
 def test_peft_library_loads_adapter_into_transformers(tmp_path):
     """The strongest format check: PEFT's PeftModel on transformers' NemotronHForCausalLM gives
     our logits. (PEFT refuses Mamba out_proj for nemotron_h, and transformers' stacked experts do

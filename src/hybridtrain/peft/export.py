@@ -279,8 +279,9 @@ def export_peft(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or
 
 
 def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
-                   max_shard_size: int | str = "5GB") -> str:
+                   max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> str:
     """A plain Hugging Face checkpoint with the adapters folded in; the model keeps its adapters.
+    ``dtype``: the dtype to write (``checkpoint.save_dtype``, as for ``hf/``; None: as held).
     Collective under torch.distributed (full state dict gathered, rank 0 writes)."""
     from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
 
@@ -297,7 +298,8 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     else:
         sd = model.state_dict()
     if _rank() == 0:
-        save_hf_checkpoint(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size)
+        save_hf_checkpoint(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size,
+                           dtype=dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
     _barrier()
