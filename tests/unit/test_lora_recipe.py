@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import torch
+from recipe_testutils import run_overrides
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "chat_lora_tiny.yaml"
 
@@ -20,22 +21,16 @@ def _make_base(path: Path) -> None:
 
 
 def _overrides(out: Path, max_steps: int, resume: str = "null") -> list[str]:
-    return [
-        f"--checkpoint.dir={out}",
-        f"--checkpoint.resume={resume}",
+    return run_overrides(
+        out, max_steps, resume,
         f"--+dataset.cache_dir={out.parent}/cache",
         "--+dataset.limit=48",
         f"--+validation_dataset.cache_dir={out.parent}/cache",
         "--+validation_dataset.limit=8",
         "--packing.pack_size=256",
         "--training.global_batch_size=2",
-        f"--training.max_steps={max_steps}",
-        "--training.val_every_steps=2",
-        "--training.ckpt_every_steps=2",
-        "--metrics.progress_bar=false",
         "--metrics.plot=false",
-        "--metrics.peak_tflops=1.0",
-    ]
+    )
 
 
 def test_chat_lora_tiny(tmp_path, monkeypatch):

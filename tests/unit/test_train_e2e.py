@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from recipe_testutils import run_overrides
 
 from hybridtrain.training.metrics import TRAIN_FIELDS
 
@@ -12,21 +13,15 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "squad_tiny.yaml"
 
 
 def _overrides(out: Path, max_steps: int, resume: str = "null") -> list[str]:
-    return [
-        f"--checkpoint.dir={out}",
-        f"--checkpoint.resume={resume}",
+    return run_overrides(
+        out, max_steps, resume,
         f"--tokenizer.out_dir={out}/tokenizer",
         "--tokenizer.texts.num_questions=300",
         f"--dataset.path.path={out}/data/train.json",
         "--dataset.path.num_questions=200",
         f"--validation_dataset.path.path={out}/data/validation.json",
         "--validation_dataset.path.num_questions=16",
-        f"--training.max_steps={max_steps}",
-        "--training.val_every_steps=2",
-        "--training.ckpt_every_steps=2",
-        "--metrics.progress_bar=false",
-        "--metrics.peak_tflops=1.0",  # skip measuring the CPU's matmul peak
-    ]
+    )
 
 
 def test_squad_tiny_output_folder(tmp_path, capsys):
