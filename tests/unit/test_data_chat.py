@@ -6,7 +6,6 @@ import json
 import logging
 
 import pytest
-from data_testutils import bpe_tokenizer
 
 from hybridtrain.data import (
     CHATML_TEMPLATE,
@@ -26,11 +25,6 @@ MULTI_TURN = [
     {"role": "user", "content": "And then?"},
     {"role": "assistant", "content": "His descendants, the dukes of Normandy."},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return bpe_tokenizer(tmp_path_factory)
 
 
 def expected(tok, messages, train_on="all"):

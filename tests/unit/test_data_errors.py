@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_testutils import bpe_tokenizer, label_tokens
+from data_testutils import label_tokens
 
 from hybridtrain.data import (
     AnswerMismatchError,
@@ -25,11 +25,6 @@ def rec(i, **kw):
          "answers": {"text": ["France"], "answer_start": [CTX.index("France")]}}
     r.update(kw)
     return r
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return bpe_tokenizer(tmp_path_factory)
 
 
 def jsonl(path, lines):

@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from data_testutils import bpe_tokenizer, label_tokens, require_squad_subset
+from data_testutils import label_tokens, require_squad_subset
 
 from hybridtrain.data import (
     build_squad_dataset,
@@ -14,11 +14,6 @@ from hybridtrain.data import (
     write_synthetic_squad,
 )
 from hybridtrain.data import squad as squad_mod
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return bpe_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

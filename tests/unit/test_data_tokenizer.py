@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_testutils import bpe_tokenizer
 
 from hybridtrain.data import (
     CHATML_TEMPLATE,
@@ -15,11 +14,6 @@ from hybridtrain.data import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return bpe_tokenizer(tmp_path_factory)
 
 
 def test_bpe_dir_is_a_standard_hf_tokenizer(tok, tmp_path):
