@@ -119,25 +119,24 @@ class MetricsLogger:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def log_train(self, record: dict[str, Any]) -> None:
-        if not self.is_main:
-            return
+    def _write(self, path: str, tb_prefix: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Appends the JSON-safe ``record`` to ``path`` and its numbers to TensorBoard."""
         record = {k: _clean(v) for k, v in record.items()}
-        self._append(self.train_path, record)
+        self._append(path, record)
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"train/{k}", v, record["step"])
+                    self._tb.add_scalar(f"{tb_prefix}/{k}", v, record["step"])
+        return record
+
+    def log_train(self, record: dict[str, Any]) -> None:
+        if self.is_main:
+            self._write(self.train_path, "train", record)
 
     def log_val(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        record = {k: _clean(v) for k, v in record.items()}
-        self._append(self.val_path, record)
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"val/{k}", v, record["step"])
+        record = self._write(self.val_path, "val", record)
         msg = f"step {record['step']}: val_loss {record.get('val_loss')}"
         if self._bar is not None:
             self._bar.write(msg)
