@@ -38,19 +38,19 @@ A conversation without an assistant turn is an error (:class:`ChatFormatError`).
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from .dataset import (
+    SourceDataset,
     Stats,
-    TokenizedDataset,
     build_cached,
-    file_fingerprint,
+    check_padding,
     report,
     shifted_labels,
+    source_key,
     tokenize_records,
 )
 from .io import (
@@ -61,7 +61,7 @@ from .io import (
     require,
     resolve_data_files,
 )
-from .tokenizer import load_tokenizer, template_has_generation_markers, tokenizer_fingerprint
+from .tokenizer import as_tokenizer, template_has_generation_markers, tokenizer_fingerprint
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -316,14 +316,10 @@ def _build_chat(
     limit: int | None = None,
     trust_remote_code: bool = False,
 ) -> tuple:
-    if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
-        tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    tokenizer = as_tokenizer(tokenizer, trust_remote_code)
     if train_on not in ("all", "last"):
         raise ValueError(f"train_on must be 'all' or 'last', got {train_on!r}")
-    if padding not in ("none", "max_length"):
-        raise ValueError(f"padding must be 'none' or 'max_length', got {padding!r}")
-    if padding == "max_length" and not seq_length:
-        raise ValueError("padding='max_length' needs seq_length (the fixed length)")
+    check_padding(padding, seq_length)
     if mask_strategy not in ("auto", "generation", "prefix"):
         raise ValueError(
             f"mask_strategy must be 'auto', 'generation' or 'prefix', got {mask_strategy!r}"
@@ -348,9 +344,7 @@ def _build_chat(
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
 
-    is_hf = hasattr(path, "column_names") and hasattr(path, "_fingerprint")
-    source = f"datasets.Dataset({path._fingerprint})" if is_hf else str(path)
-    src_key = path._fingerprint if is_hf else file_fingerprint(resolve_data_files(path, split))
+    source, src_key = source_key(path, split)
     key = {
         "source": src_key,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -388,14 +382,10 @@ def _build_chat(
     return ds, stats, cache_path, tokenizer.pad_token_id
 
 
-class ChatDataset(TokenizedDataset):
+class ChatDataset(SourceDataset):
     """Tokenized chat examples with assistant-only labels (arguments: see the module docstring)."""
 
-    def __init__(self, path, tokenizer, seq_length: int | None = None, padding: str = "none",
-                 **kwargs):
-        ds, stats, cache_path, pad_id = _build_chat(path, tokenizer, seq_length, padding, **kwargs)
-        super().__init__(ds, pad_id, seq_length=seq_length, padding=padding, stats=stats,
-                         cache_path=cache_path)
+    _build = staticmethod(_build_chat)
 
 
 def build_chat_dataset(path, tokenizer, **kwargs) -> ChatDataset:
@@ -403,6 +393,4 @@ def build_chat_dataset(path, tokenizer, **kwargs) -> ChatDataset:
     return ChatDataset(path, tokenizer, **kwargs)
 
 
-# The public entry points take exactly the arguments of _build_chat (YAML `_target_` checks them).
-ChatDataset.__signature__ = inspect.signature(_build_chat).replace(return_annotation="ChatDataset")
-build_chat_dataset.__signature__ = inspect.signature(_build_chat).replace(return_annotation="ChatDataset")
+build_chat_dataset.__signature__ = ChatDataset.__signature__  # exactly the arguments of _build_chat

@@ -1,7 +1,7 @@
 """Tokenized datasets and their on-disk cache.
 
 ``TokenizedDataset`` is the map-style dataset that ``build_squad_dataset`` and
-``build_chat_dataset`` return. Item ``i`` is a dict of 1-D ``torch.long`` tensors:
+``build_chat_dataset`` return (through ``SourceDataset``, which tokenizes a source itself). Item ``i`` is a dict of 1-D ``torch.long`` tensors:
 
 - ``input_ids``: the document (right-padded with the pad token to ``seq_length`` when
   ``padding="max_length"``)
@@ -25,6 +25,7 @@ everything in memory. A file lock makes concurrent ranks build once and share th
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .io import EmptyDatasetError, describe_drop_reasons
+from .io import EmptyDatasetError, describe_drop_reasons, resolve_data_files
 
 logger = logging.getLogger("hybridtrain.data")
 
@@ -61,6 +62,21 @@ def file_fingerprint(paths) -> list[list]:
         st = os.stat(p)
         out.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
     return out
+
+
+def source_key(path, split: str | None = None) -> tuple[str, Any]:
+    """``(name for messages, cache-key part)`` of a data source: a ``datasets.Dataset`` (its
+    fingerprint) or local files (their path, size and mtime)."""
+    if hasattr(path, "column_names") and hasattr(path, "_fingerprint"):
+        return f"datasets.Dataset({path._fingerprint})", path._fingerprint
+    return str(path), file_fingerprint(resolve_data_files(path, split))
+
+
+def check_padding(padding: str, seq_length: int | None) -> None:
+    if padding not in ("none", "max_length"):
+        raise ValueError(f"padding must be 'none' or 'max_length', got {padding!r}")
+    if padding == "max_length" and not seq_length:
+        raise ValueError("padding='max_length' needs seq_length (the fixed length)")
 
 
 def hash_key(parts: Mapping[str, Any]) -> str:
@@ -232,10 +248,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
         stats: Mapping[str, Any] | None = None,
         cache_path: Path | None = None,
     ):
-        if padding not in ("none", "max_length"):
-            raise ValueError(f"padding must be 'none' or 'max_length', got {padding!r}")
-        if padding == "max_length" and not seq_length:
-            raise ValueError("padding='max_length' needs seq_length")
+        check_padding(padding, seq_length)
         self.hf_dataset = hf_dataset
         self.pad_token_id = int(pad_token_id)
         self.seq_length = seq_length
@@ -297,3 +310,24 @@ class TokenizedDataset(torch.utils.data.Dataset):
             f"{type(self).__name__}(n={len(self)}, seq_length={self.seq_length}, "
             f"padding={self.padding!r}, stats={dict(self.stats)})"
         )
+
+
+class SourceDataset(TokenizedDataset):
+    """A ``TokenizedDataset`` that reads and tokenizes its source itself.
+
+    A subclass sets ``_build = staticmethod(fn)``, ``fn(path, tokenizer, seq_length, padding,
+    **options) -> (hf_dataset, stats, cache_path, pad_token_id)``; the subclass then takes exactly
+    ``fn``'s arguments (its ``__signature__``, which YAML ``_target_`` checks).
+    """
+
+    _build: Callable[..., tuple]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = inspect.signature(cls._build).replace(return_annotation=cls.__name__)
+
+    def __init__(self, path, tokenizer, seq_length: int | None = None, padding: str = "none",
+                 **kwargs):
+        ds, stats, cache_path, pad_id = type(self)._build(path, tokenizer, seq_length, padding, **kwargs)
+        super().__init__(ds, pad_id, seq_length=seq_length, padding=padding, stats=stats,
+                         cache_path=cache_path)

@@ -33,7 +33,6 @@ drops are reported in one warning with their count (``dataset.stats["dropped"]``
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 from collections import Counter
@@ -42,11 +41,12 @@ from typing import Any
 
 from .dataset import (
     IGNORE_INDEX,
+    SourceDataset,
     Stats,
-    TokenizedDataset,
     build_cached,
-    file_fingerprint,
+    check_padding,
     report,
+    source_key,
     tokenize_records,
 )
 from .io import (
@@ -57,7 +57,7 @@ from .io import (
     require,
     resolve_data_files,
 )
-from .tokenizer import encode_batch, load_tokenizer, tokenizer_fingerprint
+from .tokenizer import as_tokenizer, encode_batch, tokenizer_fingerprint
 
 DEFAULT_PROMPT_TEMPLATE = "Context: {context}\nQuestion: {question}\nAnswer:"
 DEFAULT_COMPLETION_TEMPLATE = " {answer}"
@@ -359,12 +359,8 @@ def _build_squad(
     limit: int | None = None,
     trust_remote_code: bool = False,
 ) -> tuple:
-    if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
-        tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
-    if padding not in ("none", "max_length"):
-        raise ValueError(f"padding must be 'none' or 'max_length', got {padding!r}")
-    if padding == "max_length" and not seq_length:
-        raise ValueError("padding='max_length' needs seq_length (the fixed length)")
+    tokenizer = as_tokenizer(tokenizer, trust_remote_code)
+    check_padding(padding, seq_length)
     if seq_length is not None and seq_length < 2:
         raise ValueError(f"seq_length must be at least 2, got {seq_length}")
     if "{question}" not in prompt_template:
@@ -376,9 +372,7 @@ def _build_squad(
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
 
-    is_hf = hasattr(path, "column_names") and hasattr(path, "_fingerprint")
-    source = f"datasets.Dataset({path._fingerprint})" if is_hf else str(path)
-    src_key = path._fingerprint if is_hf else file_fingerprint(resolve_data_files(path, split))
+    source, src_key = source_key(path, split)
     key = {
         "source": src_key,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -431,14 +425,10 @@ def _build_squad(
     return ds, stats, cache_path, tokenizer.pad_token_id
 
 
-class SquadDataset(TokenizedDataset):
+class SquadDataset(SourceDataset):
     """Tokenized SQuAD examples (arguments: see the module docstring)."""
 
-    def __init__(self, path, tokenizer, seq_length: int | None = None, padding: str = "none",
-                 **kwargs):
-        ds, stats, cache_path, pad_id = _build_squad(path, tokenizer, seq_length, padding, **kwargs)
-        super().__init__(ds, pad_id, seq_length=seq_length, padding=padding, stats=stats,
-                         cache_path=cache_path)
+    _build = staticmethod(_build_squad)
 
 
 def build_squad_dataset(path, tokenizer, **kwargs) -> SquadDataset:
@@ -446,6 +436,4 @@ def build_squad_dataset(path, tokenizer, **kwargs) -> SquadDataset:
     return SquadDataset(path, tokenizer, **kwargs)
 
 
-# The public entry points take exactly the arguments of _build_squad (YAML `_target_` checks them).
-SquadDataset.__signature__ = inspect.signature(_build_squad).replace(return_annotation="SquadDataset")
-build_squad_dataset.__signature__ = inspect.signature(_build_squad).replace(return_annotation="SquadDataset")
+build_squad_dataset.__signature__ = SquadDataset.__signature__  # exactly the arguments of _build_squad

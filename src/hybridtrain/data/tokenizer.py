@@ -81,6 +81,13 @@ def template_has_generation_markers(template: str | None) -> bool:
     return bool(template) and bool(_GENERATION_RE.search(template))
 
 
+def as_tokenizer(tokenizer, trust_remote_code: bool = False):
+    """``tokenizer`` itself, or the tokenizer loaded from it when it is a path."""
+    if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
+        return load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    return tokenizer
+
+
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs):
     """Load a tokenizer from a local directory, never from the network."""
     from transformers import AutoTokenizer
