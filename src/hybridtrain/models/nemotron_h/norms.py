@@ -1,10 +1,69 @@
-"""RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (fp32 math, as the reference)."""
+"""RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (fp32 math, as the reference).
+
+Both run through one autograd function that saves only its inputs and the per-group inverse
+RMS: the normalised and gated tensors are recomputed in backward (one elementwise pass) instead
+of being kept alive for every layer until then.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _silu_grad(g: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(g)
+    return s * (1 + g * (1 - s))
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """out = rmsnorm over groups of ``group_size`` channels of ``x`` (times ``silu(gate)`` first,
+    if given), scaled by ``weight``. Statistics in fp32 (fp64 for fp64 inputs).
+
+    The output dtype follows the reference modules: ``(weight * n).to(x.dtype)`` without a gate
+    (NemotronHRMSNorm), ``weight * n.to(x.dtype)`` with one (MambaRMSNormGated)."""
+
+    @staticmethod
+    def _normalise(x, gate, group_size, eps=None, rstd=None):
+        """(normalised u grouped [..., G, group_size], rstd [..., G, 1]); u = x * silu(gate)."""
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        u = x.to(cdt)
+        if gate is not None:
+            u = u * F.silu(gate.to(cdt))
+        ug = u.view(*u.shape[:-1], -1, group_size)
+        if rstd is None:
+            rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
+        return ug * rstd, rstd
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, group_size, eps):
+        n, rstd = _RMSNormFunction._normalise(x, gate, group_size, eps=eps)
+        n = n.view(x.shape)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.group_size = group_size
+        if gate is None:
+            return (weight.to(n.dtype) * n).to(x.dtype)
+        return weight * n.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gout):
+        x, gate, weight, rstd = ctx.saved_tensors
+        gs = ctx.group_size
+        ng, _ = _RMSNormFunction._normalise(x, gate, gs, rstd=rstd)
+        n = ng.view(x.shape)
+        cdt = n.dtype
+        gout = gout.to(cdt)
+        # the weight's gradient sees what the forward multiplied it with
+        gw = (gout * (n if gate is None else n.to(x.dtype).to(cdt))).sum(tuple(range(n.dim() - 1)))
+        gn = (gout * weight.to(cdt)).view(ng.shape)
+        gu = (gn - ng * (gn * ng).mean(-1, keepdim=True)).mul_(rstd).view(x.shape)
+        if gate is None:
+            return gu.to(x.dtype), None, gw.to(weight.dtype), None, None
+        gate_c = gate.to(cdt)
+        gx = gu * F.silu(gate_c)
+        ggate = gu.mul_(x.to(cdt)).mul_(_silu_grad(gate_c))
+        return gx.to(x.dtype), ggate.to(gate.dtype), gw.to(weight.dtype), None, None
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +76,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        return _RMSNormFunction.apply(x, None, self.weight, x.shape[-1], self.eps)
 
 
 class RMSNormGated(nn.Module):
@@ -38,9 +94,4 @@ class RMSNormGated(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float() * F.silu(gate.float())
-        *prefix, d = x.shape
-        xg = x.view(*prefix, d // self.group_size, self.group_size)
-        xg = xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xg.view(*prefix, d).to(dtype)
+        return _RMSNormFunction.apply(x, gate, self.weight, self.group_size, self.eps)

@@ -35,15 +35,42 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, -torch.inf)
 
 
-def segsum_in_chunk(x_cumsum: torch.Tensor) -> torch.Tensor:
-    """``segsum`` of x from its cumsum along the last dim: ``cs[i] - cs[j]`` for j <= i, -inf
-    above the diagonal. One pass instead of a masked cumsum over [..., T, T]; used inside a
-    chunk, where the cumsum stays small (|cs| <= chunk_size * |dt * A|) and the difference loses
-    ~|cs| * 2^-24 absolutely (as mamba_ssm's kernels, which take the same difference in fp32)."""
-    T = x_cumsum.size(-1)
-    out = x_cumsum[..., :, None] - x_cumsum[..., None, :]
-    lower = torch.tril(torch.ones(T, T, device=x_cumsum.device, dtype=torch.bool), diagonal=0)
-    return out.masked_fill(~lower, -torch.inf)
+class _IntraChunk(torch.autograd.Function):
+    """The diagonal blocks of the scan, ``y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) xdt_s``,
+    with a hand-written backward that recomputes the [.., l, s] decay and C.B matrices instead of
+    saving them: autograd would keep several fp32 tensors of b*h*L*chunk_size elements per layer
+    (the bulk of a Mamba layer's activations); this keeps only the inputs.
+
+    xdt [b, c, g, j, s, p]; a [b, c, g, j, l] (in-chunk cumsum of dt*A); C, B [b, c, g, l, n];
+    mask [b or 1, c or 1, l, s] bool (causal, and same-document when packed).
+    Returns [b, c, g, j, l, p].
+    """
+
+    @staticmethod
+    def _decay(a, mask):
+        # a_l - a_s <= 0 wherever mask holds (dt > 0, A < 0); above the diagonal it may be large
+        seg = a[..., :, None] - a[..., None, :]  # [b, c, g, j, l, s]
+        return seg.masked_fill_(~mask[:, :, None, None], -torch.inf).exp_()
+
+    @staticmethod
+    def forward(ctx, xdt, a, C, B, mask):
+        ctx.save_for_backward(xdt, a, C, B, mask)
+        CB = C @ B.transpose(-1, -2)  # [b, c, g, l, s]
+        M = _IntraChunk._decay(a, mask).mul_(CB[:, :, :, None])
+        return M @ xdt
+
+    @staticmethod
+    def backward(ctx, gy):
+        xdt, a, C, B, mask = ctx.saved_tensors
+        CB = C @ B.transpose(-1, -2)
+        Lmat = _IntraChunk._decay(a, mask)
+        P = (gy @ xdt.transpose(-1, -2)).mul_(Lmat)  # dL/dM * Lmat: dL/dCB per head
+        gCB = P.sum(3)
+        gxdt = Lmat.mul_(CB[:, :, :, None]).transpose(-1, -2) @ gy  # M^T gy
+        del Lmat
+        gseg = P.mul_(CB[:, :, :, None])  # dL/d(a_l - a_s)
+        ga = gseg.sum(-1) - gseg.sum(-2)
+        return gxdt, ga, gCB @ B, gCB.transpose(-1, -2) @ C, None
 
 
 def ssd_chunked(
@@ -92,67 +119,121 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
         dA = F.pad(dA, (0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
-    xdt = xdt.view(b, c, cs, g, j, p)
-    B = B.view(b, c, cs, g, n)
-    C = C.view(b, c, cs, g, n)
-    dA = dA.view(b, c, cs, g, j).permute(0, 3, 4, 1, 2)  # [b, g, j, c, l]
-    A_cs = torch.cumsum(dA, dim=-1)
+    # head-major chunk layout: every product below is a batched matmul over (b, c, g[, j])
+    xdt = xdt.view(b, c, cs, g, j, p).permute(0, 1, 3, 4, 2, 5).contiguous()  # [b, c, g, j, l, p]
+    B = B.view(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n]
+    C = C.view(b, c, cs, g, n).transpose(2, 3).contiguous()
+    a = torch.cumsum(dA.view(b, c, cs, g, j).permute(0, 1, 3, 4, 2), dim=-1)  # [b, c, g, j, l]
 
-    if seq_idx is not None:
+    causal = torch.tril(torch.ones(cs, cs, device=x.device, dtype=torch.bool))
+    if seq_idx is None:
+        mask = causal[None, None]  # [1, 1, l, s]
+    else:
         sidx = seq_idx
         if pad:
             # padded tail positions join the last document; their outputs are discarded and
             # they add nothing to any state (x * dt = 0 there, and their decay is exp(0) = 1)
             sidx = torch.cat([sidx, sidx[:, -1:].expand(b, pad)], dim=1)
         sidx = sidx.view(b, c, cs)
+        mask = causal & (sidx[:, :, :, None] == sidx[:, :, None, :])  # [b, c, l, s]
 
-    # 1. intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l . B_s) exp(A_cs_l - A_cs_s) xdt_s
-    seg = segsum_in_chunk(A_cs)  # [b, g, j, c, l, s]
-    if seq_idx is not None:
-        same = sidx[:, :, :, None] == sidx[:, :, None, :]  # [b, c, l, s]
-        seg = seg.masked_fill(~same[:, None, None], -torch.inf)
-    Lmat = torch.exp(seg)
-    CB = torch.einsum("bclgn,bcsgn->bgcls", C, B)  # [b, g, c, l, s]
-    M = CB[:, :, None] * Lmat  # [b, g, j, c, l, s]
-    y = torch.einsum("bgjcls,bcsgjp->bclgjp", M, xdt)
+    # 1. intra-chunk (diagonal blocks)
+    y = _IntraChunk.apply(xdt, a, C, B, mask)  # [b, c, g, j, l, p]
 
     # 2. state at the end of each chunk, from that chunk's tokens of the chunk's last document
-    decay_states = torch.exp(A_cs[..., -1:] - A_cs)  # [b, g, j, c, l]
+    decay_states = torch.exp(a[..., -1:] - a)  # [b, c, g, j, l]
     if seq_idx is not None:
         in_last_doc = sidx == sidx[:, :, -1:]  # [b, c, l]
-        decay_states = decay_states * in_last_doc[:, None, None].to(decay_states.dtype)
-    states = torch.einsum("bclgn,bgjcl,bclgjp->bcgjpn", B, decay_states, xdt)  # [b, c, g, j, p, n]
+        decay_states = decay_states * in_last_doc[:, :, None, None].to(decay_states.dtype)
+    states = B[:, :, :, None].transpose(-1, -2) @ (xdt * decay_states[..., None])  # [b, c, g, j, n, p]
 
     # 3. pass states between chunks: start state of chunk i = sum_z decay(z -> i) * state_z
     if initial_state is None:
-        init = states.new_zeros(b, 1, g, j, p, n)
+        init = states.new_zeros(b, 1, g, j, n, p)
     else:
-        init = initial_state.float().view(b, 1, g, j, p, n)
-    states = torch.cat([init, states], dim=1)  # [b, c+1, g, j, p, n]; index 0 = initial
-    chunk_seg = segsum(F.pad(A_cs[..., -1], (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
+        init = initial_state.float().view(b, 1, g, j, p, n).transpose(-1, -2)
+    states = torch.cat([init, states], dim=1)  # [b, c+1, g, j, n, p]; index 0 = initial
+    chunk_seg = segsum(F.pad(a[..., -1].permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
     if seq_idx is not None:
         # document owning each state: the first token's for the initial state, else the
         # chunk's last token's; a state only flows to a chunk boundary of the same document
         doc = torch.cat([sidx[:, :1, 0], sidx[:, :, -1]], dim=1)  # [b, c+1]
         same_doc = doc[:, :, None] == doc[:, None, :]
         chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
-    decay_chunk = torch.exp(chunk_seg)
-    new_states = torch.einsum("bgjiz,bzgjpn->bigjpn", decay_chunk, states)
+    new_states = torch.einsum("bgjiz,bzgjnp->bigjnp", torch.exp(chunk_seg), states)
     start_states, final_state = new_states[:, :-1], new_states[:, -1]
 
-    # 4. contribution of each chunk's start state: y_l += C_l . S_start exp(A_cs_l)
-    state_decay_out = torch.exp(A_cs)  # [b, g, j, c, l]
+    # 4. contribution of each chunk's start state: y_l += exp(a_l) C_l . S_start
+    state_decay_out = torch.exp(a)  # [b, c, g, j, l]
     if seq_idx is not None:
         start_doc = doc[:, :-1]  # [b, c] document of each chunk's start state
-        state_decay_out = state_decay_out * (sidx == start_doc[:, :, None])[:, None, None].to(A_cs.dtype)
-    y = y + torch.einsum("bclgn,bcgjpn,bgjcl->bclgjp", C, start_states, state_decay_out)
+        state_decay_out = state_decay_out * (sidx == start_doc[:, :, None])[:, :, None, None].to(a.dtype)
+    y = y + (C[:, :, :, None] @ start_states) * state_decay_out[..., None]
 
-    y = y.reshape(b, c * cs, h, p)[:, :L]
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * cs, h, p)[:, :L]
     if D is not None:
         y = y + x * D.float()[None, None, :, None]
     if return_final_state:
-        return y, final_state.reshape(b, h, p, n)
+        return y, final_state.transpose(-1, -2).reshape(b, h, p, n)
     return y
+
+
+class _CausalConv1d(torch.autograd.Function):
+    """act(depthwise causal conv) with document restarts; saves only its inputs (the pre-
+    activation is recomputed in backward, k elementwise passes) instead of one [b, d, L] tensor
+    per tap. x [b, d, L] (any strides), weight [d, k], bias [d] or None, seq_idx [b, L] or None."""
+
+    @staticmethod
+    def _taps(seq_idx, k, L):
+        """keep[s] [b, 1, L - s]: tap s (reaching s steps back) stays inside the document."""
+        if seq_idx is None:
+            return [None] * k
+        return [None] + [(seq_idx[:, s:] == seq_idx[:, :-s])[:, None] for s in range(1, min(k, L))]
+
+    @staticmethod
+    def _conv(x, weight, bias, keep):
+        k, L = weight.shape[1], x.shape[-1]
+        out = x * weight[:, k - 1, None]
+        for s in range(1, min(k, L)):
+            xs = x[..., :-s] if keep[s] is None else x[..., :-s] * keep[s]
+            out[..., s:].addcmul_(xs, weight[:, k - 1 - s, None])
+        if bias is not None:
+            out += bias[:, None]
+        return out
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, silu):
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        ctx.save_for_backward(x, weight, bias, seq_idx)
+        ctx.silu = silu
+        keep = _CausalConv1d._taps(seq_idx, weight.shape[1], x.shape[-1])
+        out = _CausalConv1d._conv(x.to(cdt), weight.to(cdt), None if bias is None else bias.to(cdt), keep)
+        out = out.to(x.dtype)  # rounded before the activation, like the reference's nn.Conv1d
+        return F.silu(out) if silu else out
+
+    @staticmethod
+    def backward(ctx, gout):
+        x, weight, bias, seq_idx = ctx.saved_tensors
+        k, L = weight.shape[1], x.shape[-1]
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        xc, wc = x.to(cdt), weight.to(cdt)
+        keep = _CausalConv1d._taps(seq_idx, k, L)
+        g = gout.to(cdt)
+        if ctx.silu:
+            pre = _CausalConv1d._conv(xc, wc, None if bias is None else bias.to(cdt), keep)
+            sig = torch.sigmoid(pre)
+            g = g * sig * (1 + pre * (1 - sig))
+        gx = g * wc[:, k - 1, None]
+        gw = torch.empty_like(wc)
+        gw[:, k - 1] = (g * xc).sum((0, 2))
+        for s in range(1, min(k, L)):
+            gs = g[..., s:] if keep[s] is None else g[..., s:] * keep[s]
+            gx[..., :-s].addcmul_(gs, wc[:, k - 1 - s, None])
+            gw[:, k - 1 - s] = (gs * xc[..., :-s]).sum((0, 2))
+        if k > L:
+            gw[:, : k - L] = 0
+        gb = None if bias is None else g.sum((0, 2)).to(bias.dtype)
+        return gx.to(x.dtype), gw.to(weight.dtype), gb, None, None
 
 
 def causal_conv1d_torch(
@@ -163,22 +244,8 @@ def causal_conv1d_torch(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Depthwise causal conv. x [b, d, L], weight [d, k], bias [d]; taps that would reach into an
-    earlier document (per ``seq_idx`` [b, L]) are dropped, so the conv restarts at each document."""
-    d, k = weight.shape
-    L = x.shape[-1]
-    if seq_idx is None:
-        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=k - 1, groups=d)[..., :L]
-    else:
-        out = x * weight[:, k - 1, None]
-        for shift in range(1, k):
-            xs = F.pad(x, (shift, 0))[..., :L]
-            prev = F.pad(seq_idx, (shift, 0), value=-1)[:, :L]
-            same = (prev == seq_idx).to(x.dtype)[:, None, :]
-            out = out + xs * same * weight[:, k - 1 - shift, None]
-        if bias is not None:
-            out = out + bias[:, None]
-    if activation in ("silu", "swish"):
-        out = F.silu(out)
-    else:
-        assert activation is None, activation
-    return out
+    earlier document (per ``seq_idx`` [b, L]) are dropped, so the conv restarts at each document.
+    Accumulated in fp32 (fp64 for fp64 inputs); returns x's dtype."""
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"causal_conv1d: activation {activation!r} is not one of 'silu', 'swish', None")
+    return _CausalConv1d.apply(x, weight, bias, seq_idx, activation is not None)
