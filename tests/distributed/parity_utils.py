@@ -89,9 +89,17 @@ def ce_sum(hidden, weight, labels, recompute: bool = False):
     return cross_entropy_sum(hidden, weight, labels, recompute=recompute)
 
 
+def train_step(plan):
+    """The recipe's train step for ``plan`` (fp32: no autocast)."""
+    from hybridtrain.recipes.finetune import make_train_step
+
+    return make_train_step(plan, chunk_size=None, autocast_dtype=None)
+
+
 def train(plan, steps_rows, packed: bool, optimizer=None, start: int = 0, steps: int = STEPS):
     """The trainer's step arithmetic over ``plan``; returns (losses, optimizer)."""
     model = plan.model
+    step_fn = train_step(plan)
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
@@ -103,7 +111,7 @@ def train(plan, steps_rows, packed: bool, optimizer=None, start: int = 0, steps:
         if plan.dp_group is not None:
             dist.all_reduce(counts, group=plan.dp_group)
         n = int(counts[0])
-        ce = plan.train_step(model, mbs, n).to(torch.float64).reshape(1)
+        ce = step_fn(model, mbs, n).to(torch.float64).reshape(1)
         if plan.dp_group is not None:
             dist.all_reduce(ce, group=plan.dp_group)
         norms.append(float(plan.clip_grad_norm(params, 1.0)))
@@ -118,7 +126,7 @@ def evaluate(plan, rows: list[dict], packed: bool) -> float:
     """Token-weighted CE of ``rows`` (split over data-parallel ranks) without gradients."""
     per = len(rows) // plan.dp_size
     batch = collate(rows[plan.dp_rank * per : (plan.dp_rank + 1) * per], packed)
-    ce = plan.train_step.eval_loss(plan.model, batch).to(torch.float64).reshape(1)
+    ce = train_step(plan).eval_loss(plan.model, batch).to(torch.float64).reshape(1)
     n = torch.tensor([float((batch["labels"] != IGNORE).sum())], dtype=torch.float64)
     if plan.dp_group is not None:
         dist.all_reduce(ce, group=plan.dp_group)
@@ -173,27 +181,15 @@ def reference(packed: bool):
     model = make_model()
     rows = global_batches(packed)
 
-    class _Step:
-        @torch.no_grad()
-        def eval_loss(self, m, b):
-            kw = {k: b[k] for k in ("position_ids", "cu_seqlens") if k in b}
-            return ce_sum(m.hidden_states(b["input_ids"], **kw), m.lm_head.weight, b["labels"])
-
-        def __call__(self, m, mbs, n):
-            total = 0.0
-            for mb in mbs:
-                kw = {k: mb[k] for k in ("position_ids", "cu_seqlens") if k in mb}
-                h = m.hidden_states(mb["input_ids"], **kw)
-                ce = ce_sum(h, m.lm_head.weight, mb["labels"])
-                (ce / n).backward()
-                total = total + ce.detach()
-            return total
+    def loss_fn(m, b):
+        kw = {k: b[k] for k in ("position_ids", "cu_seqlens") if k in b}
+        return ce_sum(m.hidden_states(b["input_ids"], **kw), m.lm_head.weight, b["labels"])
 
     def clip(params, max_norm):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
-    plan = SimpleNamespace(model=model, train_step=_Step(), dp_rank=0, dp_size=1, dp_group=None,
-                           clip_grad_norm=clip)
+    plan = SimpleNamespace(model=model, loss_fn=loss_fn, grad_sync_module=None, pipeline=None,
+                           dp_rank=0, dp_size=1, dp_group=None, clip_grad_norm=clip)
     losses, _ = train(plan, rows, packed)
     return losses, full_state(model), evaluate(plan, rows[0], packed), train.grad_norms
 

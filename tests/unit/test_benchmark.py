@@ -111,3 +111,18 @@ def test_tokenizer_larger_than_the_model_vocab_is_an_error(tmp_path):
     }
     with pytest.raises(ValueError, match="vocab_size"):
         run(cfg)
+
+
+def test_benchmark_keys_are_schema_keys(tmp_path):
+    """`benchmark` is a schema section: overrides need no `+` (the old `+` form still works),
+    absent keys take the schema defaults, a typo is refused with a suggestion."""
+    from hybridtrain.config import build_config
+
+    data = _cfg(tmp_path)
+    del data["benchmark"]
+    assert build_config(data).benchmark is None  # optional: absent unless given
+    cfg = build_config(data, ["--benchmark.steps=3", "--+benchmark.warmup_steps=0"])
+    assert cfg.benchmark.steps == 3 and cfg.benchmark.warmup_steps == 0
+    assert cfg.benchmark.seq_lengths == [512, 2048, 8192] and cfg.benchmark.data == "synthetic"
+    with pytest.raises(ValueError, match=r"benchmark.stepz.*did you mean 'steps'"):
+        build_config(data, ["--benchmark.stepz=3"])

@@ -211,6 +211,33 @@ METRICS = {
                      _OPT_FLOAT),
 }
 
+BENCHMARK = {
+    "data": K("synthetic", "synthetic: random tokens in rows of seq_len; recipe: the recipe's "
+                           "dataset (tokenizer, packing and batch sizes)",
+              choices=("synthetic", "recipe")),
+    "seq_len": K(None, "synthetic row length; null -> packing.pack_size when packing is on, else "
+                       "the dataset's seq_length, else 2048", _OPT_INT),
+    "doc_length": K(None, "synthetic: split each row into documents of this many tokens (the "
+                          "packed-sequence path, cu_seqlens); null -> one document per row",
+                    _OPT_INT),
+    "tokens_per_step": K(None, "synthetic: rows per step = tokens_per_step / seq_len (per rank, "
+                               "one micro-batch); null -> global_batch_size / dp * seq_len",
+                         _OPT_INT),
+    "warmup_steps": K(2, "steps run before timing", (int,)),
+    "steps": K(5, "timed steps", (int,)),
+    "seq_lengths": K([512, 2048, 8192], "cost growth: the synthetic measurement repeated at each "
+                                        "length with the same tokens per step ([] to skip)",
+                     (list, type(None))),
+    "dtypes": K(None, "compute dtypes to compare, e.g. [float32, bfloat16] (single process "
+                      "only); null -> training.dtype", (list, type(None))),
+    "profile": K(False, "true or a folder: torch profiler trace (Chrome/Perfetto JSON) of "
+                        "profile_steps steps after the timed ones", (bool, str)),
+    "profile_steps": K(2, "steps traced when profile is on", (int,)),
+    "measure_peak": K(False, "also measure the device's matmul peak (an n x n matmul) and report "
+                             "MFU against it"),
+    "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR),
+}
+
 SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("model", "open", "the model: a _target_ mapping"),
     Section("tokenizer", "open", "the tokenizer: a _target_ mapping"),
@@ -230,8 +257,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("metrics", "fixed", "jsonl / progress bar / TensorBoard / plot", METRICS),
     Section("dist_env", "env", "environment variables set before CUDA/process-group init "
             "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
-    Section("benchmark", "open", "options of `hybridtrain benchmark` (read by "
-            "hybridtrain.recipes.benchmark)"),
+    Section("benchmark", "fixed", "options of `hybridtrain benchmark`; finetune ignores them",
+            BENCHMARK, optional=True),
 ]}
 
 # Top-level keys that are not sections.

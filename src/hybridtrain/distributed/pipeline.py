@@ -27,7 +27,6 @@ nothing real changes); the pipeline keeps one schedule per sequence length it ha
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -259,9 +258,10 @@ class PipelineTrainStep:
     ``stages``: this rank's stage modules, each ``forward(x, position_ids=, labels=)`` returning
     the hidden states ``[rows, L, hidden_size]`` in ``hidden_dtype`` (or, on the last stage, the
     fp32 CE *sum*); ``stage_ids``: their indices.
-    Interchangeable with the trainer's ``TrainStep``: ``__call__(model, micro_batches,
-    num_label_tokens)`` returns the CE sum of this data-parallel rank's batch (on every pp rank),
-    ``eval_loss(model, batch)`` (alias ``loss_fn``) is the forward-only CE sum for validation.
+    The trainer's ``TrainStep(pipeline=...)`` calls it under its autocast context:
+    ``__call__(model, micro_batches, num_label_tokens)`` returns the CE sum of this data-parallel
+    rank's batch (on every pp rank), ``eval_loss(model, batch)`` is the forward-only CE sum for
+    validation.
     """
 
     MAX_CACHED_SCHEDULES = 16
@@ -277,7 +277,6 @@ class PipelineTrainStep:
         hidden_dtype: torch.dtype,
         schedule: str = "1f1b",
         microbatch_size: int | None = None,
-        autocast_dtype: torch.dtype | None = None,
         pad_multiple: int = 1,
     ):
         self.spec = resolve_schedule(schedule)
@@ -290,7 +289,6 @@ class PipelineTrainStep:
         self.hidden_size = hidden_size
         self.hidden_dtype = hidden_dtype
         self.microbatch_size = microbatch_size
-        self.autocast_dtype = autocast_dtype
         self.pad_multiple = max(1, int(pad_multiple))
         self.has_last = (num_stages - 1) in self.stage_ids
         if self.spec.multi != (len(self.stages) > 1):
@@ -302,12 +300,6 @@ class PipelineTrainStep:
         self._schedules: dict[tuple, Any] = {}
         self._num_label_tokens = 1.0
         self._ce_sums: list[torch.Tensor] = []
-
-    # TrainStep compatibility ---------------------------------------------------------------
-    def _autocast(self, device: torch.device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(torch.device(device).type, dtype=self.autocast_dtype)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self._ce_sums.append(output.detach().float().reshape(()))
@@ -421,19 +413,17 @@ class PipelineTrainStep:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if not train and self.spec.style == "v":
             # the V schedules have no forward-only mode: walk the stages micro-batch by micro-batch
-            with self._autocast(self.device):
-                total = total + self._forward_only(batch, n_micro, *args)
+            total = total + self._forward_only(batch, n_micro, *args)
             dist.all_reduce(total, group=self.pp_group)
             return total
-        with self._autocast(self.device):
-            if train:
-                sched.step(*args, target=batch["labels"], return_outputs=False, **kwargs)
-                for s in self._ce_sums:
-                    total = total + s.to(self.device)
-            else:
-                out = sched.step(*args, **kwargs)
-                if out is not None:  # the rank of the last stage: one CE sum per micro-batch
-                    total = total + out.float().sum().to(self.device)
+        if train:
+            sched.step(*args, target=batch["labels"], return_outputs=False, **kwargs)
+            for s in self._ce_sums:
+                total = total + s.to(self.device)
+        else:
+            out = sched.step(*args, **kwargs)
+            if out is not None:  # the rank of the last stage: one CE sum per micro-batch
+                total = total + out.float().sum().to(self.device)
         self._ce_sums = []
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank holds it
         return total
@@ -476,5 +466,3 @@ class PipelineTrainStep:
         """Forward-only CE sum of one batch (validation); equal on every pp rank."""
         with torch.no_grad():
             return self._run([batch], 1.0, train=False)
-
-    loss_fn = eval_loss

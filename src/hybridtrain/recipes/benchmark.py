@@ -2,32 +2,9 @@
 
 Builds the recipe's model, optimizer and parallel layout as ``finetune`` does, then times full
 training steps (forward, backward, clipping, optimizer step) with the trainer's own step. Options
-live in the recipe's open ``benchmark:`` section (or ``--benchmark.KEY=VALUE``):
-
-=================  ===========  ===========================================================
-key                default      meaning
-=================  ===========  ===========================================================
-data               synthetic    ``synthetic``: random tokens in rows of ``seq_len``; ``recipe``:
-                                the recipe's dataset (tokenizer, packing and batch sizes)
-seq_len            (recipe)     synthetic row length; default ``packing.pack_size`` when packing
-                                is on, else the dataset's ``seq_length``, else 2048
-doc_length         null         synthetic: split each row into documents of this many tokens
-                                (the packed-sequence path, ``cu_seqlens``); null: one per row
-tokens_per_step    (recipe)     synthetic: rows per step = tokens_per_step / seq_len (per rank,
-                                one micro-batch); default global_batch_size/dp * seq_len
-warmup_steps       2            steps run before timing
-steps              5            timed steps
-seq_lengths        [512, 2048,  cost growth: the synthetic measurement repeated at each length
-                   8192]        with the same tokens per step ([] to skip)
-dtypes             null         compute dtypes to compare (e.g. [float32, bfloat16]); null:
-                                ``training.dtype``. Single process only.
-profile            false        true or a folder: torch profiler trace (Chrome/Perfetto JSON)
-                                of ``profile_steps`` steps after the timed ones
-profile_steps      2
-measure_peak       false        also measure the device's matmul peak (an n x n matmul) and
-                                report MFU against it
-output             null         JSON file; null -> ``<checkpoint.dir>/benchmark.json``
-=================  ===========  ===========================================================
+live in the recipe's ``benchmark:`` section (or ``--benchmark.KEY=VALUE``); its keys, defaults
+and meanings are in ``hybridtrain/config/schema.py`` (``BENCHMARK``, and the README's recipe
+reference).
 
 ``--profile`` / ``--measure-peak`` given to the command line (when the CLI passes them) mean
 the same as the keys.
@@ -44,70 +21,36 @@ matmul peak of the dtype.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridtrain.recipes.finetune import (
-    _as_config,
-    _build_tokenizer,
-    _instantiate_with,
-    _main_first,
-    _parallelize,
-    resolve_dtype,
-)
-from hybridtrain.training.flops import batch_flops, measure_matmul_peak, peak_tflops
-from hybridtrain.training.optim import build_optimizer, param_groups
-from hybridtrain.training.rng import seed_all
+from hybridtrain.config.schema import section_defaults
+from hybridtrain.recipes.finetune import Built, as_config, build, make_train_step
+from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
+from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 from hybridtrain.training.step_scheduler import StepScheduler
-from hybridtrain.training.trainer import Trainer, TrainStep
+from hybridtrain.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    "data": "synthetic",
-    "seq_len": None,
-    "doc_length": None,
-    "tokens_per_step": None,
-    "warmup_steps": 2,
-    "steps": 5,
-    "seq_lengths": [512, 2048, 8192],
-    "dtypes": None,
-    "profile": False,
-    "profile_steps": 2,
-    "measure_peak": False,
-    "output": None,
-}
-
-
 def _options(cfg, args) -> dict[str, Any]:
-    given = cfg.benchmark.to_dict() if cfg.get("benchmark") is not None else {}
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"benchmark: unknown key(s) {unknown} in the `benchmark:` section of {cfg.source_file}; "
-            f"known: {sorted(DEFAULTS)}"
-        )
-    opts = {**DEFAULTS, **given}
+    """The ``benchmark:`` section (schema defaults when absent), with the command-line flags."""
+    opts = cfg.benchmark.to_dict() if cfg.benchmark is not None else section_defaults("benchmark")
     for flag, key in (("profile", "profile"), ("measure_peak", "measure_peak")):
         v = getattr(args, flag, None) if args is not None else None
         if v:
             opts[key] = v
-    if opts["data"] not in ("synthetic", "recipe"):
-        raise ValueError(f"benchmark.data must be 'synthetic' or 'recipe', got {opts['data']!r}")
     for key in ("warmup_steps", "steps", "profile_steps"):
-        if not isinstance(opts[key], int) or opts[key] < (1 if key == "steps" else 0):
+        if opts[key] < (1 if key == "steps" else 0):
             raise ValueError(f"benchmark.{key} must be a {'positive' if key == 'steps' else 'non-negative'} "
                              f"int, got {opts[key]!r}")
     lengths = opts["seq_lengths"] or []
-    if not isinstance(lengths, (list, tuple)) or any(not isinstance(n, int) or n < 1 for n in lengths):
+    if any(not isinstance(n, int) or n < 1 for n in lengths):
         raise ValueError(f"benchmark.seq_lengths must be a list of positive ints, got {lengths!r}")
     opts["seq_lengths"] = sorted(lengths)
     return opts
@@ -192,43 +135,32 @@ def _collate_synthetic(rows: list[dict], packed: bool) -> dict:
 
 
 # -- one measurement ------------------------------------------------------------------------
-@dataclass
-class Setup:
-    model: Any
-    optimizer: Any
-    device: torch.device
-    ctx: Any
-    plan: Any
-    flops_fn: Any
-    clip_fn: Any
-    grad_clip: float | None
-    seed: int
-    base_mem: int  # CPU: resident bytes before the model was built
-
-
-def _measure(setup: Setup, name: str, dataset, make_loader, global_batch_size: int,
+def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_batch_size: int,
              micro_batch_size: int, train_step, peak: float | None, opts: dict,
              profile_dir: str | None) -> dict[str, Any]:
+    """Times ``opts['steps']`` training steps (after the warm-up) of ``b``'s model and optimizer.
+    ``base_mem``: CPU resident bytes before the model was built."""
     warmup, steps = opts["warmup_steps"], opts["steps"]
     n_prof = opts["profile_steps"] if profile_dir else 0
-    sched = StepScheduler(global_batch_size, micro_batch_size, dp_size=setup.ctx.dp_size,
+    t = b.cfg.training
+    sched = StepScheduler(global_batch_size, micro_batch_size, dp_size=b.ctx.dp_size,
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
-                          seed=setup.seed, shuffle=False, drop_last=False)
-    trainer = Trainer(setup.model, setup.optimizer, None, sched, dataset, make_loader,
-                      device=setup.device, grad_clip=setup.grad_clip, dist_ctx=setup.ctx,
-                      train_step=train_step, flops_fn=setup.flops_fn, peak_tflops=peak,
-                      clip_grad_norm_fn=setup.clip_fn, save_hf_at_end=False, save_ckpt=False)
-    batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), setup.ctx.dp_rank)
+                          seed=t.seed, shuffle=False, drop_last=False)
+    trainer = Trainer(b.model, b.optimizer, None, sched, dataset, make_loader,
+                      device=b.device, grad_clip=t.grad_clip, dist_ctx=b.ctx,
+                      train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak,
+                      clip_grad_norm_fn=b.clip_fn, save_hf_at_end=False, save_ckpt=False)
+    batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.ctx.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))
     records = []
-    with PeakMemory(setup.device) as mem:
+    with PeakMemory(b.device) as mem:
         for _ in range(steps):
             records.append(trainer.train_one_step(next(batches)))
     if n_prof:
         from torch.profiler import ProfilerActivity, profile
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
         with profile(activities=acts, record_shapes=True) as prof:
             for _ in range(n_prof):
                 trainer.train_one_step(next(batches))
@@ -239,11 +171,11 @@ def _measure(setup: Setup, name: str, dataset, make_loader, global_batch_size: i
         logger.info("profiler trace: %s", trace)
     time_s = sum(r["step_time_s"] for r in records)
     tokens = sum(r["num_tokens"] for r in records)
-    world = setup.ctx.world_size
+    world = b.ctx.world_size
     tflops = [r["tflops_per_device"] for r in records]
     tflops_dev = (sum(t * r["step_time_s"] for t, r in zip(tflops, records)) / time_s
                   if None not in tflops else None)
-    base = setup.base_mem if setup.device.type != "cuda" else 0
+    base = base_mem if b.device.type != "cuda" else 0
     return {
         "name": name,
         "steps": steps,
@@ -263,7 +195,7 @@ def _measure(setup: Setup, name: str, dataset, make_loader, global_batch_size: i
 
 # -- the recipe -----------------------------------------------------------------------------
 def run(cfg: Any, args: Any = None) -> dict[str, Any]:
-    cfg = _as_config(cfg)
+    cfg = as_config(cfg)
     opts = _options(cfg, args)
     from hybridtrain.distributed.init import destroy_distributed, init_distributed
 
@@ -288,53 +220,16 @@ def _default_seq_len(cfg) -> int:
 
 def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) -> dict[str, Any]:
     t = cfg.training
-    seed_all(t.seed)
     base_mem = _rss_bytes() if device.type != "cuda" else 0
-
-    tokenizer = _build_tokenizer(cfg, is_main) if opts["data"] == "recipe" else None
-    if cfg.model is None:
-        raise ValueError(f"the recipe has no model section ({cfg.source_file})")
-    torch.manual_seed(t.seed)
-    from hybridtrain.config import instantiate
-
-    model = instantiate(cfg.model)
-    model_config = getattr(model, "config", None)
-    # `auto` depends on the model's width on CPU (as in finetune), so resolve after building it
-    hidden = getattr(model_config, "hidden_size", None)
-    dtypes = [resolve_dtype(n, device, hidden_size=hidden) for n in (opts["dtypes"] or [t.dtype])]
+    names = opts["dtypes"] or [t.dtype]
+    b = build(cfg, device, is_main, world_size, data=opts["data"] == "recipe", dtype=names[0])
+    # `auto` depends on the model's width on CPU (as in finetune): resolved after building it
+    hidden = getattr(b.model_config, "hidden_size", None)
+    dtypes = [b.dtype] + [resolve_dtype(n, device, hidden_size=hidden) for n in names[1:]]
     dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
-    if tokenizer is not None and model_config is not None and len(tokenizer) > model_config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
-            f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
-            "use a smaller tokenizer")
-    if cfg.peft is not None:
-        from hybridtrain.peft.lora import apply_lora
-
-        apply_lora(model, **cfg.peft.to_dict())
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-
-    from hybridtrain.training.loss import cross_entropy_sum
-
-    first_autocast = None if dtypes[0] == torch.float32 else dtypes[0]
-    plan, ctx = _parallelize(cfg, model, world_size, device, cross_entropy_sum, first_autocast)
-    if plan is not None and len(set(dtypes)) > 1:
+    if b.plan is not None and len(set(dtypes)) > 1:
         raise ValueError("benchmark.dtypes: comparing dtypes needs a single process without a "
                          "parallel plan; run the benchmark once per training.dtype instead")
-    if plan is not None:
-        model = plan.model
-    o = cfg.optimizer
-    if "_target_" in o:
-        from hybridtrain.config import instantiate as _inst
-
-        optimizer = _inst(o, param_groups(model, o.get("weight_decay", 0.0)))
-    else:
-        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                                    eps=o.eps, implementation=o.implementation, name=o.name)
-    flops_fn = (lambda mb: float(batch_flops(model_config, mb))) if model_config is not None else None
-    setup = Setup(model, optimizer, device, ctx, plan, flops_fn,
-                  plan.clip_grad_norm if plan is not None else None, t.grad_clip, t.seed, base_mem)
 
     peaks_measured = {}
     if opts["measure_peak"]:
@@ -354,8 +249,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     if opts["profile"]:
         profile_dir = opts["profile"] if isinstance(opts["profile"], str) else os.path.join(out_dir, "profile")
 
-    vocab = model_config.vocab_size if model_config is not None else None
-    dp = ctx.dp_size
+    vocab = b.model_config.vocab_size if b.model_config is not None else None
+    dp = b.ctx.dp_size
     seq_len = opts["seq_len"] or _default_seq_len(cfg)
     tokens_per_step = opts["tokens_per_step"] or max(1, t.global_batch_size // dp) * seq_len
 
@@ -369,39 +264,28 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
         loader = lambda d, s: ([_collate_synthetic([d[i] for i in idx], packed) for idx in s])  # noqa: E731
         return ds, loader, rows * dp, rows
 
-    def recipe_data():
-        from torch.utils.data import DataLoader
-
-        from hybridtrain.data import build_collator, pack_dataset
-
-        ds = _main_first(is_main, lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer))
-        if cfg.packing.enabled:
-            ds = pack_dataset(ds, cfg.packing.pack_size, pad_to_multiple_of=cfg.packing.pad_to_multiple_of)
-        collate = build_collator(ds)
-
-        def loader(d, s):
-            return DataLoader(d, batch_sampler=s, collate_fn=collate, num_workers=cfg.dataloader.num_workers)
-
-        return ds, loader, t.global_batch_size, t.micro_batch_size
-
-    results = {"model_parameters": n_params, "device": str(device), "world_size": world_size,
+    results = {"model_parameters": b.num_params, "device": str(device), "world_size": world_size,
                "torch_threads": torch.get_num_threads(), "options": opts,
                "matmul_peak_tflops_measured": peaks_measured or None, "runs": []}
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
     for dt, dname in zip(dtypes, dtype_names):
-        autocast = None if dt == torch.float32 else dt
-        train_step = plan.train_step if plan is not None else TrainStep(autocast_dtype=autocast)
+        train_step = make_train_step(b.plan, t.loss_chunk_size, autocast_dtype(dt))
         peak = peak_for(dt)
-        ds, loader, gbs, mbs = recipe_data() if opts["data"] == "recipe" else synthetic(seq_len)
-        main = _measure(setup, f"{dname}_main", ds, loader, gbs, mbs, train_step, peak, opts, profile_dir)
+        if opts["data"] == "recipe":
+            ds, loader, gbs, mbs = b.train_ds, b.make_loader, t.global_batch_size, t.micro_batch_size
+        else:
+            ds, loader, gbs, mbs = synthetic(seq_len)
+        main = _measure(b, base_mem, f"{dname}_main", ds, loader, gbs, mbs, train_step, peak, opts,
+                        profile_dir)
         main.update(dtype=str(dt), data=opts["data"], peak_tflops=peak,
                     seq_len=seq_len if opts["data"] == "synthetic" else None)
         results["runs"].append(main)
         _print_run(main, is_main)
         for L in opts["seq_lengths"]:
             ds, loader, gbs, mbs = synthetic(L)
-            r = _measure(setup, f"{dname}_L{L}", ds, loader, gbs, mbs, train_step, peak, opts, None)
+            r = _measure(b, base_mem, f"{dname}_L{L}", ds, loader, gbs, mbs, train_step, peak,
+                         opts, None)
             r.update(dtype=str(dt), data="synthetic", seq_len=L, peak_tflops=peak)
             results["runs"].append(r)
             _print_run(r, is_main)

@@ -4,10 +4,11 @@ metrics from a recipe, and train.
     from hybridtrain.recipes.finetune import run
     summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
 
-Order of events: process group (when launched with several ranks) -> seeds -> tokenizer ->
-model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) -> datasets
-(+ packing) -> parallel layout -> optimizer, LR scheduler, step scheduler -> checkpointer and
-resume -> train -> final checkpoint with the HF (or PEFT adapter) export -> summary.
+Order of events: process group (when launched with several ranks) -> :func:`build` (seeds ->
+tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
+datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
+scheduler -> checkpointer and resume -> train -> final checkpoint with the HF (or PEFT adapter)
+export -> summary. ``hybridtrain benchmark`` uses the same :func:`build`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
@@ -31,26 +34,22 @@ from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer, param_groups
 from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
-from hybridtrain.training.precision import resolve_dtype as _resolve_dtype
-from hybridtrain.training.precision import resolve_save_dtype
+from hybridtrain.training.precision import resolve_dtype, resolve_save_dtype
 from hybridtrain.training.rng import seed_all
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import DistContext, Trainer, TrainStep
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 # -- helpers ----------------------------------------------------------------------------------
-def _as_config(cfg: Any) -> ConfigNode:
+def as_config(cfg: Any) -> ConfigNode:
     if isinstance(cfg, ConfigNode):
         return cfg
     if isinstance(cfg, (str, os.PathLike)):
         return load_config(cfg)
     if isinstance(cfg, Mapping):
         return build_config(dict(cfg))
-    raise ValueError(f"run() takes a recipe path, a loaded config or a dict, got {type(cfg)}")
+    raise ValueError(f"expected a recipe path, a loaded config or a dict, got {type(cfg)}")
 
 
 def _barrier() -> None:
@@ -104,12 +103,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, hidden_size: int | None = None) -> torch.dtype:
-    """The compute dtype (parameters and optimizer state stay fp32; lower precision runs under
-    autocast); see :mod:`hybridtrain.training.precision`."""
-    return _resolve_dtype(name, device, hidden_size=hidden_size)
-
-
 def _flops_fn(model_config, loss_chunk_size):
     """Training FLOPs of a collated batch: attention per document; the LM head on label tokens
     only when the chunked loss is on (it gives logits to nothing else), else on every token."""
@@ -142,7 +135,8 @@ def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> f
 def _parallelize(cfg: ConfigNode, model, world_size: int, device: torch.device, loss_fn,
                  autocast_dtype):
     """Applies the ``distributed:`` layout (and activation checkpointing / compile). Returns
-    ``(plan or None, DistContext)``; ``plan`` carries the train step and the clip function."""
+    ``(plan or None, DistContext)``; ``plan`` carries the parts of the train step and the clip
+    function."""
     d, t = cfg.distributed, cfg.training
     trivial = world_size == 1 and not t.activation_checkpointing and not t.compile
     if trivial:
@@ -174,69 +168,19 @@ def _parallelize(cfg: ConfigNode, model, world_size: int, device: torch.device, 
     return plan, ctx
 
 
-# -- the recipe -------------------------------------------------------------------------------
-def run(cfg: Any) -> dict[str, Any]:
-    """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
-    cfg = _as_config(cfg)
-    t_start = time.perf_counter()
-    t, ck = cfg.training, cfg.checkpoint
-
-    # process group + device
-    from hybridtrain.distributed.init import destroy_distributed, init_distributed
-
-    backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
-    info = init_distributed(device=None if t.device == "auto" else t.device, backend=backend,
-                            timeout_minutes=cfg.distributed.timeout_seconds / 60)
-    started_pg = info.world_size > 1
-    device, is_main = info.device, info.is_main
-    try:
-        return _run(cfg, device, is_main, info.world_size, t_start)
-    finally:
-        if started_pg:
-            destroy_distributed()
+def make_train_step(plan, chunk_size: int | None, autocast_dtype: torch.dtype | None) -> TrainStep:
+    """The trainer's step for ``plan``: the plan's stage loss and FSDP root, or its pipeline
+    schedule step; ``plan=None``: the plain model through ``loss_sum`` with ``chunk_size`` (a
+    plan's stages already hold the recipe's loss)."""
+    if plan is None:
+        return TrainStep(chunk_size=chunk_size, autocast_dtype=autocast_dtype)
+    return TrainStep(plan.loss_fn, autocast_dtype=autocast_dtype,
+                     grad_sync_module=plan.grad_sync_module, pipeline=plan.pipeline)
 
 
-def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
-         t_start: float) -> dict[str, Any]:
-    t, ck = cfg.training, cfg.checkpoint
-    out_dir = os.path.abspath(ck.dir)
-    if is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            f.write(cfg.to_yaml())
-    seed_all(t.seed)
-    if t.deterministic:
-        torch.use_deterministic_algorithms(True)
-
-    # tokenizer, model
-    tokenizer = _build_tokenizer(cfg, is_main)
-    if cfg.model is None:
-        raise ValueError(f"the recipe has no model section ({cfg.source_file})")
-    torch.manual_seed(t.seed)
-    model = instantiate(cfg.model)
-    model_config = getattr(model, "config", None)
-    dtype = resolve_dtype(t.dtype, device, getattr(model_config, "hidden_size", None))
-    autocast_dtype = autocast_dtype_of(dtype)
-    save_dtype = resolve_save_dtype(ck.save_dtype, model)  # before LoRA / sharding wrap it
-    if tokenizer is not None and model_config is not None and \
-            len(tokenizer) > model_config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
-            f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
-            "use a smaller tokenizer")
-    peft = None
-    if cfg.peft is not None:
-        from hybridtrain.peft.lora import apply_lora
-
-        peft = cfg.peft.to_dict()
-        apply_lora(model, **peft)
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info("model %s: %s parameters (%s trainable) on %s", type(model).__name__,
-                f"{n_params:,}", f"{n_train:,}", device)
-
-    # data
+# -- data, optimizer --------------------------------------------------------------------------
+def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device):
+    """(train dataset, validation dataset or None, ``make_loader(dataset, batch_sampler)``)."""
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file})")
     train_ds = _main_first(is_main, lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer))
@@ -265,40 +209,159 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                           num_workers=cfg.dataloader.num_workers, pin_memory=pin,
                           generator=torch.Generator())  # never draws from the global RNG
 
-    # parallel layout, train step
+    return train_ds, val_ds, make_loader
+
+
+def _build_optimizer(cfg: ConfigNode, model):
+    if "_target_" in cfg.optimizer:
+        wd = cfg.optimizer.get("weight_decay", 0.0)
+        return instantiate(cfg.optimizer, param_groups(model, wd))
+    o = cfg.optimizer
+    return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                           eps=o.eps, implementation=o.implementation, name=o.name)
+
+
+# -- build ------------------------------------------------------------------------------------
+@dataclass
+class Built:
+    """What :func:`build` makes of a recipe: the parts a training loop runs with (the loop's
+    step scheduler, LR schedule, checkpoints and metrics are the caller's)."""
+
+    cfg: ConfigNode
+    device: torch.device
+    is_main: bool
+    tokenizer: Any
+    model: nn.Module  # the model this rank trains (under a parallel layout, the plan's)
+    model_config: Any
+    num_params: int  # of the whole model (before any parallel layout)
+    dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
+    save_dtype: torch.dtype  # dtype of the HF export
+    peft: dict | None
+    plan: Any  # ParallelPlan, or None: the plain single-process model
+    ctx: DistContext
+    train_step: TrainStep
+    clip_fn: Callable | None  # the plan's global gradient clipping (None: the trainer's)
+    optimizer: torch.optim.Optimizer
+    flops_fn: Callable[[dict], float] | None
+    train_ds: Any = None  # the data: None when built with data=False
+    val_ds: Any = None
+    make_loader: Callable | None = None
+
+
+def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
+          world_size: int = 1, *, data: bool = True, dtype: str | None = None) -> Built:
+    """Builds a recipe's parts in a fixed order: seeds -> tokenizer -> model (random init from
+    a config, or ``from_pretrained``) -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
+    layout -> train step -> optimizer.
+
+    ``device`` / ``is_main`` / ``world_size``: this process (``init_distributed``'s; default
+    ``training.device``, one process). ``data=False`` builds no tokenizer and no datasets.
+    ``dtype`` replaces ``training.dtype``.
+    """
+    cfg = as_config(cfg)
+    t = cfg.training
+    device = resolve_device(t.device) if device is None else torch.device(device)
+    seed_all(t.seed)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+    # tokenizer, model
+    tokenizer = _build_tokenizer(cfg, is_main) if data else None
+    if cfg.model is None:
+        raise ValueError(f"the recipe has no model section ({cfg.source_file})")
+    torch.manual_seed(t.seed)
+    model = instantiate(cfg.model)
+    model_config = getattr(model, "config", None)
+    compute_dtype = resolve_dtype(dtype or t.dtype, device,
+                                  getattr(model_config, "hidden_size", None))
+    autocast_dtype = autocast_dtype_of(compute_dtype)
+    save_dtype = resolve_save_dtype(cfg.checkpoint.save_dtype, model)  # before LoRA / sharding
+    if tokenizer is not None and model_config is not None and \
+            len(tokenizer) > model_config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
+            f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
+            "use a smaller tokenizer")
+    peft = None
+    if cfg.peft is not None:
+        from hybridtrain.peft.lora import apply_lora
+
+        peft = cfg.peft.to_dict()
+        apply_lora(model, **peft)
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("model %s: %s parameters (%s trainable) on %s", type(model).__name__,
+                f"{n_params:,}", f"{n_train:,}", device)
+
+    train_ds = val_ds = make_loader = None
+    if data:
+        train_ds, val_ds, make_loader = _build_data(cfg, tokenizer, is_main, device)
+
+    # parallel layout, train step, optimizer
     from hybridtrain.training.loss import cross_entropy_sum
 
     loss_fn = functools.partial(cross_entropy_sum, chunk_size=t.loss_chunk_size)
     plan, ctx = _parallelize(cfg, model, world_size, device, loss_fn, autocast_dtype)
     if plan is not None:
-        model, train_step, clip_fn = plan.model, plan.train_step, plan.clip_grad_norm
-    else:
-        train_step = TrainStep(chunk_size=t.loss_chunk_size, autocast_dtype=autocast_dtype)
-        clip_fn = None
+        model = plan.model
+    return Built(
+        cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
+        model_config=model_config, num_params=n_params, dtype=compute_dtype, save_dtype=save_dtype, peft=peft,
+        plan=plan, ctx=ctx, train_step=make_train_step(plan, t.loss_chunk_size, autocast_dtype),
+        clip_fn=plan.clip_grad_norm if plan is not None else None,
+        optimizer=_build_optimizer(cfg, model),
+        flops_fn=_flops_fn(model_config, t.loss_chunk_size) if model_config is not None else None,
+        train_ds=train_ds, val_ds=val_ds, make_loader=make_loader)
 
-    # step scheduler, optimizer, LR scheduler
+
+# -- the recipe -------------------------------------------------------------------------------
+def run(cfg: Any) -> dict[str, Any]:
+    """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
+    cfg = as_config(cfg)
+    t_start = time.perf_counter()
+    t = cfg.training
+
+    # process group + device
+    from hybridtrain.distributed.init import destroy_distributed, init_distributed
+
+    backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
+    info = init_distributed(device=None if t.device == "auto" else t.device, backend=backend,
+                            timeout_minutes=cfg.distributed.timeout_seconds / 60)
+    try:
+        return _run(cfg, info.device, info.is_main, info.world_size, t_start)
+    finally:
+        if info.world_size > 1:
+            destroy_distributed()
+
+
+def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
+         t_start: float) -> dict[str, Any]:
+    t, ck = cfg.training, cfg.checkpoint
+    out_dir = os.path.abspath(ck.dir)
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+    b = build(cfg, device, is_main, world_size)
+    train_ds, val_ds, peft = b.train_ds, b.val_ds, b.peft
+
+    # step scheduler, LR scheduler
     sched = StepScheduler(
-        t.global_batch_size, t.micro_batch_size, dp_size=ctx.dp_size, max_steps=t.max_steps,
+        t.global_batch_size, t.micro_batch_size, dp_size=b.ctx.dp_size, max_steps=t.max_steps,
         num_epochs=t.num_epochs, num_train_samples=len(train_ds),
         val_every_steps=t.val_every_steps, ckpt_every_steps=t.ckpt_every_steps,
         log_every_steps=t.log_every_steps, seed=t.seed, shuffle=cfg.dataloader.shuffle,
         drop_last=cfg.dataloader.drop_last)
-    if "_target_" in cfg.optimizer:
-        wd = cfg.optimizer.get("weight_decay", 0.0)
-        optimizer = instantiate(cfg.optimizer, param_groups(model, wd))
-    else:
-        o = cfg.optimizer
-        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                                    eps=o.eps, implementation=o.implementation, name=o.name)
     total_samples = sched.max_steps * sched.global_batch_size
     if "_target_" in cfg.lr_scheduler:
-        lr_scheduler = instantiate(cfg.lr_scheduler, optimizer)
+        lr_scheduler = instantiate(cfg.lr_scheduler, b.optimizer)
     else:
-        lr_scheduler = LRScheduler(optimizer, **cfg.lr_scheduler.to_dict(),
+        lr_scheduler = LRScheduler(b.optimizer, **cfg.lr_scheduler.to_dict(),
                                    total_steps=sched.max_steps, total_samples=total_samples)
 
     # checkpoints, metrics, resume
-    export_fn, state_extra = functools.partial(default_export, dtype=save_dtype), {}
+    export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
     if peft is not None:
         from hybridtrain.peft.export import export_peft, save_merged_hf
 
@@ -329,13 +392,13 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
                             plot=cfg.metrics.plot)
     trainer = Trainer(
-        model, optimizer, lr_scheduler, sched, train_ds, make_loader, val_dataset=val_ds,
-        checkpointer=checkpointer, metrics=metrics, tokenizer=tokenizer, device=device,
-        grad_clip=t.grad_clip, dist_ctx=ctx, train_step=train_step,
+        b.model, b.optimizer, lr_scheduler, sched, train_ds, b.make_loader, val_dataset=val_ds,
+        checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer, device=b.device,
+        grad_clip=t.grad_clip, dist_ctx=b.ctx, train_step=b.train_step,
         max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
-        flops_fn=_flops_fn(model_config, t.loss_chunk_size) if model_config is not None else None,
-        peak_tflops=_peak_tflops(cfg, device, dtype), save_hf_at_end=ck.save_hf_at_end,
-        save_ckpt=ck.enabled, gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=clip_fn)
+        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
+        save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
+        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.clip_fn)
     if resume is not None:
         trainer.resume(resume)
     logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "

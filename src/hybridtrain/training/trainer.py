@@ -20,14 +20,14 @@ without any label token is skipped the same way (it has no loss).
 Extension points for the distributed layouts:
 
 * the recipe applies ``parallelize`` (FSDP2/TP/EP) to the model before the optimizer is built;
-* :class:`TrainStep` is the forward+backward of one global batch on one rank; pipeline
-  parallelism replaces it (its ``__call__`` runs ``schedule.step``) and returns the local CE sum;
+* :class:`TrainStep` is the forward+backward of one global batch on one rank, for every layout:
+  a parallel plan gives it its stage's loss function and the FSDP root whose gradient sync it
+  toggles, or under pipeline parallelism the schedule step that runs ``schedule.step``;
 * :class:`DistContext` names the data-parallel group used for counts and loss reductions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -43,6 +43,7 @@ from torch import nn
 from hybridtrain.training.loss import cross_entropy_sum
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import clip_grad_norm
+from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -104,37 +105,57 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
 
 
 class TrainStep:
-    """Forward and backward of this rank's micro-batches of one global batch.
+    """Forward and backward of this rank's micro-batches of one global batch; the one train
+    step of every layout.
 
     ``__call__(model, micro_batches, num_label_tokens)`` back-propagates
     ``CE_sum(micro_batch) / num_label_tokens`` for each micro-batch (``num_label_tokens`` is the
     global count) and returns the detached fp32 CE sum over this rank's micro-batches.
+    ``eval_loss(model, batch)`` is the CE sum of one batch without gradients (validation).
+
+    ``loss_fn(model, batch)``: the CE sum of a micro-batch (default :func:`loss_sum`; a parallel
+    plan gives its stage's). ``grad_sync_module``: the module whose FSDP gradient reduction runs
+    only after the last micro-batch (``set_requires_gradient_sync``; default the model, when it
+    has that method). ``pipeline``: a pipeline schedule step (``__call__`` and ``eval_loss`` of
+    the same signatures), which runs forward and backward of all micro-batches itself.
+    Everything runs under :func:`~hybridtrain.training.precision.autocast_context` of
+    ``autocast_dtype``.
     """
 
     def __init__(self, loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
                  chunk_size: int | None = 4096,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None,
+                 grad_sync_module: nn.Module | None = None,
+                 pipeline: Any = None):
         self.loss_fn = loss_fn or (lambda m, b: loss_sum(m, b, chunk_size))
         self.autocast_dtype = autocast_dtype
-
-    def _autocast(self, device: torch.device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
+        self.grad_sync_module = grad_sync_module
+        self.pipeline = pipeline
 
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict],
                  num_label_tokens: int) -> torch.Tensor:
+        if self.pipeline is not None:
+            with autocast_context(self.autocast_dtype, micro_batches[0]["input_ids"].device):
+                return self.pipeline(model, micro_batches, num_label_tokens)
         total = None
-        sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce once per step
+        sync_module = self.grad_sync_module if self.grad_sync_module is not None else model
+        sync = getattr(sync_module, "set_requires_gradient_sync", None)  # FSDP2: once per step
         for i, mb in enumerate(micro_batches):
             if sync is not None:
                 sync(i == len(micro_batches) - 1)
-            with self._autocast(mb["input_ids"].device):
+            with autocast_context(self.autocast_dtype, mb["input_ids"].device):
                 ce = self.loss_fn(model, mb)
             (ce / num_label_tokens).backward()
             ce = ce.detach().float()
             total = ce if total is None else total + ce
         return total
+
+    @torch.no_grad()
+    def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        with autocast_context(self.autocast_dtype, batch["input_ids"].device):
+            if self.pipeline is not None:
+                return self.pipeline.eval_loss(model, batch)
+            return self.loss_fn(model, batch)
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -275,16 +296,6 @@ class Trainer:
         }
 
     # -- validation --------------------------------------------------------------------------
-    def _eval_loss(self, batch: dict) -> torch.Tensor:
-        """CE sum of one batch without gradients (``train_step.eval_loss`` when it has one, as a
-        pipeline schedule needs)."""
-        step = self.train_step
-        if hasattr(step, "eval_loss"):
-            return step.eval_loss(self.model, batch)
-        ctx = step._autocast(self.device) if hasattr(step, "_autocast") else contextlib.nullcontext()
-        with ctx:
-            return step.loss_fn(self.model, batch)
-
     @torch.no_grad()
     def validate(self) -> dict[str, Any] | None:
         """Token-weighted CE over the validation set (all ranks); returns the record."""
@@ -304,7 +315,7 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
-            ce = self._eval_loss(batch)
+            ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
         self.ctx.all_reduce_sum(sums)

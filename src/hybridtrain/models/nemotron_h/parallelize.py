@@ -14,8 +14,10 @@
   stage held by this rank; one covering the whole model without PP). A stage runs
   embeddings (first stage) -> its blocks -> ``norm_f`` + LM head + the cross-entropy *sum*
   (last stage), so the LM head is used inside a module call, where FSDP has gathered it.
-* ``plan.train_step`` -- a drop-in for the trainer's ``TrainStep`` (``PipelineTrainStep`` under
-  PP, :class:`StageTrainStep` otherwise).
+* what the trainer's ``TrainStep`` needs (models/ does not import training/; the recipe builds
+  the step): ``plan.loss_fn(model, batch)`` (the CE sum through the single stage) and
+  ``plan.grad_sync_module`` (the FSDP root whose gradient reduction runs once per step, or
+  None) without PP; ``plan.pipeline`` (a ``PipelineTrainStep``, running the schedule) under PP.
 * ``plan.clip_grad_norm`` -- gradient norm/clipping over every mesh and pipeline stage.
 * ``plan.dp_rank`` / ``plan.dp_size`` / ``plan.dp_group`` -- the data-parallel coordinates the
   data loader and the loss/label-count reductions use.
@@ -28,7 +30,6 @@ global label-token count.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -59,7 +60,7 @@ from .model import NemotronHForCausalLM
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NemotronHStage", "StageTrainStep", "ParallelPlan", "layer_costs", "parallelize_nemotron_h"]
+__all__ = ["NemotronHStage", "stage_loss_fn", "ParallelPlan", "layer_costs", "parallelize_nemotron_h"]
 
 IGNORE_INDEX = -100
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -117,43 +118,19 @@ class NemotronHStage(nn.Module):
         return self.loss_fn(h, self.lm_head.weight, labels)
 
 
-class StageTrainStep:
-    """The trainer's ``TrainStep`` for a single-stage (non-pipelined) parallel model: back-
-    propagates ``CE_sum / num_label_tokens`` per micro-batch through the stage module, with
-    FSDP gradient reduction only after the last micro-batch."""
+MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
 
-    MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
 
-    def __init__(self, stage: NemotronHStage, autocast_dtype: torch.dtype | None = None):
-        self.stage = stage
-        self.autocast_dtype = autocast_dtype
+def stage_loss_fn(stage: NemotronHStage) -> Callable[[nn.Module, dict], torch.Tensor]:
+    """``loss_fn(model, batch)`` -> the CE sum of ``batch`` through ``stage`` (a stage covering
+    the whole model; ``model`` is not used): the loss function of the trainer's ``TrainStep``."""
+    assert stage.is_first and stage.is_last
 
-    def _autocast(self, device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(torch.device(device).type, dtype=self.autocast_dtype)
+    def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+        kwargs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
+        return stage(batch["input_ids"], labels=batch["labels"], **kwargs)
 
-    def loss_fn(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        kwargs = {k: batch[k] for k in self.MODEL_INPUT_KEYS if batch.get(k) is not None}
-        return self.stage(batch["input_ids"], labels=batch["labels"], **kwargs)
-
-    @torch.no_grad()
-    def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        with self._autocast(batch["input_ids"].device):
-            return self.loss_fn(model, batch)
-
-    def __call__(self, model: nn.Module, micro_batches: Sequence[dict], num_label_tokens: int):
-        total = None
-        sync = getattr(self.stage, "set_requires_gradient_sync", None)
-        for i, mb in enumerate(micro_batches):
-            if sync is not None:
-                sync(i == len(micro_batches) - 1)
-            with self._autocast(mb["input_ids"].device):
-                ce = self.loss_fn(model, mb)
-            (ce / num_label_tokens).backward()
-            ce = ce.detach().float()
-            total = ce if total is None else total + ce
-        return total
+    return loss_fn
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -161,8 +138,10 @@ class StageTrainStep:
 class ParallelPlan:
     model: nn.Module
     stages: list[nn.Module]
-    train_step: Any
     dims: ParallelDims
+    loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None
+    grad_sync_module: nn.Module | None = None
+    pipeline: PipelineTrainStep | None = None
     stage_ids: list[int] = field(default_factory=lambda: [0])
     layer_ranges: list[tuple[int, int]] = field(default_factory=list)
     dp_rank: int = 0
@@ -379,16 +358,17 @@ def parallelize_nemotron_h(
             hidden_dtype = next(model.parameters()).dtype
         for stage in stages:
             stage.hidden_dtype = hidden_dtype
-        train_step = PipelineTrainStep(
+        pipeline = PipelineTrainStep(
             stages, stage_ids, num_stages, pp_group, device, hidden_size=config.hidden_size,
-            hidden_dtype=hidden_dtype, schedule=pp_schedule,
-            microbatch_size=pp_microbatch_size, autocast_dtype=autocast_dtype)
+            hidden_dtype=hidden_dtype, schedule=pp_schedule, microbatch_size=pp_microbatch_size)
+        step_parts = dict(pipeline=pipeline)
     else:
-        train_step = StageTrainStep(stages[0], autocast_dtype=autocast_dtype)
+        step_parts = dict(loss_fn=stage_loss_fn(stages[0]),
+                          grad_sync_module=stages[0] if dims.fsdp_enabled else None)
 
     dp_rank, dp_size, dp_group = 0, 1, None
     if distributed:
         dp_rank, dp_size, dp_group = dims.local_rank("dp"), dims.dp, dims.group("dp")
-    return ParallelPlan(model=model, stages=stages, train_step=train_step, dims=dims,
+    return ParallelPlan(model=model, stages=stages, dims=dims, **step_parts,
                         stage_ids=stage_ids, layer_ranges=ranges, dp_rank=dp_rank,
                         dp_size=dp_size, dp_group=dp_group, pp_group=pp_group)
