@@ -35,42 +35,112 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, -torch.inf)
 
 
-class _IntraChunk(torch.autograd.Function):
-    """The diagonal blocks of the scan, ``y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) xdt_s``,
-    with a hand-written backward that recomputes the [.., l, s] decay and C.B matrices instead of
-    saving them: autograd would keep several fp32 tensors of b*h*L*chunk_size elements per layer
-    (the bulk of a Mamba layer's activations); this keeps only the inputs.
+def _pass_states(states, a_last, init, same_doc):
+    """Start state of every chunk and the final state: state of chunk i's start = sum over
+    earlier chunk ends z (and the initial state) of exp(sum of a_last over z+1..i) * state_z,
+    zero across documents. states [b, c, g, j, n, p]; a_last [b, c, g, j]; init [b, 1, g, j, n, p]
+    or None; same_doc [b, c+1, c+1] bool or None. Small tensors: plain autograd."""
+    if init is None:
+        init = states.new_zeros(states[:, :1].shape)
+    states = torch.cat([init, states], dim=1)  # [b, c+1, g, j, n, p]; index 0 = initial
+    chunk_seg = segsum(F.pad(a_last.permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
+    if same_doc is not None:
+        chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
+    new_states = torch.einsum("bgjiz,bzgjnp->bigjnp", torch.exp(chunk_seg), states)
+    return new_states[:, :-1], new_states[:, -1]
 
-    xdt [b, c, g, j, s, p]; a [b, c, g, j, l] (in-chunk cumsum of dt*A); C, B [b, c, g, l, n];
-    mask [b or 1, c or 1, l, s] bool (causal, and same-document when packed).
-    Returns [b, c, g, j, l, p].
+
+def _decay(a, mask):
+    """exp(a_l - a_s) where mask[l, s], else 0: [b, c, g, j, l, s]. a_l - a_s <= 0 wherever the
+    mask holds (dt > 0, A < 0); above the diagonal it may be large, so it is masked before exp."""
+    seg = a[..., :, None] - a[..., None, :]
+    return seg.masked_fill_(~mask[:, :, None, None], -torch.inf).exp_()
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The chunked scan on prepared inputs, with a hand-written backward.
+
+    Autograd would keep several fp32 tensors of b*h*L*chunk_size elements per layer (decays,
+    C.B products) plus [b, h, L, p]-sized products until backward; this saves only its inputs
+    and recomputes the rest (a few elementwise passes and the small C.B matmul). The chunk-to-
+    chunk state passing, on [b, h, chunks, chunks] tensors, is differentiated by autograd.
+
+    Inputs (head-major chunk layout): xdt [b, c, g, j, l, p]; a [b, c, g, j, l] (in-chunk cumsum
+    of dt*A); C, B [b, c, g, l, n]; mask [b or 1, c or 1, l, s] (causal, same document);
+    last_doc, start_doc [b, c, 1, 1, l] or None (token in its chunk's last document / in the
+    document of the chunk's start state); same_doc [b, c+1, c+1] or None; init [b, 1, g, j, n, p]
+    or None. Returns y [b, c, g, j, l, p] and the final state [b, g, j, n, p].
     """
 
     @staticmethod
-    def _decay(a, mask):
-        # a_l - a_s <= 0 wherever mask holds (dt > 0, A < 0); above the diagonal it may be large
-        seg = a[..., :, None] - a[..., None, :]  # [b, c, g, j, l, s]
-        return seg.masked_fill_(~mask[:, :, None, None], -torch.inf).exp_()
+    def _state_weights(a, last_doc):
+        w = torch.exp(a[..., -1:] - a)  # decay from each token to its chunk's end
+        return w if last_doc is None else w * last_doc
 
     @staticmethod
-    def forward(ctx, xdt, a, C, B, mask):
-        ctx.save_for_backward(xdt, a, C, B, mask)
+    def _start_weights(a, start_doc):
+        u = torch.exp(a)  # decay from the chunk's start to each token
+        return u if start_doc is None else u * start_doc
+
+    @staticmethod
+    def forward(ctx, xdt, a, C, B, mask, last_doc, start_doc, same_doc, init):
+        ctx.save_for_backward(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init)
+        # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) xdt_s
         CB = C @ B.transpose(-1, -2)  # [b, c, g, l, s]
-        M = _IntraChunk._decay(a, mask).mul_(CB[:, :, :, None])
-        return M @ xdt
+        y = _decay(a, mask).mul_(CB[:, :, :, None]) @ xdt
+        # 2. state at each chunk's end, from its tokens of the chunk's last document
+        w = _ChunkScan._state_weights(a, last_doc)
+        states = B[:, :, :, None].transpose(-1, -2) @ (xdt * w[..., None])  # [b, c, g, j, n, p]
+        # 3. states passed from chunk to chunk; 4. y_l += exp(a_l) C_l . S_start
+        start, final = _pass_states(states, a[..., -1], init, same_doc)
+        u = _ChunkScan._start_weights(a, start_doc)
+        y += (C[:, :, :, None] @ start).mul_(u[..., None])
+        return y, final
 
     @staticmethod
-    def backward(ctx, gy):
-        xdt, a, C, B, mask = ctx.saved_tensors
+    def backward(ctx, gy, gfinal):
+        xdt, a, C, B, mask, last_doc, start_doc, same_doc, init = ctx.saved_tensors
+        gy = gy.contiguous()  # arrives permuted; every product below wants it row-major
+        # 1. diagonal blocks
         CB = C @ B.transpose(-1, -2)
-        Lmat = _IntraChunk._decay(a, mask)
-        P = (gy @ xdt.transpose(-1, -2)).mul_(Lmat)  # dL/dM * Lmat: dL/dCB per head
-        gCB = P.sum(3)
+        Lmat = _decay(a, mask)
+        P = (gy @ xdt.transpose(-1, -2)).mul_(Lmat)  # dL/dM * Lmat (= dL/dCB per head)
+        gC = P.sum(3)  # dL/dCB for now
         gxdt = Lmat.mul_(CB[:, :, :, None]).transpose(-1, -2) @ gy  # M^T gy
         del Lmat
         gseg = P.mul_(CB[:, :, :, None])  # dL/d(a_l - a_s)
         ga = gseg.sum(-1) - gseg.sum(-2)
-        return gxdt, ga, gCB @ B, gCB.transpose(-1, -2) @ C, None
+        del gseg, P
+        gB = gC.transpose(-1, -2) @ C
+        gC = gC @ B
+        # 2./3. recompute the chunk-end states and redo the (small) state passing with autograd
+        w = _ChunkScan._state_weights(a, last_doc)
+        xw = xdt * w[..., None]
+        states = B[:, :, :, None].transpose(-1, -2) @ xw
+        with torch.enable_grad():
+            leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
+            if init is not None:
+                leaves.append(init.detach().requires_grad_())
+            start, final = _pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None, same_doc)
+        # 4. y_l += u_l C_l . S_start
+        u = _ChunkScan._start_weights(a, start_doc)
+        start_d = start.detach()
+        gyu = gy * u[..., None]
+        ga += (gy * (C[:, :, :, None] @ start_d)).sum(-1).mul_(u)
+        gC += (gyu @ start_d.transpose(-1, -2)).sum(3)
+        gstart = C[:, :, :, None].transpose(-1, -2) @ gyu
+        del gyu
+        grads = torch.autograd.grad([start, final], leaves, [gstart, gfinal])
+        gstates, ga_last = grads[0], grads[1]
+        ginit = grads[2] if init is not None else None
+        # 2. states = B^T (xdt * w)
+        gxw = B[:, :, :, None] @ gstates  # [b, c, g, j, l, p]
+        gB += (xw @ gstates.transpose(-1, -2)).sum(3)
+        gxdt += gxw * w[..., None]
+        gw = (gxw * xdt).sum(-1).mul_(w)  # dL/dw * w: w = exp(a_last - a) (masked)
+        ga -= gw
+        ga[..., -1] += gw.sum(-1) + ga_last
+        return gxdt, ga, gC, gB, None, None, None, None, ginit
 
 
 def ssd_chunked(
@@ -108,27 +178,24 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     pad = (cs - L % cs) % cs
     c = (L + pad) // cs
 
-    x = x.float()
-    dt = dt.float()
-    B = B.float()
-    C = C.float()
+    cdt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+    x, dt, B, C = x.to(cdt), dt.to(cdt), B.to(cdt), C.to(cdt)
     xdt = x * dt[..., None]
-    dA = dt * A.float()[None, None, :]  # [b, L, h]
+    dA = dt * A.to(cdt)[None, None, :]  # [b, L, h]
     if pad:
         xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad))
         dA = F.pad(dA, (0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
-    # head-major chunk layout: every product below is a batched matmul over (b, c, g[, j])
+    # head-major chunk layout: every product is a batched matmul over (b, c, g[, j])
     xdt = xdt.view(b, c, cs, g, j, p).permute(0, 1, 3, 4, 2, 5).contiguous()  # [b, c, g, j, l, p]
     B = B.view(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n]
     C = C.view(b, c, cs, g, n).transpose(2, 3).contiguous()
     a = torch.cumsum(dA.view(b, c, cs, g, j).permute(0, 1, 3, 4, 2), dim=-1)  # [b, c, g, j, l]
 
     causal = torch.tril(torch.ones(cs, cs, device=x.device, dtype=torch.bool))
-    if seq_idx is None:
-        mask = causal[None, None]  # [1, 1, l, s]
-    else:
+    mask, last_doc, start_doc, same_doc = causal[None, None], None, None, None
+    if seq_idx is not None:
         sidx = seq_idx
         if pad:
             # padded tail positions join the last document; their outputs are discarded and
@@ -136,43 +203,20 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
             sidx = torch.cat([sidx, sidx[:, -1:].expand(b, pad)], dim=1)
         sidx = sidx.view(b, c, cs)
         mask = causal & (sidx[:, :, :, None] == sidx[:, :, None, :])  # [b, c, l, s]
-
-    # 1. intra-chunk (diagonal blocks)
-    y = _IntraChunk.apply(xdt, a, C, B, mask)  # [b, c, g, j, l, p]
-
-    # 2. state at the end of each chunk, from that chunk's tokens of the chunk's last document
-    decay_states = torch.exp(a[..., -1:] - a)  # [b, c, g, j, l]
-    if seq_idx is not None:
-        in_last_doc = sidx == sidx[:, :, -1:]  # [b, c, l]
-        decay_states = decay_states * in_last_doc[:, :, None, None].to(decay_states.dtype)
-    states = B[:, :, :, None].transpose(-1, -2) @ (xdt * decay_states[..., None])  # [b, c, g, j, n, p]
-
-    # 3. pass states between chunks: start state of chunk i = sum_z decay(z -> i) * state_z
-    if initial_state is None:
-        init = states.new_zeros(b, 1, g, j, n, p)
-    else:
-        init = initial_state.float().view(b, 1, g, j, p, n).transpose(-1, -2)
-    states = torch.cat([init, states], dim=1)  # [b, c+1, g, j, n, p]; index 0 = initial
-    chunk_seg = segsum(F.pad(a[..., -1].permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
-    if seq_idx is not None:
         # document owning each state: the first token's for the initial state, else the
         # chunk's last token's; a state only flows to a chunk boundary of the same document
         doc = torch.cat([sidx[:, :1, 0], sidx[:, :, -1]], dim=1)  # [b, c+1]
         same_doc = doc[:, :, None] == doc[:, None, :]
-        chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
-    new_states = torch.einsum("bgjiz,bzgjnp->bigjnp", torch.exp(chunk_seg), states)
-    start_states, final_state = new_states[:, :-1], new_states[:, -1]
-
-    # 4. contribution of each chunk's start state: y_l += exp(a_l) C_l . S_start
-    state_decay_out = torch.exp(a)  # [b, c, g, j, l]
-    if seq_idx is not None:
-        start_doc = doc[:, :-1]  # [b, c] document of each chunk's start state
-        state_decay_out = state_decay_out * (sidx == start_doc[:, :, None])[:, :, None, None].to(a.dtype)
-    y = y + (C[:, :, :, None] @ start_states) * state_decay_out[..., None]
+        last_doc = (sidx == sidx[:, :, -1:])[:, :, None, None].to(cdt)  # [b, c, 1, 1, l]
+        start_doc = (sidx == doc[:, :-1, None])[:, :, None, None].to(cdt)
+    init = None
+    if initial_state is not None:
+        init = initial_state.to(cdt).view(b, 1, g, j, p, n).transpose(-1, -2)
+    y, final_state = _ChunkScan.apply(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init)
 
     y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * cs, h, p)[:, :L]
     if D is not None:
-        y = y + x * D.float()[None, None, :, None]
+        y = y + x * D.to(cdt)[None, None, :, None]
     if return_final_state:
         return y, final_state.transpose(-1, -2).reshape(b, h, p, n)
     return y
