@@ -17,6 +17,9 @@ What FlopCounterMode counts, and how it is compared with hybridtrain.training.fl
   kernel's count is the row's L^2, while the model FLOPs credit only each document's l^2: the
   packed test checks both against measured figures.
 * The sdpa backward recomputes the scores: torch counts it as 2.5x the forward, not 2x.
+* The pure-PyTorch SSD's backward recomputes the in-chunk C.B products, the chunk-end states
+  and the chunk-to-chunk state passing instead of saving them (models/nemotron_h/ssd.py): the
+  FLOPs it does on top of 2x the forward are added explicitly below, like the sdpa recompute.
 * The pure-PyTorch SSD passes states between chunks with one dense [c+1, c+1] einsum
   (2 h p n (c+1)^2 FLOPs per row); the model FLOPs count the recurrence it stands for,
   2 h p n c (what the mamba_ssm kernel runs). The difference is added explicitly below.
@@ -91,6 +94,18 @@ def _dense_state_passing_extra(config, row_lengths):
     return extra
 
 
+def _ssd_backward_recompute(config, row_lengths):
+    """Matmul FLOPs the SSD backward recomputes per Mamba layer: C.B, the chunk-end states and
+    the dense state passing."""
+    h, p, g, n, Q = (config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size,
+                     config.chunk_size)
+    extra = 0
+    for L in row_lengths:
+        c = math.ceil(L / Q)
+        extra += c * Q * (2 * g * Q * n + 2 * h * p * n) + 2 * h * p * n * (c + 1) ** 2
+    return extra
+
+
 def _expected_by_layer(config, rows, training, counted_sdpa_fwd):
     """Expected FlopCounterMode matmul FLOPs of every layer and of the LM head."""
     mult = 3 if training else 1
@@ -104,6 +119,8 @@ def _expected_by_layer(config, rows, training, counted_sdpa_fwd):
         exp = mult * fwd
         if training and t == "full_attention":
             exp += counted_sdpa_fwd[i] // 2  # the backward's recompute of the scores
+        if training and t == "linear_attention":
+            exp += _ssd_backward_recompute(config, [sum(r) for r in rows])
         out[f"layers.{i}"] = exp
     out["lm_head"] = mult * 2 * sum(map(sum, rows)) * config.hidden_size * config.vocab_size
     return out
