@@ -74,7 +74,11 @@ def test_chat_lora_tiny(tmp_path, monkeypatch):
         got = NemotronHForCausalLM.from_pretrained(merged)(ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
-    # resume from the adapter-only checkpoint (base weights come from the base model again)
-    assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 3, resume="auto")]) == 0
+    # resume from the adapter-only checkpoint (base weights come from the base model again); the
+    # merged export follows checkpoint.save_dtype like hf/ does
+    assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 3, resume="auto"),
+                 "--checkpoint.save_dtype=bfloat16"]) == 0
     recs2 = [json.loads(line) for line in open(out / "training.jsonl")]
     assert [r["step"] for r in recs2] == [1, 2, 3] and recs2[:2] == recs
+    merged3 = load_file(out / "step_3" / "merged_hf" / "model.safetensors")
+    assert {v.dtype for k, v in merged3.items() if k.endswith("proj.weight")} == {torch.bfloat16}

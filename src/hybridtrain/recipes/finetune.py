@@ -371,7 +371,7 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
         def export_fn(m, step_dir, tok, final):
             export_peft(m, os.path.join(step_dir, "adapter"), base, tok)
             if final and ck.save_merged_hf:
-                save_merged_hf(m, os.path.join(step_dir, "merged_hf"), tok)
+                save_merged_hf(m, os.path.join(step_dir, "merged_hf"), tok, dtype=b.save_dtype)
 
     checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
                                 export_fn=export_fn, state_extra=state_extra)
