@@ -22,7 +22,8 @@ best step of each is kept):
 ``--clock cpu`` times process CPU seconds instead of wall seconds (use with ``--threads 1`` on a
 machine shared with other jobs: it is insensitive to time-slicing). ``--malloc-tune`` keeps freed
 memory in the process (glibc ``mallopt``: no mmap for large blocks, no trimming) so that the
-large per-step buffers are not page-faulted in again every step; it applies to all runs.
+large per-step buffers are not page-faulted in again every step (hybridtrain.training.cpu_allocator
+"heap", what `training.cpu_allocator: auto` does on CPU); it applies to all runs.
 
 Prints tokens/s, achieved TFLOP/s and MFU against the measured matmul peak of each run's dtype,
 and the ratios: targets (issue 7) bf16 >= 3x fp32, and >= 1.2x transformers bf16.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import io
 import json
 import os
@@ -43,16 +43,6 @@ from pathlib import Path
 import torch
 
 TARGETS = {"bf16 / fp32": 3.0, "bf16 / transformers bf16": 1.2}
-
-
-def malloc_tune() -> bool:
-    """glibc: serve large blocks from the heap and never trim it (M_MMAP_MAX=0,
-    M_TRIM_THRESHOLD=1 GiB). Returns False where not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 2**30))
-    except (OSError, AttributeError):
-        return False
 
 
 def matmul_peak_cpu_seconds(dtype: torch.dtype, n: int = 2048, iters: int = 5) -> float:
@@ -156,7 +146,9 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    tuned = malloc_tune() if args.malloc_tune else False
+    from hybridtrain.training.cpu_allocator import configure_cpu_allocator
+
+    tuned = configure_cpu_allocator("heap" if args.malloc_tune else "system", "cpu") == "heap"
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     cfg = small_moe_config()
     B, L = args.batch_size, args.seq_len

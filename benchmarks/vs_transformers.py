@@ -70,9 +70,13 @@ def run_child(spec: dict) -> dict:
     import transformers  # noqa: F401  (both sides import it: equal baselines)
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+    from hybridtrain.training.cpu_allocator import configure_cpu_allocator
     from hybridtrain.training.optim import build_optimizer
     from hybridtrain.training.trainer import loss_sum
 
+    # hybridtrain's recipes apply training.cpu_allocator (auto: heap on CPU) before building the
+    # model; transformers runs with glibc's defaults unless --hf-allocator says otherwise
+    configure_cpu_allocator(spec["allocator"] if spec["side"] == "hybridtrain" else spec["hf_allocator"], "cpu")
     torch.manual_seed(0)
     base_rss = rss_mb()
     batches = torch.load(spec["batches"], weights_only=True)
@@ -224,6 +228,10 @@ def main(argv=None) -> dict:
     p.add_argument("--ce-chunk", type=int, default=1024, help="hybridtrain's loss chunk (tokens)")
     p.add_argument("--ac", default="", help="hybridtrain's training.activation_checkpointing "
                    "(e.g. mamba, all); default off")
+    p.add_argument("--allocator", default="auto", choices=("auto", "heap", "system"),
+                   help="hybridtrain's training.cpu_allocator (default auto = heap on CPU, as in finetune)")
+    p.add_argument("--hf-allocator", default="system", choices=("heap", "system"),
+                   help="glibc setting for the transformers side (default system: what a TRL user runs)")
     p.add_argument("--tokenizer-vocab", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
@@ -241,8 +249,10 @@ def main(argv=None) -> dict:
               f"seq_len {args.seq_len}, batch {args.batch_size}; "
               f"utilization padded {info['padded_utilization']:.2f} / packed {info['packed_utilization']:.2f}; "
               f"torch threads {torch.get_num_threads()}; hybridtrain: loss chunk {args.ce_chunk}, "
-              f"activation checkpointing {args.ac or 'off'}")
-        common = dict(model_dir=str(workdir / "model"), warmup=args.warmup, ce_chunk=args.ce_chunk, ac=args.ac)
+              f"activation checkpointing {args.ac or 'off'}, cpu_allocator {args.allocator}; transformers: "
+              f"cpu allocator {args.hf_allocator}")
+        common = dict(model_dir=str(workdir / "model"), warmup=args.warmup, ce_chunk=args.ce_chunk, ac=args.ac,
+                      allocator=args.allocator, hf_allocator=args.hf_allocator)
         runs = {
             # (a) fixed-length padded examples (transformers) vs packed rows (hybridtrain)
             "a_transformers": dict(side="transformers", batches=str(workdir / "padded.pt"), pass_mask=True),

@@ -84,6 +84,11 @@ TRAINING = {
                        "refused (needs loss scaling)",
                choices=("auto", "float32", "bfloat16", "float16")),
     "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
+    "cpu_allocator": K("auto", "glibc malloc for CPU training: heap -> freed large blocks are "
+                               "reused (no page faults per step; resident memory stays with the "
+                               "process), system -> glibc defaults; auto -> heap on CPU, else system "
+                               "(training/cpu_allocator.py)",
+                       choices=("auto", "heap", "system")),
     "loss_chunk_size": K(4096, "tokens per chunk of the linear cross-entropy (logits never "
                                "materialised whole); null -> plain full-logit loss", _OPT_INT),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),

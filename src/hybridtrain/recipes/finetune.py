@@ -33,6 +33,7 @@ from hybridtrain.training.checkpoint import Checkpointer, default_export
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer, param_groups
+from hybridtrain.training.cpu_allocator import configure_cpu_allocator
 from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
 from hybridtrain.training.precision import resolve_dtype, resolve_save_dtype
 from hybridtrain.training.rng import seed_all
@@ -261,6 +262,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     cfg = as_config(cfg)
     t = cfg.training
     device = resolve_device(t.device) if device is None else torch.device(device)
+    configure_cpu_allocator(t.cpu_allocator, device)
     seed_all(t.seed)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
