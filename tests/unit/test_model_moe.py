@@ -106,3 +106,40 @@ def test_unused_experts_are_fine():
     y = moe(x)
     y.sum().backward()
     assert torch.isfinite(moe.experts.up_proj.grad).all()
+
+
+def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
+    """Under CPU bf16 autocast the per-expert GEMMs see row counts padded to a multiple of 16
+    (bounded oneDNN kernel shapes); outputs and gradients equal the unpadded computation."""
+    import hybridtrain.models.nemotron_h.moe as moe_mod
+    import hybridtrain.models.nemotron_h.numerics as numerics
+
+    torch.manual_seed(0)
+    cfg = tiny_config("moe")
+    moe = MoE(cfg, 0)
+    moe.reset_parameters()
+    x0 = torch.randn(3, 37, cfg.hidden_size)
+    seen = []
+    real_linear = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        if w.dim() == 2 and w.shape[0] == cfg.moe_intermediate_size and x.dtype == torch.bfloat16:
+            seen.append(x.shape[0])
+        return real_linear(x, w, b)
+
+    results = []
+    for align in (16, 1):
+        monkeypatch.setattr(numerics, "CPU_LOWP_ROW_MULTIPLE", align)
+        monkeypatch.setattr(moe_mod.F, "linear", spy)
+        x = x0.clone().requires_grad_()
+        moe.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(x)
+        y.float().pow(2).sum().backward()
+        results.append((y.detach().float(), x.grad, moe.experts.up_proj.grad))
+        if align == 16:
+            assert seen and all(n % 16 == 0 for n in seen), seen
+            seen.clear()
+    assert any(n % 16 for n in seen)  # unaligned counts do occur without the padding
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridtrain.models.nemotron_h.numerics import gemm_row_multiple
+
 DEFAULT_CHUNK_SIZE = 4096
 
 
@@ -74,6 +76,12 @@ def cross_entropy_sum(
     if not bool(keep.all()):
         idx = keep.nonzero().squeeze(1)
         hidden, labels = hidden.index_select(0, idx), labels.index_select(0, idx)
+    # the label count changes every step: pad with ignored rows where the GEMM backend wants
+    # fixed row multiples (CPU bf16, see gemm_row_multiple)
+    pad = -hidden.shape[0] % gemm_row_multiple(hidden.device, _compute_dtype(hidden, weight))
+    if pad:
+        hidden = F.pad(hidden, (0, 0, 0, pad))
+        labels = F.pad(labels, (0, pad), value=ignore_index)
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.no_grad():
             return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight))[0]
