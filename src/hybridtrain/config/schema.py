@@ -85,7 +85,7 @@ TRAINING = {
                choices=("auto", "float32", "bfloat16", "float16")),
     "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
     "cpu_allocator": K("auto", "glibc malloc for CPU training: heap -> freed large blocks are "
-                               "reused (no page faults per step; resident memory stays with the "
+                               "reused (far fewer page faults per step; resident memory stays with the "
                                "process), system -> glibc defaults; auto -> heap on CPU, else system "
                                "(training/cpu_allocator.py)",
                        choices=("auto", "heap", "system")),
