@@ -179,7 +179,9 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     c = (L + pad) // cs
 
     cdt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
-    x, dt, B, C = x.to(cdt), dt.to(cdt), B.to(cdt), C.to(cdt)
+    dt, B, C = dt.to(cdt), B.to(cdt), C.to(cdt)
+    # x stays in its dtype: the products with fp32 dt and D promote to fp32 exactly, and a bf16
+    # x is what autograd keeps for them (not an fp32 copy)
     xdt = x * dt[..., None]
     dA = dt * A.to(cdt)[None, None, :]  # [b, L, h]
     if pad:
@@ -216,7 +218,7 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
 
     y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * cs, h, p)[:, :L]
     if D is not None:
-        y = y + x * D.to(cdt)[None, None, :, None]
+        y = y + x * D.to(cdt)[None, None, :, None]  # fp32 (promoted)
     if return_final_state:
         return y, final_state.transpose(-1, -2).reshape(b, h, p, n)
     return y
