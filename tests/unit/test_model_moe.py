@@ -109,8 +109,9 @@ def test_unused_experts_are_fine():
 
 
 def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
-    """Under CPU bf16 autocast the per-expert GEMMs see row counts padded to a multiple of 16
-    (bounded oneDNN kernel shapes); outputs and gradients equal the unpadded computation."""
+    """Under CPU bf16 autocast the per-expert GEMMs see row counts padded to a multiple of
+    ``CPU_LOWP_ROW_MULTIPLE`` (bounded oneDNN kernel shapes); outputs and gradients equal the
+    unpadded computation."""
     import hybridtrain.models.nemotron_h.moe as moe_mod
     import hybridtrain.models.nemotron_h.numerics as numerics
 
@@ -128,7 +129,8 @@ def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
         return real_linear(x, w, b)
 
     results = []
-    for align in (16, 1):
+    multiple = numerics.CPU_LOWP_ROW_MULTIPLE
+    for align in (multiple, 1):
         monkeypatch.setattr(numerics, "CPU_LOWP_ROW_MULTIPLE", align)
         monkeypatch.setattr(moe_mod.F, "linear", spy)
         x = x0.clone().requires_grad_()
@@ -137,9 +139,9 @@ def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
             y = moe(x)
         y.float().pow(2).sum().backward()
         results.append((y.detach().float(), x.grad, moe.experts.up_proj.grad))
-        if align == 16:
-            assert seen and all(n % 16 == 0 for n in seen), seen
+        if align > 1:
+            assert seen and all(n % align == 0 for n in seen), seen
             seen.clear()
-    assert any(n % 16 for n in seen)  # unaligned counts do occur without the padding
+    assert any(n % multiple for n in seen)  # unaligned counts occur without the padding
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

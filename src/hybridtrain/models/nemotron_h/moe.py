@@ -147,7 +147,7 @@ class Experts(nn.Module):
             up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
         ups, downs = up.unbind(0), down.unbind(0)
         # routed row counts change every step: zero rows pad each slice to a multiple the GEMM
-        # backend wants (CPU bf16: 16, bounded oneDNN kernel shapes; else none)
+        # backend wants (CPU bf16: 64, bounded oneDNN kernel shapes; else none)
         align = gemm_row_multiple(sorted_x.device, sorted_x.dtype)
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
