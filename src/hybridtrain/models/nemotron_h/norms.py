@@ -11,10 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _silu_grad(g: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(g)
-    return s * (1 + g * (1 - s))
+from .numerics import silu_grad
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -62,7 +59,7 @@ class _RMSNormFunction(torch.autograd.Function):
             return gu.to(x.dtype), None, gw.to(weight.dtype), None, None
         gate_c = gate.to(cdt)
         gx = gu * F.silu(gate_c)
-        ggate = gu.mul_(x.to(cdt)).mul_(_silu_grad(gate_c))
+        ggate = gu.mul_(x.to(cdt)).mul_(silu_grad(gate_c))
         return gx.to(x.dtype), ggate.to(gate.dtype), gw.to(weight.dtype), None, None
 
 

@@ -1,4 +1,5 @@
-"""fp32 islands under mixed precision, and the row alignment of CPU low-precision GEMMs.
+"""fp32 islands under mixed precision, the row alignment of CPU low-precision GEMMs, and the
+SiLU derivative shared by the hand-written backwards.
 
 Under ``torch.autocast(bf16)`` every matmul / einsum / linear runs in bf16, even when its inputs
 were explicitly taken to fp32. The few places whose numerics need fp32 (the MoE router, the SSD
@@ -19,6 +20,12 @@ def fp32_region(t: torch.Tensor):
     if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def silu_grad(x: torch.Tensor) -> torch.Tensor:
+    """d silu(x) / dx = sigmoid(x) * (1 + x * (1 - sigmoid(x))), for hand-written backwards."""
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
 
 
 CPU_LOWP_ROW_MULTIPLE = 64

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .numerics import fp32_region
+from .numerics import fp32_region, silu_grad
 
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
@@ -267,8 +267,7 @@ class _CausalConv1d(torch.autograd.Function):
         g = gout.to(cdt)
         if ctx.silu:
             pre = _CausalConv1d._conv(xc, wc, None if bias is None else bias.to(cdt), keep)
-            sig = torch.sigmoid(pre)
-            g = g * sig * (1 + pre * (1 - sig))
+            g = g * silu_grad(pre)
         gx = g * wc[:, k - 1, None]
         gw = torch.empty_like(wc)
         gw[:, k - 1] = (g * xc).sum((0, 2))
