@@ -26,7 +26,7 @@ import os
 import shlex
 import sys
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import hybridtrain
 from hybridtrain.config import ConfigError, apply_dist_env, load_config

@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from hybridtrain.recipes.benchmark import _collate_synthetic, run, synthetic_rows
 

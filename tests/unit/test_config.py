@@ -13,7 +13,6 @@ import textwrap
 import pytest
 
 from hybridtrain.config import (
-    ConfigError,
     ConfigNode,
     build_config,
     instantiate,

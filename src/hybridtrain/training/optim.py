@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from hybridtrain.training.lr_schedule import LRScheduler, lr_at  # noqa: F401  (re-export)
 
 logger = logging.getLogger(__name__)
 
