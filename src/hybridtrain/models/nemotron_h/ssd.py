@@ -15,10 +15,14 @@ intra-chunk products, the state each chunk hands on, and the inter-chunk state p
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .numerics import fp32_region, silu_grad
+
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
@@ -38,23 +42,38 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
 def _pass_states(states, a_last, init, same_doc):
     """Start state of every chunk and the final state: state of chunk i's start = sum over
     earlier chunk ends z (and the initial state) of exp(sum of a_last over z+1..i) * state_z,
-    zero across documents. states [b, c, g, j, n, p]; a_last [b, c, g, j]; init [b, 1, g, j, n, p]
+    zero across documents. states [b, c, g, n, j, p]; a_last [b, c, g, j]; init [b, 1, g, n, j, p]
     or None; same_doc [b, c+1, c+1] bool or None. Small tensors: plain autograd."""
     if init is None:
         init = states.new_zeros(states[:, :1].shape)
-    states = torch.cat([init, states], dim=1)  # [b, c+1, g, j, n, p]; index 0 = initial
+    states = torch.cat([init, states], dim=1)  # [b, c+1, g, n, j, p]; index 0 = initial
     chunk_seg = segsum(F.pad(a_last.permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
     if same_doc is not None:
         chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
-    new_states = torch.einsum("bgjiz,bzgjnp->bigjnp", torch.exp(chunk_seg), states)
+    new_states = torch.einsum("bgjiz,bzgnjp->bignjp", torch.exp2(chunk_seg), states)
     return new_states[:, :-1], new_states[:, -1]
 
 
 def _decay(a, mask):
-    """exp(a_l - a_s) where mask[l, s], else 0: [b, c, g, j, l, s]. a_l - a_s <= 0 wherever the
-    mask holds (dt > 0, A < 0); above the diagonal it may be large, so it is masked before exp."""
+    """2^(a_l - a_s) where mask[l, s], else 0: [b, c, g, j, l, s]. a_l - a_s <= 0 wherever the
+    mask holds (dt > 0, A < 0); above the diagonal it may be large, so it is masked before exp2."""
     seg = a[..., :, None] - a[..., None, :]
-    return seg.masked_fill_(~mask[:, :, None, None], -torch.inf).exp_()
+    return seg.masked_fill_(~mask[:, :, None, None], -torch.inf).exp2_()
+
+
+def _mul(a, b, layout):
+    """a * b, contiguous in the dimension order ``layout`` (a permutation of the broadcast
+    shape): the product and the layout change in one pass."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    out = torch.empty([shape[d] for d in layout], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
+    inverse = sorted(range(len(layout)), key=layout.__getitem__)
+    torch.mul(a, b, out=out.permute(inverse))
+    return out
+
+
+def _lowp(t, dtype):
+    """``t`` as a contiguous ``dtype`` operand (a no-op when it already is one)."""
+    return t.to(dtype, memory_format=torch.contiguous_format)
 
 
 class _ChunkScan(torch.autograd.Function):
@@ -62,61 +81,97 @@ class _ChunkScan(torch.autograd.Function):
 
     Autograd would keep several fp32 tensors of b*h*L*chunk_size elements per layer (decays,
     C.B products) plus [b, h, L, p]-sized products until backward; this saves only its inputs
-    and recomputes the rest (a few elementwise passes and the small C.B matmul). The chunk-to-
-    chunk state passing, on [b, h, chunks, chunks] tensors, is differentiated by autograd.
+    and recomputes the rest (a few elementwise passes and the small products). The chunk-to-chunk
+    state passing, on [b, chunks, g, n, j, p] tensors, is differentiated by autograd.
 
-    Inputs (head-major chunk layout): xdt [b, c, g, j, l, p]; a [b, c, g, j, l] (in-chunk cumsum
-    of dt*A); C, B [b, c, g, l, n]; mask [b or 1, c or 1, l, s] (causal, same document);
+    Precision: decays (``a``, exp), the chunk states, their passing and every elementwise step
+    are computed in ``a``'s dtype (fp32; fp64 under gradcheck). The products that only feed a
+    token's output or a gradient -- C.B, (decay * C.B) @ x, C @ start state, and their
+    backwards -- take their operands in ``mdt`` (bf16 for bf16 inputs: fp32 accumulation inside
+    the GEMM, like mamba_ssm's kernels), else ``a``'s dtype. The chunk states themselves
+    (B^T @ (x dt decay)) are always a full-precision product, so the state is the same as an fp32
+    scan's on the same inputs.
+
+    Inputs: xdt [b, c, l, g, j, p] (the padded [b, L, h, p] layout); a [b, c, g, j, l] (in-chunk
+    cumsum of dt*A*log2(e): decays are 2^(a_l - a_s)); C, B [b, c, g, l, n]; mask [b or 1, c or 1, l, s] (causal, same document);
     last_doc, start_doc [b, c, 1, 1, l] or None (token in its chunk's last document / in the
-    document of the chunk's start state); same_doc [b, c+1, c+1] or None; init [b, 1, g, j, n, p]
-    or None. Returns y [b, c, g, j, l, p] and the final state [b, g, j, n, p].
+    document of the chunk's start state); same_doc [b, c+1, c+1] or None; init [b, 1, g, n, j, p]
+    or None; mdt. Returns y [b, c, l, g, j, p] and the final state [b, g, n, j, p].
     """
 
     @staticmethod
     def _state_weights(a, last_doc):
-        w = torch.exp(a[..., -1:] - a)  # decay from each token to its chunk's end
+        w = torch.exp2(a[..., -1:] - a)  # decay from each token to its chunk's end
         return w if last_doc is None else w * last_doc
 
     @staticmethod
     def _start_weights(a, start_doc):
-        u = torch.exp(a)  # decay from the chunk's start to each token
+        u = torch.exp2(a)  # decay from the chunk's start to each token
         return u if start_doc is None else u * start_doc
 
     @staticmethod
-    def forward(ctx, xdt, a, C, B, mask, last_doc, start_doc, same_doc, init):
+    def _states(xdt, w, B):
+        """Chunk-end states [b, c, g, n, j, p] = B^T @ (xdt * w), in full precision; also returns
+        xdt * w in the token-major layout [b, c, g, l, j, p]."""
+        b, c, l, g, j, p = xdt.shape
+        # [b, c, l, g, j, p] * [b, c, g, j, l] -> [b, c, g, l, j, p], contiguous
+        xw = _mul(xdt, w.permute(0, 1, 4, 2, 3)[..., None], layout=(0, 1, 3, 2, 4, 5))
+        states = B.to(xdt.dtype).transpose(-1, -2) @ xw.view(b, c, g, l, j * p)
+        return states.view(b, c, g, -1, j, p), xw
+
+    @staticmethod
+    def forward(ctx, xdt, a, C, B, mask, last_doc, start_doc, same_doc, init, mdt):
         ctx.save_for_backward(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init)
+        ctx.mdt = mdt
+        b, c, l, g, j, p = xdt.shape
+        Cm, Bm = C.to(mdt), B.to(mdt)
         # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) xdt_s
-        CB = C @ B.transpose(-1, -2)  # [b, c, g, l, s]
-        y = _decay(a, mask).mul_(CB[:, :, :, None]) @ xdt
+        CB = Cm @ Bm.transpose(-1, -2)  # [b, c, g, l, s]
+        M = _lowp(_decay(a, mask).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
+        xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
+        yd = M @ xh  # [b, c, g, j, l, p]
+        del M, xh
         # 2. state at each chunk's end, from its tokens of the chunk's last document
-        w = _ChunkScan._state_weights(a, last_doc)
-        states = B[:, :, :, None].transpose(-1, -2) @ (xdt * w[..., None])  # [b, c, g, j, n, p]
+        states, _ = _ChunkScan._states(xdt, _ChunkScan._state_weights(a, last_doc), B)
         # 3. states passed from chunk to chunk; 4. y_l += exp(a_l) C_l . S_start
         start, final = _pass_states(states, a[..., -1], init, same_doc)
+        yo = Cm @ start.to(mdt).reshape(b, c, g, -1, j * p)  # [b, c, g, l, (j p)]
         u = _ChunkScan._start_weights(a, start_doc)
-        y += (C[:, :, :, None] @ start).mul_(u[..., None])
+        y = torch.empty_like(xdt)
+        torch.mul(yo.view(b, c, g, l, j, p), u.permute(0, 1, 2, 4, 3)[..., None], out=y.permute(0, 1, 3, 2, 4, 5))
+        y.permute(0, 1, 3, 4, 2, 5).add_(yd)
         return y, final
 
     @staticmethod
     def backward(ctx, gy, gfinal):
         xdt, a, C, B, mask, last_doc, start_doc, same_doc, init = ctx.saved_tensors
-        gy = gy.contiguous()  # arrives permuted; every product below wants it row-major
-        # 1. diagonal blocks
-        CB = C @ B.transpose(-1, -2)
+        mdt = ctx.mdt
+        b, c, l, g, j, p = xdt.shape
+        cdt = xdt.dtype
+        Cm, Bm = C.to(mdt), B.to(mdt)
+        gy = gy.contiguous()
+        gyh = _lowp(gy.permute(0, 1, 3, 4, 2, 5), mdt)  # [b, c, g, j, l, p]
+        # 1. diagonal blocks: M = decay * CB per head, y = M @ xdt
+        CB = Cm @ Bm.transpose(-1, -2)
         Lmat = _decay(a, mask)
-        P = (gy @ xdt.transpose(-1, -2)).mul_(Lmat)  # dL/dM * Lmat (= dL/dCB per head)
-        gC = P.sum(3)  # dL/dCB for now
-        gxdt = Lmat.mul_(CB[:, :, :, None]).transpose(-1, -2) @ gy  # M^T gy
-        del Lmat
+        xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
+        gM = gyh @ xh.transpose(-1, -2)  # [b, c, g, j, l, s]
+        del xh
+        M = _lowp(Lmat * CB[:, :, :, None], mdt)
+        gxh = M.transpose(-1, -2) @ gyh  # [b, c, g, j, s, p]
+        del M, gyh
+        P = torch.mul(gM, Lmat, out=Lmat)  # dL/dM * decay (= dL/dCB per head), full precision
+        del gM
+        gCB = P.sum(3)
         gseg = P.mul_(CB[:, :, :, None])  # dL/d(a_l - a_s)
         ga = gseg.sum(-1) - gseg.sum(-2)
         del gseg, P
-        gB = gC.transpose(-1, -2) @ C
-        gC = gC @ B
+        gCBm = gCB.to(mdt)
+        gB = (gCBm.transpose(-1, -2) @ Cm).to(cdt)
+        gC = (gCBm @ Bm).to(cdt)
         # 2./3. recompute the chunk-end states and redo the (small) state passing with autograd
         w = _ChunkScan._state_weights(a, last_doc)
-        xw = xdt * w[..., None]
-        states = B[:, :, :, None].transpose(-1, -2) @ xw
+        states, xw = _ChunkScan._states(xdt, w, B)
         with torch.enable_grad():
             leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
             if init is not None:
@@ -124,23 +179,33 @@ class _ChunkScan(torch.autograd.Function):
             start, final = _pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None, same_doc)
         # 4. y_l += u_l C_l . S_start
         u = _ChunkScan._start_weights(a, start_doc)
-        start_d = start.detach()
-        gyu = gy * u[..., None]
-        ga += (gy * (C[:, :, :, None] @ start_d)).sum(-1).mul_(u)
-        gC += (gyu @ start_d.transpose(-1, -2)).sum(3)
-        gstart = C[:, :, :, None].transpose(-1, -2) @ gyu
-        del gyu
+        uT = u.permute(0, 1, 2, 4, 3)[..., None]  # [b, c, g, l, j, 1]
+        gyT = gy.permute(0, 1, 3, 2, 4, 5)  # [b, c, g, l, j, p] view
+        startm = start.detach().to(mdt).reshape(b, c, g, -1, j * p)
+        yo = (Cm @ startm).view(b, c, g, l, j, p)
+        ga += (gyT * yo).sum(-1).mul_(uT[..., 0]).transpose(-1, -2)
+        del yo
+        gyu = _lowp(gyT * uT, mdt).view(b, c, g, l, j * p)
+        gC += gyu @ startm.transpose(-1, -2)
+        gstart = (Cm.transpose(-1, -2) @ gyu).view(b, c, g, -1, j, p).to(cdt)
+        del gyu, startm
         grads = torch.autograd.grad([start, final], leaves, [gstart, gfinal])
         gstates, ga_last = grads[0], grads[1]
         ginit = grads[2] if init is not None else None
         # 2. states = B^T (xdt * w)
-        gxw = B[:, :, :, None] @ gstates  # [b, c, g, j, l, p]
-        gB += (xw @ gstates.transpose(-1, -2)).sum(3)
-        gxdt += gxw * w[..., None]
-        gw = (gxw * xdt).sum(-1).mul_(w)  # dL/dw * w: w = exp(a_last - a) (masked)
+        gsm = gstates.to(mdt).reshape(b, c, g, -1, j * p)
+        gxw = (Bm @ gsm).view(b, c, g, l, j, p)  # [b, c, g, l, j, p]
+        gB += xw.view(b, c, g, l, j * p).to(mdt) @ gsm.transpose(-1, -2)
+        gxdt = torch.empty_like(xdt)
+        wT = w.permute(0, 1, 2, 4, 3)[..., None]
+        torch.mul(gxw, wT, out=gxdt.permute(0, 1, 3, 2, 4, 5))
+        gxdt.permute(0, 1, 3, 4, 2, 5).add_(gxh)
+        gw = (gxw * xdt.permute(0, 1, 3, 2, 4, 5)).sum(-1).mul_(wT[..., 0]).transpose(-1, -2)  # [b, c, g, j, l]
         ga -= gw
-        ga[..., -1] += gw.sum(-1) + ga_last
-        return gxdt, ga, gC, gB, None, None, None, None, ginit
+        ga[..., -1] += gw.sum(-1)
+        ga.mul_(LN2)  # every term above differentiated 2^x as 2^x: d/dx 2^x = ln 2 * 2^x
+        ga[..., -1] += ga_last
+        return gxdt, ga, gC, gB, None, None, None, None, ginit, None
 
 
 def ssd_chunked(
@@ -179,20 +244,19 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     c = (L + pad) // cs
 
     cdt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
-    dt, B, C = dt.to(cdt), B.to(cdt), C.to(cdt)
-    # x stays in its dtype: the products with fp32 dt and D promote to fp32 exactly, and a bf16
-    # x is what autograd keeps for them (not an fp32 copy)
-    xdt = x * dt[..., None]
-    dA = dt * A.to(cdt)[None, None, :]  # [b, L, h]
+    # operand dtype of the output products (see _ChunkScan): bf16 inputs keep them in bf16
+    mdt = torch.bfloat16 if x.dtype == torch.bfloat16 else cdt
+    dt = dt.to(cdt)
+    xdt = (x * dt[..., None]).contiguous()  # [b, L, h, p] in cdt (bf16 x promotes exactly)
+    dA = dt * (A.to(cdt) * LOG2E)[None, None, :]  # [b, L, h], in base 2 (exp2 is ~4x faster than exp here)
     if pad:
         xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad))
         dA = F.pad(dA, (0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
-    # head-major chunk layout: every product is a batched matmul over (b, c, g[, j])
-    xdt = xdt.view(b, c, cs, g, j, p).permute(0, 1, 3, 4, 2, 5).contiguous()  # [b, c, g, j, l, p]
-    B = B.view(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n]
-    C = C.view(b, c, cs, g, n).transpose(2, 3).contiguous()
+    xdt = xdt.view(b, c, cs, g, j, p)  # chunks of the natural layout (no copy)
+    B = B.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n], own dtype
+    C = C.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()
     a = torch.cumsum(dA.view(b, c, cs, g, j).permute(0, 1, 3, 4, 2), dim=-1)  # [b, c, g, j, l]
 
     causal = torch.tril(torch.ones(cs, cs, device=x.device, dtype=torch.bool))
@@ -213,14 +277,14 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
         start_doc = (sidx == doc[:, :-1, None])[:, :, None, None].to(cdt)
     init = None
     if initial_state is not None:
-        init = initial_state.to(cdt).view(b, 1, g, j, p, n).transpose(-1, -2)
-    y, final_state = _ChunkScan.apply(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init)
+        init = initial_state.to(cdt).view(b, g, j, p, n).permute(0, 1, 4, 2, 3)[:, None]  # [b, 1, g, n, j, p]
+    y, final_state = _ChunkScan.apply(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init, mdt)
 
-    y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * cs, h, p)[:, :L]
+    y = y.view(b, c * cs, h, p)[:, :L]
     if D is not None:
         y = y + x * D.to(cdt)[None, None, :, None]  # fp32 (promoted)
     if return_final_state:
-        return y, final_state.transpose(-1, -2).reshape(b, h, p, n)
+        return y, final_state.permute(0, 1, 3, 4, 2).reshape(b, h, p, n)
     return y
 
 
