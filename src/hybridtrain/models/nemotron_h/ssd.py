@@ -72,8 +72,9 @@ def _mul(a, b, layout):
 
 
 def _lowp(t, dtype):
-    """``t`` as a contiguous ``dtype`` operand (a no-op when it already is one)."""
-    return t.to(dtype, memory_format=torch.contiguous_format)
+    """``t`` as a contiguous ``dtype`` operand, in one copy (none when it already is one).
+    (``t.to(dtype, memory_format=...)`` ignores the format when the dtype already matches.)"""
+    return t.contiguous() if t.dtype == dtype else t.to(dtype, memory_format=torch.contiguous_format)
 
 
 class _ChunkScan(torch.autograd.Function):
@@ -291,58 +292,66 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
 class _CausalConv1d(torch.autograd.Function):
     """act(depthwise causal conv) with document restarts; saves only its inputs (the pre-
     activation is recomputed in backward, k elementwise passes) instead of one [b, d, L] tensor
-    per tap. x [b, d, L] (any strides), weight [d, k], bias [d] or None, seq_idx [b, L] or None."""
+    per tap. x [b, d, L] (any strides), weight [d, k], bias [d] or None, seq_idx [b, L] or None.
+
+    Computed channels-last ([b, L, d], the in_proj output's own layout) with the taps as [k, d]
+    rows, so that every elementwise pass and reduction runs along contiguous channels."""
 
     @staticmethod
     def _taps(seq_idx, k, L):
-        """keep[s] [b, 1, L - s]: tap s (reaching s steps back) stays inside the document."""
+        """keep[s] [b, L - s, 1]: tap s (reaching s steps back) stays inside the document."""
         if seq_idx is None:
             return [None] * k
-        return [None] + [(seq_idx[:, s:] == seq_idx[:, :-s])[:, None] for s in range(1, min(k, L))]
+        return [None] + [(seq_idx[:, s:] == seq_idx[:, :-s])[:, :, None] for s in range(1, min(k, L))]
 
     @staticmethod
-    def _conv(x, weight, bias, keep):
-        k, L = weight.shape[1], x.shape[-1]
-        out = x * weight[:, k - 1, None]
+    def _conv(x, taps, bias, keep):
+        """x [b, L, d], taps [k, d] (tap k-1 is the current position)."""
+        k, L = taps.shape[0], x.shape[1]
+        out = x * taps[k - 1]
         for s in range(1, min(k, L)):
-            xs = x[..., :-s] if keep[s] is None else x[..., :-s] * keep[s]
-            out[..., s:].addcmul_(xs, weight[:, k - 1 - s, None])
+            xs = x[:, :-s] if keep[s] is None else x[:, :-s] * keep[s]
+            out[:, s:].addcmul_(xs, taps[k - 1 - s])
         if bias is not None:
-            out += bias[:, None]
+            out += bias
         return out
 
     @staticmethod
-    def forward(ctx, x, weight, bias, seq_idx, silu):
+    def _inputs(x, weight, bias):
         cdt = torch.promote_types(x.dtype, torch.float32)
+        bias = None if bias is None else bias.to(cdt)
+        return x.transpose(1, 2).to(cdt), weight.t().contiguous().to(cdt), bias
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, silu):
         ctx.save_for_backward(x, weight, bias, seq_idx)
         ctx.silu = silu
+        xc, taps, bc = _CausalConv1d._inputs(x, weight, bias)
         keep = _CausalConv1d._taps(seq_idx, weight.shape[1], x.shape[-1])
-        out = _CausalConv1d._conv(x.to(cdt), weight.to(cdt), None if bias is None else bias.to(cdt), keep)
-        out = out.to(x.dtype)  # rounded before the activation, like the reference's nn.Conv1d
-        return F.silu(out) if silu else out
+        out = _CausalConv1d._conv(xc, taps, bc, keep).to(x.dtype)  # rounded before the activation,
+        out = F.silu(out) if silu else out                           # like the reference's nn.Conv1d
+        return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, gout):
         x, weight, bias, seq_idx = ctx.saved_tensors
         k, L = weight.shape[1], x.shape[-1]
-        cdt = torch.promote_types(x.dtype, torch.float32)
-        xc, wc = x.to(cdt), weight.to(cdt)
+        xc, taps, bc = _CausalConv1d._inputs(x, weight, bias)
         keep = _CausalConv1d._taps(seq_idx, k, L)
-        g = gout.to(cdt)
+        g = gout.transpose(1, 2).to(xc.dtype)  # [b, L, d]
         if ctx.silu:
-            pre = _CausalConv1d._conv(xc, wc, None if bias is None else bias.to(cdt), keep)
-            g = g * silu_grad(pre)
-        gx = g * wc[:, k - 1, None]
-        gw = torch.empty_like(wc)
-        gw[:, k - 1] = (g * xc).sum((0, 2))
+            g = g * silu_grad(_CausalConv1d._conv(xc, taps, bc, keep))
+        gx = g * taps[k - 1]
+        gw = torch.empty_like(taps)
+        gw[k - 1] = (g * xc).sum((0, 1))
         for s in range(1, min(k, L)):
-            gs = g[..., s:] if keep[s] is None else g[..., s:] * keep[s]
-            gx[..., :-s].addcmul_(gs, wc[:, k - 1 - s, None])
-            gw[:, k - 1 - s] = (gs * xc[..., :-s]).sum((0, 2))
+            gs = g[:, s:] if keep[s] is None else g[:, s:] * keep[s]
+            gx[:, :-s].addcmul_(gs, taps[k - 1 - s])
+            gw[k - 1 - s] = (gs * xc[:, :-s]).sum((0, 1))
         if k > L:
-            gw[:, : k - L] = 0
-        gb = None if bias is None else g.sum((0, 2)).to(bias.dtype)
-        return gx.to(x.dtype), gw.to(weight.dtype), gb, None, None
+            gw[: k - L] = 0
+        gb = None if bias is None else g.sum((0, 1)).to(bias.dtype)
+        return gx.transpose(1, 2).to(x.dtype), gw.t().to(weight.dtype), gb, None, None
 
 
 def causal_conv1d_torch(
