@@ -105,7 +105,7 @@ def assert_ssd_islands(rec: OpDtypes, what: str):
     output of the in-chunk products (bmm), which take bf16 operands like mamba_ssm's kernels;
     and the chunk-state product itself in fp32."""
     ops = [(n.rstrip("_"), d) for n, d in rec.float_ops()]  # in-place ops count as their op
-    ops = [(n, d) for n, d in ops if n in ARITH | {"exp2", "masked_fill", "where"}]
+    ops = [(n, d) for n, d in ops if n in ARITH | {"exp2", "where"}]  # (masking is exact in any dtype)
     bad = [(n, d) for n, d in ops if n != "bmm" and any(x != torch.float32 for x in d)]
     assert not bad, f"{what}: elementwise ops not in fp32: {bad[:8]}"
     assert {"cumsum", "exp2", "mul"} <= {n for n, _ in ops}, f"{what}: {sorted({n for n, _ in ops})}"

@@ -54,11 +54,13 @@ def _pass_states(states, a_last, init, same_doc):
     return new_states[:, :-1], new_states[:, -1]
 
 
-def _decay(a, mask):
-    """2^(a_l - a_s) where mask[l, s], else 0: [b, c, g, j, l, s]. a_l - a_s <= 0 wherever the
-    mask holds (dt > 0, A < 0); above the diagonal it may be large, so it is masked before exp2."""
+def _decay(a):
+    """2^min(a_l - a_s, 0): [b, c, g, j, l, s]. a is non-increasing along a chunk (dt >= 0,
+    A < 0), so a_l - a_s <= 0 for l >= s; above the diagonal it may be large and is clamped to 0
+    rather than masked (a cheaper pass). The (causal, same-document) mask is applied to the C.B
+    products instead, which are per group, not per head."""
     seg = a[..., :, None] - a[..., None, :]
-    return seg.masked_fill_(~mask[:, :, None, None], -torch.inf).exp2_()
+    return seg.clamp_max_(0).exp2_()
 
 
 def _mul(a, b, layout):
@@ -127,8 +129,8 @@ class _ChunkScan(torch.autograd.Function):
         b, c, l, g, j, p = xdt.shape
         Cm, Bm = C.to(mdt), B.to(mdt)
         # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) xdt_s
-        CB = Cm @ Bm.transpose(-1, -2)  # [b, c, g, l, s]
-        M = _lowp(_decay(a, mask).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
+        CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(~mask[:, :, None], 0)  # [b, c, g, l, s], masked
+        M = _lowp(_decay(a).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         yd = M @ xh  # [b, c, g, j, l, p]
         del M, xh
@@ -153,8 +155,9 @@ class _ChunkScan(torch.autograd.Function):
         gy = gy.contiguous()
         gyh = _lowp(gy.permute(0, 1, 3, 4, 2, 5), mdt)  # [b, c, g, j, l, p]
         # 1. diagonal blocks: M = decay * CB per head, y = M @ xdt
-        CB = Cm @ Bm.transpose(-1, -2)
-        Lmat = _decay(a, mask)
+        drop = ~mask[:, :, None]
+        CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(drop, 0)
+        Lmat = _decay(a)  # not masked: every product with it below is masked via CB or gCB
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         gM = gyh @ xh.transpose(-1, -2)  # [b, c, g, j, l, s]
         del xh
@@ -163,7 +166,7 @@ class _ChunkScan(torch.autograd.Function):
         del M, gyh
         P = torch.mul(gM, Lmat, out=Lmat)  # dL/dM * decay (= dL/dCB per head), full precision
         del gM
-        gCB = P.sum(3)
+        gCB = P.sum(3).masked_fill_(drop, 0)
         gseg = P.mul_(CB[:, :, :, None])  # dL/d(a_l - a_s)
         ga = gseg.sum(-1) - gseg.sum(-2)
         del gseg, P
