@@ -1,6 +1,6 @@
 """bf16 against fp32 training steps, and against transformers' NemotronH under bf16 autocast.
 
-    python benchmarks/bf16_vs_fp32.py [--seq-len 512] [--batch-size 1] [--steps 6]
+    python benchmarks/bf16_vs_fp32.py [--seq-len 512] [--batch-size 1] [--steps 6] [--rounds 3]
         [--threads N] [--clock wall|cpu] [--malloc-tune] [--strategies] [--json out.json]
 
 One process, one ~48M-parameter MoE Nemotron-H (``small_moe_config()``, ``MEM*EM-E``),
@@ -8,8 +8,10 @@ initialised once and saved as a Hugging Face checkpoint that every run loads; id
 token rows (``batch_size x seq_len``, one document per row) for every run. A step is a full
 training step: forward, loss, backward, gradient clipping, AdamW (fp32 state).
 
-Runs (interleaved step by step, so that load on a shared machine hits all of them alike; the
-best step of each is kept):
+Each run is a child process of its own (fresh heap, caches and oneDNN kernel cache, so that one
+run's allocations cannot fragment the memory another run gets); the runs take turns over
+``--rounds`` rounds, so that load on a shared machine hits all of them alike, and the best step
+of each run over all rounds is kept (the median is printed too):
 
 * ``hybridtrain fp32``      -- fp32 weights and compute; chunked linear cross-entropy.
 * ``hybridtrain bf16``      -- what ``training.dtype: bf16`` runs: fp32 master weights and AdamW
@@ -36,6 +38,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,8 +61,11 @@ def matmul_peak_cpu_seconds(dtype: torch.dtype, n: int = 2048, iters: int = 5) -
     return 2 * n**3 / best / 1e12 * torch.get_num_threads()
 
 
-def make_runs(model_dir: str, batch: dict, strategies: bool) -> dict:
-    """name -> (step function returning the loss, dtype of its matmuls)."""
+RUNS = ("hybridtrain fp32", "hybridtrain bf16", "transformers bf16")
+
+
+def build_run(name: str, model_dir: str, batch: dict):
+    """The step function of run ``name`` (returns the loss) and the dtype of its matmuls."""
     import transformers
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
@@ -68,9 +75,9 @@ def make_runs(model_dir: str, batch: dict, strategies: bool) -> dict:
 
     ids, labels = batch["input_ids"], batch["labels"]
     n_label = int((labels != -100).sum())
-    runs = {}
 
-    def hybridtrain_run(dtype):
+    if name in ("hybridtrain fp32", "hybridtrain bf16"):
+        dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
         model = NemotronHForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
         opt = build_optimizer(model, lr=1e-5)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -83,12 +90,9 @@ def make_runs(model_dir: str, batch: dict, strategies: bool) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             return float(ce.detach()) / n_label
-        return step
+        return step, dtype
 
-    runs["hybridtrain fp32"] = (hybridtrain_run(torch.float32), torch.float32)
-    runs["hybridtrain bf16"] = (hybridtrain_run(torch.bfloat16), torch.bfloat16)
-
-    if strategies:
+    if name == "hybridtrain bf16 copies":
         model16 = NemotronHForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).train()
         params16 = [p for p in model16.parameters() if p.requires_grad]
         masters = [p.detach().float().requires_grad_() for p in params16]
@@ -105,8 +109,9 @@ def make_runs(model_dir: str, batch: dict, strategies: bool) -> dict:
             with torch.no_grad():
                 torch._foreach_copy_(params16, masters)
             return float(ce.detach()) / n_label
-        runs["hybridtrain bf16 copies"] = (step_copies, torch.bfloat16)
+        return step_copies, torch.bfloat16
 
+    assert name == "transformers bf16", name
     with contextlib.redirect_stderr(io.StringIO()):
         hf = transformers.NemotronHForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=True)
@@ -123,22 +128,56 @@ def make_runs(model_dir: str, batch: dict, strategies: bool) -> dict:
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
         return float(ce.detach()) / n_label
-    runs["transformers bf16"] = (step_hf, torch.bfloat16)
-    return runs
+    return step_hf, torch.bfloat16
+
+
+def run_child(spec: dict) -> dict:
+    """One run in this process: warm-up steps, then ``steps`` timed steps."""
+    from hybridtrain.training.cpu_allocator import configure_cpu_allocator
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    configure_cpu_allocator("heap" if spec["malloc_tune"] else "system", "cpu")
+    clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
+    batch = torch.load(spec["batch"], weights_only=True)
+    step, _ = build_run(spec["name"], spec["model_dir"], batch)
+    times, losses = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = clock()
+        losses.append(step())
+        if i >= spec["warmup"]:
+            times.append(clock() - t0)
+    return {"times": times, "losses": losses}
+
+
+def launch(spec: dict, workdir: str) -> dict:
+    path = Path(workdir) / "spec.json"
+    path.write_text(json.dumps(spec))
+    out = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True,
+                         check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"run {spec['name']!r} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per run (after 1 warm-up)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run and round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per run and round (kernel caches, heap)")
+    p.add_argument("--rounds", type=int, default=3, help="child processes per run, taking turns")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--malloc-tune", action="store_true")
     p.add_argument("--strategies", action="store_true", help="also time bf16 params + fp32 masters")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(json.loads(Path(args.child).read_text()))))
+        return {}
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, small_moe_config
     from hybridtrain.training.flops import measure_matmul_peak, model_flops
@@ -146,61 +185,64 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from hybridtrain.training.cpu_allocator import configure_cpu_allocator
-
-    tuned = configure_cpu_allocator("heap" if args.malloc_tune else "system", "cpu") == "heap"
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     cfg = small_moe_config()
     B, L = args.batch_size, args.seq_len
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g)
     labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # shifted, as the data layer
-    batch = {"input_ids": ids, "labels": labels}
     flops = model_flops(cfg, [[L]] * B, training=True)
     if args.clock == "wall":
         peaks = {dt: measure_matmul_peak(name) for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))}
     else:
         peaks = {dt: matmul_peak_cpu_seconds(dt) for dt in (torch.float32, torch.bfloat16)}
+    names = list(RUNS) + (["hybridtrain bf16 copies"] if args.strategies else [])
+    dtypes = {n: torch.float32 if n.endswith("fp32") else torch.bfloat16 for n in names}
 
+    times = {name: [] for name in names}
+    losses = {}
     with tempfile.TemporaryDirectory(prefix="bf16_vs_fp32_") as tmp:
         torch.manual_seed(args.seed)
         model = NemotronHForCausalLM(cfg)
         n_params = model.num_parameters()
         model.save_pretrained(tmp)
         del model
-        runs = make_runs(tmp, batch, args.strategies)
+        torch.save({"input_ids": ids, "labels": labels}, Path(tmp) / "batch.pt")
+        spec = {"model_dir": tmp, "batch": str(Path(tmp) / "batch.pt"), "threads": args.threads,
+                "clock": args.clock, "malloc_tune": args.malloc_tune, "warmup": args.warmup, "steps": args.steps}
+        for _ in range(args.rounds):
+            for name in names:
+                out = launch({**spec, "name": name}, tmp)
+                times[name] += out["times"]
+                losses.setdefault(name, out["losses"])
     native, why = cpu_has_native_bf16()
     print(f"small_moe_config: {n_params / 1e6:.1f}M parameters; {B} x {L} tokens; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; clock {args.clock}; malloc tune {tuned}; bf16: {why}; "
-          f"matmul peak fp32 {peaks[torch.float32]:.3f} / bf16 {peaks[torch.bfloat16]:.3f} TFLOP/s")
+          f"{torch.get_num_threads()} threads; clock {args.clock}; malloc tune {args.malloc_tune}; bf16: {why}; "
+          f"matmul peak fp32 {peaks[torch.float32]:.3f} / bf16 {peaks[torch.bfloat16]:.3f} TFLOP/s; "
+          f"{args.rounds} rounds x {args.steps} steps per run, each round a fresh process")
 
-    times = {name: [] for name in runs}
-    losses = {name: [] for name in runs}
-    for i in range(args.steps + 1):
-        for name, (step, _) in runs.items():
-            t0 = clock()
-            loss = step()
-            dt = clock() - t0
-            losses[name].append(loss)
-            if i > 0:
-                times[name].append(dt)
     res = {}
-    for name, (_, dtype) in runs.items():
+    for name in names:
+        dtype = dtypes[name]
         best = min(times[name])
+        median = sorted(times[name])[len(times[name]) // 2]
         tflops = flops / best / 1e12
-        res[name] = {"tokens_per_s": B * L / best, "best_step_s": best, "median_step_s": sorted(times[name])[len(times[name]) // 2],
-                     "tflops": tflops, "mfu": tflops / peaks[dtype], "losses": losses[name]}
+        res[name] = {"tokens_per_s": B * L / best, "best_step_s": best, "median_step_s": median,
+                     "median_tokens_per_s": B * L / median, "tflops": tflops, "mfu": tflops / peaks[dtype],
+                     "losses": losses[name]}
         print(f"  {name:24s} {res[name]['tokens_per_s']:8.1f} tokens/s  best step {best:.3f} s  "
-              f"(median {res[name]['median_step_s']:.3f})  {tflops:.3f} TFLOP/s  MFU {res[name]['mfu']:.1%} of the "
+              f"(median {median:.3f})  {tflops:.3f} TFLOP/s  MFU {res[name]['mfu']:.1%} of the "
               f"{str(dtype).removeprefix('torch.')} matmul peak  loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}")
-    tps = {k: v["tokens_per_s"] for k, v in res.items()}
-    ratios = {"bf16 / fp32": tps["hybridtrain bf16"] / tps["hybridtrain fp32"],
-              "bf16 / transformers bf16": tps["hybridtrain bf16"] / tps["transformers bf16"]}
-    if "hybridtrain bf16 copies" in tps:
-        ratios["bf16 copies / fp32"] = tps["hybridtrain bf16 copies"] / tps["hybridtrain fp32"]
+    ratios = {}
+    for key in ("tokens_per_s", "median_tokens_per_s"):
+        tps = {k: v[key] for k, v in res.items()}
+        suffix = "" if key == "tokens_per_s" else " (medians)"
+        ratios["bf16 / fp32" + suffix] = tps["hybridtrain bf16"] / tps["hybridtrain fp32"]
+        ratios["bf16 / transformers bf16" + suffix] = tps["hybridtrain bf16"] / tps["transformers bf16"]
+        if "hybridtrain bf16 copies" in tps:
+            ratios["bf16 copies / fp32" + suffix] = tps["hybridtrain bf16 copies"] / tps["hybridtrain fp32"]
     for k, v in ratios.items():
         t = TARGETS.get(k)
-        print(f"  {k:26s} {v:5.2f}x" + (f"   (target >= {t}x: {'met' if v >= t else 'MISSED'})" if t else ""))
+        print(f"  {k:36s} {v:5.2f}x" + (f"   (target >= {t}x: {'met' if v >= t else 'MISSED'})" if t else ""))
     print(f"  load average {os.getloadavg()[0]:.1f}")
     out = {"args": vars(args), "params": n_params, "flops_per_step": flops, "peaks_tflops":
            {str(k): v for k, v in peaks.items()}, "runs": res, "ratios": ratios, "loadavg": os.getloadavg()[0]}

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.training.loss import cross_entropy_sum
+from hybridtrain.training.loss import auto_chunk_size, cross_entropy_sum
 
 
 def _inputs(n=37, h=16, v=101, dtype=torch.float32, ignore_frac=0.3, seed=0, shape=None):
@@ -33,7 +33,7 @@ def _loss_and_grads(fn, hidden, weight, labels):
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
-@pytest.mark.parametrize("chunk_size", [1, 5, 8, 36, 37, 64, 4096])
+@pytest.mark.parametrize("chunk_size", [1, 5, 8, 36, 37, 64, 4096, "auto"])
 @pytest.mark.parametrize("shape", [None, (1, 37)])
 def test_fp32_loss_and_grads_match_plain(chunk_size, shape, recompute):
     hidden, weight, labels = _inputs(shape=shape)
@@ -148,6 +148,17 @@ def test_shape_errors_name_the_tensors():
         cross_entropy_sum(hidden, weight, labels[:-1])
     with pytest.raises(ValueError, match="chunk_size"):
         cross_entropy_sum(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        cross_entropy_sum(hidden, weight, labels, chunk_size="big")
+
+
+def test_auto_chunk_size_is_a_logit_budget():
+    """auto: 2^25 logits per chunk in multiples of 64 tokens (1024 at the 48M MoE's 32000,
+    256 at Nemotron's 131072), never below 64."""
+    assert auto_chunk_size(32000) == 1024
+    assert auto_chunk_size(131072) == 256
+    assert auto_chunk_size(10**9) == 64
+    assert auto_chunk_size(101) % 64 == 0 and auto_chunk_size(101) * 101 <= 1 << 25
 
 
 def test_no_grad_forward_forms_no_gradients():

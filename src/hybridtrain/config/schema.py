@@ -89,8 +89,10 @@ TRAINING = {
                                "process), system -> glibc defaults; auto -> heap on CPU, else system "
                                "(training/cpu_allocator.py)",
                        choices=("auto", "heap", "system")),
-    "loss_chunk_size": K(4096, "tokens per chunk of the linear cross-entropy (logits never "
-                               "materialised whole); null -> plain full-logit loss", _OPT_INT),
+    "loss_chunk_size": K("auto", "tokens per chunk of the linear cross-entropy (logits never "
+                                 "materialised whole); auto -> 2^25 logits per chunk (128 MiB in "
+                                 "fp32): 1024 tokens at a 32k vocabulary, 256 at 131k; null -> "
+                                 "plain full-logit loss", (int, str, type(None)), choices=("auto",)),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
     "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
                                          "'all', k (every k-th block), layer types "

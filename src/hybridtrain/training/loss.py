@@ -36,7 +36,18 @@ import torch.nn.functional as F
 
 from hybridtrain.models.nemotron_h.numerics import gemm_row_multiple
 
-DEFAULT_CHUNK_SIZE = 4096
+DEFAULT_CHUNK_SIZE = "auto"
+AUTO_CHUNK_LOGITS = 1 << 25
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk for ``chunk_size="auto"``: about 2^25 logits (128 MiB in fp32) per chunk,
+    a multiple of 64 tokens, at least 64. Large enough for full-speed GEMMs, small enough that
+    the per-chunk buffers neither spill far out of cache nor churn the allocator: on the 2-core
+    CPU, 16 x 512 tokens of the 48M MoE (vocabulary 32000) took 7-9 s per bf16 step with
+    4096-token chunks (glibc returned the 0.5 GiB buffers and page-faulted them in again every
+    step) and 5.3 s with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory."""
+    return max(64, AUTO_CHUNK_LOGITS // max(vocab_size, 1) // 64 * 64)
 LOG2E = math.log2(math.e)
 
 
@@ -44,7 +55,7 @@ def cross_entropy_sum(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | str | None = DEFAULT_CHUNK_SIZE,
     ignore_index: int = -100,
     recompute: bool = False,
 ) -> torch.Tensor:
@@ -65,8 +76,10 @@ def cross_entropy_sum(
             f"cross_entropy_sum: labels {tuple(labels.shape)} must have the shape of hidden without its last "
             f"dimension, {tuple(hidden.shape[:-1])}"
         )
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"cross_entropy_sum: chunk_size must be a positive int or None, got {chunk_size}")
+    if chunk_size == "auto":
+        chunk_size = auto_chunk_size(weight.shape[0])
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"cross_entropy_sum: chunk_size must be a positive int, 'auto' or None, got {chunk_size!r}")
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if chunk_size is None:

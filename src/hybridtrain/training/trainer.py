@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridtrain.training.loss import cross_entropy_sum
+from hybridtrain.training.loss import DEFAULT_CHUNK_SIZE, cross_entropy_sum
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import clip_grad_norm
 from hybridtrain.training.precision import autocast_context
@@ -88,7 +88,7 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
-             chunk_size: int | None = 4096) -> torch.Tensor:
+             chunk_size: int | str | None = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Sum of token cross-entropies of one micro-batch (labels already shifted: ``labels[t]`` is
     the target of position ``t``). Uses the model's final hidden states and its LM head through
     the chunked linear cross-entropy, so the full logits are never materialised."""
@@ -122,7 +122,7 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
-                 chunk_size: int | None = 4096,
+                 chunk_size: int | str | None = DEFAULT_CHUNK_SIZE,
                  autocast_dtype: torch.dtype | None = None,
                  grad_sync_module: nn.Module | None = None,
                  pipeline: Any = None):
