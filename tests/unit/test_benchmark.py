@@ -52,6 +52,9 @@ def test_benchmark_compares_dtypes(tmp_path):
     assert [r["name"] for r in res["runs"]] == ["float32_main", "bfloat16_main"]
     assert [r["dtype"] for r in res["runs"]] == ["torch.float32", "torch.bfloat16"]
     assert all(r["tokens_per_s"] > 0 for r in res["runs"])
+    (ratio,) = res["dtype_ratios"]
+    assert ratio["measurement"] == "bfloat16_main" and ratio["vs_dtype"] == "torch.float32"
+    assert ratio["tokens_per_s_ratio"] == pytest.approx(res["runs"][1]["tokens_per_s"] / res["runs"][0]["tokens_per_s"])
 
 
 def test_benchmark_on_the_recipe_data(tmp_path):

@@ -290,8 +290,9 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
             results["runs"].append(r)
             _print_run(r, is_main)
     results["cost_growth"] = _growth(results["runs"])
+    results["dtype_ratios"] = _dtype_ratios(results["runs"])
     if is_main:
-        for line in _growth_lines(results["cost_growth"]):
+        for line in _growth_lines(results["cost_growth"]) + _dtype_lines(results["dtype_ratios"]):
             print(line, flush=True)
         path = opts["output"] or os.path.join(out_dir, "benchmark.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -348,3 +349,25 @@ def _growth_lines(growth: dict) -> list[str]:
                          f"(x{g['tokens_per_s_vs_shortest']:.2f}), peak memory "
                          f"{g['peak_memory_gb']:.2f} GB")
     return lines
+
+
+def _dtype_ratios(runs: list[dict]) -> list[dict]:
+    """Each measurement of a later dtype against the same measurement of the first dtype:
+    tokens/s ratio (e.g. bf16 vs fp32) and MFU of each against its own dtype's matmul peak."""
+    first = runs[0]["dtype"] if runs else None
+    base = {r["name"].split("_", 1)[1]: r for r in runs if r["dtype"] == first}
+    out = []
+    for r in runs:
+        ref = base.get(r["name"].split("_", 1)[1])
+        if r["dtype"] == first or ref is None:
+            continue
+        out.append({"measurement": r["name"], "dtype": r["dtype"], "vs_dtype": first,
+                    "tokens_per_s_ratio": r["tokens_per_s"] / ref["tokens_per_s"],
+                    "mfu": r["mfu"], "vs_mfu": ref["mfu"]})
+    return out
+
+
+def _dtype_lines(ratios: list[dict]) -> list[str]:
+    return [f"{d['measurement']:>16s}: {d['tokens_per_s_ratio']:.2f}x the tokens/s of "
+            f"{d['vs_dtype'].replace('torch.', '')} (MFU {_fmt(d['mfu'], '.3f')} vs "
+            f"{_fmt(d['vs_mfu'], '.3f')}, each against its dtype's matmul peak)" for d in ratios]
