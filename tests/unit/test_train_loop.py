@@ -257,3 +257,31 @@ def test_no_weight_decay_groups():
     wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     for n, p in model.named_parameters():
         assert wd[id(p)] == (0.0 if names[n] else 0.1), n
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "below_the_limit"])
+def test_clipping_folded_into_the_fused_step_equals_clipping_in_place(max_norm):
+    """The trainer folds clipping into fused AdamW (optimizer.grad_scale): same update as
+    clip_grad_norm + step, up to the rounding of a division instead of a multiplication."""
+    from hybridtrain.training.optim import can_clip_in_step, clip_grad_norm, clipped_step
+
+    models = [tiny_model(0), tiny_model(0)]
+    opts = [build_optimizer(m, lr=1e-2, weight_decay=0.1, implementation="fused") for m in models]
+    params = [[p for p in m.parameters() if p.requires_grad] for m in models]
+    assert can_clip_in_step(opts[1], params[1])
+    assert not can_clip_in_step(build_optimizer(models[0], lr=1e-2, implementation="foreach"), params[0])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in params[0]]
+        for ps in params:
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+        n0 = clip_grad_norm(params[0], max_norm)
+        opts[0].step()
+        n1 = clip_grad_norm(params[1], None)
+        with clipped_step(opts[1], n1, max_norm):
+            opts[1].step()
+        assert not hasattr(opts[1], "grad_scale")
+        torch.testing.assert_close(n0, n1, rtol=0, atol=0)
+        for a, b in zip(params[0], params[1]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
