@@ -41,7 +41,7 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
 
 def _pass_states(states, a_last, init, same_doc):
     """Start state of every chunk and the final state: state of chunk i's start = sum over
-    earlier chunk ends z (and the initial state) of exp(sum of a_last over z+1..i) * state_z,
+    earlier chunk ends z (and the initial state) of 2^(sum of a_last over z+1..i) * state_z,
     zero across documents. states [b, c, g, n, j, p]; a_last [b, c, g, j]; init [b, 1, g, n, j, p]
     or None; same_doc [b, c+1, c+1] bool or None. Small tensors: plain autograd."""
     if init is None:
@@ -87,7 +87,7 @@ class _ChunkScan(torch.autograd.Function):
     and recomputes the rest (a few elementwise passes and the small products). The chunk-to-chunk
     state passing, on [b, chunks, g, n, j, p] tensors, is differentiated by autograd.
 
-    Precision: decays (``a``, exp), the chunk states, their passing and every elementwise step
+    Precision: decays (``a``, exp2), the chunk states, their passing and every elementwise step
     are computed in ``a``'s dtype (fp32; fp64 under gradcheck). The products that only feed a
     token's output or a gradient -- C.B, (decay * C.B) @ x, C @ start state, and their
     backwards -- take their operands in ``mdt`` (bf16 for bf16 inputs: fp32 accumulation inside
@@ -96,10 +96,10 @@ class _ChunkScan(torch.autograd.Function):
     scan's on the same inputs.
 
     Inputs: xdt [b, c, l, g, j, p] (the padded [b, L, h, p] layout); a [b, c, g, j, l] (in-chunk
-    cumsum of dt*A*log2(e): decays are 2^(a_l - a_s)); C, B [b, c, g, l, n]; mask [b or 1, c or 1, l, s] (causal, same document);
-    last_doc, start_doc [b, c, 1, 1, l] or None (token in its chunk's last document / in the
-    document of the chunk's start state); same_doc [b, c+1, c+1] or None; init [b, 1, g, n, j, p]
-    or None; mdt. Returns y [b, c, l, g, j, p] and the final state [b, g, n, j, p].
+    cumsum of dt*A*log2(e): decays are 2^(a_l - a_s)); C, B [b, c, g, l, n]; mask [b or 1,
+    c or 1, l, s] (causal, same document); last_doc, start_doc [b, c, 1, 1, l] or None (token
+    in its chunk's last document / in the document of the chunk's start state); same_doc
+    [b, c+1, c+1] or None; init [b, 1, g, n, j, p] or None; mdt. Returns y [b, c, l, g, j, p] and the final state [b, g, n, j, p].
     """
 
     @staticmethod
@@ -128,7 +128,7 @@ class _ChunkScan(torch.autograd.Function):
         ctx.mdt = mdt
         b, c, l, g, j, p = xdt.shape
         Cm, Bm = C.to(mdt), B.to(mdt)
-        # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) xdt_s
+        # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) 2^(a_l - a_s) xdt_s
         CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(~mask[:, :, None], 0)  # [b, c, g, l, s], masked
         M = _lowp(_decay(a).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
@@ -136,7 +136,7 @@ class _ChunkScan(torch.autograd.Function):
         del M, xh
         # 2. state at each chunk's end, from its tokens of the chunk's last document
         states, _ = _ChunkScan._states(xdt, _ChunkScan._state_weights(a, last_doc), B)
-        # 3. states passed from chunk to chunk; 4. y_l += exp(a_l) C_l . S_start
+        # 3. states passed from chunk to chunk; 4. y_l += 2^(a_l) C_l . S_start
         start, final = _pass_states(states, a[..., -1], init, same_doc)
         yo = Cm @ start.to(mdt).reshape(b, c, g, -1, j * p)  # [b, c, g, l, (j p)]
         u = _ChunkScan._start_weights(a, start_doc)
@@ -231,8 +231,10 @@ def ssd_chunked(
     (it belongs to the document of the first token). Returns y [b, L, h, p] in fp32
     (and the final state [b, h, p, n] of the last token's document if asked).
 
-    Everything is computed in fp32, also under autocast: dt * A, its cumsum and exp (decays
-    span many orders of magnitude), the chunk states and their accumulation across chunks.
+    fp32 also under autocast: dt * A, its cumsum and the decays (they span many orders of
+    magnitude), the chunk states and their accumulation across chunks. For bf16 inputs the
+    in-chunk products that only feed outputs take bf16 operands (fp32 accumulation), see
+    ``_ChunkScan``; the returned state equals the fp32 scan's on the same inputs.
     """
     with fp32_region(x):
         return _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_final_state)
