@@ -255,7 +255,8 @@ class Trainer:
             loss = self.ctx.all_reduce_sum(ce)[0] / num_label_tokens
             params = self._params()
             # clip in the optimizer's own pass where it can (the default clip fn: no parallel plan)
-            fold = (bool(self.grad_clip) and self.clip_grad_norm_fn is clip_grad_norm
+            fold = (self.grad_clip is not None and self.grad_clip > 0
+                    and self.clip_grad_norm_fn is clip_grad_norm
                     and can_clip_in_step(self.optimizer, params))
             grad_norm = self.clip_grad_norm_fn(params, None if fold else self.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
