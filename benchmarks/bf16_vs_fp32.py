@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
                 out = launch({**spec, "name": name}, tmp)
                 times[name] += out["times"]
                 losses.setdefault(name, out["losses"])
-    native, why = cpu_has_native_bf16()
+    _, why = cpu_has_native_bf16()
     print(f"small_moe_config: {n_params / 1e6:.1f}M parameters; {B} x {L} tokens; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; clock {args.clock}; malloc tune {args.malloc_tune}; bf16: {why}; "
           f"matmul peak fp32 {peaks[torch.float32]:.3f} / bf16 {peaks[torch.bfloat16]:.3f} TFLOP/s; "

@@ -29,12 +29,10 @@ the caller divides by the number of label tokens of the (global) batch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.models.nemotron_h.numerics import gemm_row_multiple
+from hybridtrain.models.nemotron_h.numerics import LOG2E, gemm_row_multiple
 
 DEFAULT_CHUNK_SIZE = "auto"
 AUTO_CHUNK_LOGITS = 1 << 25
@@ -48,7 +46,6 @@ def auto_chunk_size(vocab_size: int) -> int:
     4096-token chunks (glibc returned the 0.5 GiB buffers and page-faulted them in again every
     step) and 5.3 s with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory."""
     return max(64, AUTO_CHUNK_LOGITS // max(vocab_size, 1) // 64 * 64)
-LOG2E = math.log2(math.e)
 
 
 def cross_entropy_sum(
