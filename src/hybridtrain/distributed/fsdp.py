@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = [
+    "apply_fsdp",
     "DTYPES",
     "resolve_dtype",
     "mixed_precision_policy",
@@ -41,6 +42,13 @@ def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
     if name not in DTYPES:
         raise ValueError(f"{key}: unknown dtype {value!r}; use one of float32, bfloat16, float16")
     return DTYPES[name]
+
+
+def fsdp_param_dtype(distributed, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+    """``distributed.fsdp_param_dtype`` resolved: ``auto`` is the training compute dtype
+    (``autocast_dtype``; None = the parameters' own)."""
+    value = distributed.fsdp_param_dtype
+    return autocast_dtype if value in ("auto", None) else resolve_dtype(value, "distributed.fsdp_param_dtype")
 
 
 def mixed_precision_policy(
@@ -101,3 +109,34 @@ def shard_module(
 
 def fsdp_units(model: nn.Module) -> Iterable[FSDPModule]:
     return (m for m in model.modules() if isinstance(m, FSDPModule))
+
+
+def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, *,
+               autocast_dtype: torch.dtype | None = None,
+               expert_units: Sequence[nn.Module] = ()) -> None:
+    """FSDP2 / HSDP over ``dims``: each of ``units`` (in forward order) is one unit on the dense
+    data-parallel mesh, each of ``expert_units`` (stacked expert weights, already sharded over
+    ``ep``) one unit on the expert-FSDP mesh, and ``model`` the root holding the rest.
+
+    ``distributed``: the recipe section (``fsdp_param_dtype`` ``auto`` = ``autocast_dtype``,
+    i.e. bf16 all-gathers and compute in bf16 runs; ``fsdp_reduce_dtype``,
+    ``fsdp_reshard_after_forward``, ``cpu_offload``). Gradients are summed, never averaged.
+    """
+    from torch.distributed.tensor import Shard
+
+    mp = mixed_precision_policy(fsdp_param_dtype(distributed, autocast_dtype),
+                                distributed.fsdp_reduce_dtype)
+    rf = resolve_reshard_after_forward(distributed.fsdp_reshard_after_forward, dims.pp_enabled)
+    offload = distributed.cpu_offload
+    for experts in expert_units:
+        local = next(experts.parameters())
+        local = local.to_local() if hasattr(local, "to_local") else local
+        # too few local experts to shard dim 0 evenly over the expert-FSDP ranks: shard dim 1
+        placement = (lambda p: Shard(1)) if local.shape[0] % dims.efsdp else None
+        shard_module(experts, dims.expert_fsdp_mesh(), mp, rf, placement, cpu_offload=offload)
+    mesh = dims.dense_fsdp_mesh()
+    for i, unit in enumerate(units):
+        # the last unit's parameters are needed again at once by backward
+        shard_module(unit, mesh, mp, rf and i < len(units) - 1, cpu_offload=offload)
+    shard_module(model, mesh, mp, reshard_after_forward=False, cpu_offload=offload)
+    sum_gradients(model)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DistInfo", "init_distributed", "destroy_distributed", "dist_env_ranks"]
+__all__ = ["DistInfo", "init_distributed", "destroy_distributed", "dist_env_ranks", "process_group"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,18 @@ def init_distributed(
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(cfg) -> Iterator[DistInfo]:
+    """Start-up and tear-down of the process group for a recipe (``training.device``,
+    ``distributed.backend`` / ``timeout_seconds``); every command that trains uses it."""
+    backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
+    device = None if cfg.training.device == "auto" else cfg.training.device
+    info = init_distributed(device=device, backend=backend,
+                            timeout_minutes=cfg.distributed.timeout_seconds / 60)
+    try:
+        yield info
+    finally:
+        if info.world_size > 1:
+            destroy_distributed()

@@ -199,6 +199,30 @@ class ParallelDims:
             return 0
         return self.mesh(name).get_local_rank()
 
+    # ------------------------------------------------------------------ this process
+    @property
+    def built(self) -> bool:
+        """Whether the meshes exist (a single process never builds them)."""
+        return bool(self._meshes)
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel rank: which share of each global batch it reads."""
+        return self.local_rank("dp")
+
+    @property
+    def dp_group(self):
+        """The data-parallel process group (label counts, loss sums); None in one process."""
+        return self.group("dp") if self._meshes else None
+
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the data-parallel ranks in place (nothing in one process)."""
+        if self._meshes and self.dp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return t
+
     # fsdp meshes: HSDP (2-D) when dp_replicate > 1, plain FSDP (1-D) otherwise
     def dense_fsdp_mesh(self):
         if self.dp_replicate > 1:

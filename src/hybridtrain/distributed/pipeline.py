@@ -192,6 +192,38 @@ def split_from_points(points: Sequence[Any], num_layers: int, num_stages: int) -
     return list(zip(starts, ends))
 
 
+def pipeline_layout(num_layers: int, dims, distributed, layer_costs: Sequence[float],
+                    head_cost: float):
+    """(schedule spec, number of stages, layer ranges of every stage, this rank's stage ids) for
+    the ``distributed`` section: ``pp_schedule``, ``pp_stages_per_rank`` (None: 2 for
+    interleaved / V schedules, else 1) and ``pp_split_points`` (None: balance ``layer_costs``,
+    the last stage also paying ``head_cost``)."""
+    spec = resolve_schedule(distributed.pp_schedule)
+    stages_per_rank = distributed.pp_stages_per_rank
+    if stages_per_rank is None:
+        stages_per_rank = 2 if spec.multi else 1
+    if spec.multi and stages_per_rank < 2:
+        raise ValueError(
+            f"distributed.pp_schedule={spec.name!r} interleaves several stages per rank; set "
+            f"pp_stages_per_rank >= 2 (got {stages_per_rank})")
+    if not spec.multi and stages_per_rank != 1:
+        raise ValueError(
+            f"distributed.pp_schedule={spec.name!r} runs one stage per rank; use an interleaved "
+            f"schedule (interleaved1f1b, loopedbfs, interleavedzb, zbv) for "
+            f"pp_stages_per_rank={stages_per_rank}")
+    if spec.style == "v" and stages_per_rank != 2:
+        raise ValueError(f"distributed.pp_schedule={spec.name!r} needs pp_stages_per_rank=2")
+    num_stages = dims.pp * stages_per_rank
+    if distributed.pp_split_points:
+        ranges = split_from_points(distributed.pp_split_points, num_layers, num_stages)
+    else:
+        assert len(layer_costs) == num_layers, (len(layer_costs), num_layers)
+        ranges = balanced_split(list(layer_costs), num_stages, first_extra=0.0,
+                                last_extra=head_cost)
+    stage_ids = stage_ids_for_rank(dims.local_rank("pp"), dims.pp, stages_per_rank, spec.style)
+    return spec, num_stages, ranges, stage_ids
+
+
 # -- batches ------------------------------------------------------------------------------------
 def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     """Positions restarting at every segment start of ``cu_seqlens`` (flattened ``B·L``) and at

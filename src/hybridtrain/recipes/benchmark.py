@@ -143,14 +143,14 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
     warmup, steps = opts["warmup_steps"], opts["steps"]
     n_prof = opts["profile_steps"] if profile_dir else 0
     t = b.cfg.training
-    sched = StepScheduler(global_batch_size, micro_batch_size, dp_size=b.ctx.dp_size,
+    sched = StepScheduler(global_batch_size, micro_batch_size, dp_size=b.plan.dims.dp,
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(b.model, b.optimizer, None, sched, dataset, make_loader,
-                      device=b.device, grad_clip=t.grad_clip, dist_ctx=b.ctx,
+                      device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims,
                       train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak,
-                      clip_grad_norm_fn=b.clip_fn, save_hf_at_end=False, save_ckpt=False)
-    batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.ctx.dp_rank)
+                      clip_grad_norm_fn=b.plan.clip_grad_norm, save_hf_at_end=False, save_ckpt=False)
+    batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))
     records = []
@@ -171,7 +171,7 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
         logger.info("profiler trace: %s", trace)
     time_s = sum(r["step_time_s"] for r in records)
     tokens = sum(r["num_tokens"] for r in records)
-    world = b.ctx.world_size
+    world = b.plan.dims.world_size
     tflops = [r["tflops_per_device"] for r in records]
     tflops_dev = (sum(t * r["step_time_s"] for t, r in zip(tflops, records)) / time_s
                   if None not in tflops else None)
@@ -197,17 +197,10 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
 def run(cfg: Any, args: Any = None) -> dict[str, Any]:
     cfg = as_config(cfg)
     opts = _options(cfg, args)
-    from hybridtrain.distributed.init import destroy_distributed, init_distributed
+    from hybridtrain.distributed.init import process_group
 
-    t = cfg.training
-    backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
-    info = init_distributed(device=None if t.device == "auto" else t.device, backend=backend,
-                            timeout_minutes=cfg.distributed.timeout_seconds / 60)
-    try:
+    with process_group(cfg) as info:
         return _run(cfg, opts, info.device, info.is_main, info.world_size)
-    finally:
-        if info.world_size > 1:
-            destroy_distributed()
 
 
 def _default_seq_len(cfg) -> int:
@@ -227,9 +220,9 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     hidden = getattr(b.model_config, "hidden_size", None)
     dtypes = [b.dtype] + [resolve_dtype(n, device, hidden_size=hidden) for n in names[1:]]
     dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
-    if b.plan is not None and len(set(dtypes)) > 1:
-        raise ValueError("benchmark.dtypes: comparing dtypes needs a single process without a "
-                         "parallel plan; run the benchmark once per training.dtype instead")
+    if world_size > 1 and len(set(dtypes)) > 1:
+        raise ValueError("benchmark.dtypes: comparing dtypes needs a single process; run the "
+                         "benchmark once per training.dtype instead")
 
     peaks_measured = {}
     if opts["measure_peak"]:
@@ -249,8 +242,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     if opts["profile"]:
         profile_dir = opts["profile"] if isinstance(opts["profile"], str) else os.path.join(out_dir, "profile")
 
-    vocab = b.model_config.vocab_size if b.model_config is not None else None
-    dp = b.ctx.dp_size
+    vocab = b.model_config.vocab_size
+    dp = b.plan.dims.dp
     seq_len = opts["seq_len"] or _default_seq_len(cfg)
     tokens_per_step = opts["tokens_per_step"] or max(1, t.global_batch_size // dp) * seq_len
 
@@ -270,7 +263,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
     for dt, dname in zip(dtypes, dtype_names):
-        train_step = make_train_step(b.plan, t.loss_chunk_size, autocast_dtype(dt))
+        train_step = make_train_step(b.plan, autocast_dtype(dt))
         peak = peak_for(dt)
         if opts["data"] == "recipe":
             ds, loader, gbs, mbs = b.train_ds, b.make_loader, t.global_batch_size, t.micro_batch_size

@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
+from hybridtrain.models.spec import model_spec_for, set_train_loss
+from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.checkpoint import Checkpointer, default_export
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
@@ -38,7 +40,7 @@ from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
 from hybridtrain.training.precision import resolve_dtype, resolve_save_dtype
 from hybridtrain.training.rng import seed_all
 from hybridtrain.training.step_scheduler import StepScheduler
-from hybridtrain.training.trainer import DistContext, Trainer, TrainStep
+from hybridtrain.training.trainer import Trainer, TrainStep
 
 logger = logging.getLogger(__name__)
 
@@ -104,18 +106,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _flops_fn(model_config, loss_chunk_size):
-    """Training FLOPs of a collated batch: attention per document; the LM head on label tokens
-    only when the chunked loss is on (it gives logits to nothing else), else on every token."""
-    from hybridtrain.training.flops import batch_doc_lengths, batch_flops, model_flops
-
-    def flops(batch: dict) -> float:
-        if loss_chunk_size is not None:
-            return float(batch_flops(model_config, batch))
-        rows = batch_doc_lengths(batch)
-        return float(model_flops(model_config, rows, training=True)) if rows else 0.0
-
-    return flops
+def _flops_fn(spec, model_config, loss_chunk_size):
+    """Training FLOPs of a collated batch (the spec's count; the LM head on label tokens only
+    when the chunked loss is on: it gives logits to nothing else)."""
+    return functools.partial(spec.batch_flops, model_config,
+                             head_on_label_tokens_only=loss_chunk_size is not None)
 
 
 def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> float | None:
@@ -133,50 +128,22 @@ def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> f
 
 
 # -- parallel layout --------------------------------------------------------------------------
-def _parallelize(cfg: ConfigNode, model, world_size: int, device: torch.device, loss_fn,
+def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.device,
                  autocast_dtype):
-    """Applies the ``distributed:`` layout (and activation checkpointing / compile). Returns
-    ``(plan or None, DistContext)``; ``plan`` carries the parts of the train step and the clip
-    function."""
-    d, t = cfg.distributed, cfg.training
-    trivial = world_size == 1 and not t.activation_checkpointing and not t.compile
-    if trivial:
-        return None, DistContext()
-    from hybridtrain.distributed.parallel_dims import ParallelDims
+    """The ``distributed:`` layout (and activation checkpointing / compile) of ``model``: the
+    same path for one process and many."""
+    from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.distributed.plan import parallelize
 
-    try:
-        from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
-    except ImportError as e:
-        raise ValueError(f"this layout needs hybridtrain.models.nemotron_h.parallelize ({e})")
-    dims = ParallelDims(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp,
-                        pp=d.pp, ep=d.ep, world_size=world_size)
-    if world_size > 1:
-        dims.build_mesh(device.type)
-    from hybridtrain.distributed.layout import parallelize_options
-    from hybridtrain.training.flops import layer_flops
-
+    dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
     seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
-    costs = [sum(layer_flops(model.config, ty, seq_len).values())
-             for ty in model.config.layers_block_type]
-    kwargs = dict(device=device, loss_fn=loss_fn, autocast_dtype=autocast_dtype,
-                  pp_layer_costs=costs, **parallelize_options(d, t))
-    accepted = inspect.signature(parallelize_nemotron_h).parameters
-    plan = parallelize_nemotron_h(model, dims, **{k: v for k, v in kwargs.items()
-                                                  if k in accepted})
-    ctx = DistContext(dp_rank=plan.dp_rank, dp_size=plan.dp_size, dp_group=plan.dp_group,
-                      world_size=world_size,
-                      is_main=not dist.is_initialized() or dist.get_rank() == 0)
-    return plan, ctx
+    return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
+                       autocast_dtype=autocast_dtype, seq_len=seq_len)
 
 
-def make_train_step(plan, chunk_size: int | None, autocast_dtype: torch.dtype | None) -> TrainStep:
-    """The trainer's step for ``plan``: the plan's stage loss and FSDP root, or its pipeline
-    schedule step; ``plan=None``: the plain model through ``loss_sum`` with ``chunk_size`` (a
-    plan's stages already hold the recipe's loss)."""
-    if plan is None:
-        return TrainStep(chunk_size=chunk_size, autocast_dtype=autocast_dtype)
-    return TrainStep(plan.loss_fn, autocast_dtype=autocast_dtype,
-                     grad_sync_module=plan.grad_sync_module, pipeline=plan.pipeline)
+def make_train_step(plan, autocast_dtype: torch.dtype | None) -> TrainStep:
+    """The trainer's step for ``plan``: the model's forward, or the plan's pipeline schedule."""
+    return TrainStep(autocast_dtype=autocast_dtype, pipeline=plan.pipeline)
 
 
 # -- data, optimizer --------------------------------------------------------------------------
@@ -232,16 +199,15 @@ class Built:
     device: torch.device
     is_main: bool
     tokenizer: Any
-    model: nn.Module  # the model this rank trains (under a parallel layout, the plan's)
+    model: nn.Module  # the model this rank trains (the plan's: under PP, this rank's part)
     model_config: Any
+    spec: Any  # the model's ModelSpec
     num_params: int  # of the whole model (before any parallel layout)
     dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
     save_dtype: torch.dtype  # dtype of the HF export
     peft: dict | None
-    plan: Any  # ParallelPlan, or None: the plain single-process model
-    ctx: DistContext
+    plan: Any  # ParallelPlan: model, stages, ParallelDims (this process's coordinates)
     train_step: TrainStep
-    clip_fn: Callable | None  # the plan's global gradient clipping (None: the trainer's)
     optimizer: torch.optim.Optimizer
     flops_fn: Callable[[dict], float] | None
     train_ds: Any = None  # the data: None when built with data=False
@@ -273,13 +239,12 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
     model = instantiate(cfg.model)
-    model_config = getattr(model, "config", None)
-    compute_dtype = resolve_dtype(dtype or t.dtype, device,
-                                  getattr(model_config, "hidden_size", None))
+    spec = model_spec_for(model)
+    model_config = model.config
+    compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size)
     autocast_dtype = autocast_dtype_of(compute_dtype)
     save_dtype = resolve_save_dtype(cfg.checkpoint.save_dtype, model)  # before LoRA / sharding
-    if tokenizer is not None and model_config is not None and \
-            len(tokenizer) > model_config.vocab_size:
+    if tokenizer is not None and len(tokenizer) > model_config.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
             f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
@@ -300,20 +265,16 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if data:
         train_ds, val_ds, make_loader = _build_data(cfg, tokenizer, is_main, device)
 
-    # parallel layout, train step, optimizer
-    from hybridtrain.training.loss import cross_entropy_sum
-
-    loss_fn = functools.partial(cross_entropy_sum, chunk_size=t.loss_chunk_size)
-    plan, ctx = _parallelize(cfg, model, world_size, device, loss_fn, autocast_dtype)
-    if plan is not None:
-        model = plan.model
+    # training loss, parallel layout, train step, optimizer
+    set_train_loss(model, LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
+    plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
+    model = plan.model
     return Built(
         cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
-        model_config=model_config, num_params=n_params, dtype=compute_dtype, save_dtype=save_dtype, peft=peft,
-        plan=plan, ctx=ctx, train_step=make_train_step(plan, t.loss_chunk_size, autocast_dtype),
-        clip_fn=plan.clip_grad_norm if plan is not None else None,
-        optimizer=_build_optimizer(cfg, model),
-        flops_fn=_flops_fn(model_config, t.loss_chunk_size) if model_config is not None else None,
+        model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
+        save_dtype=save_dtype, peft=peft, plan=plan,
+        train_step=make_train_step(plan, autocast_dtype), optimizer=_build_optimizer(cfg, model),
+        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size),
         train_ds=train_ds, val_ds=val_ds, make_loader=make_loader)
 
 
@@ -322,19 +283,10 @@ def run(cfg: Any) -> dict[str, Any]:
     """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
     cfg = as_config(cfg)
     t_start = time.perf_counter()
-    t = cfg.training
+    from hybridtrain.distributed.init import process_group
 
-    # process group + device
-    from hybridtrain.distributed.init import destroy_distributed, init_distributed
-
-    backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
-    info = init_distributed(device=None if t.device == "auto" else t.device, backend=backend,
-                            timeout_minutes=cfg.distributed.timeout_seconds / 60)
-    try:
+    with process_group(cfg) as info:
         return _run(cfg, info.device, info.is_main, info.world_size, t_start)
-    finally:
-        if info.world_size > 1:
-            destroy_distributed()
 
 
 def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
@@ -350,7 +302,7 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
 
     # step scheduler, LR scheduler
     sched = StepScheduler(
-        t.global_batch_size, t.micro_batch_size, dp_size=b.ctx.dp_size, max_steps=t.max_steps,
+        t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp, max_steps=t.max_steps,
         num_epochs=t.num_epochs, num_train_samples=len(train_ds),
         val_every_steps=t.val_every_steps, ckpt_every_steps=t.ckpt_every_steps,
         log_every_steps=t.log_every_steps, seed=t.seed, shuffle=cfg.dataloader.shuffle,
@@ -396,11 +348,11 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     trainer = Trainer(
         b.model, b.optimizer, lr_scheduler, sched, train_ds, b.make_loader, val_dataset=val_ds,
         checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer, device=b.device,
-        grad_clip=t.grad_clip, dist_ctx=b.ctx, train_step=b.train_step,
+        grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
         max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
         save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
-        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.clip_fn)
+        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm)
     if resume is not None:
         trainer.resume(resume)
     logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "

@@ -17,13 +17,10 @@ A step whose loss or gradient norm is not finite is skipped: gradients are dropp
 and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
 without any label token is skipped the same way (it has no loss).
 
-Extension points for the distributed layouts:
-
-* the recipe applies ``parallelize`` (FSDP2/TP/EP) to the model before the optimizer is built;
-* :class:`TrainStep` is the forward+backward of one global batch on one rank, for every layout:
-  a parallel plan gives it its stage's loss function and the FSDP root whose gradient sync it
-  toggles, or under pipeline parallelism the schedule step that runs ``schedule.step``;
-* :class:`DistContext` names the data-parallel group used for counts and loss reductions.
+Layouts: the recipe lays the model out (``hybridtrain.distributed.plan.parallelize``, one
+process included) before the optimizer is built; :class:`TrainStep` runs the model's own forward
+(or, under pipeline parallelism, the plan's schedule step), and ``ParallelDims`` names the
+data-parallel group used for counts and loss reductions.
 """
 
 from __future__ import annotations
@@ -33,14 +30,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hybridtrain.training.loss import DEFAULT_CHUNK_SIZE, cross_entropy_sum
+from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import can_clip_in_step, clip_grad_norm, clipped_step
 from hybridtrain.training.precision import autocast_context
@@ -49,32 +44,11 @@ from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-# Batch keys the model's forward takes (besides input_ids); others (labels, attention_mask,
+# Batch keys the model's forward takes (besides input_ids and labels); others (attention_mask,
 # bookkeeping) stay with the trainer.
 MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
 
 
-@dataclass
-class DistContext:
-    """Where this process sits. Single process by default."""
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    dp_group: Any = None  # process group for label-count / loss sums (None: default group)
-    world_size: int = 1
-    is_main: bool = True
-
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and self.world_size > 1
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
-        return t
-
-
-# -- loss ------------------------------------------------------------------------------------
 def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"] != IGNORE_INDEX).sum())
 
@@ -88,49 +62,29 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     return batch["input_ids"].numel()
 
 
-def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
-             chunk_size: int | str | None = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
-    """Sum of token cross-entropies of one micro-batch (labels already shifted: ``labels[t]`` is
-    the target of position ``t``). Uses the model's final hidden states and its LM head through
-    the chunked linear cross-entropy, so the full logits are never materialised."""
-    kwargs = {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
-    if hasattr(model, "hidden_states"):
-        hidden = model.hidden_states(batch["input_ids"], **kwargs)
-        return cross_entropy_sum(hidden, model.lm_head.weight, batch["labels"], chunk_size)
-    out = model(batch["input_ids"], **kwargs)
-    logits = out.logits if hasattr(out, "logits") else out
-    return nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), batch["labels"].reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 class TrainStep:
     """Forward and backward of this rank's micro-batches of one global batch; the one train
     step of every layout.
 
     ``__call__(model, micro_batches, num_label_tokens)`` back-propagates
-    ``CE_sum(micro_batch) / num_label_tokens`` for each micro-batch (``num_label_tokens`` is the
-    global count) and returns the detached fp32 CE sum over this rank's micro-batches.
-    ``eval_loss(model, batch)`` is the CE sum of one batch without gradients (validation).
-
-    ``loss_fn(model, batch)``: the CE sum of a micro-batch (default :func:`loss_sum`; a parallel
-    plan gives its stage's). ``grad_sync_module``: the module whose FSDP gradient reduction runs
-    only after the last micro-batch (``set_requires_gradient_sync``; default the model, when it
-    has that method). ``pipeline``: a pipeline schedule step (``__call__`` and ``eval_loss`` of
-    the same signatures), which runs forward and backward of all micro-batches itself.
-    Everything runs under :func:`~hybridtrain.training.precision.autocast_context` of
-    ``autocast_dtype``.
+    ``loss_sum(micro_batch) / num_label_tokens`` for each micro-batch (``num_label_tokens`` is
+    the global count) and returns the detached fp32 sum over this rank's micro-batches, where
+    ``loss_sum`` is ``model(input_ids, labels=labels, ...)``: the model's own forward with its
+    summing training loss installed. ``eval_loss(model, batch)`` is that sum for one batch
+    without gradients (validation). Under FSDP2 the gradient reduction runs only after the last
+    micro-batch. ``pipeline``: a pipeline schedule step (``__call__`` and ``eval_loss`` of the
+    same signatures), which runs forward and backward of all micro-batches itself. Everything
+    runs under :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
     """
 
-    def __init__(self, loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
-                 chunk_size: int | str | None = DEFAULT_CHUNK_SIZE,
-                 autocast_dtype: torch.dtype | None = None,
-                 grad_sync_module: nn.Module | None = None,
-                 pipeline: Any = None):
-        self.loss_fn = loss_fn or (lambda m, b: loss_sum(m, b, chunk_size))
+    def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None):
         self.autocast_dtype = autocast_dtype
-        self.grad_sync_module = grad_sync_module
         self.pipeline = pipeline
+
+    @staticmethod
+    def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
+        inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
+        return model(batch["input_ids"], labels=batch["labels"], **inputs)
 
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict],
                  num_label_tokens: int) -> torch.Tensor:
@@ -138,13 +92,12 @@ class TrainStep:
             with autocast_context(self.autocast_dtype, micro_batches[0]["input_ids"].device):
                 return self.pipeline(model, micro_batches, num_label_tokens)
         total = None
-        sync_module = self.grad_sync_module if self.grad_sync_module is not None else model
-        sync = getattr(sync_module, "set_requires_gradient_sync", None)  # FSDP2: once per step
+        sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: once per step
         for i, mb in enumerate(micro_batches):
             if sync is not None:
                 sync(i == len(micro_batches) - 1)
             with autocast_context(self.autocast_dtype, mb["input_ids"].device):
-                ce = self.loss_fn(model, mb)
+                ce = self.loss_sum(model, mb)
             (ce / num_label_tokens).backward()
             ce = ce.detach().float()
             total = ce if total is None else total + ce
@@ -155,7 +108,7 @@ class TrainStep:
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
                 return self.pipeline.eval_loss(model, batch)
-            return self.loss_fn(model, batch)
+            return self.loss_sum(model, batch)
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -190,7 +143,7 @@ class Trainer:
         tokenizer=None,
         device: torch.device | str = "cpu",
         grad_clip: float | None = 1.0,
-        dist_ctx: DistContext | None = None,
+        dims: ParallelDims | None = None,
         train_step: TrainStep | None = None,
         max_val_steps: int | None = None,
         val_micro_batch_size: int | None = None,
@@ -213,7 +166,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.grad_clip = grad_clip
-        self.ctx = dist_ctx or DistContext()
+        self.dims = dims or ParallelDims()
         self.train_step = train_step or TrainStep()
         self.max_val_steps = max_val_steps
         self.val_micro_batch_size = val_micro_batch_size or step_scheduler.micro_batch_size
@@ -239,7 +192,7 @@ class Trainer:
             [sum(count_label_tokens(mb) for mb in micro_batches),
              sum(count_tokens(mb) for mb in micro_batches), flops],
             dtype=torch.float64, device=self.device)
-        self.ctx.all_reduce_sum(counts)  # global batch: all data-parallel ranks
+        self.dims.all_reduce_dp(counts)  # global batch: all data-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
         self.model.train()
@@ -252,7 +205,7 @@ class Trainer:
         else:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.ctx.all_reduce_sum(ce)[0] / num_label_tokens
+            loss = self.dims.all_reduce_dp(ce)[0] / num_label_tokens
             params = self._params()
             # clip in the optimizer's own pass where it can (the default clip fn: no parallel plan)
             fold = (self.grad_clip is not None and self.grad_clip > 0
@@ -278,7 +231,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         tps = num_tokens / dt if dt > 0 else None
-        world = self.ctx.world_size
+        world = self.dims.world_size
         tflops = mfu = None
         if self.flops_fn is not None and dt > 0:
             tflops = flops / dt / world / 1e12
@@ -310,7 +263,7 @@ class Trainer:
             return None
         t0 = time.perf_counter()
         sampler = EvalBatchSampler(len(self.val_dataset), self.val_micro_batch_size,
-                                   self.ctx.dp_rank, self.ctx.dp_size)
+                                   self.dims.dp_rank, self.dims.dp)
         was_training = self.model.training
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
@@ -325,7 +278,7 @@ class Trainer:
             ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
-        self.ctx.all_reduce_sum(sums)
+        self.dims.all_reduce_dp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
         return {
@@ -370,7 +323,7 @@ class Trainer:
             self._validate_and_log()
         batches = sched.train_batches(
             lambda sampler: self.make_loader(self.train_dataset, sampler),
-            len(self.train_dataset), dp_rank=self.ctx.dp_rank)
+            len(self.train_dataset), dp_rank=self.dims.dp_rank)
         while not sched.done:
             micro_batches = next(batches)
             rec = self.train_one_step(micro_batches)

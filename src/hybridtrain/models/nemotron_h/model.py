@@ -13,11 +13,13 @@ document, attention never crosses one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybridtrain.ops.loss import LinearCrossEntropy
 
 from .attention import Attention, document_causal_mask
 from .config import NemotronHConfig
@@ -105,31 +107,55 @@ class Block(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, config: NemotronHConfig):
+    """``layer_ids``: the blocks to build (default all; a pipeline stage's shell builds none)."""
+
+    def __init__(self, config: NemotronHConfig, layer_ids: Iterable[int] | None = None):
         super().__init__()
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         # a dict keyed "0".."N-1": same parameter names as a list, and pipeline stages can drop
         # layers without renaming the others
-        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_hidden_layers)})
+        ids = range(config.num_hidden_layers) if layer_ids is None else layer_ids
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in ids})
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
 class NemotronHForCausalLM(nn.Module):
     """The model. ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None)`` returns
-    fp32 logits [B, L, V], or the mean cross-entropy over labels != -100 when ``labels`` (aligned
-    with the inputs, i.e. already shifted) are given. ``hidden_states(...)`` returns the final
-    normed hidden states [B, L, H] without the head (for chunked losses)."""
+    fp32 logits [B, L, V], or with ``labels`` (aligned with the inputs, i.e. already shifted;
+    -100 = no loss) the loss of ``self.loss`` (the chunked linear cross-entropy: the mean over
+    label tokens by default; training installs a summing one). ``hidden_states(...)`` returns the
+    final normed hidden states [B, L, H] without the head.
 
-    def __init__(self, config: NemotronHConfig):
+    A pipeline stage is this model with the parts it does not own set to ``None`` (see
+    :meth:`pipeline_stage`): without embeddings it takes hidden states as ``input_ids``, without
+    the head it returns its hidden states."""
+
+    def __init__(self, config: NemotronHConfig, layer_ids: Iterable[int] | None = None):
         super().__init__()
         if not isinstance(config, NemotronHConfig):
             raise ValueError(f"expected a NemotronHConfig, got {type(config).__name__}")
         self.config = config
-        self.backbone = NemotronHModel(config)
+        self.backbone = NemotronHModel(config, layer_ids)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss = LinearCrossEntropy(reduction="mean")
         if not self.lm_head.weight.is_meta:
             self.init_weights()
+
+    def pipeline_stage(self, layer_ids: Iterable[int], is_first: bool, is_last: bool
+                       ) -> "NemotronHForCausalLM":
+        """A model holding this one's layers ``layer_ids`` (the same module objects, so the same
+        parameters and names), its embeddings when ``is_first``, ``norm_f`` + head + loss when
+        ``is_last``, and nothing else."""
+        with torch.device("meta"):
+            stage = type(self)(self.config, layer_ids=())
+        bb = self.backbone
+        stage.backbone.layers = nn.ModuleDict({str(i): bb.layers[str(i)] for i in layer_ids})
+        stage.backbone.embeddings = bb.embeddings if is_first else None
+        stage.backbone.norm_f = bb.norm_f if is_last else None
+        stage.lm_head = self.lm_head if is_last else None
+        stage.loss = self.loss
+        return stage
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -209,10 +235,9 @@ class NemotronHForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
         if self.lm_head is None:  # a pipeline stage before the last
             return h
-        logits = self.lm_head(h).float()
         if labels is None:
-            return logits
-        return causal_lm_loss(logits, labels)
+            return self.lm_head(h).float()
+        return self.loss(h, self.lm_head, labels)
 
     # ------------------------------------------------------------------ Hub I/O
     @classmethod
@@ -251,11 +276,3 @@ class NemotronHForCausalLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy over labels != ignore_index (labels aligned with logits); 0 if none."""
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} does not match inputs {tuple(logits.shape[:-1])}")
-    flat = labels.reshape(-1)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=ignore_index, reduction="sum")
-    return loss / (flat != ignore_index).sum().clamp(min=1)

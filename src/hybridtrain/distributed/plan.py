@@ -1,0 +1,92 @@
+"""From a model and a layout to what one rank trains: :func:`parallelize` -> :class:`ParallelPlan`.
+
+    pipeline split (spec.pipeline_stage) -> spec.parallelize_fn on every stage
+    (TP -> EP -> activation checkpointing -> compile -> FSDP2)
+
+Every run goes through it, one process included (degrees of 1 do nothing), so the code a
+default run executes is the code the layout-parity tests cover.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridtrain.distributed.fsdp import fsdp_param_dtype
+from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.pipeline import PipelineTrainStep, pipeline_layout
+from hybridtrain.distributed.utils import clip_grad_norm_
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParallelPlan", "parallelize"]
+
+
+@dataclass
+class ParallelPlan:
+    """What this rank trains.
+
+    * ``model``: this rank's part of the model (the whole model without pipeline parallelism;
+      under it, the model holding only this rank's stages' parts, with unchanged parameter
+      names). The optimizer, clipping and checkpoints use it; a checkpoint written under one
+      layout loads under any other.
+    * ``stages``: the modules a step runs (``[model]`` without PP; this rank's pipeline stages).
+    * ``pipeline``: the schedule step under PP, else None.
+    """
+
+    model: nn.Module
+    stages: list[nn.Module]
+    dims: ParallelDims
+    pipeline: PipelineTrainStep | None = None
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    layer_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
+        """Global gradient norm (all meshes, all pipeline stages); clips when ``max_norm``."""
+        pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
+        return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
+
+
+def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, training, *,
+                device: torch.device, autocast_dtype: torch.dtype | None,
+                seq_len: int = 2048) -> ParallelPlan:
+    """Lay ``model`` (identically initialised on every rank) out over ``dims``.
+
+    ``distributed`` / ``training``: the recipe's sections. ``seq_len``: the row length the
+    pipeline split balances the per-layer FLOPs at."""
+    device = torch.device(device)
+    if dims.world_size > 1:
+        assert dims.built, "ParallelDims.build_mesh() must run before parallelize"
+    config = model.config
+    layer_names = spec.pipeline_layers(model)
+    if dims.pp > 1:
+        sched, num_stages, ranges, stage_ids = pipeline_layout(
+            len(layer_names), dims, distributed, spec.layer_flops(config, seq_len),
+            spec.head_flops(config))
+        stages = [spec.pipeline_stage(model, layer_names[slice(*ranges[s])], s == 0,
+                                      s == num_stages - 1) for s in stage_ids]
+        mine = [n for s in stage_ids for n in layer_names[slice(*ranges[s])]]
+        model = spec.pipeline_stage(model, mine, 0 in stage_ids, num_stages - 1 in stage_ids)
+        logger.info("pipeline: %d stages, layer ranges %s; this rank runs stages %s (%s)",
+                    num_stages, ranges, stage_ids, sched.name)
+    else:
+        num_stages, ranges, stage_ids, stages = 1, [(0, len(layer_names))], [0], [model]
+    for stage in stages:
+        spec.parallelize_fn(stage, dims, distributed, training, device=device,
+                            autocast_dtype=autocast_dtype)
+    pipeline = None
+    if dims.pp > 1:
+        if sched.split_backward:  # zero-bubble: back-propagates twice through the loss
+            model.loss.recompute = True
+        param_dtype = fsdp_param_dtype(distributed, autocast_dtype)
+        hidden_dtype = param_dtype if dims.fsdp_enabled and param_dtype is not None else \
+            next(model.parameters()).dtype  # the dtype the stages compute and exchange in
+        pipeline = PipelineTrainStep(
+            stages, stage_ids, num_stages, dims.group("pp"), device,
+            hidden_size=config.hidden_size, hidden_dtype=hidden_dtype,
+            schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size)
+    return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline,
+                        stage_ids=stage_ids, layer_ranges=ranges)

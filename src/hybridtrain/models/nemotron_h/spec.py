@@ -1,0 +1,74 @@
+"""The Nemotron-H model spec: how generic code builds, splits, parallelizes, counts, exports and
+adapts this family (see :mod:`hybridtrain.models.spec`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridtrain.models.spec import ModelSpec, register_model_spec
+
+from . import flops
+from .config import NemotronHConfig
+from .hf_io import save_hf_checkpoint
+from .model import NemotronHForCausalLM
+from .moe import Experts
+from .parallelize import parallelize_nemotron_h
+
+
+def pipeline_layers(model: nn.Module) -> list[str]:
+    """The blocks in order (names are the global layer indices)."""
+    return list(model.backbone.layers.keys())
+
+
+def pipeline_stage(model: nn.Module, layers: list[str], is_first: bool, is_last: bool) -> nn.Module:
+    return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
+
+
+def layer_flops(config: NemotronHConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs of each layer over one ``seq_len``-token row (the pipeline split's costs)."""
+    return [float(sum(flops.layer_flops(config, t, seq_len).values()))
+            for t in config.layers_block_type]
+
+
+def head_flops(config: NemotronHConfig) -> float:
+    return 2.0 * config.hidden_size * config.vocab_size
+
+
+def batch_flops(config: NemotronHConfig, batch: dict, head_on_label_tokens_only: bool) -> float:
+    """Training FLOPs of a collated batch: attention per document; the LM head on label tokens
+    only when the loss gives logits to nothing else (the chunked loss), else on every token."""
+    if head_on_label_tokens_only:
+        return float(flops.batch_flops(config, batch))
+    rows = flops.batch_doc_lengths(batch)
+    return float(flops.model_flops(config, rows, training=True)) if rows else 0.0
+
+
+def lora_export_notes(adapted: list[str]) -> str | None:
+    """Which adapters PEFT's ``PeftModel`` on transformers' Nemotron-H cannot take."""
+    parts = []
+    if any(n.endswith(".mixer.out_proj") for n in adapted):
+        parts.append("Mamba out_proj (PEFT refuses it for nemotron_h)")
+    if any(".mixer.experts." in n for n in adapted):
+        parts.append("routed experts (transformers stacks them and PEFT does not convert "
+                     "nemotron_h expert adapters)")
+    if not parts:
+        return None
+    return (f"the LoRA adapter includes {' and '.join(parts)}: hybridtrain loads and merges it "
+            "(load_peft_adapter, `hybridtrain merge`); peft.PeftModel on transformers' "
+            "NemotronHForCausalLM takes only the other modules")
+
+
+NEMOTRON_H = register_model_spec(ModelSpec(
+    name="nemotron_h",
+    model_cls=NemotronHForCausalLM,
+    config_cls=NemotronHConfig,
+    parallelize_fn=parallelize_nemotron_h,
+    pipeline_layers=pipeline_layers,
+    pipeline_stage=pipeline_stage,
+    layer_flops=layer_flops,
+    head_flops=head_flops,
+    batch_flops=batch_flops,
+    save_hf=save_hf_checkpoint,
+    expert_modules=(Experts,),
+    lora_export_notes=lora_export_notes,
+))

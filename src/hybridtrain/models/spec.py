@@ -1,0 +1,105 @@
+"""Model specs: the one way generic code (training, recipes, peft, distributed) reaches a model.
+
+A model family registers one :class:`ModelSpec`. Everything outside ``models/`` asks the
+registry (:func:`get_model_spec` by name, :func:`model_spec_for` by model object) and never
+imports a model package itself, so a new model is added by writing its package and its spec.
+
+What a model of a spec promises (the model contract):
+
+* ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None)``: hidden states
+  ``[B, L, H]`` when it holds no head (a pipeline stage before the last), else logits, or with
+  ``labels`` the loss ``self.loss(hidden, head, labels)`` (an ``ops.loss.LinearCrossEntropy``;
+  the trainer installs its summing one with :func:`set_train_loss`). A stage without
+  embeddings takes hidden states as ``input_ids``.
+* ``config`` (with ``to_dict()``), ``save_pretrained(dir, state_dict=, dtype=)`` and the
+  class method ``from_pretrained(dir, dtype=)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+__all__ = ["ModelSpec", "register_model_spec", "get_model_spec", "model_spec_for",
+           "set_train_loss"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How a model family is built, split, parallelized, counted, exported and adapted.
+
+    * ``parallelize_fn(model, dims, distributed, training, device)``: applies TP/EP/activation
+      checkpointing/compile/FSDP to one (stage) model in place; ``distributed`` / ``training``
+      are the recipe's whole sections.
+    * ``pipeline_layers(model) -> list[str]``: the names of the model's pipeline-splittable
+      layers, in order; ``pipeline_stage(model, layer_names, is_first, is_last)`` returns the
+      stage: the model without the parts it does not own (same modules, same parameter names).
+    * ``layer_flops(config, seq_len) -> list[float]``: forward cost of each layer per token (the
+      pipeline split); ``head_flops(config)``: the head's; ``batch_flops(config, batch,
+      head_on_label_tokens_only) -> float``: training FLOPs of a collated batch.
+    * ``save_hf(state_dict, config, out_dir, dtype)``: write full tensors as a Hugging Face
+      checkpoint; ``config_cls``: the config class (``from_dict``) of a saved checkpoint.
+    * ``expert_modules``: module classes holding stacked per-expert weights (LoRA adapts
+      them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take.
+    """
+
+    name: str
+    model_cls: type[nn.Module]
+    config_cls: type
+    parallelize_fn: Callable[..., None]
+    pipeline_layers: Callable[[nn.Module], list[str]]
+    pipeline_stage: Callable[[nn.Module, list[str], bool, bool], nn.Module]
+    layer_flops: Callable[[Any, int], list[float]]
+    head_flops: Callable[[Any], float]
+    batch_flops: Callable[[Any, dict, bool], float]
+    save_hf: Callable[..., None]
+    expert_modules: tuple[type[nn.Module], ...] = ()
+    lora_export_notes: Callable[[list[str]], str | None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_SPECS: dict[str, ModelSpec] = {}
+# model packages that register a spec when imported (imported on first lookup)
+_BUILTIN = {"nemotron_h": "hybridtrain.models.nemotron_h.spec"}
+
+
+def register_model_spec(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _SPECS and _SPECS[spec.name] is not spec:
+        raise ValueError(f"a model spec named {spec.name!r} is already registered")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def _load_builtins() -> None:
+    for name, module in _BUILTIN.items():
+        if name not in _SPECS:
+            importlib.import_module(module)
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    _load_builtins()
+    if name not in _SPECS:
+        raise ValueError(f"no model spec named {name!r}; registered: {', '.join(sorted(_SPECS))}")
+    return _SPECS[name]
+
+
+def model_spec_for(model: nn.Module | type) -> ModelSpec:
+    """The spec whose model class ``model`` (an instance or a class) is."""
+    _load_builtins()
+    cls = model if isinstance(model, type) else type(model)
+    for spec in _SPECS.values():
+        if issubclass(cls, spec.model_cls):
+            return spec
+    raise ValueError(
+        f"{cls.__module__}.{cls.__name__} is not a registered model (known: "
+        f"{', '.join(s.model_cls.__name__ for s in _SPECS.values())}); a model enters "
+        "hybridtrain through a ModelSpec (hybridtrain.models.spec.register_model_spec)")
+
+
+def set_train_loss(model: nn.Module, loss: nn.Module) -> None:
+    """Install the loss ``model.forward(labels=...)`` returns (the model contract's ``loss``)."""
+    assert hasattr(model, "loss"), f"{type(model).__name__} has no loss module"
+    model.loss = loss

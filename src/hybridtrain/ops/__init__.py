@@ -1,0 +1,1 @@
+"""Low-level numerics shared by models and training (below both)."""
