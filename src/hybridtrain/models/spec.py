@@ -34,6 +34,7 @@ class ModelSpec:
     * ``parallelize_fn(model, dims, distributed, training, device)``: applies TP/EP/activation
       checkpointing/compile/FSDP to one (stage) model in place; ``distributed`` / ``training``
       are the recipe's whole sections.
+    * ``is_complete(model) -> bool``: whether ``model`` holds every part (not a pipeline stage).
     * ``pipeline_layers(model) -> list[str]``: the names of the model's pipeline-splittable
       layers, in order; ``pipeline_stage(model, layer_names, is_first, is_last)`` returns the
       stage: the model without the parts it does not own (same modules, same parameter names).
@@ -50,6 +51,7 @@ class ModelSpec:
     model_cls: type[nn.Module]
     config_cls: type
     parallelize_fn: Callable[..., None]
+    is_complete: Callable[[nn.Module], bool]
     pipeline_layers: Callable[[nn.Module], list[str]]
     pipeline_stage: Callable[[nn.Module, list[str], bool, bool], nn.Module]
     layer_flops: Callable[[Any, int], list[float]]

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hybridtrain.models.spec import model_spec_for
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -163,21 +165,16 @@ def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | 
     elif "state_dict" in params:
         model.save_pretrained(out_dir, state_dict=state_dict, **kw)
     else:  # gathered full tensors of a sharded model
-        from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-        from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
-
-        if not isinstance(model, NemotronHForCausalLM):
-            raise ValueError(f"cannot export a sharded {type(model).__name__}")
-        save_hf_checkpoint(state_dict, model.config, out_dir, dtype=dtype)
+        model_spec_for(model).save_hf(state_dict, model.config, out_dir, dtype=dtype)
 
 
 def _is_partial(model: torch.nn.Module) -> bool:
     """True for a pipeline stage's share of a model (layers or embeddings/head missing)."""
-    cfg, bb = getattr(model, "config", None), getattr(model, "backbone", None)
-    if cfg is None or bb is None or not hasattr(cfg, "num_hidden_layers"):
+    try:
+        spec = model_spec_for(model)
+    except ValueError:  # not a registered model (e.g. a test stand-in): whole by definition
         return False
-    return (len(bb.layers) != cfg.num_hidden_layers or bb.embeddings is None
-            or getattr(model, "lm_head", 0) is None)
+    return not spec.is_complete(model)
 
 
 def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
@@ -477,10 +474,7 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
                          "folder with a 'latest' file")
     state = _read_json(state_path)
     cls = _import_model_class(state["model_class"])
-    cfg_cls = getattr(importlib.import_module(cls.__module__), "NemotronHConfig", None)
-    cfg_cls = getattr(cls, "config_class", None) or cfg_cls
-    if cfg_cls is None:
-        raise ValueError(f"cannot find the config class of {state['model_class']}")
+    cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
     config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
     model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid

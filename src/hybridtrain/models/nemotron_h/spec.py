@@ -20,6 +20,12 @@ def pipeline_layers(model: nn.Module) -> list[str]:
     return list(model.backbone.layers.keys())
 
 
+def is_complete(model: nn.Module) -> bool:
+    bb = model.backbone
+    return (len(bb.layers) == model.config.num_hidden_layers and bb.embeddings is not None
+            and model.lm_head is not None)
+
+
 def pipeline_stage(model: nn.Module, layers: list[str], is_first: bool, is_last: bool) -> nn.Module:
     return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
 
@@ -63,6 +69,7 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     model_cls=NemotronHForCausalLM,
     config_cls=NemotronHConfig,
     parallelize_fn=parallelize_nemotron_h,
+    is_complete=is_complete,
     pipeline_layers=pipeline_layers,
     pipeline_stage=pipeline_stage,
     layer_flops=layer_flops,

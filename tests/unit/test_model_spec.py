@@ -1,0 +1,103 @@
+"""The model contract: specs, one forward (pipeline stages run the model's own forward), the
+single-process path through ``parallelize``, and what generic code may not do."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hybridtrain.distributed.layout import config_section
+from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.plan import parallelize
+from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+from hybridtrain.models.spec import get_model_spec, model_spec_for
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "hybridtrain"
+GENERIC = ("training", "recipes", "peft", "data", "config", "distributed", "ops")
+
+
+def _model(seed: int = 0) -> NemotronHForCausalLM:
+    torch.manual_seed(seed)
+    return NemotronHForCausalLM(tiny_config("mixed"))
+
+
+def test_spec_lookup():
+    spec = get_model_spec("nemotron_h")
+    assert model_spec_for(_model()) is spec
+    assert model_spec_for(NemotronHForCausalLM) is spec
+    with pytest.raises(ValueError, match="not a registered model"):
+        model_spec_for(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="no model spec named 'gpt'"):
+        get_model_spec("gpt")
+
+
+def test_pipeline_stages_run_the_models_forward():
+    model = _model()
+    spec = model_spec_for(model)
+    names = spec.pipeline_layers(model)
+    cut = len(names) // 2
+    first = spec.pipeline_stage(model, names[:cut], True, False)
+    last = spec.pipeline_stage(model, names[cut:], False, True)
+    assert type(first) is type(model) and type(last) is type(model)
+    assert not spec.is_complete(first) and not spec.is_complete(last)
+    assert spec.is_complete(model)
+    own = {id(p): n for n, p in model.named_parameters()}
+    for stage in (first, last):  # the model's own parameter objects, under the same names
+        for n, p in stage.named_parameters():
+            assert own[id(p)] == n
+    n_stage = sum(p.numel() for s in (first, last) for p in s.parameters())
+    assert n_stage == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    labels = torch.randint(0, model.config.vocab_size, (2, 12))
+    labels[:, :3] = -100
+    with torch.no_grad():
+        hidden = first(ids)
+        assert hidden.shape == (2, 12, model.config.hidden_size)
+        assert torch.equal(last(hidden, labels=labels), model(ids, labels=labels))
+        assert torch.equal(last(hidden), model(ids))
+
+
+def test_one_process_goes_through_parallelize():
+    model = _model()
+    plan = parallelize(model_spec_for(model), model, ParallelDims(world_size=1),
+                       config_section("distributed"), config_section("training"),
+                       device=torch.device("cpu"), autocast_dtype=None)
+    assert plan.model is model and plan.stages == [model] and plan.pipeline is None
+    assert plan.dims.dp == 1 and plan.dims.dp_rank == 0 and plan.dims.dp_group is None
+
+
+def test_unknown_layout_option_is_an_error():
+    with pytest.raises(ValueError, match="pp_shedule"):
+        config_section("distributed", {"pp_shedule": "1f1b"})
+
+
+def test_parallelize_is_plain_steps():
+    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+
+    assert len(inspect.getsource(parallelize_nemotron_h).splitlines()) < 80
+
+
+def _sources(*packages: str):
+    for pkg in packages:
+        for path in sorted((SRC / pkg).rglob("*.py")):
+            yield path, path.read_text()
+
+
+def test_generic_packages_name_no_model_family():
+    hits = [f"{p.relative_to(SRC)}:{i}" for p, text in _sources(*GENERIC)
+            for i, line in enumerate(text.splitlines(), 1)
+            if re.search(r"nemotron", line, re.IGNORECASE)]
+    assert not hits, f"generic modules name the model family: {hits}"
+
+
+def test_no_runtime_patching():
+    pattern = re.compile(r"\.forward\s*=[^=]|\._parameters\s*(\[|=[^=]|\.update)|"
+                         r"\._buffers\s*(\[|=[^=]|\.update)|\.grad_scale\b")
+    hits = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p, text in _sources(".")
+            for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert not hits, f"runtime patching: {hits}"
