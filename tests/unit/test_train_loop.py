@@ -175,6 +175,35 @@ def test_resume_is_bitwise(tmp_path, reference):
     assert vals == [0, 4, 6]  # before training, val_every_steps=4, and at the end
 
 
+def _ac_model(seed):
+    from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+
+    model = tiny_model(seed)
+    apply_activation_checkpointing(model.backbone.layers, {"every": 2})
+    return model
+
+
+@pytest.mark.parametrize("ac", [(True, True), (True, False), (False, True)],
+                         ids=["ac->ac", "ac->plain", "plain->ac"])
+def test_resume_with_activation_checkpointing_is_bitwise(tmp_path, reference, ac):
+    """Checkpoint-wrapped blocks train, save and resume like plain ones (either way round)."""
+    ref_losses, ref_weights, _ = reference
+    fns = [_ac_model if on else tiny_model for on in ac]
+    run = tmp_path / "run"
+    first = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, train_step=CrashAt(5),
+                          model_fn=fns[0])
+    with pytest.raises(KeyboardInterrupt):
+        first.fit()
+    second = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, model_fn=fns[1])
+    second.resume(second.checkpointer.resolve_resume("auto"))
+    second.fit()
+    losses = [r["loss"] for r in first.history[:3]] + [r["loss"] for r in second.history]
+    assert losses == ref_losses  # bitwise
+    w = _weights(second.model)
+    assert w.keys() == ref_weights.keys()
+    assert all(torch.equal(ref_weights[k], w[k]) for k in w)
+
+
 @pytest.mark.parametrize("where", ["dcp", "state", "rename", "latest"])
 def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where,
                                                   reference_standin):

@@ -307,13 +307,13 @@ def parallelize_nemotron_h(
         dims.check_experts(config.n_routed_experts)
         for _, block in blocks:
             if block.block_type == "moe":
-                apply_expert_parallel(block.mixer.experts, dims.mesh("ep"), config.n_routed_experts)
+                apply_expert_parallel(block.mixer, dims.mesh("ep"))
 
     # 3. activation checkpointing (every-k-th counts global layer indices)
     if activation_checkpointing:
-        chosen = apply_activation_checkpointing(((int(k), b) for k, b in blocks),
-                                                activation_checkpointing)
+        chosen = apply_activation_checkpointing(model.backbone.layers, activation_checkpointing)
         logger.info("activation checkpointing on layers %s", chosen)
+        blocks = list(model.backbone.layers.items())  # the wrapped blocks: compile and shard those
 
     # 4. compile each block (in place: parameter names unchanged)
     if compile:
