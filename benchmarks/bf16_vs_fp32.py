@@ -69,7 +69,7 @@ def build_run(name: str, model_dir: str, batch: dict):
     import transformers
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-    from hybridtrain.training.optim import build_optimizer, clip_grad_norm, clipped_step
+    from hybridtrain.training.optim import build_optimizer, clip_grad_norm
     from hybridtrain.training.precision import autocast_context
     from hybridtrain.training.trainer import loss_sum
 
@@ -82,12 +82,12 @@ def build_run(name: str, model_dir: str, batch: dict):
         opt = build_optimizer(model, lr=1e-5)
         params = [p for p in model.parameters() if p.requires_grad]
 
-        def step():  # the trainer's step: clipping folded into the fused AdamW step
+        def step():  # the trainer's step: clip, then the fused AdamW step
             with autocast_context(dtype, "cpu"):
                 ce = loss_sum(model, batch)
             (ce / n_label).backward()
-            with clipped_step(opt, clip_grad_norm(params, None), 1.0):
-                opt.step()
+            clip_grad_norm(params, 1.0)
+            opt.step()
             opt.zero_grad(set_to_none=True)
             return float(ce.detach()) / n_label
         return step, dtype

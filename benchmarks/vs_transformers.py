@@ -98,7 +98,7 @@ def run_child(spec: dict) -> dict:
         if spec["ac"]:
             from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model.backbone.layers.items(), spec["ac"])
+            apply_activation_checkpointing(model.backbone.layers, spec["ac"])
         opt = build_optimizer(model, lr=1e-5)
 
         def loss_fn(b):

@@ -151,23 +151,47 @@ def test_activation_checkpointing_policies():
         parse_ac_policy({"bogus": 1})
 
 
-def test_activation_checkpointing_is_bitwise_and_keeps_names():
+def test_activation_checkpointing_is_bitwise_and_keeps_state_dict_keys():
     from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
 
     def run(policy):
         torch.manual_seed(0)
         m = NemotronHForCausalLM(tiny_config("mixed"))
-        names = set(dict(m.named_parameters()))
-        chosen = apply_activation_checkpointing(m.backbone.layers.items(), policy) if policy else []
+        keys = list(m.state_dict())
+        chosen = apply_activation_checkpointing(m.backbone.layers, policy) if policy else []
+        assert list(m.backbone.layers) == [str(i) for i in range(7)]  # same keys, wrapped blocks
+        assert list(m.state_dict()) == keys
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
         m(ids, labels=ids).backward()
-        assert set(dict(m.named_parameters())) == names
-        return chosen, {n: p.grad for n, p in m.named_parameters()}
+        return chosen, {n: p.grad for n, p in m.state_dict(keep_vars=True).items()
+                        if isinstance(p, torch.nn.Parameter)}
 
     _, ref = run(None)
     for policy, expect in [(True, list(range(7))), ({"every": 3}, [0, 3, 6]), ("moe", [3, 6])]:
         chosen, grads = run(policy)
-        assert [int(c) for c in chosen] == expect
+        assert chosen == expect
+        assert grads.keys() == ref.keys()
         for n, g in ref.items():
             assert torch.equal(grads[n], g), n
+
+
+def test_activation_checkpointing_names_the_torch_version_without_the_wrapper(monkeypatch):
+    import importlib
+    import re
+
+    from hybridtrain.distributed import activation_checkpoint as ac
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+
+    real = importlib.import_module
+
+    def without_wrapper(name, *a, **k):
+        if name == ac._WRAPPER_MODULE:
+            raise ModuleNotFoundError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", without_wrapper)
+    m = NemotronHForCausalLM(tiny_config("mixed"))
+    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} does not provide")):
+        ac.apply_activation_checkpointing(m.backbone.layers, True)
+    assert ac.apply_activation_checkpointing(m.backbone.layers, False) == []

@@ -154,3 +154,49 @@ def test_refuses_different_peft_settings(tmp_path):
         Checkpointer(str(tmp_path), state_extra={"peft": {**peft, "dim": 4}}).load(path, model)
     with pytest.raises(ValueError, match="checkpoint has adapters, this run has no peft section"):
         Checkpointer(str(tmp_path)).load(path, model)
+
+
+def _with_ac(model):
+    from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+
+    assert apply_activation_checkpointing(model.backbone.layers, {"every": 2})
+    return model
+
+
+def _dcp_keys(step_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(os.path.join(step_dir, "dcp")).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_activation_checkpointing_keeps_checkpoint_and_export_keys(tmp_path, lora):
+    """Checkpoint-wrapped blocks add ``_checkpoint_wrapped_module`` to named_parameters(): the
+    state dict, the DCP checkpoint, the HF export and the LoRA adapter keys must not see it."""
+    from safetensors import safe_open
+
+    from hybridtrain.peft.export import adapter_config, peft_state_dict
+    from hybridtrain.peft.lora import apply_lora, lora_settings, lora_state_dict, merged_state_dict
+
+    peft = {"dim": 2, "alpha": 4, "target_modules": ["q_proj", "in_proj", "experts.up_proj"]}
+    out = {}
+    for ac in (False, True):
+        model, opt, lrs, sched = _state(tiny_model)
+        if lora:
+            apply_lora(model, **peft)
+            opt = build_optimizer(model, lr=1e-2)
+        if ac:
+            _with_ac(model)
+            assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+        step = Checkpointer(str(tmp_path / f"ac{ac}"), state_extra={"peft": peft} if lora else None
+                            ).save(1, model, opt, lrs, sched, export=True)
+        keys = {"state_dict": list(model.state_dict()), "dcp": _dcp_keys(step)}
+        if lora:
+            keys.update(lora=list(lora_state_dict(model)), peft=list(peft_state_dict(model)),
+                        config=adapter_config(model), settings=lora_settings(model),
+                        merged=list(merged_state_dict(model)))
+        with safe_open(os.path.join(step, "hf", "model.safetensors"), "pt") as f:
+            keys["hf"] = sorted(f.keys())
+        out[ac] = keys
+    assert out[True] == out[False]
+    assert not any("_checkpoint_wrapped_module" in k for k in out[True]["dcp"])

@@ -147,7 +147,8 @@ def test_grouped_mm_path_matches_loop():
     counts = torch.tensor([3, 0, 2, 4, 1, 2, 0, 3])
     x = torch.randn(int(counts.sum()), m.config.hidden_size, requires_grad=True)
     try:
-        y_g = lexp._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32), lexp._ab("up_proj"), lexp._ab("down_proj"))
+        y_g = lexp._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32), lexp.up_proj, lexp.down_proj,
+                            lexp._ab("up_proj"), lexp._ab("down_proj"))
     except RuntimeError as e:
         pytest.skip(f"grouped_mm not available on CPU here: {e}")
     grads_g = torch.autograd.grad(y_g.square().sum(), [x, lexp.up_proj_lora_A, lexp.down_proj_lora_B])

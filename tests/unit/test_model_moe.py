@@ -145,3 +145,47 @@ def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
     assert any(n % multiple for n in seen)  # unaligned counts occur without the padding
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_experts_go_through_the_token_dispatcher_it_was_given():
+    """The layer calls ``token_dispatcher(experts, rows, counts)``; the default calls the experts."""
+    from hybridtrain.distributed.expert_parallel import LocalDispatcher
+
+    cfg, moe = _moe()
+    x = torch.randn(2, 5, cfg.hidden_size)
+    assert isinstance(moe.token_dispatcher, LocalDispatcher)
+    ref = moe(x)
+    seen = []
+
+    def recording(experts, rows, counts):
+        seen.append((experts, rows.shape[0], counts.tolist()))
+        return LocalDispatcher()(experts, rows, counts)
+
+    moe.token_dispatcher = recording
+    assert torch.equal(moe(x), ref)
+    (experts, n, counts), = seen
+    assert experts is moe.experts and n == 10 * cfg.num_experts_per_tok == sum(counts)
+
+
+def test_experts_without_rows_still_give_every_weight_a_gradient():
+    """Under expert parallelism a rank's experts may receive no row; FSDP needs their grads."""
+    cfg, moe = _moe()
+    rows = torch.zeros(0, cfg.hidden_size)
+    y = moe.experts(rows, torch.zeros(cfg.n_routed_experts, dtype=torch.long))
+    assert y.shape == (0, cfg.hidden_size)
+    assert y.requires_grad  # tied to the weights
+    y.sum().backward()
+    for n, p in moe.experts.named_parameters():
+        assert p.grad is not None and not p.grad.any(), n
+
+
+def test_expert_parallel_needs_experts_divisible_by_ep():
+    from hybridtrain.distributed.expert_parallel import apply_expert_parallel
+
+    class Mesh:
+        def size(self):
+            return 3
+
+    cfg, moe = _moe()
+    with pytest.raises(ValueError, match=f"{cfg.n_routed_experts} routed experts are not divisible by ep=3"):
+        apply_expert_parallel(moe, Mesh())

@@ -1,9 +1,13 @@
 """Per-block activation checkpointing: all blocks, every k-th block, or blocks of given types.
 
 A checkpointed block keeps only its inputs in forward and recomputes its activations in
-backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved, so results are
-bit-identical to the plain run). Parameter names do not change: the block's own ``forward`` is
-wrapped in place, so state dicts and checkpoints are the same with and without it.
+backward: the block is replaced in its ``nn.ModuleDict`` by torch's checkpoint wrapper
+(``checkpoint_wrapper``, non-reentrant, RNG state preserved, so results are bit-identical to the
+plain run), as torchtitan does. The wrapper holds the block as ``_checkpoint_wrapped_module``:
+``named_parameters()`` / ``named_modules()`` of the model show that extra level, while
+``state_dict()`` (and ``torch.distributed.checkpoint.state_dict``) strip it, so checkpoints are
+the same with and without checkpointing; code that turns module or parameter names into keys
+goes through :func:`state_dict_name`.
 
 Accepted settings (``training.activation_checkpointing``):
 
@@ -21,9 +25,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ACPolicy", "parse_ac_policy", "apply_activation_checkpointing"]
+__all__ = ["ACPolicy", "parse_ac_policy", "apply_activation_checkpointing", "state_dict_name"]
+
+# torch's checkpoint wrapper lives in a private module (stable since torch 2.0, used by FSDP and
+# torchtitan); the prefix below is the attribute name it keeps the wrapped module under
+_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+_WRAPPED_PREFIX = "_checkpoint_wrapped_module."
 
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
 _ALIASES = {"M": "linear_attention", "mamba": "linear_attention", "*": "full_attention",
@@ -95,37 +103,51 @@ def parse_ac_policy(value: Any, where: str = "training.activation_checkpointing"
     )
 
 
-def checkpoint_module(module: nn.Module) -> nn.Module:
-    """Recompute ``module``'s forward in backward (in place; parameter names unchanged)."""
-    if getattr(module, "_hybridtrain_ac", False):
-        return module
-    inner: Callable = module.forward
+def _checkpoint_wrapper():
+    """torch's ``checkpoint_wrapper`` and ``CheckpointImpl``, or a RuntimeError naming the torch
+    version when its (private) module is missing."""
+    import importlib
 
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    try:
+        mod = importlib.import_module(_WRAPPER_MODULE)
+        wrapper, impl = mod.checkpoint_wrapper, mod.CheckpointImpl
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"activation checkpointing needs {_WRAPPER_MODULE}.checkpoint_wrapper, which torch "
+            f"{torch.__version__} does not provide (torch 2.6 to 2.13 do); turn off "
+            "training.activation_checkpointing or use a torch version that has it"
+        ) from e
+    assert getattr(mod, "_CHECKPOINT_PREFIX", _WRAPPED_PREFIX) == _WRAPPED_PREFIX
+    return wrapper, impl
 
-    module.forward = forward
-    module._hybridtrain_ac = True
-    return module
+
+def state_dict_name(name: str) -> str:
+    """A module or parameter name as ``state_dict()`` spells it: without the checkpoint
+    wrapper's ``_checkpoint_wrapped_module.`` levels."""
+    return name.replace(_WRAPPED_PREFIX, "")
 
 
 def apply_activation_checkpointing(
-    blocks: Iterable[tuple[int, nn.Module]],
+    layers: nn.ModuleDict,
     policy: Any,
     layer_type: Callable[[nn.Module], str | None] = lambda b: getattr(b, "block_type", None),
 ) -> list[int]:
-    """Checkpoint the selected ``(layer_index, block)`` pairs; returns the selected indices.
+    """Replace the blocks of ``layers`` that ``policy`` selects by checkpoint-wrapped blocks
+    (same keys); returns the selected indices.
 
-    ``layer_index`` is the block's index in the whole model (so every-k-th is the same under
-    pipeline parallelism, where a stage holds a slice of the blocks).
+    ``layers``' keys are the blocks' indices in the whole model (so every-k-th is the same under
+    pipeline parallelism, where a stage holds a slice of the blocks); ``layer_type(block)`` names
+    a block's type for a per-type policy. Call it before FSDP / compile wrap the blocks.
     """
     policy = parse_ac_policy(policy)
+    if policy.mode == "none":
+        return []
+    wrapper, impl = _checkpoint_wrapper()
     chosen = []
-    for i, block in blocks:
-        i = int(i)  # ModuleDict keys are strings
+    for key, block in list(layers.items()):
+        assert not hasattr(block, _WRAPPED_PREFIX[:-1]), f"block {key} is checkpointed already"
+        i = int(key)
         if policy.selects(i, layer_type(block)):
-            checkpoint_module(block)
+            layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True)
             chosen.append(i)
     return chosen

@@ -1,9 +1,10 @@
 """Expert parallelism: routed experts sharded over the ``ep`` mesh dim, tokens moved by all-to-all.
 
 Each of the ``ep`` ranks holds ``n_routed_experts / ep`` consecutive experts (rank ``r`` holds
-experts ``[r·E_local, (r+1)·E_local)``). The MoE layer routes its tokens as usual and sorts the
-token copies by expert id; the experts module is then called as
-``experts(x_sorted, num_tokens_per_expert)``. Under EP that call is wrapped:
+experts ``[r·E_local, (r+1)·E_local)``). The MoE layer routes its tokens as usual, sorts the
+token copies by expert id and hands them to its token dispatcher. Without EP that is a
+:class:`LocalDispatcher`, which calls ``experts(x_sorted, num_tokens_per_expert)``; under EP
+(:func:`apply_expert_parallel`) it is an :class:`AllToAllDispatcher`:
 
 1. *dispatch*: the per-expert counts are exchanged first (``all_to_all_single`` of ``E``
    integers), then the token rows travel with ``all_to_all_single`` using variable split sizes
@@ -25,7 +26,6 @@ An optional DeepEP path (``ep_backend: deepep``) fails fast when requested and n
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ __all__ = [
     "EPDispatchState",
     "ep_dispatch",
     "ep_combine",
+    "LocalDispatcher",
+    "AllToAllDispatcher",
+    "local_tensor",
     "apply_expert_parallel",
     "check_ep_backend",
 ]
@@ -129,57 +132,71 @@ def ep_combine(y_local: torch.Tensor, state: EPDispatchState, group: dist.Proces
     return _a2a_autograd()(y_recv, state.input_splits, state.output_splits, group)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (differentiable), or ``t`` itself: what an experts module
+    computes with, so that it runs unchanged with or without expert parallelism."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def apply_expert_parallel(experts: nn.Module, ep_mesh, n_experts: int) -> nn.Module:
-    """Shard ``experts``' stacked parameters (leading dim ``n_experts``) over ``ep_mesh`` as
-    ``Shard(0)`` DTensors and wrap its forward with dispatch/combine (in place, names unchanged).
+class LocalDispatcher:
+    """No expert parallelism: every expert is on this rank, the rows go straight to them."""
 
-    ``experts.forward(x_sorted, num_tokens_per_expert)`` must accept rows sorted by expert id
-    and counts per expert; under EP it runs on its local experts' rows and counts only, with
-    its parameters seen as the local (plain tensor) shards.
+    def __call__(self, experts: nn.Module, x_sorted: torch.Tensor,
+                 num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return experts(x_sorted, num_tokens_per_expert)
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over ``group``: :func:`ep_dispatch` -> this rank's experts ->
+    :func:`ep_combine`. The experts module receives its local experts' rows and counts only."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, experts: nn.Module, x_sorted: torch.Tensor,
+                 num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        x_local, local_counts, state = ep_dispatch(x_sorted, num_tokens_per_expert, self.group)
+        return ep_combine(experts(x_local, local_counts), state, self.group)
+
+
+def apply_expert_parallel(moe: nn.Module, ep_mesh) -> None:
+    """Shard ``moe.experts`` over ``ep_mesh`` and route ``moe``'s tokens through all-to-all.
+
+    The interface ``moe`` must have:
+
+    * ``moe.experts``: a module whose own parameters are stacked over the experts (leading dim
+      = number of experts), called as ``experts(x_sorted, num_tokens_per_expert)`` and computing
+      with :func:`local_tensor` of its parameters; it must give every parameter a (zero)
+      gradient when it receives no rows, so that an FSDP reduce-scatter over the ranks that
+      shard the same experts stays in step;
+    * ``moe.token_dispatcher``: the callable ``moe`` sends its sorted rows through,
+      ``token_dispatcher(experts, x_sorted, num_tokens_per_expert)`` (a :class:`LocalDispatcher`
+      by default); set here to an :class:`AllToAllDispatcher` on ``ep_mesh``.
+
+    The experts' parameters become ``Shard(0)`` DTensors (same names, full shapes in
+    checkpoints). ``ValueError`` when the number of experts does not split evenly over the mesh.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    experts = moe.experts
+    params = dict(experts.named_parameters(recurse=False))
+    assert params and hasattr(moe, "token_dispatcher"), (
+        f"{type(moe).__name__} does not offer the expert-parallel interface "
+        "(stacked experts.* parameters and a token_dispatcher attribute)")
+    n_experts = next(iter(params.values())).shape[0]
     ep = ep_mesh.size()
     if n_experts % ep:
         raise ValueError(
-            f"n_routed_experts={n_experts} is not divisible by ep={ep}: each expert-parallel "
-            "rank must hold the same number of experts"
+            f"{type(moe).__name__}: {n_experts} routed experts are not divisible by ep={ep}: each "
+            "expert-parallel rank must hold the same number of experts; choose an ep that "
+            f"divides {n_experts}"
         )
-    names = [n for n, _ in experts.named_parameters(recurse=False)]
-    for name in names:
-        p = getattr(experts, name)
+    for name, p in params.items():
         assert p.shape[0] == n_experts, (
             f"expert parameter {name} {tuple(p.shape)} is not stacked over {n_experts} experts"
         )
         d = nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]), p.requires_grad)
         experts.register_parameter(name, d)
-    group = ep_mesh.get_group()
-    inner: Callable[..., Any] = experts.forward
-
-    def forward(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor, *args, **kwargs):
-        x_local, local_counts, state = ep_dispatch(x_sorted, num_tokens_per_expert, group)
-        # the experts' code sees its local shards as plain tensors (differentiable views);
-        # FSDP's hooks have already run, so the swap is invisible outside this call
-        params = experts._parameters
-        saved = {n: params[n] for n in names}
-        try:
-            for n in names:
-                params[n] = _local(saved[n])
-            y_local = inner(x_local, local_counts, *args, **kwargs)
-            if x_local.shape[0] == 0:
-                # no token reached this rank's experts: still give every expert weight a (zero)
-                # gradient, so that the FSDP reduce-scatter over efsdp ranks stays in step
-                y_local = y_local + sum(params[n].reshape(-1)[:1].sum() * 0 for n in names)
-        finally:
-            params.update(saved)
-        return ep_combine(y_local, state, group)
-
-    experts.forward = forward
-    experts._hybridtrain_ep = True
-    return experts
+    moe.token_dispatcher = AllToAllDispatcher(ep_mesh.get_group())

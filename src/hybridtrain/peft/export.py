@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.models.nemotron_h.moe import Experts
 
 from .lora import (
@@ -90,6 +91,7 @@ def _hub_modules(model: nn.Module) -> list[str]:
     """Hub names of every module LoRA could adapt (experts one per expert)."""
     out = []
     for name, mod in model.named_modules():
+        name = state_dict_name(name)
         if isinstance(mod, Experts):
             out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(mod.up_proj.shape[0])]
         elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:

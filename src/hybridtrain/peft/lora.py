@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.distributed.activation_checkpoint import state_dict_name
+from hybridtrain.distributed.expert_parallel import local_tensor
 from hybridtrain.models.nemotron_h import moe as _moe
 from hybridtrain.models.nemotron_h.moe import Experts
 
@@ -184,19 +186,22 @@ class LoRAExperts(Experts):
         for p in self.lora_projs:
             _init_pair(getattr(self, f"{p}_lora_A"), getattr(self, f"{p}_lora_B"))
 
-    def _ab(self, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _ab(self, proj: str, local: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The adapter pair of ``proj`` or None; ``local``: this rank's experts' shards."""
         if proj not in self.lora_projs:
             return None
-        return getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
+        A, B = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
+        return (local_tensor(A), local_tensor(B)) if local else (A, B)
 
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         global _GROUPED_MM_OK
-        up_ab, down_ab = self._ab("up_proj"), self._ab("down_proj")
+        up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)  # this rank's experts
+        up_ab, down_ab = self._ab("up_proj", local=True), self._ab("down_proj", local=True)
         if (_GROUPED_MM_OK and _moe._GROUPED_MM and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
                 and hasattr(F, "grouped_mm")):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
-                return self._grouped(sorted_x, offs, up_ab, down_ab)
+                return self._grouped(sorted_x, offs, up, down, up_ab, down_ab)
             except RuntimeError as e:  # e.g. a rank whose row size the kernel does not support
                 logger.warning("LoRA experts: torch grouped_mm failed (%s); using the per-expert loop", e)
                 _GROUPED_MM_OK = False
@@ -204,19 +209,19 @@ class LoRAExperts(Experts):
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
             if xe.shape[0] == 0:
                 continue
-            h = F.linear(xe, self.up_proj[e])
+            h = F.linear(xe, up[e])
             if up_ab is not None:
                 h = h + _delta(self.lora_dropout(xe), up_ab[0][e], up_ab[1][e], self.scale)
             h = self.act_fn(h)
-            y = F.linear(h, self.down_proj[e])
+            y = F.linear(h, down[e])
             if down_ab is not None:
                 y = y + _delta(self.lora_dropout(h), down_ab[0][e], down_ab[1][e], self.scale)
             outs.append(y)
         if not outs:
-            return sorted_x.new_zeros(sorted_x.shape[0], self.down_proj.shape[1])
+            return self.no_rows(sorted_x, down.shape[1])
         return torch.cat(outs, dim=0)
 
-    def _grouped(self, x, offs, up_ab, down_ab) -> torch.Tensor:
+    def _grouped(self, x, offs, up, down, up_ab, down_ab) -> torch.Tensor:
         def proj(inp, w, ab):
             out = F.grouped_mm(inp, w.transpose(1, 2), offs=offs)
             if ab is not None:
@@ -225,7 +230,7 @@ class LoRAExperts(Experts):
                 out = out + F.grouped_mm(t, B.transpose(1, 2), offs=offs) * self.scale
             return out
 
-        return proj(self.act_fn(proj(x, self.up_proj, up_ab)), self.down_proj, down_ab)
+        return proj(self.act_fn(proj(x, up, up_ab)), down, down_ab)
 
     def delta_weight(self, proj: str) -> torch.Tensor:
         """scale * B[e] @ A[e] for every expert, fp32 [E, out, in]."""
@@ -391,9 +396,10 @@ def _resolve(model: nn.Module, name: str) -> tuple[str, str | None]:
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear | LoRAExperts]]:
+    """``(name, adapter module)`` pairs; names as state dicts spell them (no wrapper levels)."""
     for name, mod in model.named_modules():
         if isinstance(mod, LORA_TYPES):
-            yield name, mod
+            yield state_dict_name(name), mod
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -427,13 +433,13 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only, under the model's parameter names (``...q_proj.lora_A``,
     ``...experts.up_proj_lora_A``). Detached, sharing storage (DTensors stay DTensors), so
     ``torch.distributed.checkpoint.load`` into it loads in place."""
-    return {n: p.detach() for n, p in model.named_parameters() if is_lora_param(n)}
+    return {state_dict_name(n): p.detach() for n, p in model.named_parameters() if is_lora_param(n)}
 
 
 @torch.no_grad()
 def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Copy adapter tensors (as returned by :func:`lora_state_dict`) into ``model``."""
-    params = {n: p for n, p in model.named_parameters() if is_lora_param(n)}
+    params = {state_dict_name(n): p for n, p in model.named_parameters() if is_lora_param(n)}
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(params))
     bad = [(n, tuple(state_dict[n].shape), tuple(params[n].shape)) for n in state_dict
@@ -457,7 +463,7 @@ def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (``W += s * B @ A``, computed in fp32) and put the
     plain modules back; all parameters require grad again. Returns the model (changed in place)."""
-    for name, mod in list(lora_modules(model)):
+    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, LORA_TYPES)]:
         if isinstance(mod, LoRAExperts):
             for p in mod.lora_projs:
                 w = getattr(mod, p)

@@ -1,11 +1,9 @@
-"""AdamW with weight-decay param groups, and gradient clipping (in place, or folded into the
-fused AdamW step)."""
+"""AdamW with weight-decay param groups, and gradient clipping (in place, before the step)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -113,32 +111,3 @@ def clip_grad_norm(
     if hasattr(total, "full_tensor"):  # DTensor gradients (FSDP2): the global norm
         total = total.full_tensor()
     return total
-
-
-def can_clip_in_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
-    """True when clipping can be folded into ``optimizer``'s step (:func:`clipped_step`): a fused
-    torch AdamW/Adam (whose kernel takes ``grad_scale``) over plain, non-DTensor gradients."""
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    if not all(g.get("fused") for g in optimizer.param_groups):
-        return False
-    devices = {p.device for p in params}
-    return len(devices) == 1 and not any(hasattr(p, "device_mesh") for p in params)
-
-
-@contextlib.contextmanager
-def clipped_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> Iterator[None]:
-    """``optimizer.step()`` inside this context updates with the gradients clipped to
-    ``max_norm`` (``total_norm``: their norm): the fused kernel divides every gradient by
-    ``max(total_norm / max_norm, 1)`` (``clip_grads_with_norm_``'s coefficient, inverted) as it
-    reads it, which saves the separate pass over all gradients that clipping in place costs
-    (8 ms of a 0.39 s bf16 step of the 48M MoE on one CPU thread). The mechanism is the one
-    torch's GradScaler uses (``optimizer.grad_scale``)."""
-    device = optimizer.param_groups[0]["params"][0].device
-    scale = (total_norm.detach().to(device, torch.float32) + 1e-6) / max_norm
-    optimizer.grad_scale = scale.clamp(min=1.0)
-    optimizer.found_inf = None
-    try:
-        yield
-    finally:
-        del optimizer.grad_scale, optimizer.found_inf

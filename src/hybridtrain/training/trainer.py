@@ -25,7 +25,6 @@ data-parallel group used for counts and loss reductions.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -37,7 +36,7 @@ from torch import nn
 
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
-from hybridtrain.training.optim import can_clip_in_step, clip_grad_norm, clipped_step
+from hybridtrain.training.optim import clip_grad_norm
 from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
@@ -196,7 +195,6 @@ class Trainer:
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
         self.model.train()
-        fold = False
         if num_label_tokens == 0:
             logger.warning("step %d: the global batch has no label tokens; skipping it",
                            self.sched.step + 1)
@@ -206,12 +204,7 @@ class Trainer:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.dims.all_reduce_dp(ce)[0] / num_label_tokens
-            params = self._params()
-            # clip in the optimizer's own pass where it can (the default clip fn: no parallel plan)
-            fold = (self.grad_clip is not None and self.grad_clip > 0
-                    and self.clip_grad_norm_fn is clip_grad_norm
-                    and can_clip_in_step(self.optimizer, params))
-            grad_norm = self.clip_grad_norm_fn(params, None if fold else self.grad_clip)
+            grad_norm = self.clip_grad_norm_fn(self._params(), self.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
         if skipped:
@@ -220,8 +213,7 @@ class Trainer:
                                self.sched.step + 1,
                                "loss" if not math.isfinite(loss_v) else "gradient norm", lr)
         else:
-            with clipped_step(self.optimizer, grad_norm, self.grad_clip) if fold else contextlib.nullcontext():
-                self.optimizer.step()
+            self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(self.sched.global_batch_size)
         self.optimizer.zero_grad(set_to_none=True)

@@ -7,9 +7,12 @@ experts) then top-k; the gate weights are the un-biased scores of the chosen exp
 renormalised (``norm_topk_prob``), times ``routed_scaling_factor``. A shared expert (dense MLP)
 is added to every token.
 
-The token flow is split into steps so that expert parallelism can slot an all-to-all between
-them: ``route`` -> ``permute`` (sort token copies by expert) -> ``Experts.forward(sorted, counts)``
--> ``unpermute`` (undo the sort, weight and sum the k copies of each token).
+The token flow is split into steps: ``route`` -> ``permute`` (sort token copies by expert) ->
+``token_dispatcher(experts, sorted, counts)`` -> ``unpermute`` (undo the sort, weight and sum the
+k copies of each token). The dispatcher is a plain attribute: a ``LocalDispatcher`` (calls
+``experts(sorted, counts)``) unless expert parallelism gave the layer its all-to-all dispatcher
+(``hybridtrain.distributed.expert_parallel``); ``Experts`` computes with the local shards of its
+weights, so the same code runs on all experts or on this rank's share of them.
 
 Experts are stacked weights, ``up_proj [E, I, H]`` and ``down_proj [E, H, I]`` (as transformers
 holds them; the Hub stores one ``experts.{j}.up_proj.weight`` per expert, see ``hf_io``).
@@ -23,6 +26,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
@@ -125,22 +130,30 @@ class Experts(nn.Module):
         nn.init.normal_(self.up_proj, mean=0.0, std=self.config.initializer_range)
         nn.init.normal_(self.down_proj, mean=0.0, std=self.config.initializer_range)
 
+    def no_rows(self, sorted_x: torch.Tensor, out_dim: int) -> torch.Tensor:
+        """The output for zero rows, tied to every parameter with a zero weight: each gets a (zero)
+        gradient, so that an FSDP reduce-scatter over the ranks sharding these experts (one of
+        which received no token under expert parallelism) stays in step."""
+        zero = sum(local_tensor(p).reshape(-1)[:1].sum() * 0 for p in self.parameters(recurse=False))
+        return sorted_x.new_zeros(sorted_x.shape[0], out_dim) + zero
+
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H]."""
+        """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
+        experts this module holds locally; all of them without expert parallelism)."""
         global _GROUPED_MM
+        up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)
         if _GROUPED_MM and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
             # CUDA bf16: one grouped GEMM per projection, no host sync
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
-                h = F.grouped_mm(sorted_x, self.up_proj.transpose(1, 2), offs=offs)
-                return F.grouped_mm(self.act_fn(h), self.down_proj.transpose(1, 2), offs=offs)
+                h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
+                return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
             except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
                 warnings.warn(f"torch grouped_mm failed ({e}); using the per-expert loop from now on")
                 _GROUPED_MM = False
         # fallback: a loop over experts on contiguous slices (never over tokens). The stacked
         # weights are split once (one gradient buffer in backward, not a zero-filled [E, ...]
         # buffer per expert) and, under autocast, cast once rather than per expert.
-        up, down = self.up_proj, self.down_proj
         device_type = sorted_x.device.type
         if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -160,7 +173,7 @@ class Experts(nn.Module):
             ye = F.linear(self.act_fn(F.linear(xe, ups[e])), downs[e])
             outs.append(ye[:n] if pad else ye)
         if not outs:
-            return sorted_x.new_zeros(sorted_x.shape[0], self.up_proj.shape[2])
+            return self.no_rows(sorted_x, up.shape[2])
         return torch.cat(outs, dim=0)
 
 
@@ -172,6 +185,8 @@ class MoE(nn.Module):
         self.gate = TopkRouter(config)
         self.experts = Experts(config)
         self.shared_experts = MLP(config, intermediate_size=config.moe_shared_expert_intermediate_size)
+        # how the sorted token rows reach the experts (expert parallelism sets an all-to-all one)
+        self.token_dispatcher = LocalDispatcher()
         if config.moe_latent_size is not None:
             self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=config.mlp_bias)
             self.fc2_latent_proj = nn.Linear(config.moe_latent_size, config.hidden_size, bias=config.mlp_bias)
@@ -199,7 +214,7 @@ class MoE(nn.Module):
         _, topk_weights, topk_idx = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         sorted_h, order, counts = permute(h, topk_idx, self.experts.num_experts)
-        y_sorted = self.experts(sorted_h, counts)
+        y_sorted = self.token_dispatcher(self.experts, sorted_h, counts)
         y = unpermute(y_sorted, order, topk_weights).to(hidden_states.dtype)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)

@@ -36,9 +36,9 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
         check_ep_backend(distributed.ep_backend, device.type)
         dims.check_experts(model.config.n_routed_experts)
         for block in moe_blocks:
-            apply_expert_parallel(block.mixer.experts, dims.mesh("ep"), model.config.n_routed_experts)  # TEMP old API
+            apply_expert_parallel(block.mixer, dims.mesh("ep"))
     if training.activation_checkpointing:
-        apply_activation_checkpointing(((int(k), b) for k, b in layers.items()), training.activation_checkpointing)  # TEMP old API
+        apply_activation_checkpointing(layers, training.activation_checkpointing)
     if training.compile:
         apply_compile(layers)
     if dims.fsdp_enabled:
