@@ -315,14 +315,15 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                                    total_steps=sched.max_steps, total_samples=total_samples)
 
     # checkpoints, metrics, resume
-    export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
+    state_extra = {}
+    export_fn = functools.partial(default_export, dtype=b.save_dtype)
     if peft is not None:
         from hybridtrain.peft.export import export_peft, save_merged_hf
 
         base = cfg.model.get("local_dir")
         state_extra = {"peft": peft, "base_model_name_or_path": base}
 
-        def export_fn(m, step_dir, tok, final):
+        def export_fn(m, step_dir, tok, final):  # noqa: F811 (the LoRA export replaces the default)
             export_peft(m, os.path.join(step_dir, "adapter"), base, tok)
             if final and ck.save_merged_hf:
                 save_merged_hf(m, os.path.join(step_dir, "merged_hf"), tok, dtype=b.save_dtype)
