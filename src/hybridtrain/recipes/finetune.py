@@ -278,6 +278,15 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         train_ds=train_ds, val_ds=val_ds, make_loader=make_loader)
 
 
+def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
+    """A LoRA run's export: the PEFT adapter, and with ``merged`` the merged HF model at the end."""
+    from hybridtrain.peft.export import export_peft, save_merged_hf
+
+    export_peft(model, os.path.join(step_dir, "adapter"), base, tokenizer)
+    if final and merged:
+        save_merged_hf(model, os.path.join(step_dir, "merged_hf"), tokenizer, dtype=dtype)
+
+
 # -- the recipe -------------------------------------------------------------------------------
 def run(cfg: Any) -> dict[str, Any]:
     """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
@@ -315,18 +324,12 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                                    total_steps=sched.max_steps, total_samples=total_samples)
 
     # checkpoints, metrics, resume
-    state_extra = {}
-    export_fn = functools.partial(default_export, dtype=b.save_dtype)
+    export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
     if peft is not None:
-        from hybridtrain.peft.export import export_peft, save_merged_hf
-
         base = cfg.model.get("local_dir")
         state_extra = {"peft": peft, "base_model_name_or_path": base}
-
-        def export_fn(m, step_dir, tok, final):  # noqa: F811 (the LoRA export replaces the default)
-            export_peft(m, os.path.join(step_dir, "adapter"), base, tok)
-            if final and ck.save_merged_hf:
-                save_merged_hf(m, os.path.join(step_dir, "merged_hf"), tok, dtype=b.save_dtype)
+        export_fn = functools.partial(_export_lora, base=base, merged=ck.save_merged_hf,
+                                      dtype=b.save_dtype)
 
     checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
                                 export_fn=export_fn, state_extra=state_extra)
