@@ -38,6 +38,7 @@ __all__ = [
     "LocalDispatcher",
     "AllToAllDispatcher",
     "local_tensor",
+    "zero_rows_output",
     "apply_expert_parallel",
     "check_ep_backend",
 ]
@@ -130,6 +131,15 @@ def ep_combine(y_local: torch.Tensor, state: EPDispatchState, group: dist.Proces
     """Inverse of :func:`ep_dispatch`: rows back to their source ranks, in sorted order."""
     y_recv = y_local.index_select(0, state.inv_perm)
     return _a2a_autograd()(y_recv, state.input_splits, state.output_splits, group)
+
+
+def zero_rows_output(experts: nn.Module, sorted_x: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """An experts module's output for zero rows, tied to each of its own parameters with a zero
+    weight: every one gets a (zero) gradient, so that an FSDP reduce-scatter over the ranks
+    sharding these experts (one of which received no token under expert parallelism) stays in
+    step."""
+    zero = sum(local_tensor(p).reshape(-1)[:1].sum() * 0 for p in experts.parameters(recurse=False))
+    return sorted_x.new_zeros(sorted_x.shape[0], out_dim) + zero
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,9 @@ class ModelSpec:
     * ``save_hf(state_dict, config, out_dir, dtype)``: write full tensors as a Hugging Face
       checkpoint; ``config_cls``: the config class (``from_dict``) of a saved checkpoint.
     * ``expert_modules``: module classes holding stacked per-expert weights (LoRA adapts
-      them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take.
+      them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take;
+      ``peft_module_prefixes``: {prefix of the transformers implementation's module names:
+      ours}, to read adapters PEFT wrote for it.
     """
 
     name: str
@@ -60,7 +62,7 @@ class ModelSpec:
     save_hf: Callable[..., None]
     expert_modules: tuple[type[nn.Module], ...] = ()
     lora_export_notes: Callable[[list[str]], str | None] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    peft_module_prefixes: dict[str, str] = field(default_factory=dict)
 
 
 _SPECS: dict[str, ModelSpec] = {}

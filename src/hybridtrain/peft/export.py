@@ -12,8 +12,8 @@ names::
 module with those names is adapted, otherwise a regular expression (PEFT full-matches it against
 module names) that names exactly the adapted modules.
 
-Loading accepts these files and adapters PEFT wrote for transformers' Nemotron-H (whose module
-names start with ``model.`` instead of ``backbone.``).
+Loading accepts these files and adapters PEFT wrote for the transformers implementation of the
+model (whose module names the spec's ``peft_module_prefixes`` map to ours).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
-from hybridtrain.models.nemotron_h.moe import Experts
+from hybridtrain.models.spec import get_model_spec, model_spec_for
 
 from .lora import (
+    expert_types,
     EXCLUDED_LINEARS,
     LoRAExperts,
     apply_lora,
@@ -92,7 +93,7 @@ def _hub_modules(model: nn.Module) -> list[str]:
     out = []
     for name, mod in model.named_modules():
         name = state_dict_name(name)
-        if isinstance(mod, Experts):
+        if isinstance(mod, expert_types(model)):
             out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(mod.up_proj.shape[0])]
         elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
             out.append(name)
@@ -220,27 +221,21 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
             f.write("\n")
 
     _write_dir(os.fspath(out_dir), write)
-    _note_peft_compat(meta["adapted"])
+    _note_peft_compat(model, meta["adapted"])
     return os.path.abspath(out_dir)
 
 
 _NOTED = False
 
 
-def _note_peft_compat(adapted: list[str]) -> None:
-    """Say once which adapters PEFT's ``PeftModel`` on transformers' Nemotron-H cannot take."""
+def _note_peft_compat(model: nn.Module, adapted: list[str]) -> None:
+    """Say once what PEFT's ``PeftModel`` on the transformers model cannot take (the spec's)."""
     global _NOTED
-    parts = []
-    if any(n.endswith(".mixer.out_proj") for n in adapted):
-        parts.append("Mamba out_proj (PEFT refuses it for nemotron_h)")
-    if any(_HUB_EXPERT.match(n) for n in adapted):
-        parts.append("routed experts (transformers stacks them and PEFT does not convert nemotron_h "
-                     "expert adapters)")
-    if parts and not _NOTED:
+    notes = model_spec_for(model).lora_export_notes
+    note = notes(adapted) if notes is not None else None
+    if note and not _NOTED:
         _NOTED = True
-        logger.info("the LoRA adapter includes %s: hybridtrain loads and merges it (load_peft_adapter, "
-                    "`hybridtrain merge`); peft.PeftModel on transformers' NemotronHForCausalLM "
-                    "takes only the other modules", " and ".join(parts))
+        logger.info("%s", note)
 
 
 def _gather_to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -285,11 +280,8 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     """A plain Hugging Face checkpoint with the adapters folded in; the model keeps its adapters.
     ``dtype``: the dtype to write (``checkpoint.save_dtype``, as for ``hf/``; None: as held).
     Collective under torch.distributed (full state dict gathered, rank 0 writes)."""
-    from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
-
-    cfg = model.config
-    if (model.backbone.embeddings is None or model.lm_head is None
-            or len(model.backbone.layers) != cfg.num_hidden_layers):
+    spec = model_spec_for(model)
+    if not spec.is_complete(model):
         raise ValueError("save_merged_hf needs the whole model on every rank (not pipeline stages); "
                          "export the adapter (export_peft) and run `hybridtrain merge --base BASE "
                          "--adapter ADAPTER --out OUT` instead")
@@ -300,8 +292,8 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     else:
         sd = model.state_dict()
     if _rank() == 0:
-        save_hf_checkpoint(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size,
-                           dtype=dtype)
+        spec.save_hf(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size,
+                      dtype=dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
     _barrier()
@@ -354,8 +346,9 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight "
                              "(expected '<module>.lora_A.weight' / '<module>.lora_B.weight')")
         mod, ab = m.group(1), m.group(2)
-        if mod.startswith("model.") and not hasattr(model, "model"):  # transformers' module names
-            mod = "backbone." + mod[len("model."):]
+        for theirs, ours in model_spec_for(model).peft_module_prefixes.items():
+            if mod.startswith(theirs) and not mod.startswith(ours):  # another implementation's names
+                mod = ours + mod[len(theirs):]
         e = _HUB_EXPERT.match(mod)
         if e:
             experts.setdefault((e.group(1), e.group(3), ab), {})[int(e.group(2))] = t
@@ -406,18 +399,27 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[
     return names
 
 
+def _model_class(hf_dir: str) -> type[nn.Module]:
+    """The model class of a Hugging Face folder: the spec named by its config's ``model_type``."""
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            model_type = json.load(f)["model_type"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: cannot read the model_type of the base model ({e})") from None
+    return get_model_spec(model_type).model_cls
+
+
 def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
                           out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
                           max_shard_size: int | str = "5GB") -> str:
     """Base HF checkpoint + PEFT adapter -> merged plain HF checkpoint (plus the base's tokenizer
     and generation files). Returns the output directory."""
-    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-
     base_dir, adapter_dir, out_dir = (os.path.abspath(os.fspath(d)) for d in (base_dir, adapter_dir, out_dir))
     if out_dir in (base_dir, adapter_dir):
         raise ValueError(f"--out {out_dir} must differ from --base and --adapter")
     _read_adapter(adapter_dir)  # fail on a bad adapter before loading a large base model
-    model = NemotronHForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    model = _model_class(base_dir).from_pretrained(base_dir, dtype=dtype)
     names = load_peft_adapter(model, adapter_dir)
     merge_lora(model)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)

@@ -1,11 +1,11 @@
-"""LoRA for Nemotron-H: adapter-aware linear and experts modules, target selection, merging.
+"""LoRA: adapter-aware linear and experts modules, target selection, merging.
 
 ``apply_lora(model, dim, alpha, ...)`` replaces each selected module *in place* by an adapter-aware
 subclass that keeps the base parameters (same ``Parameter`` objects, same names) and adds:
 
 * ``nn.Linear`` -> :class:`LoRALinear`: ``y = x W^T + b + s * B(A(dropout(x)))`` with
   ``lora_A [r, in]``, ``lora_B [out, r]`` and ``s = alpha / r``;
-* MoE :class:`~hybridtrain.models.nemotron_h.moe.Experts` (stacked ``up_proj [E, I, H]``,
+* MoE experts (a model spec's ``expert_modules``: stacked ``up_proj [E, I, H]``,
   ``down_proj [E, H, I]``) -> :class:`LoRAExperts`: one adapter per expert and projection,
   ``up_proj_lora_A [E, r, H]``, ``up_proj_lora_B [E, I, r]`` (same for ``down_proj``), applied to
   each expert's rows inside the grouped / per-expert-loop compute.
@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
-from hybridtrain.distributed.expert_parallel import local_tensor
+from hybridtrain.distributed.expert_parallel import local_tensor, zero_rows_output
 from hybridtrain.models.nemotron_h import moe as _moe
-from hybridtrain.models.nemotron_h.moe import Experts
+from hybridtrain.models.spec import model_spec_for
 
 __all__ = [
     "LoRALinear",
@@ -156,18 +156,30 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora_dim={self.lora_dim}, lora_alpha={self.lora_alpha}"
 
 
-class LoRAExperts(Experts):
+def expert_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The model's stacked-expert module classes (its spec's ``expert_modules``, and
+    :class:`LoRAExperts`, which takes their place)."""
+    try:
+        return model_spec_for(model).expert_modules + (LoRAExperts,)
+    except ValueError:  # not a registered model: plain linear layers only
+        return ()
+
+
+class LoRAExperts(nn.Module):
     """MoE experts with one LoRA adapter per expert for each projection in ``projs``.
 
-    ``forward(sorted_x, counts)`` as :class:`Experts`: rows grouped by expert. Expert ``e``
+    Takes over a spec's expert module (same parameter objects and names: stacked
+    ``up_proj [E, I, H]``, ``down_proj [E, H, I]``, ``act_fn`` between them) and, like it, runs
+    ``forward(sorted_x, counts)`` on rows grouped by expert. Expert ``e``
     computes ``down(act(up(x)))`` with ``up(x) = x W_up[e]^T + s * x A_up[e]^T B_up[e]^T``.
     Adapter tensors are stacked over the expert dim like the base weights, so expert
     parallelism shards them with the experts.
     """
 
-    def __init__(self, base: Experts, dim: int, alpha: float, dropout: float = 0.0,
+    def __init__(self, base: nn.Module, dim: int, alpha: float, dropout: float = 0.0,
                  projs: Sequence[str] = EXPERT_PROJS, dtype: torch.dtype | None = None):
         _adopt(self, base)
+        self.base_cls = type(base)
         assert set(projs) <= set(EXPERT_PROJS) and projs, projs
         self.lora_projs = tuple(p for p in EXPERT_PROJS if p in projs)
         self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
@@ -181,6 +193,10 @@ class LoRAExperts(Experts):
             self.register_parameter(f"{p}_lora_B", nn.Parameter(torch.empty(E, out_f, dim, **kw)))
         if base.up_proj.device.type != "meta":
             self.reset_lora_parameters()
+
+    def reset_parameters(self) -> None:
+        """The base experts' own initialisation (the adapters': :meth:`reset_lora_parameters`)."""
+        self.base_cls.reset_parameters(self)
 
     def reset_lora_parameters(self) -> None:
         for p in self.lora_projs:
@@ -218,7 +234,7 @@ class LoRAExperts(Experts):
                 y = y + _delta(self.lora_dropout(h), down_ab[0][e], down_ab[1][e], self.scale)
             outs.append(y)
         if not outs:
-            return self.no_rows(sorted_x, down.shape[1])
+            return zero_rows_output(self, sorted_x, down.shape[1])
         return torch.cat(outs, dim=0)
 
     def _grouped(self, x, offs, up, down, up_ab, down_ab) -> torch.Tensor:
@@ -237,9 +253,9 @@ class LoRAExperts(Experts):
         A, B = self._ab(proj)
         return torch.bmm(B.float(), A.float()) * self.scale
 
-    def to_plain(self) -> Experts:
+    def to_plain(self) -> nn.Module:
         with torch.device("meta"):
-            plain = Experts(self.config)
+            plain = self.base_cls(self.config)
         plain.up_proj, plain.down_proj = self.up_proj, self.down_proj
         plain.train(self.training)
         return plain
@@ -252,10 +268,11 @@ LORA_TYPES = (LoRALinear, LoRAExperts)
 def _candidates(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     """Adaptable names -> (module name, expert projection or None), in model order."""
     out: dict[str, tuple[str, str | None]] = {}
+    experts = expert_types(model)
     for name, mod in model.named_modules():
         if isinstance(mod, LORA_TYPES):
             raise ValueError(f"the model already has LoRA adapters ({name}); apply_lora once per model")
-        if isinstance(mod, Experts):
+        if isinstance(mod, experts):
             for p in EXPERT_PROJS:
                 out[f"{name}.{p}"] = (name, p)
         elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
@@ -299,7 +316,8 @@ def select_targets(model: nn.Module, target_modules=None, exclude_modules=None,
                    match_all_linear: bool = False) -> list[str]:
     """The candidate names (see module docstring) that the patterns select, in model order."""
     cands = _candidates(model)
-    n_exp = {n: m.up_proj.shape[0] for n, m in model.named_modules() if isinstance(m, Experts)}
+    n_exp = {n: m.up_proj.shape[0] for n, m in model.named_modules()
+             if isinstance(m, expert_types(model))}
     targets = _as_list(target_modules, "target_modules")
     excludes = _as_list(exclude_modules, "exclude_modules")
     if not cands:
@@ -372,7 +390,7 @@ def apply_lora(
         parent_name, _, child = mod_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         base = getattr(parent, child)
-        if isinstance(base, Experts):
+        if isinstance(base, expert_types(model)):
             new = LoRAExperts(base, dim, alpha, dropout, projs=projs, dtype=dtype)
         else:
             new = LoRALinear(base, dim, alpha, dropout, dtype=dtype)
@@ -390,7 +408,7 @@ def apply_lora(
 def _resolve(model: nn.Module, name: str) -> tuple[str, str | None]:
     """Adapted name -> (module name, expert projection or None)."""
     head, _, last = name.rpartition(".")
-    if last in EXPERT_PROJS and head and isinstance(model.get_submodule(head), Experts):
+    if last in EXPERT_PROJS and head and isinstance(model.get_submodule(head), expert_types(model)):
         return head, last
     return name, None
 

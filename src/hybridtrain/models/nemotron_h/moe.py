@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
+from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor, zero_rows_output
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
@@ -130,13 +130,6 @@ class Experts(nn.Module):
         nn.init.normal_(self.up_proj, mean=0.0, std=self.config.initializer_range)
         nn.init.normal_(self.down_proj, mean=0.0, std=self.config.initializer_range)
 
-    def no_rows(self, sorted_x: torch.Tensor, out_dim: int) -> torch.Tensor:
-        """The output for zero rows, tied to every parameter with a zero weight: each gets a (zero)
-        gradient, so that an FSDP reduce-scatter over the ranks sharding these experts (one of
-        which received no token under expert parallelism) stays in step."""
-        zero = sum(local_tensor(p).reshape(-1)[:1].sum() * 0 for p in self.parameters(recurse=False))
-        return sorted_x.new_zeros(sorted_x.shape[0], out_dim) + zero
-
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
@@ -173,7 +166,7 @@ class Experts(nn.Module):
             ye = F.linear(self.act_fn(F.linear(xe, ups[e])), downs[e])
             outs.append(ye[:n] if pad else ye)
         if not outs:
-            return self.no_rows(sorted_x, up.shape[2])
+            return zero_rows_output(self, sorted_x, up.shape[2])
         return torch.cat(outs, dim=0)
 
 

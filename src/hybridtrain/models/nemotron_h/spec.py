@@ -78,4 +78,5 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     save_hf=save_hf_checkpoint,
     expert_modules=(Experts,),
     lora_export_notes=lora_export_notes,
+    peft_module_prefixes={"model.": "backbone."},
 ))
