@@ -154,3 +154,15 @@ def test_refuses_different_peft_settings(tmp_path):
         Checkpointer(str(tmp_path), state_extra={"peft": {**peft, "dim": 4}}).load(path, model)
     with pytest.raises(ValueError, match="checkpoint has adapters, this run has no peft section"):
         Checkpointer(str(tmp_path)).load(path, model)
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_export_fn_gets_the_final_flag(tmp_path, final):
+    """``save(..., final=...)`` hands that flag to ``export_fn`` (LoRA writes merged_hf/ only on
+    the final checkpoint), not the step folder's path."""
+    seen = []
+    model, opt, lrs, sched = _state()
+    ck = Checkpointer(str(tmp_path), export_fn=lambda m, d, tok, fin: seen.append(fin))
+    path = ck.save(3, model, opt, lrs, sched, export=True, final=final)
+    assert seen == [final]
+    assert path == os.path.join(str(tmp_path), "step_3")
