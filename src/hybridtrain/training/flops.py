@@ -40,6 +40,9 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridtrain.config.dtypes import short_dtype_name, to_torch_dtype
+from hybridtrain.data.batch import IGNORE_INDEX
+
 logger = logging.getLogger(__name__)
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "M": "linear_attention",
@@ -183,7 +186,7 @@ def batch_doc_lengths(batch: dict) -> list[list[int]]:
     return [r for r in rows if r]
 
 
-def batch_flops(config, batch: dict, training: bool = True, ignore_index: int = -100) -> int:
+def batch_flops(config, batch: dict, training: bool = True, ignore_index: int = IGNORE_INDEX) -> int:
     """Training (or forward) FLOPs of the model on one collated batch: attention per document,
     the LM head on the label tokens only (as the chunked loss computes it)."""
     rows = batch_doc_lengths(batch)
@@ -210,18 +213,14 @@ _GPU_PEAKS = {
     "A100":        (312.0, 312.0, 156.0, 19.5),      # SXM and PCIe
 }
 _DTYPE_COLUMN = {"bf16": 0, "fp16": 1, "tf32": 2, "fp32": 3}
-_DTYPE_NAMES = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "tf32",
-}
 
 
 def _dtype_name(dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"peak_tflops: unsupported dtype {dtype!r}; use bf16, fp16, tf32 or fp32") from None
+    """The column name: ``bf16`` / ``fp16`` / ``fp32`` (any dtype alias), or ``tf32``."""
+    name = "tf32" if str(dtype).lower() == "tf32" else short_dtype_name(dtype)
+    if name is None:
+        raise ValueError(f"peak_tflops: unsupported dtype {dtype!r}; use bf16, fp16, tf32 or fp32")
+    return name
 
 
 def gpu_peak_tflops(device_name: str, dtype) -> float | None:
@@ -258,7 +257,7 @@ def peak_tflops(device: torch.device | str, dtype) -> float | None:
 
 @functools.lru_cache(maxsize=None)
 def _measure(dtype_name: str, n: int, iters: int, device: str, threads: int) -> float:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = to_torch_dtype(dtype_name)
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device=dev).manual_seed(0)
