@@ -63,10 +63,12 @@ examples:
   hybridtrain finetune -c recipe.yaml --nproc-per-node 8 --distributed.tp=2
   torchrun --nproc-per-node 8 -m hybridtrain finetune -c recipe.yaml   # runs in-process
 
-environment:
+environment (README: Environment variables):
   HYBRIDTRAIN_LOG_LEVEL=DEBUG     log level (rank 0; other ranks log warnings and errors)
   HYBRIDTRAIN_LOG_ALL_RANKS=1     log at that level on every rank
   HYBRIDTRAIN_FILTER_WARNINGS=1   silence Python warnings (shown by default)
+  HYBRIDTRAIN_DATA_CACHE=DIR      tokenized-dataset cache of datasets without a cache_dir
+  HYBRIDTRAIN_MAMBA_KERNELS=0     pure-PyTorch Mamba path even where the CUDA kernels import
 """
 
 
