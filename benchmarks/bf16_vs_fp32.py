@@ -28,7 +28,7 @@ large per-step buffers are not page-faulted in again every step (hybridtrain.tra
 "heap", what `training.cpu_allocator: auto` does on CPU); it applies to all runs.
 
 Prints tokens/s, achieved TFLOP/s and MFU against the measured matmul peak of each run's dtype,
-and the ratios: targets (issue 7) bf16 >= 3x fp32, and >= 1.2x transformers bf16.
+and the ratios: targets bf16 >= 3x fp32, and >= 1.2x transformers bf16.
 """
 
 from __future__ import annotations

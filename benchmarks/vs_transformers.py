@@ -27,7 +27,7 @@ the hybridtrain side. Every measurement runs in a fresh child process (so that p
 per side), sides alternating, ``--repeats`` times; the best step of a side is taken (the least
 disturbed by other load) and the load average is printed alongside, with tokens per CPU-second
 as a cross-check less sensitive to other processes. On a shared machine run it under
-``nice -n -15``. Targets (issue 6, 2-core CPU, 512 tokens): (a) >= 3x, (b) >= 1.2x, (c) <= 0.6x.
+``nice -n -15``. Targets (2-core CPU, 512 tokens): (a) >= 3x, (b) >= 1.2x, (c) <= 0.6x.
 """
 
 from __future__ import annotations

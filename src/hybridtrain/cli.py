@@ -5,7 +5,7 @@ Commands::
     hybridtrain finetune  -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain benchmark -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
-    hybridtrain merge     ...   (arguments defined by hybridtrain.peft.lora.merge_cli)
+    hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
 
 ``finetune``/``benchmark`` load the recipe, apply its ``dist_env`` (before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
@@ -14,7 +14,7 @@ then either run in this process (one process, or under an external ``torchrun``)
 The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)``, ``hybridtrain.recipes.benchmark:run(cfg, args)``,
 ``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
-``hybridtrain.peft.lora:merge_cli(argv)``.
+``hybridtrain.peft.export:merge_cli(argv)``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 import hybridtrain
 from hybridtrain.config import ConfigError, apply_dist_env, load_config
+from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
 
@@ -62,10 +63,12 @@ examples:
   hybridtrain finetune -c recipe.yaml --nproc-per-node 8 --distributed.tp=2
   torchrun --nproc-per-node 8 -m hybridtrain finetune -c recipe.yaml   # runs in-process
 
-environment:
+environment (README: Environment variables):
   HYBRIDTRAIN_LOG_LEVEL=DEBUG     log level (rank 0; other ranks log warnings and errors)
   HYBRIDTRAIN_LOG_ALL_RANKS=1     log at that level on every rank
   HYBRIDTRAIN_FILTER_WARNINGS=1   silence Python warnings (shown by default)
+  HYBRIDTRAIN_DATA_CACHE=DIR      tokenized-dataset cache of datasets without a cache_dir
+  HYBRIDTRAIN_MAMBA_KERNELS=0     pure-PyTorch Mamba path even where the CUDA kernels import
 """
 
 
@@ -209,7 +212,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                        "(config.json, safetensors, tokenizer; adapter_* for LoRA runs).")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a step_N/ folder or a run folder")
     p.add_argument("out_dir", metavar="OUT_HF_DIR", help="output folder")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
                    help="dtype of the exported weights (default: as trained, float32)")
     sub.add_parser("merge", add_help=False,
                    help="merge a LoRA adapter into its base model "
@@ -249,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         if argv and argv[0] == "merge":
-            merge = _load_entry("hybridtrain.peft.lora", "merge_cli", "merge")
+            merge = _load_entry("hybridtrain.peft.export", "merge_cli", "merge")
             result = merge(argv[1:])
             return result if isinstance(result, int) and not isinstance(result, bool) else 0
         parser, known = build_parser()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridtrain.data.batch import IGNORE_INDEX as IGNORE
 from hybridtrain.distributed.parallel_dims import ParallelDims
 
 STEPS = 5
@@ -18,7 +19,6 @@ GBS = 8
 MBS = 2
 SEQ = 16
 LR = 2e-4
-IGNORE = -100
 
 
 def make_model(seed: int = 0):

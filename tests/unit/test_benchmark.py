@@ -1,4 +1,5 @@
-"""`hybridtrain benchmark`: the recipe runs on CPU and reports what issue 6 asks for.
+"""`hybridtrain benchmark`: the recipe runs on CPU and reports tokens/s, TFLOPs, MFU,
+memory and the cost growth over sequence lengths.
 
 Speed itself is not asserted here (timed unit tests are flaky by nature); benchmarks/ prints the
 measured ratios."""

@@ -1,4 +1,4 @@
-"""Cost growth (issue 6 point 6): the memory a Mamba layer keeps for backward grows linearly with
+"""Cost growth: the memory a Mamba layer keeps for backward grows linearly with
 the sequence length -- measured exactly, as the bytes autograd saves, not by timing."""
 
 import pytest

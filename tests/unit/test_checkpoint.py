@@ -200,3 +200,15 @@ def test_activation_checkpointing_keeps_checkpoint_and_export_keys(tmp_path, lor
         out[ac] = keys
     assert out[True] == out[False]
     assert not any("_checkpoint_wrapped_module" in k for k in out[True]["dcp"])
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_export_fn_gets_the_final_flag(tmp_path, final):
+    """``save(..., final=...)`` hands that flag to ``export_fn`` (LoRA writes merged_hf/ only on
+    the final checkpoint), not the step folder's path."""
+    seen = []
+    model, opt, lrs, sched = _state()
+    ck = Checkpointer(str(tmp_path), export_fn=lambda m, d, tok, fin: seen.append(fin))
+    path = ck.save(3, model, opt, lrs, sched, export=True, final=final)
+    assert seen == [final]
+    assert path == os.path.join(str(tmp_path), "step_3")

@@ -131,18 +131,18 @@ def test_missing_command_module_is_a_clear_error(recipe, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hybridtrain.recipes.finetune", None)
     assert cli.main(["finetune", "-c", str(recipe)]) == 2
     assert "'hybridtrain finetune' is not available" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "hybridtrain.peft.lora", None)
+    monkeypatch.setitem(sys.modules, "hybridtrain.peft.export", None)
     assert cli.main(["merge", "a", "b"]) == 2
     assert "'hybridtrain merge' is not available" in capsys.readouterr().err
 
 
 def test_merge_and_convert_dispatch(monkeypatch, tmp_path):
     seen = {}
-    lora = types.ModuleType("hybridtrain.peft.lora")
-    lora.merge_cli = lambda argv: seen.setdefault("merge", argv) and 0
+    export = types.ModuleType("hybridtrain.peft.export")
+    export.merge_cli = lambda argv: seen.setdefault("merge", argv) and 0
     ckpt = types.ModuleType("hybridtrain.training.checkpoint")
     ckpt.convert = lambda src, dst: seen.setdefault("convert", (src, dst))
-    monkeypatch.setitem(sys.modules, "hybridtrain.peft.lora", lora)
+    monkeypatch.setitem(sys.modules, "hybridtrain.peft.export", export)
     monkeypatch.setitem(sys.modules, "hybridtrain.training.checkpoint", ckpt)
     assert cli.main(["merge", "--adapter", "x", "--help"]) == 0
     assert seen["merge"] == ["--adapter", "x", "--help"]

@@ -282,7 +282,7 @@ def test_allowed_prefix_extension(tmp_path):
     cfg = load_config(write(tmp_path, "allowed_target_prefixes: [collections]\n" + body))
     assert instantiate(cfg.model) == {"a": 1}
     cfg = load_config(write(tmp_path, body), allowed_target_prefixes=["collections."])
-    assert cfg.model.instantiate() == {"a": 1}
+    assert instantiate(cfg.model) == {"a": 1}
     cfg = load_config(write(tmp_path, body), ["--allowed_target_prefixes=[collections.]"])
     assert cfg.allowed_target_prefixes == ["collections."]
     # extending does not drop the defaults

@@ -1,4 +1,4 @@
-"""FLOPs accounting against torch.utils.flop_counter.FlopCounterMode (issue 6 point 1).
+"""FLOPs accounting against torch.utils.flop_counter.FlopCounterMode.
 
 What FlopCounterMode counts, and how it is compared with hybridtrain.training.flops:
 

@@ -1,4 +1,4 @@
-"""Chunked linear cross-entropy equals the plain computation (issue 6 point 3, issue 7)."""
+"""Chunked linear cross-entropy equals the plain computation."""
 
 import pytest
 import torch

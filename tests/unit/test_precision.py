@@ -1,4 +1,4 @@
-"""Mixed precision (issue 7): bf16 against transformers' NemotronH in bf16, the fp32 islands
+"""Mixed precision: bf16 against transformers' NemotronH in bf16, the fp32 islands
 (router, SSD scan, norms, loss) checked on the dtypes of the ops that actually run, bf16 Hub
 checkpoints in and out of fp32 runs, and the dtype resolution."""
 

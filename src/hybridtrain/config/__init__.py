@@ -7,7 +7,7 @@ The API the rest of hybridtrain uses::
     cfg = load_config("recipe.yaml", ["--training.max_steps=5"])   # ConfigNode
     apply_dist_env(cfg.dist_env)              # before torch.cuda / torch.distributed
     cfg.training.max_steps                    # schema defaults are filled in
-    model = instantiate(cfg.model)            # or cfg.model.instantiate()
+    model = instantiate(cfg.model)
     opt = instantiate(cfg.optimizer, params)  # call-site arguments are added
     raise ValueError(f"... ({cfg.training.where('global_batch_size')})")  # "recipe.yaml:12"
 
@@ -16,14 +16,9 @@ Nothing in this package imports torch.
 """
 
 from hybridtrain.config.dist_env import apply_dist_env, dist_env_vars
-from hybridtrain.config.instantiate import (
-    DEFAULT_ALLOWED_PREFIXES,
-    instantiate,
-    is_target_allowed,
-    resolve_target,
-)
+from hybridtrain.config.errors import ConfigError
+from hybridtrain.config.instantiate import instantiate, resolve_target
 from hybridtrain.config.loader import (
-    ConfigError,
     Override,
     build_config,
     load_config,
@@ -32,6 +27,7 @@ from hybridtrain.config.loader import (
 )
 from hybridtrain.config.node import ConfigNode
 from hybridtrain.config.schema import SECTIONS
+from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, is_target_allowed
 
 __all__ = [
     "ConfigError", "ConfigNode", "Override", "SECTIONS", "DEFAULT_ALLOWED_PREFIXES",

@@ -24,7 +24,7 @@ import re
 import sys
 from typing import Any, Callable, Mapping, MutableMapping
 
-from hybridtrain.config.loader import ConfigError
+from hybridtrain.config.errors import ConfigError
 
 __all__ = ["dist_env_vars", "apply_dist_env"]
 

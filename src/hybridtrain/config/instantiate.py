@@ -11,10 +11,8 @@ A mapping ``{_target_: a.b.callable, k1: v1, ...}`` becomes ``a.b.callable(k1=v1
 * keys are checked against the callable's signature before anything is built: an unknown
   key is a ``ValueError`` naming the key, where it was set and the nearest parameter name.
 
-YAML must not become arbitrary code execution: a ``_target_`` must lie under one of
-``DEFAULT_ALLOWED_PREFIXES`` or a prefix the user added explicitly (a top-level
-``allowed_target_prefixes: [mypkg.]`` in the recipe, ``--allowed_target_prefixes=[mypkg.]``, or
-``load_config(..., allowed_target_prefixes=[...])``). The check runs before any import.
+Every ``_target_`` is checked against the recipe's allow-list (``hybridtrain.config.targets``)
+before anything is imported.
 """
 
 from __future__ import annotations
@@ -22,49 +20,15 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
-from hybridtrain.config.loader import ConfigError
+from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigNode, dotted, suggest
+from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, check_target
 
-__all__ = ["DEFAULT_ALLOWED_PREFIXES", "instantiate", "resolve_target", "check_target",
-           "normalize_prefixes", "is_target_allowed"]
+__all__ = ["instantiate", "resolve_target"]
 
-DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("hybridtrain.", "torch.", "transformers.",
-                                             "datasets.")
 _RESERVED = ("_target_", "_partial_", "_args_")
-
-
-def normalize_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:
-    """``["mypkg", "torch."]`` -> ``("mypkg.", "torch.")`` (deduplicated, order kept)."""
-    out: list[str] = []
-    for p in prefixes:
-        p = str(p).strip()
-        p = p if p.endswith(".") else p + "."
-        if p not in out:
-            out.append(p)
-    return tuple(out)
-
-
-def is_target_allowed(target: str, prefixes: Iterable[str]) -> bool:
-    return any(target.startswith(p) or target == p[:-1] for p in normalize_prefixes(prefixes))
-
-
-def check_target(target: Any, prefixes: Iterable[str], key_path: str, where: str) -> None:
-    """Raise ``ConfigError`` unless ``target`` is a dotted name under an allowed prefix."""
-    if not isinstance(target, str) or not target.strip() or " " in target.strip():
-        raise ConfigError(f"'{key_path}' must be a dotted name like 'torch.optim.AdamW', "
-                          f"got {target!r} ({where})")
-    prefixes = normalize_prefixes(prefixes)
-    if is_target_allowed(target, prefixes):
-        return
-    top = target.split(".")[0]
-    raise ConfigError(
-        f"_target_ '{target}' at '{key_path}' ({where}) is not allowed: a recipe may only "
-        f"name callables under {', '.join(prefixes)}. If you trust '{top}', allow it "
-        f"explicitly with a top-level recipe key `allowed_target_prefixes: [{top}.]`, the "
-        f"override --allowed_target_prefixes=[{top}.], or "
-        f"load_config(..., allowed_target_prefixes=['{top}.'])")
 
 
 def resolve_target(target: str) -> Callable:

@@ -25,17 +25,17 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from hybridtrain.config.dist_env import dist_env_vars
+from hybridtrain.config.dtypes import canonical_dtype_name
+from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
 from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
+from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, check_target, normalize_prefixes
 
 __all__ = [
     "ConfigError", "Override", "load_config", "build_config", "parse_overrides",
     "parse_scalar", "split_cli_overrides",
 ]
-
-
-class ConfigError(ValueError):
-    """A mistake in a recipe or an override. The message names the key and where it was set."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,9 +302,6 @@ def _interpolate(value: Any, path: tuple, meta: ConfigMeta, environ: Mapping[str
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
 def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
     types = spec.types
     if types is None:
@@ -319,7 +316,7 @@ def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
         raise ConfigError(f"'{name}.{key}' must be {want}, got {value!r} "
                           f"({type(value).__name__}) in {where}")
     if spec.choices and isinstance(value, str):
-        low = _DTYPE_ALIASES.get(value.lower(), value.lower())
+        low = canonical_dtype_name(value) or value.lower()
         for choice in spec.choices:
             if choice.lower() == low:
                 return choice
@@ -354,15 +351,11 @@ def _validate_dist_env(node: Any, meta: ConfigMeta) -> dict:
     if not isinstance(node, dict):
         raise ConfigError(f"section 'dist_env' must be a mapping of names to values, "
                           f"got {node!r} in {meta.where(('dist_env',))}")
-    from hybridtrain.config.dist_env import dist_env_vars
-
     dist_env_vars(node, where=lambda key: meta.where(("dist_env", key)))  # raises on mistakes
     return node
 
 
 def _check_targets(value: Any, path: tuple, meta: ConfigMeta) -> None:
-    from hybridtrain.config.instantiate import check_target
-
     if isinstance(value, dict):
         if "_target_" in value:
             check_target(value["_target_"], meta.allowed_target_prefixes,
@@ -391,8 +384,6 @@ def build_config(
     environ: Mapping[str, str] | None = None,
 ) -> ConfigNode:
     """Build a validated config from already-parsed recipe data (see ``load_config``)."""
-    from hybridtrain.config.instantiate import DEFAULT_ALLOWED_PREFIXES, normalize_prefixes
-
     environ = os.environ if environ is None else environ
     locs = dict(locs or {})
     meta = ConfigMeta(source, locs)

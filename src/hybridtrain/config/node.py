@@ -14,6 +14,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable
 
+from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES
+
 __all__ = ["ConfigNode", "ConfigMeta", "dotted", "suggest"]
 
 
@@ -49,8 +51,6 @@ class ConfigMeta:
         self.source = source
         self.locs: dict[tuple, str] = dict(locs or {})
         if allowed_target_prefixes is None:
-            from hybridtrain.config.instantiate import DEFAULT_ALLOWED_PREFIXES
-
             allowed_target_prefixes = DEFAULT_ALLOWED_PREFIXES
         self.allowed_target_prefixes = tuple(allowed_target_prefixes)
 
@@ -146,12 +146,6 @@ class ConfigNode(dict):
         import yaml
 
         return yaml.safe_dump(_plain(self, for_yaml=True), sort_keys=False)
-
-    def instantiate(self, *args: Any, **kwargs: Any) -> Any:
-        """Instantiate this node's ``_target_`` (see ``hybridtrain.config.instantiate``)."""
-        from hybridtrain.config.instantiate import instantiate
-
-        return instantiate(self, *args, **kwargs)
 
 
 def _plain(value: Any, for_yaml: bool = False) -> Any:

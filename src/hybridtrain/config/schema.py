@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridtrain.config.dtypes import DTYPE_NAMES
+
 __all__ = ["K", "Section", "SECTIONS", "TOP_LEVEL_KEYS", "section_defaults"]
 
 
@@ -82,7 +84,7 @@ TRAINING = {
                        "bfloat16 runs under autocast); auto -> bfloat16 on CUDA and on CPUs with "
                        "native bf16 matmul (avx512_bf16/amx_bf16), else float32; float16 is "
                        "refused (needs loss scaling)",
-               choices=("auto", "float32", "bfloat16", "float16")),
+               choices=("auto", *DTYPE_NAMES)),
     "device": K("auto", "auto -> cuda when available else cpu", choices=("auto", "cpu", "cuda")),
     "cpu_allocator": K("auto", "glibc malloc for CPU training: heap -> freed large blocks are "
                                "reused (far fewer page faults per step; resident memory stays with the "
@@ -164,7 +166,7 @@ CHECKPOINT = {
     "save_dtype": K("auto", "dtype of the HF export (hf/, convert); step_{N}/ always keeps the "
                             "float32 masters. auto -> the dtype the weights were loaded from "
                             "(bfloat16 for a bf16 Hub checkpoint), else the parameter dtype",
-                    choices=("auto", "float32", "bfloat16", "float16")),
+                    choices=("auto", *DTYPE_NAMES)),
     "save_merged_hf": K(False, "LoRA: also write a merged full-weight HF dir (merged_hf/)"),
 }
 

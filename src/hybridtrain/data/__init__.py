@@ -9,62 +9,43 @@ Builders a YAML ``_target_`` can call (signatures in each module's docstring):
 - ``hybridtrain.data.PaddingCollator`` / ``PackedCollator`` / ``build_collator`` (collate.py)
 - ``hybridtrain.data.write_synthetic_squad``                        (synthetic.py)
 
-Label convention (all datasets, packed or not): ``labels`` are already shifted --
-``labels[t] == input_ids[t + 1]`` when token ``t + 1`` is trained on, else -100 -- and the last
-token of every document is -100, so the loss is ``cross_entropy(logits[t], labels[t])`` and no
-label crosses a document boundary. Every batch carries ``num_label_tokens`` and ``num_tokens``.
+The batch every collator returns (keys, ``IGNORE_INDEX``, label convention, token counts) is
+described in ``hybridtrain.data.batch``. The names below are imported on first use.
 """
 
-from .chat import ChatDataset, build_chat_dataset
-from .collate import PackedCollator, PaddingCollator, build_collator
-from .dataset import IGNORE_INDEX, TokenizedDataset, default_cache_dir
-from .io import (
-    AnswerMismatchError,
-    ChatFormatError,
-    DataError,
-    EmptyDatasetError,
-    MalformedJSONError,
-    MissingFieldError,
-)
-from .packing import PackedDataset, first_fit_decreasing, pack_dataset, pack_sequences
-from .squad import SquadDataset, build_squad_dataset, read_squad
-from .synthetic import synthetic_squad, synthetic_texts, write_synthetic_squad
-from .tokenizer import (
-    CHATML_TEMPLATE,
-    CHATML_TEMPLATE_NO_GENERATION,
-    build_bpe_tokenizer,
-    load_tokenizer,
-    tokenizer_fingerprint,
-)
+import importlib
 
-__all__ = [
-    "AnswerMismatchError",
-    "CHATML_TEMPLATE",
-    "CHATML_TEMPLATE_NO_GENERATION",
-    "ChatDataset",
-    "ChatFormatError",
-    "DataError",
-    "EmptyDatasetError",
-    "IGNORE_INDEX",
-    "MalformedJSONError",
-    "MissingFieldError",
-    "PackedCollator",
-    "PackedDataset",
-    "PaddingCollator",
-    "SquadDataset",
-    "TokenizedDataset",
-    "build_bpe_tokenizer",
-    "build_chat_dataset",
-    "build_collator",
-    "build_squad_dataset",
-    "default_cache_dir",
-    "first_fit_decreasing",
-    "load_tokenizer",
-    "pack_dataset",
-    "pack_sequences",
-    "read_squad",
-    "synthetic_squad",
-    "synthetic_texts",
-    "tokenizer_fingerprint",
-    "write_synthetic_squad",
-]
+# public name -> the module that defines it; imported on first use, so that importing a light
+# module (``hybridtrain.data.batch``) does not load torch, datasets or transformers
+_EXPORTS = {
+    "IGNORE_INDEX": "batch",
+    "ChatDataset": "chat", "build_chat_dataset": "chat",
+    "PackedCollator": "collate", "PaddingCollator": "collate", "build_collator": "collate",
+    "TokenizedDataset": "dataset", "default_cache_dir": "dataset",
+    "AnswerMismatchError": "io", "ChatFormatError": "io", "DataError": "io",
+    "EmptyDatasetError": "io", "MalformedJSONError": "io", "MissingFieldError": "io",
+    "PackedDataset": "packing", "first_fit_decreasing": "packing", "pack_dataset": "packing",
+    "pack_sequences": "packing",
+    "SquadDataset": "squad", "build_squad_dataset": "squad", "read_squad": "squad",
+    "synthetic_squad": "synthetic", "synthetic_texts": "synthetic",
+    "write_synthetic_squad": "synthetic",
+    "CHATML_TEMPLATE": "tokenizer", "CHATML_TEMPLATE_NO_GENERATION": "tokenizer",
+    "build_bpe_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "tokenizer_fingerprint": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

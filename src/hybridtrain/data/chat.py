@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from .batch import IGNORE_INDEX
 from .dataset import (
     SourceDataset,
     Stats,
@@ -289,7 +290,7 @@ def chat_tokenize_batch(
         if cut:
             ids, mask = ids[:seq_length], mask[:seq_length]
         labels = shifted_labels(ids, [bool(m) for m in mask])
-        n_lab = sum(1 for x in labels if x != -100)
+        n_lab = sum(1 for x in labels if x != IGNORE_INDEX)
         reason = ""
         if n_lab == 0:
             reason = "no_supervised_tokens_after_truncation" if cut else "no_supervised_tokens"

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .dataset import IGNORE_INDEX
+from .batch import IGNORE_INDEX
 
 
 def _as_list(x) -> list[int]:

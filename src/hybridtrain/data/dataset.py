@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batch import IGNORE_INDEX
 from .io import EmptyDatasetError, describe_drop_reasons, resolve_data_files
 
 logger = logging.getLogger("hybridtrain.data")
 
-IGNORE_INDEX = -100
 CACHE_FORMAT_VERSION = 1
 
 

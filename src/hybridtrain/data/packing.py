@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .dataset import IGNORE_INDEX
+from .batch import IGNORE_INDEX
 
 
 def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:

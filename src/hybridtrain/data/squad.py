@@ -39,8 +39,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from .batch import IGNORE_INDEX
 from .dataset import (
-    IGNORE_INDEX,
     SourceDataset,
     Stats,
     build_cached,

@@ -26,6 +26,8 @@ import os
 import random
 from pathlib import Path
 
+from hybridtrain.fileio import atomic_write
+
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr", "st"]
 _VOWELS = ["a", "e", "i", "o", "u", "ia", "ou"]
 _CODAS = ["", "", "n", "r", "s", "l", "th"]
@@ -132,13 +134,11 @@ def synthetic_squad(
 
 def write_synthetic_squad(path: str | os.PathLike, num_questions: int = 2000, seed: int = 0,
                           **kwargs) -> Path:
-    """Write :func:`synthetic_squad` as JSON to ``path``; returns the path."""
+    """Write :func:`synthetic_squad` as JSON to ``path``; returns the path. Safe when every
+    rank calls it at once (a file that already holds the document is not rewritten)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = synthetic_squad(num_questions, seed, **kwargs)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, ensure_ascii=False))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(doc, ensure_ascii=False))
     return path
 
 

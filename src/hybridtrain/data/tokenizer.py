@@ -8,7 +8,8 @@
   ``texts`` and saves a standard HF tokenizer directory (``tokenizer.json``,
   ``tokenizer_config.json``, ``chat_template.jinja``) with the special tokens ``<|pad|>`` (pad),
   ``<|endoftext|>`` (eos), ``<|im_start|>`` and ``<|im_end|>`` (chat turns). Returns the tokenizer
-  as loaded back from ``out_dir``.
+  as loaded back from ``out_dir``. Safe when several ranks build the same tokenizer at once
+  (files are renamed into place; a file that holds the same bytes is not rewritten).
 - ``CHATML_TEMPLATE``: a ChatML template (system/user/assistant/tool turns, optional ``tools``
   and assistant ``tool_calls``) whose assistant content and ``<|im_end|>`` sit inside
   ``{% generation %}`` markers, so ``apply_chat_template(..., return_assistant_tokens_mask=True)``
@@ -24,8 +25,12 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from hybridtrain.fileio import publish_files
 
 from .io import DataError
 
@@ -147,8 +152,15 @@ def build_bpe_tokenizer(
         model_max_length=model_max_length,
     )
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(str(out_dir))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # saved into a private folder, then each file renamed into place: several ranks may build
+    # the same tokenizer at once, and a rank may load it while another writes it
+    tmp = tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent)
+    try:
+        hf.save_pretrained(tmp)
+        publish_files(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return load_tokenizer(out_dir)
 
 

@@ -1,15 +1,61 @@
-"""Helpers that need the parallel layout: gradient norm/clipping over meshes and pipeline stages."""
+"""Process helpers and gradient norms over a parallel layout.
+
+- ``is_distributed()``, ``get_rank()``, ``get_world_size()``, ``is_main_process()``,
+  ``barrier()``: the default process group's, and 0 / 1 / True / a no-op in a single process
+  (no process group started).
+- ``main_process_first(fn)``: rank 0 runs ``fn`` first (writes files, fills caches), then the
+  other ranks; every rank returns its own result.
+- ``grad_norm``, ``clip_grad_norm_``: gradient norm/clipping over meshes and pipeline stages.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["barrier", "clip_grad_norm_", "get_rank", "get_world_size", "grad_norm",
+           "is_distributed", "is_main_process", "main_process_first"]
+
+T = TypeVar("T")
+
+
+# -- ranks ----------------------------------------------------------------------------------------
+def is_distributed() -> bool:
+    """True once the default process group is started."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Waits for every rank of the default group (nothing to wait for in one process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def main_process_first(fn: Callable[[], T], is_main: bool | None = None) -> T:
+    """Rank 0 (or the process ``is_main`` names) calls ``fn`` first, then the others do."""
+    is_main = is_main_process() if is_main is None else is_main
+    out = fn() if is_main else None
+    barrier()
+    return out if is_main else fn()
+
+
+# -- gradient norms -------------------------------------------------------------------------------
 
 
 def _mesh_key(t: torch.Tensor):

@@ -18,12 +18,14 @@ model (whose module names the spec's ``peft_module_prefixes`` map to ours).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
+from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
 from hybridtrain.models.spec import get_model_spec, model_spec_for
 
 from .lora import (
@@ -57,6 +60,7 @@ __all__ = [
     "load_peft_adapter",
     "save_merged_hf",
     "merge_adapter_into_hf",
+    "merge_cli",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,15 +73,6 @@ _HUB_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(up_proj|down_proj)$")
 # tokenizer / generation files copied next to a merged checkpoint
 _SIDE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|chat_template\.jinja|"
                          r"vocab\.json|merges\.txt)$")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -190,9 +185,8 @@ def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _write_dir(out_dir: str, write) -> None:
     """Write into a temporary sibling, then move the files into ``out_dir``."""
     out_dir = os.path.abspath(out_dir)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
     try:
         write(tmp)
         os.makedirs(out_dir, exist_ok=True)
@@ -241,15 +235,15 @@ def _note_peft_compat(model: nn.Module, adapted: list[str]) -> None:
 def _gather_to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every key once on rank 0, sent by the lowest rank that holds it (pipeline stages hold
     different keys; data-parallel replicas the same ones)."""
-    world = dist.get_world_size()
+    world = get_world_size()
     keys: list = [None] * world
     dist.all_gather_object(keys, sorted(tensors))
     owner: dict[str, int] = {}
     for r, ks in enumerate(keys):
         for k in ks:
             owner.setdefault(k, r)
-    mine = {k: t for k, t in tensors.items() if owner[k] == _rank()}
-    parts: list | None = [None] * world if _rank() == 0 else None
+    mine = {k: t for k, t in tensors.items() if owner[k] == get_rank()}
+    parts: list | None = [None] * world if get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return {k: t for p in parts for k, t in p.items()} if parts is not None else {}
 
@@ -261,17 +255,17 @@ def export_peft(model: nn.Module, out_dir: str | os.PathLike, base_model_name_or
     saved alongside when given."""
     tensors = peft_state_dict(model)  # gathers DTensors on every rank
     meta = _adapter_meta(model)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        metas: list = [None] * dist.get_world_size()
+    if get_world_size() > 1:
+        metas: list = [None] * get_world_size()
         dist.all_gather_object(metas, meta)
         tensors = _gather_to_rank0(tensors)
     else:
         metas = [meta]
-    if _rank() == 0:
+    if get_rank() == 0:
         save_peft_adapter(model, out_dir, base_model_name_or_path, tensors=tensors, meta=_combine_meta(metas))
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
-    _barrier()
+    barrier()
     return os.path.abspath(out_dir)
 
 
@@ -291,12 +285,12 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         sd = model.state_dict()
-    if _rank() == 0:
+    if get_rank() == 0:
         spec.save_hf(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size,
                       dtype=dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
-    _barrier()
+    barrier()
     return os.path.abspath(out_dir)
 
 
@@ -429,3 +423,24 @@ def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.Pat
                 shutil.copyfile(os.path.join(src, fn), os.path.join(out_dir, fn))
     logger.info("merged %d adapted modules from %s into %s -> %s", len(names), adapter_dir, base_dir, out_dir)
     return out_dir
+
+
+# ---------------------------------------------------------------------------------- CLI
+def merge_cli(argv: Sequence[str] | None = None) -> int:
+    """``hybridtrain merge --base BASE_HF_DIR --adapter ADAPTER_DIR --out OUT_DIR [--dtype D]``:
+    fold a PEFT-format LoRA adapter into its base checkpoint and write a plain HF checkpoint."""
+    parser = argparse.ArgumentParser(
+        prog="hybridtrain merge",
+        description="Merge a LoRA adapter (adapter_config.json + adapter_model.safetensors, as "
+                    "written by hybridtrain or PEFT) into its base Hugging Face checkpoint.")
+    parser.add_argument("--base", required=True, help="local base model directory (config.json + safetensors)")
+    parser.add_argument("--adapter", required=True, help="adapter directory")
+    parser.add_argument("--out", required=True, help="output directory for the merged checkpoint")
+    parser.add_argument("--dtype", default=None,
+                        help="dtype of the merged weights (default: the base checkpoint's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    out = merge_adapter_into_hf(args.base, args.adapter, args.out, dtype=args.dtype,
+                                max_shard_size=args.max_shard_size)
+    print(f"merged {args.adapter} into {args.base} -> {out}")
+    return 0

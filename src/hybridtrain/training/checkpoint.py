@@ -36,9 +36,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from hybridtrain.models.spec import model_spec_for
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,6 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
+from hybridtrain.fileio import atomic_write, atomic_write_json
+from hybridtrain.models.spec import model_spec_for
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -66,44 +66,22 @@ _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-# -- distributed helpers ----------------------------------------------------------------------
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist() else 1
-
-
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
+# -- files ------------------------------------------------------------------------------------
 def _dcp_save(tensors: dict[str, torch.Tensor], path: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        dcp.save(tensors, checkpoint_id=path, no_dist=not _dist())
+        dcp.save(tensors, checkpoint_id=path, no_dist=not is_distributed())
 
 
 def _dcp_load(tensors: dict[str, torch.Tensor], path: str) -> None:
     """Loads in place into ``tensors`` (plain or DTensor, resharding as needed)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        dcp.load(tensors, checkpoint_id=path, no_dist=not _dist())
+        dcp.load(tensors, checkpoint_id=path, no_dist=not is_distributed())
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=1, fsync=True)
 
 
 def _read_json(path: str) -> Any:
@@ -182,7 +160,7 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
     """Consolidated Hugging Face export: full tensors gathered to rank 0, which writes
     ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
     if _is_partial(model):  # under pipeline parallelism every rank holds a part
-        if _rank() == 0:
+        if get_rank() == 0:
             logger.warning("the model is split into pipeline stages: not writing %s; export the "
                            "checkpoint with `hybridtrain convert STEP_DIR OUT_DIR`", out_dir)
         return
@@ -192,12 +170,12 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
         sd = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-    if _rank() == 0:
+    if get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         _save_pretrained(model, out_dir, sd, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
-    _barrier()
+    barrier()
 
 
 def _latest_in(run_dir: str) -> str | None:
@@ -254,13 +232,13 @@ class Checkpointer:
         self.state_extra = dict(state_extra or {})
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1 or null, got {keep_last}")
-        if _rank() == 0:
+        if get_rank() == 0:
             os.makedirs(self.dir, exist_ok=True)
             for stale in glob.glob(os.path.join(self.dir, ".step_*.tmp")):
                 logger.warning("removing incomplete checkpoint %s (a run died while writing it)",
                                stale)
                 shutil.rmtree(stale, ignore_errors=True)
-        _barrier()
+        barrier()
 
     # -- discovery ---------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -306,16 +284,17 @@ class Checkpointer:
         final: bool = False,
     ) -> str:
         """Writes ``step_{step}``; collective (every rank calls it). Returns the folder.
-        ``export``: write the HF / adapter export into it (default: ``save_hf``)."""
+        ``export``: write the HF / adapter export into it (default: ``save_hf``); ``final``:
+        this is the run's last checkpoint (handed to ``export_fn``)."""
         t0 = time.perf_counter()
         name = f"step_{step}"
-        final = os.path.join(self.dir, name)
+        out = os.path.join(self.dir, name)
         tmp = os.path.join(self.dir, f".{name}.tmp")
-        rank = _rank()
+        rank = get_rank()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"))
-        _barrier()
+        barrier()
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
         tensors: dict[str, torch.Tensor] = {}
@@ -327,7 +306,7 @@ class Checkpointer:
         if rank == 0:
             state = {
                 "step": step,
-                "world_size": _world(),
+                "world_size": get_world_size(),
                 "step_scheduler": step_scheduler.state_dict() if step_scheduler else None,
                 "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
                 "optimizer_hparams": [
@@ -347,25 +326,20 @@ class Checkpointer:
                 tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         if self.save_hf if export is None else export:
             self.export_fn(model, tmp, tokenizer, final)
-        _barrier()
+        barrier()
 
         if rank == 0:
             _fsync_dir(tmp)
-            if os.path.exists(final):  # re-saving a step (after a resume): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            if os.path.exists(out):  # re-saving a step (after a resume): replace it
+                shutil.rmtree(out)
+            os.rename(tmp, out)
             _fsync_dir(self.dir)
-            latest_tmp = os.path.join(self.dir, f".{LATEST}.tmp")
-            with open(latest_tmp, "w") as f:
-                f.write(name + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(latest_tmp, os.path.join(self.dir, LATEST))
+            atomic_write(os.path.join(self.dir, LATEST), name + "\n", fsync=True)
             _fsync_dir(self.dir)
             self._retain(name)
-            logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
-        _barrier()
-        return final
+            logger.info("saved checkpoint %s in %.1fs", out, time.perf_counter() - t0)
+        barrier()
+        return out
 
     def clear(self) -> list[str]:
         """Removes the ``step_*`` folders and ``latest`` of an earlier run in ``dir`` (a new run
@@ -373,12 +347,12 @@ class Checkpointer:
         names = [f"step_{s}" for s in self.steps()]
         if os.path.exists(os.path.join(self.dir, LATEST)):
             names.append(LATEST)
-        _barrier()
-        if _rank() == 0:
+        barrier()
+        if get_rank() == 0:
             for n in names:
                 p = os.path.join(self.dir, n)
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        _barrier()
+        barrier()
         return names
 
     def _retain(self, latest_name: str) -> None:
@@ -442,7 +416,7 @@ class Checkpointer:
             step_scheduler.load_state_dict(state["step_scheduler"])
         if lr_scheduler is not None and state.get("lr_scheduler") is not None:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
-        rank = _rank()
+        rank = get_rank()
         rng_path = os.path.join(path, "rng", f"rank_{rank}.json")
         if not os.path.isfile(rng_path):
             logger.warning("checkpoint has no RNG state for rank %d (saved on %s ranks); using "

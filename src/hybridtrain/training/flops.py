@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from hybridtrain.config.dtypes import short_dtype_name, to_torch_dtype
+
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
@@ -28,18 +30,14 @@ _GPU_PEAKS = {
     "A100":        (312.0, 312.0, 156.0, 19.5),      # SXM and PCIe
 }
 _DTYPE_COLUMN = {"bf16": 0, "fp16": 1, "tf32": 2, "fp32": 3}
-_DTYPE_NAMES = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "tf32",
-}
 
 
 def _dtype_name(dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"peak_tflops: unsupported dtype {dtype!r}; use bf16, fp16, tf32 or fp32") from None
+    """The column name: ``bf16`` / ``fp16`` / ``fp32`` (any dtype alias), or ``tf32``."""
+    name = "tf32" if str(dtype).lower() == "tf32" else short_dtype_name(dtype)
+    if name is None:
+        raise ValueError(f"peak_tflops: unsupported dtype {dtype!r}; use bf16, fp16, tf32 or fp32")
+    return name
 
 
 def gpu_peak_tflops(device_name: str, dtype) -> float | None:
@@ -76,7 +74,7 @@ def peak_tflops(device: torch.device | str, dtype) -> float | None:
 
 @functools.lru_cache(maxsize=None)
 def _measure(dtype_name: str, n: int, iters: int, device: str, threads: int) -> float:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = to_torch_dtype(dtype_name)
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hybridtrain.fileio import atomic_write
+
 logger = logging.getLogger(__name__)
 
 TRAIN_FIELDS = (
@@ -51,11 +53,7 @@ def _truncate_jsonl(path: str, max_step: int) -> None:
     if not os.path.exists(path):
         return
     kept = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsLogger:

@@ -37,6 +37,8 @@ import logging
 import math
 from collections.abc import Sequence
 
+from hybridtrain.data.batch import IGNORE_INDEX
+
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +183,7 @@ def batch_doc_lengths(batch: dict) -> list[list[int]]:
     return [r for r in rows if r]
 
 
-def batch_flops(config, batch: dict, training: bool = True, ignore_index: int = -100) -> int:
+def batch_flops(config, batch: dict, training: bool = True, ignore_index: int = IGNORE_INDEX) -> int:
     """Training (or forward) FLOPs of the model on one collated batch: attention per document,
     the LM head on the label tokens only (as the chunked loss computes it)."""
     rows = batch_doc_lengths(batch)

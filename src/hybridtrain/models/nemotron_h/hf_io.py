@@ -14,16 +14,19 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+
+from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
 
 from .config import NemotronHConfig
 
-if TYPE_CHECKING:
-    from .model import NemotronHForCausalLM
+# the model class (model.py imports this module, never the other way round)
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -34,11 +37,6 @@ IGNORED_ON_LOAD = re.compile(r"^mtp\.")
 _EXPERT_HUB = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _EXPERT_OURS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 # parameters kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules_strict)
 _KEEP_FP32 = ("e_score_correction_bias",)
@@ -48,19 +46,9 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model built from its config.json."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    key = str(dtype).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
-    return _DTYPES[key]
+    """None / ``"auto"`` -> None (as stored); a dtype or a dtype name -> the dtype."""
+    return None if dtype is None or dtype == "auto" else to_torch_dtype(dtype)
 
 
 def parse_size(size: int | str) -> int:
@@ -165,11 +153,11 @@ def check_tensors(
 
 
 def load_pretrained(
-    cls: type["NemotronHForCausalLM"],
+    cls: type[ModelT],
     local_dir: str | os.PathLike,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
-) -> "NemotronHForCausalLM":
+) -> ModelT:
     local_dir = os.fspath(local_dir)
     if not os.path.isdir(local_dir):
         raise ValueError(f"{local_dir}: not a directory (from_pretrained takes a local checkpoint directory)")
@@ -296,7 +284,7 @@ def _publish(tmp: str, save_dir: str) -> None:
 
 
 def save_pretrained(
-    model: "NemotronHForCausalLM",
+    model: nn.Module,
     save_dir: str | os.PathLike,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | str | None = None,

@@ -2,8 +2,9 @@
 (``causal_conv1d`` and ``mamba_ssm``, extra ``hybridtrain[cuda]``).
 
 The kernels are used when they import and the tensors are on CUDA, unless disabled with
-``HYBRIDTRAIN_MAMBA_KERNELS=0`` or :func:`set_kernels_enabled`. Both paths take the same
-arguments, including ``seq_idx`` for packed documents, and compute the same function.
+:func:`set_kernels_enabled` or, when that was not called, the environment variable
+``HYBRIDTRAIN_MAMBA_KERNELS=0`` (read at each call). Both paths take the same arguments,
+including ``seq_idx`` for packed documents, and compute the same function.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ try:  # pragma: no cover
 except Exception:
     _mamba_chunk_scan_combined = None
 
-_enabled = os.environ.get("HYBRIDTRAIN_MAMBA_KERNELS", "1") not in ("0", "false", "False")
+_enabled: bool | None = None  # None: as HYBRIDTRAIN_MAMBA_KERNELS says (default on)
 
 
-def set_kernels_enabled(enabled: bool) -> None:
+def set_kernels_enabled(enabled: bool | None) -> None:
+    """Turn the CUDA kernels on or off for this process (None: back to the environment's say)."""
     global _enabled
-    _enabled = bool(enabled)
+    _enabled = None if enabled is None else bool(enabled)
+
+
+def kernels_enabled() -> bool:
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("HYBRIDTRAIN_MAMBA_KERNELS", "1").lower() not in ("0", "false")
 
 
 def kernels_available() -> dict[str, bool]:
@@ -41,7 +49,7 @@ def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_idx: torch.Tensor | None
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) over x [b, d, L]; weight [d, k]."""
-    if _enabled and _causal_conv1d_fn is not None and x.is_cuda:  # pragma: no cover
+    if x.is_cuda and _causal_conv1d_fn is not None and kernels_enabled():  # pragma: no cover
         if seq_idx is not None:
             # the kernel's seq_idx path wants channel-last memory; in_proj output already is
             x = x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
@@ -67,7 +75,7 @@ def ssd_scan(
 
     x [b, L, h, p], dt [b, L, h] (raw projection), A [h], B/C [b, L, g, n]. Returns [b, L, h, p].
     """
-    if _enabled and _mamba_chunk_scan_combined is not None and x.is_cuda:  # pragma: no cover
+    if x.is_cuda and _mamba_chunk_scan_combined is not None and kernels_enabled():  # pragma: no cover
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
         return _mamba_chunk_scan_combined(

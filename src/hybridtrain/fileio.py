@@ -1,0 +1,83 @@
+"""Writing files that several processes may write at the same time (every rank of a run).
+
+::
+
+    atomic_write(path, data, fsync=False) -> bool        # str or bytes
+    atomic_write_json(path, obj, indent=1, fsync=False) -> bool
+    publish_files(src_dir, dst_dir) -> None              # each file of src_dir, atomically
+
+A file is written to a temporary name unique to the process (``.NAME.<pid>.<random>.tmp`` in
+the same folder) and renamed over ``path`` with :func:`os.replace`, so a reader sees the old file
+or the whole new one, and two writers never share a temporary file. A file that already holds
+exactly ``data`` is left alone (its mtime too, which keeps caches keyed on it valid); the
+functions return whether they wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from typing import Any
+
+__all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path"]
+
+
+def unique_tmp_path(path: str | os.PathLike) -> str:
+    """A hidden name next to ``path`` that no other process (nor call) uses."""
+    head, name = os.path.split(os.fspath(path))
+    return os.path.join(head, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _holds(path: str, data: bytes) -> bool:
+    try:
+        if os.path.getsize(path) != len(data):
+            return False
+        with open(path, "rb") as f:
+            return f.read() == data
+    except OSError:
+        return False
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> bool:
+    """Write ``data`` (text is UTF-8) to ``path`` through a private temporary file and one
+    rename; ``fsync``: flush it to disk before the rename. Returns False when ``path`` already
+    held ``data`` (nothing written)."""
+    path = os.fspath(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if _holds(path, raw):
+        return False
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = unique_tmp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(raw)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return True
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1,
+                      fsync: bool = False, **dumps_kwargs: Any) -> bool:
+    """:func:`atomic_write` of ``json.dumps(obj, indent=indent, **dumps_kwargs)``."""
+    return atomic_write(path, json.dumps(obj, indent=indent, **dumps_kwargs), fsync=fsync)
+
+
+def publish_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> None:
+    """Copies each regular file of ``src_dir`` into ``dst_dir`` with :func:`atomic_write`
+    (files ``dst_dir`` has and ``src_dir`` has not are kept)."""
+    src_dir, dst_dir = os.fspath(src_dir), os.fspath(dst_dir)
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in sorted(os.listdir(src_dir)):
+        src = os.path.join(src_dir, name)
+        if os.path.isfile(src):
+            with open(src, "rb") as f:
+                atomic_write(os.path.join(dst_dir, name), f.read())

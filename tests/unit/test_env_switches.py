@@ -1,0 +1,59 @@
+"""``HYBRIDTRAIN_*`` environment variables: each one the package reads is documented in the
+README, and read when it is used, never into a module global at import time."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import hybridtrain
+from hybridtrain.models.nemotron_h import kernels
+
+PACKAGE = Path(hybridtrain.__file__).parent
+README = PACKAGE.parents[1] / "README.md"
+# Switches in files owned by other work that become recipe keys there (then drop them here).
+PENDING = {"HYBRIDTRAIN_CPU_BF16": "training/precision.py",
+           "HYBRIDTRAIN_GROUPED_MM": "models/nemotron_h/moe.py"}
+
+
+def _sources():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_variable_is_documented():
+    used = {v for p in _sources() for v in re.findall(r"\bHYBRIDTRAIN_[A-Z0-9_]+", p.read_text())}
+    section = README.read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(used - set(PENDING) - set(re.findall(r"HYBRIDTRAIN_[A-Z0-9_]+", section)))
+    assert not missing, f"not in the README's Environment variables section: {missing}"
+
+
+def _module_level_environ_reads(path: Path) -> list[int]:
+    """Lines that read os.environ / os.getenv outside any function or class body."""
+    tree = ast.parse(path.read_text())
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            inside |= {id(n) for n in ast.walk(node)}
+    return [n.lineno for n in ast.walk(tree) if id(n) not in inside
+            and isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")]
+
+
+def test_no_variable_is_read_at_import_time():
+    pending = {PACKAGE / f for f in PENDING.values()}
+    found = {str(p.relative_to(PACKAGE)): lines for p in _sources() if p not in pending
+             for lines in [_module_level_environ_reads(p)] if lines}
+    assert not found, f"environment read at import time (file: lines): {found}"
+
+
+def test_mamba_kernels_switch_is_read_at_call_time(monkeypatch):
+    monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")
+    assert not kernels.kernels_enabled()
+    monkeypatch.delenv("HYBRIDTRAIN_MAMBA_KERNELS")
+    assert kernels.kernels_enabled()
+    try:
+        kernels.set_kernels_enabled(False)  # an explicit call wins over the environment
+        assert not kernels.kernels_enabled()
+    finally:
+        kernels.set_kernels_enabled(None)
+    assert kernels.kernels_enabled()
