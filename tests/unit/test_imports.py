@@ -13,10 +13,7 @@ import hybridtrain
 
 PACKAGE = Path(hybridtrain.__file__).parent
 # Import edges a file owned by other work still has; each entry names what removes it.
-PENDING: set[tuple[str, str]] = {
-    # peft/lora.py merge_cli (a copy of peft/export.py merge_cli) goes away with lora.py's rewrite
-    ("hybridtrain.peft.lora", "hybridtrain.peft.export"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybridtrain.data.batch import IGNORE_INDEX
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -45,9 +47,8 @@ __all__ = [
     "balanced_split",
     "split_from_points",
     "PipelineTrainStep",
+    "pipeline_layout",
 ]
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ against the whole dotted name or a dotted suffix of it: ``q_proj`` == ``*.q_proj
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import logging
 import math
@@ -56,7 +55,6 @@ __all__ = [
     "lora_settings",
     "merge_lora",
     "merged_state_dict",
-    "merge_cli",
 ]
 
 logger = logging.getLogger(__name__)
@@ -515,27 +513,3 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
     leftover = [k for k in sd if is_lora_param(k)]
     assert not leftover, leftover
     return sd
-
-
-# ---------------------------------------------------------------------------------- CLI
-def merge_cli(argv: Sequence[str] | None = None) -> int:
-    """``hybridtrain merge --base BASE_HF_DIR --adapter ADAPTER_DIR --out OUT_DIR [--dtype D]``:
-    fold a PEFT-format LoRA adapter into its base checkpoint and write a plain HF checkpoint."""
-    from .export import merge_adapter_into_hf
-
-    parser = argparse.ArgumentParser(
-        prog="hybridtrain merge",
-        description="Merge a LoRA adapter (adapter_config.json + adapter_model.safetensors, as "
-                    "written by hybridtrain or PEFT) into its base Hugging Face checkpoint.")
-    parser.add_argument("--base", required=True, help="local base model directory (config.json + safetensors)")
-    parser.add_argument("--adapter", required=True, help="adapter directory")
-    parser.add_argument("--out", required=True, help="output directory for the merged checkpoint")
-    parser.add_argument("--dtype", default=None,
-                        help="dtype of the merged weights (default: the base checkpoint's)")
-    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    out = merge_adapter_into_hf(args.base, args.adapter, args.out, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size)
-    print(f"merged {args.adapter} into {args.base} -> {out}")
-    return 0
-

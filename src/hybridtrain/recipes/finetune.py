@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
+from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import model_spec_for, set_train_loss
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.checkpoint import Checkpointer, default_export
@@ -55,11 +55,6 @@ def as_config(cfg: Any) -> ConfigNode:
     raise ValueError(f"expected a recipe path, a loaded config or a dict, got {type(cfg)}")
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _instantiate_with(node, **offered):
     """``instantiate(node, **kw)`` where ``kw`` are the ``offered`` arguments the target takes
     and the recipe does not set itself (e.g. the tokenizer object for a dataset builder)."""
@@ -74,30 +69,17 @@ def _instantiate_with(node, **offered):
     return instantiate(node, **kw)
 
 
-def _main_first(is_main: bool, build):
-    """Rank 0 builds first (writes files, fills caches), then the other ranks."""
-    out = build() if is_main else None
-    _barrier()
-    if not is_main:
-        out = build()
-    return out
-
-
 def _build_tokenizer(cfg: ConfigNode, is_main: bool):
     node = cfg.tokenizer
     if node is None:
         return None
-    target = str(node.get("_target_", ""))
-    if target.endswith("build_bpe_tokenizer") and not is_main:
-        # rank 0 trained and saved it; the others load it instead of re-writing the files
-        _barrier()
-        from hybridtrain.data import load_tokenizer
+    if not str(node.get("_target_", "")).endswith("build_bpe_tokenizer"):
+        return instantiate(node)
+    # rank 0 trains and saves it; the others load the saved files instead of training again
+    from hybridtrain.data import load_tokenizer
 
-        return load_tokenizer(node["out_dir"])
-    tok = instantiate(node)
-    if target.endswith("build_bpe_tokenizer"):
-        _barrier()
-    return tok
+    build = (lambda: instantiate(node)) if is_main else (lambda: load_tokenizer(node["out_dir"]))
+    return main_process_first(build, is_main)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -151,9 +133,11 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
     """(train dataset, validation dataset or None, ``make_loader(dataset, batch_sampler)``)."""
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file})")
-    train_ds = _main_first(is_main, lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer))
-    val_ds = _main_first(
-        is_main, lambda: _instantiate_with(cfg.validation_dataset, tokenizer=tokenizer))
+    # rank 0 first: it writes files and fills the datasets cache the others then read
+    train_ds = main_process_first(
+        lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer), is_main)
+    val_ds = main_process_first(
+        lambda: _instantiate_with(cfg.validation_dataset, tokenizer=tokenizer), is_main)
     from hybridtrain.data import build_collator, pack_dataset
 
     if cfg.packing.enabled:

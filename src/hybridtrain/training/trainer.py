@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import clip_grad_norm
@@ -41,25 +42,6 @@ from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-# Batch keys the model's forward takes (besides input_ids and labels); others (attention_mask,
-# bookkeeping) stay with the trainer.
-MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
-
-
-def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"] != IGNORE_INDEX).sum())
-
-
-def count_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Non-padding tokens of a batch."""
-    if "num_tokens" in batch:
-        return int(batch["num_tokens"])
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return batch["input_ids"].numel()
-
 
 class TrainStep:
     """Forward and backward of this rank's micro-batches of one global batch; the one train
@@ -82,8 +64,7 @@ class TrainStep:
 
     @staticmethod
     def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
-        inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
-        return model(batch["input_ids"], labels=batch["labels"], **inputs)
+        return model(batch["input_ids"], labels=batch["labels"], **model_inputs(batch))
 
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict],
                  num_label_tokens: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from hybridtrain.ops.loss import LinearCrossEntropy
 
 from .attention import Attention, document_causal_mask
 from .config import NemotronHConfig
+from .hf_io import load_pretrained, save_pretrained
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import MoE
@@ -252,8 +253,6 @@ class NemotronHForCausalLM(nn.Module):
         ``dtype=None`` keeps the dtype stored in the checkpoint. The model is built on the meta
         device and filled tensor by tensor, so only one copy of the weights is ever in memory.
         """
-        from .hf_io import load_pretrained
-
         return load_pretrained(cls, local_dir, dtype=dtype, device=device)
 
     def save_pretrained(
@@ -269,8 +268,6 @@ class NemotronHForCausalLM(nn.Module):
         ``dtype``: the dtype to write (e.g. bf16 from fp32 master weights; None: as held).
         ``state_dict``: full tensors to write instead of this module's (e.g. gathered from FSDP
         shards). ``from_pretrained`` records the dtype it read as ``checkpoint_dtype``."""
-        from .hf_io import save_pretrained
-
         save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype, state_dict=state_dict)
 
     def num_parameters(self) -> int:
