@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from hybridtrain.config.dtypes import to_torch_dtype
+
 __all__ = [
     "apply_fsdp",
-    "DTYPES",
     "resolve_dtype",
     "mixed_precision_policy",
     "shard_module",
@@ -25,23 +26,12 @@ __all__ = [
     "resolve_reshard_after_forward",
 ]
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-
-
 def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
-    """``None``/``"none"`` -> None; a dtype name or ``torch.dtype`` -> the dtype."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    name = str(value).lower().replace("torch.", "")
-    if name in ("none", "null", "auto", ""):
+    """``None``/``"none"``/``"auto"`` -> None (the parameters' own); a dtype name or
+    ``torch.dtype`` -> the dtype."""
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "auto", "")):
         return None
-    if name not in DTYPES:
-        raise ValueError(f"{key}: unknown dtype {value!r}; use one of float32, bfloat16, float16")
-    return DTYPES[name]
+    return to_torch_dtype(value, key)
 
 
 def fsdp_param_dtype(distributed, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
