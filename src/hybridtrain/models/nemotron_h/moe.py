@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.ops.backend import pad_rows, unpad_rows
+
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
-from .numerics import fp32_region, gemm_row_multiple
+from .numerics import fp32_region
 
 _GROUPED_MM = os.environ.get("HYBRIDTRAIN_GROUPED_MM", "1") not in ("0", "false", "False")
 
@@ -146,19 +148,14 @@ class Experts(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
         ups, downs = up.unbind(0), down.unbind(0)
-        # routed row counts change every step: zero rows pad each slice to a multiple the GEMM
-        # backend wants (CPU bf16: 64, bounded oneDNN kernel shapes; else none)
-        align = gemm_row_multiple(sorted_x.device, sorted_x.dtype)
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
             n = xe.shape[0]
             if n == 0:
                 continue
-            pad = -n % align
-            if pad:
-                xe = F.pad(xe, (0, 0, 0, pad))
+            xe = pad_rows(xe)  # routed row counts change every step: aligned GEMM rows (ops.backend)
             ye = F.linear(self.act_fn(F.linear(xe, ups[e])), downs[e])
-            outs.append(ye[:n] if pad else ye)
+            outs.append(unpad_rows(ye, n))
         if not outs:
             return sorted_x.new_zeros(sorted_x.shape[0], self.up_proj.shape[2])
         return torch.cat(outs, dim=0)
