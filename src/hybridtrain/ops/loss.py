@@ -130,8 +130,8 @@ def token_logprobs(
     shape = labels.shape
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    valid = labels != ignore_index
     if chunk_size is None:
+        valid = labels != ignore_index
         logp = (hidden @ weight.t()).to(_acc_dtype(weight.dtype)).log_softmax(-1)
         picked = logp.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
         return torch.where(valid, picked, 0.0).view(shape)
