@@ -24,7 +24,7 @@ of each run over all rounds is kept (the median is printed too):
 ``--clock cpu`` times process CPU seconds instead of wall seconds (use with ``--threads 1`` on a
 machine shared with other jobs: it is insensitive to time-slicing). ``--malloc-tune`` keeps freed
 memory in the process (glibc ``mallopt``: no mmap for large blocks, no trimming) so that the
-large per-step buffers are not page-faulted in again every step (hybridtrain.training.cpu_allocator
+large per-step buffers are not page-faulted in again every step (hybridtrain.ops.backend allocator
 "heap", what `training.cpu_allocator: auto` does on CPU); it applies to all runs.
 
 Prints tokens/s, achieved TFLOP/s and MFU against the measured matmul peak of each run's dtype,
@@ -133,11 +133,13 @@ def build_run(name: str, model_dir: str, batch: dict):
 
 def run_child(spec: dict) -> dict:
     """One run in this process: warm-up steps, then ``steps`` timed steps."""
-    from hybridtrain.training.cpu_allocator import configure_cpu_allocator
+    from hybridtrain.ops.backend import configure_backend
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    configure_cpu_allocator("heap" if spec["malloc_tune"] else "system", "cpu")
+    # what the recipe does for a run of this dtype (GEMM row alignment for bf16), and the allocator
+    configure_backend("cpu", torch.float32 if spec["name"].endswith("fp32") else torch.bfloat16,
+                      cpu_allocator="heap" if spec["malloc_tune"] else "system")
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
     batch = torch.load(spec["batch"], weights_only=True)
     step, _ = build_run(spec["name"], spec["model_dir"], batch)
@@ -181,7 +183,7 @@ def main(argv=None) -> dict:
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, small_moe_config
     from hybridtrain.training.flops import measure_matmul_peak, model_flops
-    from hybridtrain.training.precision import cpu_has_native_bf16
+    from hybridtrain.ops.backend import cpu_has_native_bf16
 
     if args.threads:
         torch.set_num_threads(args.threads)

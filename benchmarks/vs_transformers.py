@@ -70,13 +70,18 @@ def run_child(spec: dict) -> dict:
     import transformers  # noqa: F401  (both sides import it: equal baselines)
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-    from hybridtrain.training.cpu_allocator import configure_cpu_allocator
+    from hybridtrain.ops.backend import configure_backend, configure_cpu_allocator
     from hybridtrain.training.optim import build_optimizer
     from hybridtrain.training.trainer import loss_sum
 
-    # hybridtrain's recipes apply training.cpu_allocator (auto: heap on CPU) before building the
-    # model; transformers runs with glibc's defaults unless --hf-allocator says otherwise
-    configure_cpu_allocator(spec["allocator"] if spec["side"] == "hybridtrain" else spec["hf_allocator"], "cpu")
+    # hybridtrain's recipes configure the backend (training.cpu_allocator, auto: heap on CPU; GEMM
+    # row alignment for bf16); transformers runs with glibc's defaults unless --hf-allocator says
+    # otherwise
+    if spec["side"] == "hybridtrain":
+        configure_backend("cpu", torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32,
+                          cpu_allocator=spec["allocator"])
+    else:
+        configure_cpu_allocator(spec["hf_allocator"], "cpu")
     torch.manual_seed(0)
     base_rss = rss_mb()
     batches = torch.load(spec["batches"], weights_only=True)

@@ -84,7 +84,7 @@ def micro_batches(step_rows: list[dict], dp_rank: int, dp_size: int, packed: boo
 
 
 def ce_sum(hidden, weight, labels, recompute: bool = False):
-    from hybridtrain.training.loss import cross_entropy_sum
+    from hybridtrain.ops.loss import cross_entropy_sum
 
     return cross_entropy_sum(hidden, weight, labels, recompute=recompute)
 

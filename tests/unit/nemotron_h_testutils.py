@@ -1,5 +1,6 @@
 """Shared helpers of the Nemotron-H model tests: building a model with non-trivial weights,
-moving weights between our model and transformers', reference implementations."""
+moving weights between our model and transformers'. (The SSD scan's plain reference is
+``models.nemotron_h.ssd.ssd_reference``.)"""
 
 from __future__ import annotations
 
@@ -48,22 +49,3 @@ def hf_name(ours: str) -> str:
     assert ours.startswith(("backbone.", "lm_head."))
     return "model." + ours[len("backbone."):] if ours.startswith("backbone.") else ours
 
-
-def reference_ssm(x, dt, A, B, C, D, seq_idx=None):
-    """Token-by-token Mamba2 recurrence (the definition the chunked scan must equal).
-    x [b,L,h,p], dt [b,L,h] (post softplus), A [h], B/C [b,L,g,n], D [h]."""
-    b, L, h, p = x.shape
-    g, n = B.shape[-2:]
-    rep = h // g
-    Bh = B.repeat_interleave(rep, dim=2)
-    Ch = C.repeat_interleave(rep, dim=2)
-    state = x.new_zeros(b, h, p, n)
-    ys = []
-    for t in range(L):
-        if seq_idx is not None and t > 0:
-            keep = (seq_idx[:, t] == seq_idx[:, t - 1]).to(x.dtype)[:, None, None, None]
-            state = state * keep
-        dA = torch.exp(dt[:, t] * A)  # [b,h]
-        state = state * dA[:, :, None, None] + (dt[:, t, :, None, None] * x[:, t, :, :, None] * Bh[:, t, :, None, :])
-        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]) + D[None, :, None] * x[:, t])
-    return torch.stack(ys, dim=1)

@@ -43,7 +43,7 @@ from hybridtrain.training.flops import (
     model_flops,
     peak_tflops,
 )
-from hybridtrain.training.loss import cross_entropy_sum
+from hybridtrain.ops.loss import cross_entropy_sum
 
 aten = torch.ops.aten
 _CPU_SDPA = {

@@ -148,3 +148,27 @@ def test_compiled_blocks_match_eager():
     assert g1.keys() == g2.keys()
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_base2_exponents_only_inside_the_fused_functions():
+    """exp2 / LOG2E / LN2 appear only inside the fused autograd functions (the SSD scan's
+    ``_ChunkScan``, the chunked loss's ``_exp_shifted``); everything else writes exp."""
+    import ast
+    from pathlib import Path
+
+    import hybridtrain
+
+    root = Path(hybridtrain.__file__).parent
+    allowed = {("ops/loss.py", "_exp_shifted"), ("models/nemotron_h/ssd.py", "_ChunkScan")}
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "ops/base2.py":  # the definitions
+            continue
+        tree = ast.parse(path.read_text())
+        for top in tree.body:
+            for node in ast.walk(top):
+                name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+                if name in ("exp2", "exp2_", "LOG2E", "LN2") and not isinstance(top, (ast.Import, ast.ImportFrom)):
+                    found.add((rel, getattr(top, "name", f"line {node.lineno}")))
+    assert found == allowed, found ^ allowed

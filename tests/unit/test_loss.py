@@ -1,10 +1,15 @@
-"""Chunked linear cross-entropy equals the plain computation."""
+"""Chunked linear cross-entropy and token log-probabilities equal the plain computation."""
+
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridtrain.training.loss import auto_chunk_size, cross_entropy_sum
+from hybridtrain.ops import backend
+from hybridtrain.ops.backend import auto_chunk_size
+from hybridtrain.ops.loss import LinearCrossEntropy, cross_entropy_sum, token_logprobs
 
 
 def _inputs(n=37, h=16, v=101, dtype=torch.float32, ignore_frac=0.3, seed=0, shape=None):
@@ -183,3 +188,134 @@ def test_eager_grads_refuse_a_second_backward():
     loss.backward(retain_graph=True)
     loss.backward()
     torch.testing.assert_close(h2.grad, hidden.grad, rtol=1e-5, atol=1e-6)  # 2 x one backward each
+
+
+# -- GEMM row padding (ops.backend) ---------------------------------------------------------------
+class _MatmulRows(TorchDispatchMode):
+    """Row counts of the [rows, H] @ [H, V] head matmuls that run."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "mm" and args[1].shape[-1] == self.vocab:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager_grads", "recompute"])
+def test_label_rows_padded_to_the_backend_multiple(recompute):
+    """With a GEMM row multiple configured the label rows are padded with ignored rows (chunks of
+    64 over 128 rows, not 64 + 37 over 101); loss and gradients are the unpadded ones."""
+    hidden, weight, labels = _inputs(n=150, h=16, v=101, ignore_frac=0.3)
+    results = []
+    for multiple in (64, 1):
+        with backend.using(backend.BackendSettings(gemm_row_multiple=multiple)), _MatmulRows(101) as seen:
+            results.append(_loss_and_grads(
+                lambda h, w, y: cross_entropy_sum(h, w, y, chunk_size=64, recompute=recompute), hidden, weight, labels))
+        n_label = int((labels != -100).sum())
+        assert set(seen.rows) == ({64} if multiple == 64 else {64, n_label % 64}), (n_label, seen.rows)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# -- per-token log-probabilities -----------------------------------------------------------------
+def _reference_logprobs(hidden, weight, labels, ignore_index=-100):
+    """log_softmax of the full logits at the label, 0 at ignored positions."""
+    logp = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).log_softmax(-1)
+    valid = labels.reshape(-1) != ignore_index
+    picked = logp.gather(1, labels.reshape(-1).clamp(min=0)[:, None]).squeeze(1)
+    return torch.where(valid, picked, torch.zeros_like(picked)).view(labels.shape)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 7, 16, "auto"])
+@pytest.mark.parametrize("shape", [None, (2, 20)])
+def test_token_logprobs_match_log_softmax(chunk_size, shape):
+    hidden, weight, labels = _inputs(n=40, shape=shape)
+    g = torch.randn(labels.shape, generator=torch.Generator().manual_seed(5))
+    got = token_logprobs(hidden, weight, labels, chunk_size=chunk_size)
+    assert got.shape == labels.shape and got.dtype == torch.float32
+    assert torch.all(got[labels == -100] == 0) and torch.all(got[labels != -100] < 0)
+    gh, gw = torch.autograd.grad((got * g).sum(), (hidden, weight))
+    h2, w2 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    want = _reference_logprobs(h2, w2, labels)
+    rh, rw = torch.autograd.grad((want * g.double()).sum(), (h2, w2))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh.double(), rh, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw.double(), rw, rtol=1e-5, atol=1e-5)
+    assert torch.all(gh.reshape(-1, gh.shape[-1])[labels.reshape(-1) == -100] == 0)
+
+
+def test_token_logprobs_sum_is_minus_the_loss():
+    """Same chunked pass: the label-token sum of the log-probs is minus cross_entropy_sum."""
+    hidden, weight, labels = _inputs(n=50)
+    for chunk_size in (8, None):
+        logp = token_logprobs(hidden, weight, labels, chunk_size=chunk_size).sum()
+        torch.testing.assert_close(-logp, cross_entropy_sum(hidden, weight, labels, chunk_size=chunk_size),
+                                   rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_token_logprobs_gradcheck(dtype):
+    """Hand-written backward against finite differences; fp64 tightly, fp32 loosely."""
+    hidden, weight, labels = _inputs(n=9, h=4, v=7, dtype=dtype, ignore_frac=0.3, seed=3)
+    tol = dict(eps=1e-6, atol=1e-7, rtol=1e-5) if dtype == torch.float64 else dict(eps=1e-2, atol=1e-2, rtol=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gradcheck warns about fp32 inputs
+        assert torch.autograd.gradcheck(lambda h, w: token_logprobs(h, w, labels, chunk_size=4), (hidden, weight),
+                                        **tol)
+        assert torch.autograd.gradcheck(lambda h, w: cross_entropy_sum(h, w, labels, chunk_size=4, recompute=True),
+                                        (hidden, weight), **tol)
+
+
+def test_token_logprobs_under_autocast_and_without_grad():
+    hidden, weight, labels = _inputs(n=40, h=32, v=129)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = token_logprobs(hidden, weight, labels, chunk_size=16)
+        plain = token_logprobs(hidden, weight, labels, chunk_size=None)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        frozen = token_logprobs(hidden, weight, labels, chunk_size=16)
+    assert not frozen.requires_grad
+    torch.testing.assert_close(frozen, token_logprobs(hidden, weight, labels, chunk_size=None).detach(),
+                               rtol=1e-6, atol=1e-5)
+
+
+# -- the module ----------------------------------------------------------------------------------
+def test_linear_cross_entropy_module_sum_and_mean():
+    hidden, weight, labels = _inputs(n=30, shape=(3, 10))
+    head = torch.nn.Linear(16, 101, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    total = cross_entropy_sum(hidden, weight, labels, chunk_size=8)
+    assert torch.equal(LinearCrossEntropy(chunk_size=8)(hidden, head, labels), total)
+    mean = LinearCrossEntropy(chunk_size=8, reduction="mean")(hidden, head, labels)
+    assert torch.equal(mean, total / (labels != -100).sum())
+    nothing = torch.full_like(labels, -100)
+    assert LinearCrossEntropy(reduction="mean")(hidden, head, nothing).item() == 0.0  # count clamped to 1
+    torch.testing.assert_close(LinearCrossEntropy(chunk_size=8).token_logprobs(hidden, head, labels),
+                               token_logprobs(hidden, weight, labels, chunk_size=8), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="reduction"):
+        LinearCrossEntropy(reduction="none")
+    with pytest.raises(ValueError, match="chunk_size"):
+        LinearCrossEntropy(chunk_size=0)
+    with pytest.raises(ValueError, match="bias"):
+        LinearCrossEntropy()(hidden, torch.nn.Linear(16, 101), labels)
+
+
+def test_module_full_logits_mean_is_the_models_labels_loss():
+    """``LinearCrossEntropy(chunk_size=None, reduction="mean")`` gives the model's
+    ``forward(labels=...)`` loss bit for bit (what the model can hold for it)."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config("mixed")
+    model = NemotronHForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    labels = torch.randint(0, cfg.vocab_size, (2, 24))
+    labels[:, :9] = -100
+    want = model(ids, labels=labels)
+    got = LinearCrossEntropy(chunk_size=None, reduction="mean")(model.hidden_states(ids), model.lm_head, labels)
+    assert torch.equal(got, want)

@@ -109,11 +109,11 @@ def test_unused_experts_are_fine():
 
 
 def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
-    """Under CPU bf16 autocast the per-expert GEMMs see row counts padded to a multiple of
-    ``CPU_LOWP_ROW_MULTIPLE`` (bounded oneDNN kernel shapes); outputs and gradients equal the
-    unpadded computation."""
+    """With the backend configured for CPU bf16 the per-expert GEMMs see row counts padded to a
+    multiple of ``CPU_LOWP_ROW_MULTIPLE`` (bounded oneDNN kernel shapes); outputs and gradients
+    equal the unpadded computation."""
     import hybridtrain.models.nemotron_h.moe as moe_mod
-    import hybridtrain.models.nemotron_h.numerics as numerics
+    from hybridtrain.ops import backend
 
     torch.manual_seed(0)
     cfg = tiny_config("moe")
@@ -129,15 +129,15 @@ def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):
         return real_linear(x, w, b)
 
     results = []
-    multiple = numerics.CPU_LOWP_ROW_MULTIPLE
+    multiple = backend.CPU_LOWP_ROW_MULTIPLE
+    monkeypatch.setattr(moe_mod.F, "linear", spy)
     for align in (multiple, 1):
-        monkeypatch.setattr(numerics, "CPU_LOWP_ROW_MULTIPLE", align)
-        monkeypatch.setattr(moe_mod.F, "linear", spy)
-        x = x0.clone().requires_grad_()
-        moe.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = moe(x)
-        y.float().pow(2).sum().backward()
+        with backend.using(backend.BackendSettings(gemm_row_multiple=align)):
+            x = x0.clone().requires_grad_()
+            moe.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = moe(x)
+            y.float().pow(2).sum().backward()
         results.append((y.detach().float(), x.grad, moe.experts.up_proj.grad))
         if align > 1:
             assert seen and all(n % align == 0 for n in seen), seen

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from nemotron_h_testutils import perturbed_model, reference_ssm
+from nemotron_h_testutils import perturbed_model
 
 from hybridtrain.models.nemotron_h import tiny_config
 from hybridtrain.models.nemotron_h.model import seq_idx_from_cu_seqlens, seq_idx_from_position_ids
-from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_chunked
+from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_chunked, ssd_reference
 
 
 def _ssm_inputs(b, L, h=4, p=3, g=2, n=5, seed=0):
@@ -37,7 +37,7 @@ def _seq_idx(lengths_per_row):
 def test_chunked_scan_equals_recurrence(chunk, L):
     x, dt, A, B, C, D = _ssm_inputs(2, L)
     y = ssd_chunked(x, dt, A, B, C, chunk, D=D)
-    ref = reference_ssm(x, dt, A, B, C, D)
+    ref = ssd_reference(x, dt, A, B, C, D)
     assert (y.double() - ref).abs().max() < 1e-5
 
 
@@ -55,13 +55,22 @@ def test_chunked_scan_restarts_state_at_documents(chunk, docs):
     seq_idx = _seq_idx(docs)
     x, dt, A, B, C, D = _ssm_inputs(2, L, seed=1)
     y, final = ssd_chunked(x, dt, A, B, C, chunk, D=D, seq_idx=seq_idx, return_final_state=True)
-    ref = reference_ssm(x, dt, A, B, C, D, seq_idx=seq_idx)
+    ref = ssd_reference(x, dt, A, B, C, D, seq_idx=seq_idx)
     assert (y.double() - ref).abs().max() < 1e-5
     # the final state is that of the last document alone
     last = docs[0][-1]
     _, final_alone = ssd_chunked(x[:1, -last:], dt[:1, -last:], A, B[:1, -last:], C[:1, -last:], chunk,
                                  D=D, return_final_state=True)
     assert (final[:1] - final_alone).abs().max() < 1e-6
+
+
+def test_chunked_scan_initial_and_final_state_equal_the_reference():
+    x, dt, A, B, C, D = _ssm_inputs(2, 19, seed=3)
+    init = torch.randn(2, 4, 3, 5, dtype=torch.float64)
+    seq_idx = _seq_idx([[5, 14], [19]])
+    y, final = ssd_chunked(x, dt, A, B, C, 8, D=D, seq_idx=seq_idx, initial_state=init, return_final_state=True)
+    ref_y, ref_final = ssd_reference(x, dt, A, B, C, D, seq_idx=seq_idx, initial_state=init, return_final_state=True)
+    assert (y - ref_y).abs().max() < 1e-10 and (final - ref_final).abs().max() < 1e-10
 
 
 def test_chunked_scan_with_initial_state_continues_the_first_document():

@@ -20,8 +20,9 @@ from hybridtrain.models.nemotron_h import kernels
 from hybridtrain.models.nemotron_h.moe import TopkRouter
 from hybridtrain.models.nemotron_h.norms import RMSNorm, RMSNormGated
 from hybridtrain.models.nemotron_h.ssd import ssd_chunked
+from hybridtrain.ops import backend
 from hybridtrain.training import precision
-from hybridtrain.training.loss import cross_entropy_sum
+from hybridtrain.ops.loss import cross_entropy_sum
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7
 FP32_PARITY = 1e-4  # max |logits| difference to transformers in fp32 (test_model_parity)
@@ -367,39 +368,38 @@ def test_cpu_flag_parsing(tmp_path):
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
     old = tmp_path / "old"
     old.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
-    assert precision.cpu_bf16_flags(str(x86)) == {"avx512_bf16"}
-    assert precision.cpu_bf16_flags(str(arm)) == {"bf16"}
-    assert precision.cpu_bf16_flags(str(old)) == set()
-    assert precision.cpu_bf16_flags(str(tmp_path / "missing")) is None
+    assert backend.cpu_bf16_flags(str(x86)) == {"avx512_bf16"}
+    assert backend.cpu_bf16_flags(str(arm)) == {"bf16"}
+    assert backend.cpu_bf16_flags(str(old)) == set()
+    assert backend.cpu_bf16_flags(str(tmp_path / "missing")) is None
 
 
 def test_resolve_dtype(monkeypatch, caplog):
-    precision.cpu_has_native_bf16.cache_clear()
-    monkeypatch.setenv("HYBRIDTRAIN_CPU_BF16", "1")
+    """training.dtype: auto follows ops.backend.auto_dtype; training.cpu_bf16 overrides the CPU
+    detection (not the hidden-size rule); explicit dtypes are taken as asked."""
+    backend._detect_cpu_bf16.cache_clear()
     with caplog.at_level(logging.INFO, logger="hybridtrain.training.precision"):
-        assert precision.resolve_dtype("auto", "cpu") == torch.bfloat16
-    assert "training.dtype=auto -> bfloat16 on cpu" in caplog.text
-    assert precision.resolve_dtype("auto", "cpu", hidden_size=2688) == torch.bfloat16
-    assert precision.resolve_dtype("auto", "cpu", hidden_size=96) == torch.float32  # too narrow
-    assert precision.resolve_dtype("bf16", "cpu", hidden_size=96) == torch.bfloat16  # as asked
-    precision.cpu_has_native_bf16.cache_clear()
-    monkeypatch.setenv("HYBRIDTRAIN_CPU_BF16", "0")
-    assert precision.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    precision.cpu_has_native_bf16.cache_clear()
-    monkeypatch.delenv("HYBRIDTRAIN_CPU_BF16")
-    flags = precision.cpu_bf16_flags()
+        assert precision.resolve_dtype("auto", "cpu", cpu_bf16=True) == torch.bfloat16
+    assert "training.dtype=auto -> bfloat16 on cpu (training.cpu_bf16=true)" in caplog.text
+    assert precision.resolve_dtype("auto", "cpu", hidden_size=2688, cpu_bf16=True) == torch.bfloat16
+    assert precision.resolve_dtype("auto", "cpu", hidden_size=96, cpu_bf16=True) == torch.float32  # too narrow
+    assert precision.resolve_dtype("bf16", "cpu", hidden_size=96, cpu_bf16=True) == torch.bfloat16  # as asked
+    assert precision.resolve_dtype("auto", torch.device("cpu"), cpu_bf16=False) == torch.float32
+    with pytest.raises(ValueError, match="training.cpu_bf16"):
+        precision.resolve_dtype("auto", "cpu", cpu_bf16="yes")
+    flags = backend.cpu_bf16_flags()
     expected = torch.bfloat16 if flags else torch.float32
     if flags is None:  # no /proc/cpuinfo: the probe decides
         expected = precision.resolve_dtype("auto", "cpu")
     assert precision.resolve_dtype("auto", "cpu") == expected
-    precision.cpu_has_native_bf16.cache_clear()
-    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: None)
-    monkeypatch.setattr(precision, "_probe_bf16_speedup", lambda: 0.5)
+    backend._detect_cpu_bf16.cache_clear()
+    monkeypatch.setattr(backend, "cpu_bf16_flags", lambda: None)
+    monkeypatch.setattr(backend, "_probe_bf16_speedup", lambda: 0.5)
     assert precision.resolve_dtype("auto", "cpu") == torch.float32
-    precision.cpu_has_native_bf16.cache_clear()
-    monkeypatch.setattr(precision, "_probe_bf16_speedup", lambda: 5.0)
+    backend._detect_cpu_bf16.cache_clear()
+    monkeypatch.setattr(backend, "_probe_bf16_speedup", lambda: 5.0)
     assert precision.resolve_dtype("auto", "cpu") == torch.bfloat16
-    precision.cpu_has_native_bf16.cache_clear()
+    backend._detect_cpu_bf16.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert precision.resolve_dtype("auto", "cuda") == torch.bfloat16
@@ -411,6 +411,15 @@ def test_resolve_dtype(monkeypatch, caplog):
         precision.resolve_dtype("float16", "cuda")
     with pytest.raises(ValueError, match="training.dtype: unknown dtype 'fp8'"):
         precision.resolve_dtype("fp8", "cpu")
+
+
+def test_cpu_bf16_rule_ignores_the_environment(monkeypatch):
+    """The old HYBRIDTRAIN_CPU_BF16 switch is gone: training.cpu_bf16 is the one way to say it."""
+    backend._detect_cpu_bf16.cache_clear()
+    monkeypatch.setattr(backend, "cpu_bf16_flags", lambda: set())
+    monkeypatch.setenv("HYBRIDTRAIN_CPU_BF16", "1")
+    assert precision.resolve_dtype("auto", "cpu") == torch.float32
+    backend._detect_cpu_bf16.cache_clear()
 
 
 def test_autocast_context():

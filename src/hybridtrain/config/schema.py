@@ -89,8 +89,13 @@ TRAINING = {
     "cpu_allocator": K("auto", "glibc malloc for CPU training: heap -> freed large blocks are "
                                "reused (far fewer page faults per step; resident memory stays with the "
                                "process), system -> glibc defaults; auto -> heap on CPU, else system "
-                               "(training/cpu_allocator.py)",
+                               "(ops/backend.py)",
                        choices=("auto", "heap", "system")),
+    "cpu_bf16": K("auto", "whether this CPU's bf16 matmuls are fast, for dtype: auto; auto -> CPU "
+                          "flags (avx512_bf16/amx_bf16), else a timed matmul probe; true/false "
+                          "override the detection (ops/backend.py)", (bool, str)),
+    "grouped_mm": K(True, "CUDA bf16 MoE experts through torch grouped_mm; false -> a loop over "
+                          "experts (ops/backend.py)"),
     "loss_chunk_size": K("auto", "tokens per chunk of the linear cross-entropy (logits never "
                                  "materialised whole); auto -> 2^25 logits per chunk (128 MiB in "
                                  "fp32): 1024 tokens at a 32k vocabulary, 256 at 131k; null -> "

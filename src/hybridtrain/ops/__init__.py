@@ -1,1 +1,9 @@
-"""Low-level numerics shared by models and training (below both)."""
+"""Low-level numerics shared by models/ and training/ (below both; imports neither).
+
+* :mod:`hybridtrain.ops.loss`: the chunked linear cross-entropy and per-token log-probabilities
+  (:class:`~hybridtrain.ops.loss.LinearCrossEntropy`, ``cross_entropy_sum``, ``token_logprobs``).
+* :mod:`hybridtrain.ops.backend`: hardware tuning (GEMM row alignment, the glibc allocator, the
+  ``training.dtype: auto`` rule, the ``auto`` loss chunk, grouped GEMMs), configured once per
+  process by the recipe with :func:`~hybridtrain.ops.backend.configure_backend`.
+* :mod:`hybridtrain.ops.base2`: the base-2 constants of the fused autograd functions.
+"""

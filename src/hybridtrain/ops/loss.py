@@ -1,21 +1,351 @@
-"""TEMPORARY shim until the loss module lands (replaced wholesale at merge)."""
+"""Linear cross-entropy and per-token log-probabilities: the LM head and the token losses in one
+step, from the final hidden states and the head's weight.
+
+With a 131k vocabulary the ``[tokens, vocab]`` logits are the largest tensor of a training step
+(8k tokens x 131k x 4 bytes = 4 GiB in fp32). The chunked functions never build them whole:
+they walk the tokens in chunks of ``chunk_size`` and, per chunk, form the logits, their fp32
+log-sum-exp and the loss terms (and the chunk's share of the gradients of the hidden states and
+of the head weight). Tokens whose label is ``ignore_index`` (an SFT prompt) get no logits at all:
+their gradient is zero, so only the label tokens go through the head.
+
+* :class:`LinearCrossEntropy` -- the module a model holds: ``forward(hidden, head, labels)``.
+* :func:`cross_entropy_sum` -- the fp32 SUM of the token cross-entropies over label tokens (the
+  trainer divides by the label-token count of the global batch).
+* :func:`token_logprobs` -- ``log p(label | position)`` per token (0 at ignored positions),
+  differentiable (RL losses).
+
+Precision: the matmul runs in the input dtype (or autocast's); the logits are then taken to fp32
+and every softmax, log-sum-exp and sum is fp32 (fp64 for fp64 inputs, for gradcheck). The weight
+gradient is accumulated over chunks in fp32 and returned in the weight's dtype.
+
+Labels are aligned with ``hidden`` (the caller shifts them for next-token prediction).
+"""
+
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from hybridtrain.ops.backend import auto_chunk_size, pad_rows, unpad_rows
+from hybridtrain.ops.base2 import LOG2E
+
+__all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_SIZE", "LinearCrossEntropy", "cross_entropy_sum", "token_logprobs"]
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_SIZE = "auto"
 
 
 class LinearCrossEntropy(nn.Module):
-    def __init__(self, chunk_size="auto", reduction="mean", ignore_index=-100, recompute=False):
+    """Cross-entropy of ``head(hidden)`` against ``labels``, chunked (see :func:`cross_entropy_sum`).
+
+    ``forward(hidden, head, labels)`` -> fp32 scalar: the sum over label tokens
+    (``reduction="sum"``) or that sum over the number of label tokens, at least 1 (``"mean"``).
+    ``head`` is the LM head (an ``nn.Linear`` without bias; its ``weight`` is read).
+    ``token_logprobs(hidden, head, labels)``: :func:`token_logprobs` through the same head.
+    """
+
+    def __init__(self, chunk_size: int | str | None = DEFAULT_CHUNK_SIZE, reduction: str = "sum",
+                 ignore_index: int = IGNORE_INDEX, recompute: bool = False):
         super().__init__()
-        self.chunk_size, self.reduction = chunk_size, reduction
-        self.ignore_index, self.recompute = ignore_index, recompute
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"LinearCrossEntropy: reduction must be 'sum' or 'mean', got {reduction!r}")
+        _check_chunk_size(chunk_size)
+        self.chunk_size, self.reduction, self.ignore_index, self.recompute = (
+            chunk_size, reduction, ignore_index, recompute)
 
-    def forward(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
-        from hybridtrain.training.loss import cross_entropy_sum
+    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        loss = cross_entropy_sum(hidden, _head_weight(head), labels, self.chunk_size, self.ignore_index,
+                                 self.recompute)
+        if self.reduction == "mean":
+            loss = loss / (labels != self.ignore_index).sum().clamp(min=1)
+        return loss
 
-        total = cross_entropy_sum(hidden, head.weight, labels, self.chunk_size, self.ignore_index,
-                                  self.recompute)
-        if self.reduction == "sum":
+    def token_logprobs(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(hidden, _head_weight(head), labels, self.chunk_size, self.ignore_index)
+
+    def extra_repr(self) -> str:
+        return (f"chunk_size={self.chunk_size!r}, reduction={self.reduction!r}, "
+                f"ignore_index={self.ignore_index}, recompute={self.recompute}")
+
+
+def _head_weight(head: nn.Module) -> torch.Tensor:
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"LinearCrossEntropy: the head {type(head).__name__} has a bias; the linear "
+                         "cross-entropy takes a head without bias (nn.Linear(..., bias=False))")
+    return head.weight
+
+
+def cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | str | None = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = IGNORE_INDEX,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """Sum over tokens of ``cross_entropy(hidden @ weight.T, labels)``, as an fp32 scalar.
+
+    hidden: ``[N, H]`` or ``[B, L, H]``; weight: ``[V, H]`` (the LM head); labels: ``[N]`` or
+    ``[B, L]`` integer class ids or ``ignore_index``. ``chunk_size`` tokens are processed at a
+    time (``"auto"``: :func:`~hybridtrain.ops.backend.auto_chunk_size`; ``None`` computes the
+    full logits, the plain reference). Gradients come back in the dtypes of ``hidden`` and
+    ``weight``. Two ways to get them:
+
+    * ``recompute=False`` (default): the gradients are formed in forward from the chunk logits
+      already at hand and held until backward scales them by the incoming gradient. Same peak
+      memory when backward follows forward, one LM-head matmul less. Without autograd
+      (``torch.no_grad()`` or inputs without ``requires_grad``) no gradient is formed.
+    * ``recompute=True``: forward keeps one fp32 log-sum-exp per token and backward recomputes
+      each chunk's logits (one more LM-head matmul; nothing but the inputs is held between
+      forward and backward: for forwards that run long before their backwards, as in a GPipe
+      pipeline schedule, and for more than one backward).
+    """
+    chunk_size = _resolve(hidden, weight, labels, chunk_size, "cross_entropy_sum")
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if chunk_size is None:
+        logits = (hidden @ weight.t()).to(_acc_dtype(weight.dtype))
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    hidden, labels, _ = _label_rows(hidden, labels, ignore_index)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        with torch.no_grad():
+            return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight))[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, recompute)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | str | None = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T)[label]`` per token: fp32 (fp64 for fp64 inputs), the
+    shape of ``labels``, 0 where the label is ``ignore_index``. Differentiable w.r.t. ``hidden``
+    and ``weight``: forward keeps one log-sum-exp per label token and backward recomputes each
+    chunk's logits (as ``cross_entropy_sum(recompute=True)``). Shapes and ``chunk_size`` as
+    :func:`cross_entropy_sum`."""
+    chunk_size = _resolve(hidden, weight, labels, chunk_size, "token_logprobs")
+    shape = labels.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if chunk_size is None:
+        valid = labels != ignore_index
+        logp = (hidden @ weight.t()).to(_acc_dtype(weight.dtype)).log_softmax(-1)
+        picked = logp.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+        return torch.where(valid, picked, 0.0).view(shape)
+    n = labels.shape[0]
+    rows, row_labels, idx = _label_rows(hidden, labels, ignore_index)
+    logp = _ChunkedTokenLogprobs.apply(rows, weight, row_labels, chunk_size, ignore_index)
+    logp = unpad_rows(logp, n if idx is None else idx.shape[0])
+    if idx is not None:  # back to every position (ignored ones 0)
+        logp = logp.new_zeros(n).index_copy(0, idx, logp)
+    return logp.view(shape)
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if chunk_size not in ("auto", None) and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                              or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int, 'auto' or None, got {chunk_size!r}")
+
+
+def _resolve(hidden, weight, labels, chunk_size, name):
+    """Checks the shapes; returns the chunk size in tokens (None: full logits)."""
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"{name}: hidden size {hidden.shape[-1]} of `hidden` {tuple(hidden.shape)} does not "
+            f"match the LM head weight {tuple(weight.shape)} (expected [vocab, {hidden.shape[-1]}])"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"{name}: labels {tuple(labels.shape)} must have the shape of hidden without its last "
+            f"dimension, {tuple(hidden.shape[:-1])}"
+        )
+    try:
+        _check_chunk_size(chunk_size)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return auto_chunk_size(weight.shape[0]) if chunk_size == "auto" else chunk_size
+
+
+def _label_rows(hidden, labels, ignore_index):
+    """The rows with a label (``hidden`` [N, H], ``labels`` [N]), padded with ignored rows to
+    the backend's GEMM row multiple (the label count changes every step), and the kept row
+    indices (None: all rows kept).
+
+    In SFT most positions (the prompt) carry ``ignore_index``: their rows are dropped here
+    (index_select's backward puts zeros there); this syncs with the device once for the count."""
+    keep = labels != ignore_index
+    idx = None
+    if not bool(keep.all()):
+        idx = keep.nonzero().squeeze(1)
+        hidden, labels = hidden.index_select(0, idx), labels.index_select(0, idx)
+    return pad_rows(hidden), pad_rows(labels, ignore_index), idx
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when autocast is on (as for ``hidden @ weight.t()``), else the
+    promoted input dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax / sum dtype for matmuls in ``dtype``: fp32 (fp64 for fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# -- the fused pass -------------------------------------------------------------------------------
+def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, grad_hidden=None, weight_grad=False,
+             scale=None, token_out=None):
+    """One pass over the chunks, with autocast off and the matmuls in ``dtype``; the loop of both
+    autograd functions below.
+
+    Returns ``(loss_sum, lse, grad_weight)``. When ``lse`` is given (a per-token fp32
+    log-sum-exp from an earlier pass) the logits are not reduced again. When ``grad_hidden``
+    ([N, H], written to) is given and/or ``weight_grad`` is set, the gradients of
+    ``sum_t scale_t * (lse_t - logit_t[label_t])`` are formed (``scale``: a scalar, or one value
+    per token); the weight's is summed over chunks in fp32 ([V, H], else None). ``token_out``
+    ([N], written to): ``logit_t[label_t] - lse_t`` per token, 0 at ignored ones.
+
+    Softmax in base 2 (see ``ops.base2``): ``exp(x - m) = 2^(x log2(e) - m log2(e))``, one fused
+    pass from the matmul output to the fp32 exponent, then exp2.
+    """
+    n = hidden.shape[0]
+    acc = _acc_dtype(dtype)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # 0 stands in; masked below
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    out_lse = lse if lse is not None else torch.empty(n, dtype=acc, device=hidden.device)
+    want_grads = grad_hidden is not None or weight_grad
+    grad_weight = None
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            h = hidden[start:end].to(dtype)
+            y, ok = safe_labels[start:end], valid[start:end]
+            logits = h @ w.t()
+            rows = torch.arange(end - start, device=logits.device)
+            if want_grads:  # d total / d row
+                weight_rows = torch.where(ok, scale if scale.dim() == 0 else scale[start:end], 0.0)
+            if lse is None:
+                target = logits[rows, y].to(acc)
+                if not want_grads:
+                    chunk_lse = torch.logsumexp(logits.to(acc), dim=-1)
+                else:
+                    # e = exp(logits - max) in fp32 (the buffer becomes the gradient),
+                    # lse = max + log(sum e), softmax = e / sum e
+                    m = logits.amax(dim=-1, keepdim=True).to(acc)
+                    e = _exp_shifted(logits, m)
+                    s = e.sum(dim=-1, keepdim=True)
+                    chunk_lse = (m + s.log()).squeeze(1)
+                    g = e.mul_(weight_rows[:, None] / s)
+                out_lse[start:end] = chunk_lse
+                total += torch.where(ok, chunk_lse - target, 0.0).sum()
+                if token_out is not None:
+                    token_out[start:end] = torch.where(ok, target - chunk_lse, 0.0)
+            else:
+                g = _exp_shifted(logits, lse[start:end, None]).mul_(weight_rows[:, None])
+            if not want_grads:
+                continue
+            # d(lse - logit[label]) / d logits = softmax - onehot(label); zero on ignored rows.
+            g[rows, y] -= weight_rows
+            g = g.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = g @ w
+            if weight_grad:
+                if grad_weight is None:  # the first chunk's product starts the fp32 sum
+                    grad_weight = (g.t() @ h).to(acc)
+                elif dtype == acc:  # (the out= form, not addmm_, so FlopCounterMode sees it)
+                    torch.addmm(grad_weight, g.t(), h, out=grad_weight)
+                else:  # bf16 partial product, summed into the fp32 buffer
+                    grad_weight.add_(g.t() @ h)
+            del g, logits
+    if weight_grad and grad_weight is None:  # no rows at all
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    return total, out_lse, grad_weight
+
+
+def _exp_shifted(logits, shift):
+    """fp32 exp(logits - shift) as 2^(logits log2(e) - shift log2(e)): one pass to the exponent
+    (in place for fp32 logits) and exp2. shift [rows, 1] fp32 (fp64 for fp64 logits)."""
+    out = logits if logits.dtype == shift.dtype else torch.empty(logits.shape, dtype=shift.dtype,
+                                                                  device=logits.device)
+    return torch.add(shift * -LOG2E, logits, alpha=LOG2E, out=out).exp2_()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """``cross_entropy_sum`` of label rows. Autocast is switched off inside and the compute dtype
+    chosen once in forward, so that the logits recomputed in backward (where autocast is not
+    active) are bit-identical to forward's. The softmax runs in base 2 (``_exp_shifted``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, recompute):
+        dtype = _compute_dtype(hidden, weight)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.args = (chunk_size, ignore_index, dtype)
+        ctx.recompute = recompute
+        if recompute:
+            total, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype)
+            ctx.save_for_backward(hidden, weight, labels, lse)
             return total
-        return total / (labels != self.ignore_index).sum().clamp(min=1)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        one = torch.ones((), dtype=_acc_dtype(dtype), device=hidden.device)
+        total, _, grad_weight = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype,
+                                         grad_hidden=grad_hidden, weight_grad=need_weight, scale=one)
+        ctx.grads = [grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)]
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        chunk_size, ignore_index, dtype = ctx.args
+        scale = grad_total.to(_acc_dtype(dtype))
+        if ctx.recompute:
+            return _recomputed_grads(ctx, scale) + (None,) * 4
+        if ctx.grads is None:
+            raise RuntimeError(
+                "cross_entropy_sum(recompute=False) gives its gradients to one backward only; "
+                "use recompute=True to backward through it more than once (retain_graph)"
+            )
+        grads, ctx.grads = ctx.grads, None
+        # scaled in place (by the fp32 scalar): these buffers were made for this backward
+        return tuple(g.mul_(scale) if g is not None else None for g in grads) + (None,) * 4
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """``token_logprobs`` of label rows: forward keeps the per-token log-sum-exp; backward is the
+    cross-entropy's recompute pass with one scale per token, ``-grad`` (``logp = -(lse - logit)``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+        dtype = _compute_dtype(hidden, weight)
+        logp = torch.empty(hidden.shape[0], dtype=_acc_dtype(dtype), device=hidden.device)
+        _, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, token_out=logp)
+        ctx.args = (chunk_size, ignore_index, dtype)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        return logp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp):
+        return _recomputed_grads(ctx, -grad_logp.to(_acc_dtype(ctx.args[2]))) + (None,) * 3
+
+
+def _recomputed_grads(ctx, scale):
+    """(grad hidden, grad weight) of ``sum_t scale_t (lse_t - logit_t[label_t])`` from the saved
+    inputs and log-sum-exp, the chunk logits recomputed."""
+    chunk_size, ignore_index, dtype = ctx.args
+    hidden, weight, labels, lse = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    # the weight gradient is summed over chunks in fp32 (bf16 partial sums would lose bits)
+    _, _, grad_weight = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=lse,
+                                 grad_hidden=grad_hidden, weight_grad=need_weight, scale=scale)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight

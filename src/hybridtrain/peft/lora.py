@@ -39,7 +39,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.expert_parallel import local_tensor, zero_rows_output
-from hybridtrain.models.nemotron_h import moe as _moe
+from hybridtrain.ops import backend
 from hybridtrain.models.spec import model_spec_for
 
 __all__ = [
@@ -62,7 +62,6 @@ logger = logging.getLogger(__name__)
 EXPERT_PROJS = ("up_proj", "down_proj")
 EXCLUDED_LINEARS = ("lm_head",)
 _LORA_PARAM = re.compile(r"(^|\.|_)lora_[AB]$")
-_GROUPED_MM_OK = True  # set False after the first grouped_mm failure (then the per-expert loop)
 
 
 def is_lora_param(name: str) -> bool:
@@ -208,17 +207,15 @@ class LoRAExperts(nn.Module):
         return (local_tensor(A), local_tensor(B)) if local else (A, B)
 
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        global _GROUPED_MM_OK
         up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)  # this rank's experts
         up_ab, down_ab = self._ab("up_proj", local=True), self._ab("down_proj", local=True)
-        if (_GROUPED_MM_OK and _moe._GROUPED_MM and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
+        if (backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
                 and hasattr(F, "grouped_mm")):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
                 return self._grouped(sorted_x, offs, up, down, up_ab, down_ab)
             except RuntimeError as e:  # e.g. a rank whose row size the kernel does not support
-                logger.warning("LoRA experts: torch grouped_mm failed (%s); using the per-expert loop", e)
-                _GROUPED_MM_OK = False
+                backend.disable_grouped_mm(f"LoRA experts: torch grouped_mm failed ({e})")
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
             if xe.shape[0] == 0:

@@ -32,6 +32,7 @@ import torch
 from hybridtrain.config.schema import section_defaults
 from hybridtrain.recipes.finetune import Built, as_config, build, make_train_step
 from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
+from hybridtrain.ops.backend import configure_backend
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
@@ -218,7 +219,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     b = build(cfg, device, is_main, world_size, data=opts["data"] == "recipe", dtype=names[0])
     # `auto` depends on the model's width on CPU (as in finetune): resolved after building it
     hidden = getattr(b.model_config, "hidden_size", None)
-    dtypes = [b.dtype] + [resolve_dtype(n, device, hidden_size=hidden) for n in names[1:]]
+    dtypes = [b.dtype] + [resolve_dtype(n, device, hidden, t.cpu_bf16) for n in names[1:]]
     dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
     if world_size > 1 and len(set(dtypes)) > 1:
         raise ValueError("benchmark.dtypes: comparing dtypes needs a single process; run the "
@@ -263,6 +264,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
     for dt, dname in zip(dtypes, dtype_names):
+        configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
         train_step = make_train_step(b.plan, autocast_dtype(dt))
         peak = peak_for(dt)
         if opts["data"] == "recipe":

@@ -30,12 +30,12 @@ from torch.utils.data import DataLoader
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import model_spec_for, set_train_loss
+from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.checkpoint import Checkpointer, default_export
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer, param_groups
-from hybridtrain.training.cpu_allocator import configure_cpu_allocator
 from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
 from hybridtrain.training.precision import resolve_dtype, resolve_save_dtype
 from hybridtrain.training.rng import seed_all
@@ -202,7 +202,7 @@ class Built:
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None) -> Built:
     """Builds a recipe's parts in a fixed order: seeds -> tokenizer -> model (random init from
-    a config, or ``from_pretrained``) -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
+    a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
     layout -> train step -> optimizer.
 
     ``device`` / ``is_main`` / ``world_size``: this process (``init_distributed``'s; default
@@ -212,7 +212,6 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     cfg = as_config(cfg)
     t = cfg.training
     device = resolve_device(t.device) if device is None else torch.device(device)
-    configure_cpu_allocator(t.cpu_allocator, device)
     seed_all(t.seed)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -225,7 +224,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     model = instantiate(cfg.model)
     spec = model_spec_for(model)
     model_config = model.config
-    compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size)
+    compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
+    configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
     autocast_dtype = autocast_dtype_of(compute_dtype)
     save_dtype = resolve_save_dtype(cfg.checkpoint.save_dtype, model)  # before LoRA / sharding
     if tokenizer is not None and len(tokenizer) > model_config.vocab_size:

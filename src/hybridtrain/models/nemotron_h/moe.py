@@ -20,21 +20,17 @@ holds them; the Hub stores one ``experts.{j}.up_proj.weight`` per expert, see ``
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor, zero_rows_output
+from hybridtrain.ops import backend
+from hybridtrain.ops.backend import pad_rows, unpad_rows
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
-from .numerics import fp32_region, gemm_row_multiple
-
-_GROUPED_MM = os.environ.get("HYBRIDTRAIN_GROUPED_MM", "1") not in ("0", "false", "False")
-
+from .numerics import fp32_region
 
 class TopkRouter(nn.Module):
     def __init__(self, config: NemotronHConfig):
@@ -133,17 +129,15 @@ class Experts(nn.Module):
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
-        global _GROUPED_MM
         up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)
-        if _GROUPED_MM and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        if backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
             # CUDA bf16: one grouped GEMM per projection, no host sync
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
                 h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
                 return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
             except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
-                warnings.warn(f"torch grouped_mm failed ({e}); using the per-expert loop from now on")
-                _GROUPED_MM = False
+                backend.disable_grouped_mm(f"torch grouped_mm failed ({e})")
         # fallback: a loop over experts on contiguous slices (never over tokens). The stacked
         # weights are split once (one gradient buffer in backward, not a zero-filled [E, ...]
         # buffer per expert) and, under autocast, cast once rather than per expert.
@@ -152,19 +146,14 @@ class Experts(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
         ups, downs = up.unbind(0), down.unbind(0)
-        # routed row counts change every step: zero rows pad each slice to a multiple the GEMM
-        # backend wants (CPU bf16: 64, bounded oneDNN kernel shapes; else none)
-        align = gemm_row_multiple(sorted_x.device, sorted_x.dtype)
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
             n = xe.shape[0]
             if n == 0:
                 continue
-            pad = -n % align
-            if pad:
-                xe = F.pad(xe, (0, 0, 0, pad))
+            xe = pad_rows(xe)  # routed row counts change every step: aligned GEMM rows (ops.backend)
             ye = F.linear(self.act_fn(F.linear(xe, ups[e])), downs[e])
-            outs.append(ye[:n] if pad else ye)
+            outs.append(unpad_rows(ye, n))
         if not outs:
             return zero_rows_output(self, sorted_x, up.shape[2])
         return torch.cat(outs, dim=0)

@@ -1,12 +1,14 @@
-"""Pure-PyTorch Mamba2 pieces: the chunked SSD scan and the causal depthwise conv, both with
-document restarts for packed sequences (``seq_idx``).
+"""Pure-PyTorch Mamba2 pieces: the SSD scan and the causal depthwise conv, both with document
+restarts for packed sequences (``seq_idx``).
+
+:func:`ssd_reference` is the scan's definition, a token-by-token recurrence (slow; the tests hold
+the fast form to it). :func:`ssd_chunked` computes the same in the standard "state space
+duality" chunked form (Dao & Gu, 2024): exact attention-like products inside each chunk, one
+state per chunk, and a segment-sum over chunk decays to pass the states along. Memory is
+O(L * chunk_size) per head; there is no Python loop over time or chunks.
 
 Shapes: b batch, l/s positions inside a chunk, c chunk, z source chunk, g B/C group,
 j head inside a group (h = g * j), p head dim, n state size.
-
-The scan is the standard "state space duality" chunked form (Dao & Gu, 2024): exact attention-like
-products inside each chunk, one state per chunk, and a segment-sum over chunk decays to pass the
-states along. Memory is O(L * chunk_size) per head; there is no Python loop over time or chunks.
 
 With ``seq_idx`` (document id per token, non-decreasing along a row) the decay between two
 positions is cut to zero whenever they belong to different documents, in all three places:
@@ -18,7 +20,48 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .numerics import LN2, LOG2E, fp32_region, silu_grad
+from hybridtrain.ops.base2 import LN2, LOG2E
+
+from .numerics import fp32_region, silu_grad
+
+
+def ssd_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+):
+    """The selective state-space scan, token by token (the plain definition :func:`ssd_chunked`
+    equals). Per head, with ``S`` the ``[p, n]`` state::
+
+        S_t = exp(dt_t * A) * S_{t-1} + dt_t * x_t B_t^T      (S_{-1} = initial_state, else 0)
+        y_t = S_t C_t + D * x_t
+
+    and ``S_{t-1} = 0`` where token ``t`` starts a new document (``seq_idx`` changes). x [b, L, h,
+    p]; dt [b, L, h] (after softplus); A [h] (negative); B, C [b, L, g, n], head ``i`` reading
+    group ``i // (h / g)``; D [h] or None; seq_idx [b, L] or None; initial_state [b, h, p, n] or
+    None. Returns y [b, L, h, p] (and the final state [b, h, p, n] if asked), in x's dtype."""
+    b, L, h, p = x.shape
+    heads_per_group = h // B.shape[2]
+    Bh = B.repeat_interleave(heads_per_group, dim=2)  # [b, L, h, n]
+    Ch = C.repeat_interleave(heads_per_group, dim=2)
+    state = x.new_zeros(b, h, p, B.shape[-1]) if initial_state is None else initial_state.to(x.dtype)
+    ys = []
+    for t in range(L):
+        if seq_idx is not None and t > 0:
+            same_doc = (seq_idx[:, t] == seq_idx[:, t - 1]).to(x.dtype)
+            state = state * same_doc[:, None, None, None]
+        decay = torch.exp(dt[:, t] * A)  # [b, h]
+        state = state * decay[:, :, None, None] + dt[:, t, :, None, None] * x[:, t, :, :, None] * Bh[:, t, :, None, :]
+        y = torch.einsum("bhpn,bhn->bhp", state, Ch[:, t])
+        ys.append(y if D is None else y + D[None, :, None] * x[:, t])
+    y = torch.stack(ys, dim=1)
+    return (y, state) if return_final_state else y
 
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
@@ -33,30 +76,6 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     out = torch.cumsum(x, dim=-2)
     lower = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=0)
     return out.masked_fill(~lower, -torch.inf)
-
-
-def _pass_states(states, a_last, init, same_doc):
-    """Start state of every chunk and the final state: state of chunk i's start = sum over
-    earlier chunk ends z (and the initial state) of 2^(sum of a_last over z+1..i) * state_z,
-    zero across documents. states [b, c, g, n, j, p]; a_last [b, c, g, j]; init [b, 1, g, n, j, p]
-    or None; same_doc [b, c+1, c+1] bool or None. Small tensors: plain autograd."""
-    if init is None:
-        init = states.new_zeros(states[:, :1].shape)
-    states = torch.cat([init, states], dim=1)  # [b, c+1, g, n, j, p]; index 0 = initial
-    chunk_seg = segsum(F.pad(a_last.permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
-    if same_doc is not None:
-        chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
-    new_states = torch.einsum("bgjiz,bzgnjp->bignjp", torch.exp2(chunk_seg), states)
-    return new_states[:, :-1], new_states[:, -1]
-
-
-def _decay(a):
-    """2^min(a_l - a_s, 0): [b, c, g, j, l, s]. a is non-increasing along a chunk (dt >= 0,
-    A < 0), so a_l - a_s <= 0 for l >= s; above the diagonal it may be large and is clamped to 0
-    rather than masked (a cheaper pass). The (causal, same-document) mask is applied to the C.B
-    products instead, which are per group, not per head."""
-    seg = a[..., :, None] - a[..., None, :]
-    return seg.clamp_max_(0).exp2_()
 
 
 def _mul(a, b, layout):
@@ -91,12 +110,55 @@ class _ChunkScan(torch.autograd.Function):
     (B^T @ (x dt decay)) are always a full-precision product, so the state is the same as an fp32
     scan's on the same inputs.
 
-    Inputs: xdt [b, c, l, g, j, p] (the padded [b, L, h, p] layout); a [b, c, g, j, l] (in-chunk
-    cumsum of dt*A*log2(e): decays are 2^(a_l - a_s)); C, B [b, c, g, l, n]; mask [b or 1,
+    Decays in base 2: ``exp(sum dt A) = 2^(sum dt A log2 e)`` (``ops.base2``: exp2 is ~4x cheaper
+    than exp on CPU). Forward forms ``a = cumsum(dt * A * log2 e)`` per chunk, [b, c, g, j, l], so
+    that the decay between positions is ``2^(a_l - a_s)``; backward differentiates every ``2^x``
+    as ``2^x`` and multiplies the sum by ``ln 2`` once, then takes the gradient of ``a`` back to
+    ``dt`` and ``A`` through autograd on a recomputed ``a`` (the same ops as forward's).
+
+    Inputs: xdt [b, c, l, g, j, p] (the padded [b, L, h, p] layout); dt [b, L, h] and A [h] in
+    xdt's dtype (``a`` is padded to the chunks with zeros); C, B [b, c, g, l, n]; mask [b or 1,
     c or 1, l, s] (causal, same document); last_doc, start_doc [b, c, 1, 1, l] or None (token
     in its chunk's last document / in the document of the chunk's start state); same_doc
-    [b, c+1, c+1] or None; init [b, 1, g, n, j, p] or None; mdt. Returns y [b, c, l, g, j, p] and the final state [b, g, n, j, p].
+    [b, c+1, c+1] or None; init [b, 1, g, n, j, p] or None; mdt. Returns y [b, c, l, g, j, p]
+    and the final state [b, g, n, j, p].
     """
+
+    @staticmethod
+    def _pass_states(states, a_last, init, same_doc):
+        """Start state of every chunk and the final state: state of chunk i's start = sum over
+        earlier chunk ends z (and the initial state) of 2^(sum of a_last over z+1..i) * state_z,
+        zero across documents. states [b, c, g, n, j, p]; a_last [b, c, g, j]; init
+        [b, 1, g, n, j, p] or None; same_doc [b, c+1, c+1] bool or None. Small tensors: plain
+        autograd."""
+        if init is None:
+            init = states.new_zeros(states[:, :1].shape)
+        states = torch.cat([init, states], dim=1)  # [b, c+1, g, n, j, p]; index 0 = initial
+        chunk_seg = segsum(F.pad(a_last.permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, c+1 (to), c+1 (from)]
+        if same_doc is not None:
+            chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
+        new_states = torch.einsum("bgjiz,bzgnjp->bignjp", torch.exp2(chunk_seg), states)
+        return new_states[:, :-1], new_states[:, -1]
+
+    @staticmethod
+    def _decay(a):
+        """2^min(a_l - a_s, 0): [b, c, g, j, l, s]. a is non-increasing along a chunk (dt >= 0,
+        A < 0), so a_l - a_s <= 0 for l >= s; above the diagonal it may be large and is clamped to
+        0 rather than masked (a cheaper pass). The (causal, same-document) mask is applied to the
+        C.B products instead, which are per group, not per head."""
+        seg = a[..., :, None] - a[..., None, :]
+        return seg.clamp_max_(0).exp2_()
+
+    @staticmethod
+    def _log2_decays(dt, A, chunks):
+        """a [b, c, g, j, l] = in-chunk cumsum of dt * A * log2(e), zero-padded to the chunks
+        (``chunks`` = (c, l, g, j))."""
+        c, l, g, j = chunks
+        dA = dt * (A * LOG2E)[None, None, :]  # [b, L, h]
+        pad = c * l - dt.shape[1]
+        if pad:
+            dA = F.pad(dA, (0, 0, 0, pad))
+        return torch.cumsum(dA.view(dt.shape[0], c, l, g, j).permute(0, 1, 3, 4, 2), dim=-1)
 
     @staticmethod
     def _state_weights(a, last_doc):
@@ -119,21 +181,22 @@ class _ChunkScan(torch.autograd.Function):
         return states.view(b, c, g, -1, j, p), xw
 
     @staticmethod
-    def forward(ctx, xdt, a, C, B, mask, last_doc, start_doc, same_doc, init, mdt):
-        ctx.save_for_backward(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init)
+    def forward(ctx, xdt, dt, A, C, B, mask, last_doc, start_doc, same_doc, init, mdt):
+        ctx.save_for_backward(xdt, dt, A, C, B, mask, last_doc, start_doc, same_doc, init)
         ctx.mdt = mdt
         b, c, l, g, j, p = xdt.shape
+        a = _ChunkScan._log2_decays(dt, A, (c, l, g, j))
         Cm, Bm = C.to(mdt), B.to(mdt)
         # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) 2^(a_l - a_s) xdt_s
         CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(~mask[:, :, None], 0)  # [b, c, g, l, s], masked
-        M = _lowp(_decay(a).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
+        M = _lowp(_ChunkScan._decay(a).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         yd = M @ xh  # [b, c, g, j, l, p]
         del M, xh
         # 2. state at each chunk's end, from its tokens of the chunk's last document
         states, _ = _ChunkScan._states(xdt, _ChunkScan._state_weights(a, last_doc), B)
         # 3. states passed from chunk to chunk; 4. y_l += 2^(a_l) C_l . S_start
-        start, final = _pass_states(states, a[..., -1], init, same_doc)
+        start, final = _ChunkScan._pass_states(states, a[..., -1], init, same_doc)
         yo = Cm @ start.to(mdt).reshape(b, c, g, -1, j * p)  # [b, c, g, l, (j p)]
         u = _ChunkScan._start_weights(a, start_doc)
         y = torch.empty_like(xdt)
@@ -143,9 +206,13 @@ class _ChunkScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, gfinal):
-        xdt, a, C, B, mask, last_doc, start_doc, same_doc, init = ctx.saved_tensors
+        xdt, dt, A, C, B, mask, last_doc, start_doc, same_doc, init = ctx.saved_tensors
         mdt = ctx.mdt
         b, c, l, g, j, p = xdt.shape
+        with torch.enable_grad():
+            dt_A = [dt.detach().requires_grad_(), A.detach().requires_grad_()]
+            a_graph = _ChunkScan._log2_decays(*dt_A, (c, l, g, j))
+        a = a_graph.detach()
         cdt = xdt.dtype
         Cm, Bm = C.to(mdt), B.to(mdt)
         gy = gy.contiguous()
@@ -153,7 +220,7 @@ class _ChunkScan(torch.autograd.Function):
         # 1. diagonal blocks: M = decay * CB per head, y = M @ xdt
         drop = ~mask[:, :, None]
         CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(drop, 0)
-        Lmat = _decay(a)  # not masked: every product with it below is masked via CB or gCB
+        Lmat = _ChunkScan._decay(a)  # not masked: every product with it below is masked via CB or gCB
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         gM = gyh @ xh.transpose(-1, -2)  # [b, c, g, j, l, s]
         del xh
@@ -176,7 +243,8 @@ class _ChunkScan(torch.autograd.Function):
             leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
             if init is not None:
                 leaves.append(init.detach().requires_grad_())
-            start, final = _pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None, same_doc)
+            start, final = _ChunkScan._pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None,
+                                                   same_doc)
         # 4. y_l += u_l C_l . S_start
         u = _ChunkScan._start_weights(a, start_doc)
         uT = u.permute(0, 1, 2, 4, 3)[..., None]  # [b, c, g, l, j, 1]
@@ -205,7 +273,8 @@ class _ChunkScan(torch.autograd.Function):
         ga[..., -1] += gw.sum(-1)
         ga.mul_(LN2)  # every term above differentiated 2^x as 2^x: d/dx 2^x = ln 2 * 2^x
         ga[..., -1] += ga_last
-        return gxdt, ga, gC, gB, None, None, None, None, ginit, None
+        gdt, gA = torch.autograd.grad(a_graph, dt_A, ga)
+        return gxdt, gdt, gA, gC, gB, None, None, None, None, ginit, None
 
 
 def ssd_chunked(
@@ -250,16 +319,13 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     mdt = torch.bfloat16 if x.dtype == torch.bfloat16 else cdt
     dt = dt.to(cdt)
     xdt = (x * dt[..., None]).contiguous()  # [b, L, h, p] in cdt (bf16 x promotes exactly)
-    dA = dt * (A.to(cdt) * LOG2E)[None, None, :]  # [b, L, h], in base 2 (decays by exp2)
     if pad:
         xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad))
-        dA = F.pad(dA, (0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
     xdt = xdt.view(b, c, cs, g, j, p)  # chunks of the natural layout (no copy)
     B = B.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n], own dtype
     C = C.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()
-    a = torch.cumsum(dA.view(b, c, cs, g, j).permute(0, 1, 3, 4, 2), dim=-1)  # [b, c, g, j, l]
 
     causal = torch.tril(torch.ones(cs, cs, device=x.device, dtype=torch.bool))
     mask, last_doc, start_doc, same_doc = causal[None, None], None, None, None
@@ -280,7 +346,7 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     init = None
     if initial_state is not None:
         init = initial_state.to(cdt).view(b, g, j, p, n).permute(0, 1, 4, 2, 3)[:, None]  # [b, 1, g, n, j, p]
-    y, final_state = _ChunkScan.apply(xdt, a, C, B, mask, last_doc, start_doc, same_doc, init, mdt)
+    y, final_state = _ChunkScan.apply(xdt, dt, A.to(cdt), C, B, mask, last_doc, start_doc, same_doc, init, mdt)
 
     y = y.view(b, c * cs, h, p)[:, :L]
     if D is not None:

@@ -1,0 +1,108 @@
+"""ops.backend: the settings configure_backend chooses, GEMM row padding, and the allocator (in
+heap mode glibc serves large CPU tensors from the heap, not mmap)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridtrain.ops import backend
+from hybridtrain.ops.backend import BackendSettings, configure_backend, configure_cpu_allocator, pad_rows, unpad_rows
+
+_MMAPPED = r"""
+import ctypes, sys, torch
+from hybridtrain.ops.backend import configure_cpu_allocator
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                              "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+print(configure_cpu_allocator(sys.argv[1], "cpu"))
+x = torch.empty(16 << 20)  # 64 MiB, above any mmap threshold of glibc's
+print(libc.mallinfo2().hblkhd)  # bytes held in mmapped blocks
+"""
+
+
+def _mmapped_bytes(mode):
+    out = subprocess.run([sys.executable, "-c", _MMAPPED, mode], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"no glibc mallinfo2 here: {out.stderr.strip().splitlines()[-1:]}")
+    effect, mmapped = out.stdout.split()
+    return effect, int(mmapped)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_heap_mode_serves_large_tensors_from_the_heap():
+    effect, heap = _mmapped_bytes("heap")
+    if effect != "heap":
+        pytest.skip(f"C library without mallopt ({effect})")
+    _, system = _mmapped_bytes("system")
+    assert system >= 64 << 20, system  # glibc default: the 64 MiB tensor is its own mmap
+    assert heap < 64 << 20, heap
+
+
+def test_modes_and_errors():
+    assert configure_cpu_allocator("system", "cpu") == "system"
+    assert configure_cpu_allocator("auto", "meta") == "system"  # not CPU training: untouched
+    with pytest.raises(ValueError, match="training.cpu_allocator"):
+        configure_cpu_allocator("jemalloc", "cpu")
+
+
+@pytest.fixture
+def restore_settings():
+    with backend.using(backend.settings()):
+        yield
+
+
+def test_configure_backend_pads_only_cpu_low_precision(restore_settings):
+    assert backend.settings() == BackendSettings()  # nothing tuned until the recipe configures
+    cases = [("cpu", torch.bfloat16, 64), ("cpu", torch.float16, 64), ("cpu", torch.float32, 1),
+             ("meta", torch.bfloat16, 1)]
+    for device, dtype, multiple in cases:
+        got = configure_backend(device, dtype, cpu_allocator="system")
+        assert got.gemm_row_multiple == multiple and backend.settings() is got, (device, dtype)
+        assert got.cpu_allocator == "system" and got.grouped_mm
+    assert not configure_backend("cpu", torch.float32, cpu_allocator="system", grouped_mm=False).grouped_mm
+    with pytest.raises(ValueError, match="training.grouped_mm"):
+        configure_backend("cpu", torch.float32, cpu_allocator="system", grouped_mm="yes")
+    with pytest.raises(ValueError, match="training.cpu_allocator"):
+        configure_backend("cpu", torch.float32, cpu_allocator="jemalloc")
+
+
+def test_pad_rows_and_unpad_rows(restore_settings):
+    x, labels = torch.randn(70, 3), torch.arange(70)
+    assert pad_rows(x) is x and unpad_rows(x, 70) is x  # default: nothing to do, nothing in the graph
+    with backend.using(BackendSettings(gemm_row_multiple=64)):
+        px, pl = pad_rows(x), pad_rows(labels, value=-100)
+        assert px.shape == (128, 3) and torch.equal(px[:70], x) and torch.all(px[70:] == 0)
+        assert pl.shape == (128,) and torch.all(pl[70:] == -100)
+        assert pad_rows(px) is px
+        assert torch.equal(unpad_rows(px, 70), x)
+
+
+def test_disable_grouped_mm_warns_once(restore_settings):
+    with backend.using(BackendSettings(grouped_mm=True)):
+        with pytest.warns(UserWarning, match="no kernel; using the per-expert loop"):
+            backend.disable_grouped_mm("no kernel")
+        assert not backend.settings().grouped_mm
+        backend.disable_grouped_mm("again")  # already off: silent
+    assert backend.settings().grouped_mm  # using() restored the settings before it
+
+
+def test_ops_imports_only_ops():
+    """ops/ sits below models/ and training/: it imports no other hybridtrain package."""
+    import ast
+    from pathlib import Path
+
+    import hybridtrain.ops
+
+    for path in Path(hybridtrain.ops.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hybridtrain"):
+                assert node.module.startswith("hybridtrain.ops"), (path.name, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("hybridtrain") and not a.name.startswith("hybridtrain.ops")
+                               for a in node.names), path.name
