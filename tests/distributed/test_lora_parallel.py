@@ -4,7 +4,7 @@ gradients (experts' per-expert adapters sharded with the experts) and the PEFT e
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _lora_model():
