@@ -1,7 +1,16 @@
 """Suite-wide settings: one intra-op thread. The tests use tiny shapes, for which a second
 thread only adds synchronisation (measured up to 10x slower on a loaded 2-core machine), and
-multi-process tests run one thread per rank anyway."""
+multi-process tests run one thread per rank anyway. Fixtures shared by the test files."""
 
+import pytest
 import torch
 
+from tests.helpers.data import bpe_tokenizer
+
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """The byte-level BPE of :func:`tests.helpers.data.bpe_tokenizer` (built once per process)."""
+    return bpe_tokenizer(tmp_path_factory)

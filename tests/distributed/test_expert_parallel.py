@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _moe_and_inputs(starve_rank1: bool = False):

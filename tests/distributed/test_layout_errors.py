@@ -59,33 +59,45 @@ def test_manual_split_points():
 
 
 def test_nemotron_layer_costs_and_layouts():
+    from hybridtrain.distributed.layout import config_section
+    from hybridtrain.distributed.pipeline import pipeline_layout
     from hybridtrain.models.nemotron_h import tiny_config
-    from hybridtrain.models.nemotron_h.parallelize import _pipeline_layout, layer_costs
+    from hybridtrain.models.spec import get_model_spec
 
+    spec = get_model_spec("nemotron_h")
     cfg = tiny_config("mixed")  # M * - E M * E
-    costs = layer_costs(cfg, seq_len=4096)
+    costs = spec.layer_flops(cfg, 4096)
     assert costs[1] > costs[2]  # attention at 4k tokens costs more than the MLP
+    head = spec.head_flops(cfg)
+
+    def layout(dims, **distributed):
+        return pipeline_layout(7, dims, config_section("distributed", distributed), costs, head)
+
     dims = ParallelDims(world_size=2, pp=2)
-    spec, n, ranges, ids = _pipeline_layout(cfg, dims, "interleaved1f1b", None, None, None)
+    sched, n, ranges, ids = layout(dims, pp_schedule="interleaved1f1b")
     assert n == 4 and ids == [0, 2] and ranges[0][0] == 0 and ranges[-1][1] == 7
     with pytest.raises(ValueError, match="runs one stage per rank"):
-        _pipeline_layout(cfg, dims, "1f1b", 2, None, None)
+        layout(dims, pp_schedule="1f1b", pp_stages_per_rank=2)
     with pytest.raises(ValueError, match="pp_stages_per_rank >= 2"):
-        _pipeline_layout(cfg, dims, "interleaved1f1b", 1, None, None)
+        layout(dims, pp_schedule="interleaved1f1b", pp_stages_per_rank=1)
     with pytest.raises(ValueError, match="8 stages need at least 8 layers, the model has 7"):
-        _pipeline_layout(cfg, ParallelDims(world_size=4, pp=4), "interleaved1f1b", None, None, None)
+        layout(ParallelDims(world_size=4, pp=4), pp_schedule="interleaved1f1b")
 
 
 def test_unsupported_degrees_and_ep_errors():
     from hybridtrain.distributed.expert_parallel import check_ep_backend
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+    from hybridtrain.distributed.layout import config_section
     from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
 
     model = NemotronHForCausalLM(tiny_config("mixed"))
+    sections = (config_section("distributed"), config_section("training"))
     with pytest.raises(ValueError, match="distributed.tp=2: tensor parallelism is not implemented"):
-        parallelize_nemotron_h(model, ParallelDims(world_size=2, tp=2))
+        parallelize_nemotron_h(model, ParallelDims(world_size=2, tp=2), *sections, device="cpu",
+                               autocast_dtype=None)
     with pytest.raises(ValueError, match="distributed.cp=2: context parallelism is not implemented"):
-        parallelize_nemotron_h(model, ParallelDims(world_size=2, cp=2))
+        parallelize_nemotron_h(model, ParallelDims(world_size=2, cp=2), *sections, device="cpu",
+                               autocast_dtype=None)
     with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by ep=3"):
         ParallelDims(world_size=3, ep=3).check_experts(8)
     with pytest.raises(ValueError, match="deepep needs CUDA"):
@@ -108,30 +120,79 @@ def test_packed_positions_travel_by_rows():
 
 def test_single_process_plan_is_the_model():
     """With one process the plan runs the model's own modules: same loss as its forward."""
+    from hybridtrain.distributed.layout import config_section
+    from hybridtrain.distributed.plan import parallelize
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
-    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+    from hybridtrain.models.spec import model_spec_for, set_train_loss
+    from hybridtrain.ops.loss import LinearCrossEntropy
 
     torch.manual_seed(0)
     model = NemotronHForCausalLM(tiny_config("mixed"))
     ids = torch.randint(0, 256, (2, 12))
     labels = torch.randint(0, 256, (2, 12))
     ref = model(ids, labels=labels) * labels.numel()
-    plan = parallelize_nemotron_h(model, ParallelDims(world_size=1))
-    assert plan.model is model and plan.dp_size == 1
+    set_train_loss(model, LinearCrossEntropy(reduction="sum"))
+    plan = parallelize(model_spec_for(model), model, ParallelDims(world_size=1),
+                       config_section("distributed"), config_section("training"), device="cpu",
+                       autocast_dtype=None)
+    assert plan.model is model and plan.stages == [model] and plan.pipeline is None
+    assert plan.dims.dp == 1 and plan.dims.dp_rank == 0
     torch.testing.assert_close(plan.stages[0](ids, labels=labels), ref, rtol=1e-6, atol=1e-5)
     assert set(dict(model.named_parameters())) == set(
         dict(NemotronHForCausalLM(tiny_config("mixed")).named_parameters()))
 
 
-def test_config_helpers():
-    from hybridtrain.distributed.layout import init_options, parallel_dims_from_config, parallelize_options
+def test_pipeline_stages_are_the_model_without_its_unowned_parts():
+    """The spec's stages hold the model's own modules (same parameter objects and names) and
+    run the model's forward: hidden states through the stages equal the model's loss."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+    from hybridtrain.models.spec import model_spec_for
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(tiny_config("mixed"))
+    spec = model_spec_for(model)
+    layers = spec.pipeline_layers(model)
+    assert layers == [str(i) for i in range(7)]
+    first = spec.pipeline_stage(model, layers[:3], True, False)
+    last = spec.pipeline_stage(model, layers[3:], False, True)
+    assert type(first) is type(model) and type(last) is type(model)
+    assert first.lm_head is None and first.backbone.norm_f is None
+    assert last.backbone.embeddings is None and last.loss is model.loss
+    params = dict(model.named_parameters())
+    parts = {**dict(first.named_parameters()), **dict(last.named_parameters())}
+    assert set(parts) == set(params)
+    assert all(parts[n] is p for n, p in params.items())
+    ids = torch.randint(0, 256, (2, 12))
+    labels = torch.randint(0, 256, (2, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]] * 2)  # two documents per row
+    with torch.no_grad():
+        hidden = first(ids, position_ids=pos)
+        assert hidden.shape == (2, 12, model.config.hidden_size)
+        got = last(hidden, position_ids=pos, labels=labels)
+        assert torch.equal(got, model(ids, position_ids=pos, labels=labels))
+
+
+def test_config_helpers(monkeypatch):
+    import hybridtrain.distributed.init as init
+    from hybridtrain.config import build_config
+    from hybridtrain.distributed.layout import config_section, parallel_dims_from_config
 
     dims = parallel_dims_from_config({"pp": 2, "ep": 2, "dp_shard": -1}, 8, build_mesh=False)
     assert (dims.dp_shard, dims.efsdp) == (4, 2)
-    assert init_options({"backend": "auto", "timeout_seconds": 120}) == {
-        "backend": None, "timeout_minutes": 2.0}
-    opts = parallelize_options({"pp_schedule": "zbv"}, {"activation_checkpointing": "moe"})
-    assert opts["pp_schedule"] == "zbv" and opts["activation_checkpointing"] == "moe"
+    started = {}
+    monkeypatch.setattr(init, "init_distributed", lambda **kw: started.update(kw) or
+                        init.DistInfo(0, 1, 0, torch.device("cpu")))
+    cfg = build_config({"distributed": {"backend": "auto", "timeout_seconds": 120},
+                        "training": {"device": "cpu"}})
+    with init.process_group(cfg) as info:
+        assert info.world_size == 1
+    assert started == {"device": "cpu", "backend": None, "timeout_minutes": 2.0}
+    d = config_section("distributed", {"pp_schedule": "zbv"})
+    assert d.pp_schedule == "zbv" and d.ep_backend == "alltoall"  # the schema's defaults
+    assert config_section("training", {"activation_checkpointing": "moe"}
+                          ).activation_checkpointing == "moe"
+    with pytest.raises(ValueError, match="pp_shedule"):  # an unknown option is an error
+        config_section("distributed", {"pp_shedule": "zbv"})
     with pytest.raises(ValueError, match="world size 8 is not divisible by tp·cp·pp = 3"):
         parallel_dims_from_config({"pp": 3}, 8, build_mesh=False)
 

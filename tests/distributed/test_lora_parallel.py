@@ -1,86 +1,82 @@
-"""LoRA under FSDP2 + expert parallelism (2 gloo ranks) equals the single-process run: adapter
-gradients (experts' per-expert adapters sharded with the experts) and the PEFT export."""
+"""LoRA under FSDP2 + expert parallelism and under pipeline parallelism (2 gloo ranks), through
+the recipe's builder and trainer, equals the single-process run: per-step losses, gradient
+norms, adapter weights (experts' per-expert adapters sharded with the experts), the PEFT export."""
+
+import zlib
 
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers import parity as pu
+from tests.helpers.distributed import run_distributed
+
+LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
+MOE = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "moe"}}
 
 
-def _lora_model():
-    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
-    from hybridtrain.peft import apply_lora
+def _train(layout, world, out_dir):
+    """(losses, gradient norms, full weights) of the LoRA recipe under ``layout``; writes the
+    PEFT export of the trained adapters to ``out_dir``."""
+    from hybridtrain.peft import export_peft
 
-    torch.manual_seed(0)
-    m = NemotronHForCausalLM(tiny_config("moe"))
-    apply_lora(m, dim=4, alpha=8, match_all_linear=True)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    ids = torch.randint(0, 256, (2, 10), generator=g)
-    labels = torch.randint(0, 256, (2, 10), generator=g)
-    return m, ids, labels
-
-
-def _reference():
-    from hybridtrain.models.nemotron_h.parallelize import full_logits_ce_sum
-    from hybridtrain.peft import peft_state_dict
-
-    m, ids, labels = _lora_model()
-    full_logits_ce_sum(m.hidden_states(ids), m.lm_head.weight, labels).backward()
-    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
-    return grads, peft_state_dict(m)
+    b, trainer = pu.build(layout, world, peft=LORA, model=MOE)
+    losses, norms = pu.train(b, trainer)
+    export_peft(b.model, out_dir)
+    return losses, norms, pu.gather_state(b.model), b.model
 
 
 def _worker(rank, world, out_dir):
-    from hybridtrain.distributed.parallel_dims import ParallelDims
-    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
-    from hybridtrain.peft import export_peft
-
-    m, ids, labels = _lora_model()
-    dims = ParallelDims(world_size=world, ep=2).build_mesh("cpu")
-    plan = parallelize_nemotron_h(m, dims, device="cpu")
-    plan.stages[0](ids[rank:rank + 1], labels=labels[rank:rank + 1]).backward()
-    grads = {}
-    for n, p in m.named_parameters():
-        if p.requires_grad:
-            g = p.grad
-            grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g
-        else:
-            assert p.grad is None, n
-    export_peft(m, out_dir)
-    return grads
+    losses, norms, state, _ = _train({"ep": 2}, world, out_dir)
+    return losses, norms, state
 
 
 @pytest.mark.distributed
 def test_lora_fsdp_ep2_matches_single_process(tmp_path):
     from safetensors.torch import load_file
 
-    ref_grads, ref_tensors = _reference()
+    from hybridtrain.peft import peft_state_dict
+
+    ref_losses, ref_norms, ref_state, ref_model = _train({}, 1, str(tmp_path / "ref"))
+    trainable = {n for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
     res = run_distributed(_worker, 2, str(tmp_path / "adapter"))
     for r in range(2):
-        assert set(res[r]) == set(ref_grads)
-        for n, g in ref_grads.items():
-            torch.testing.assert_close(res[r][n], g, rtol=1e-5, atol=1e-6, msg=n)
+        losses, norms, state = res[r]
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+        assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-5, (norms, ref_norms)
+        assert set(state) == set(ref_state)
+        for n, t in ref_state.items():
+            if n in trainable:
+                torch.testing.assert_close(state[n], t, rtol=0, atol=1e-5, msg=n)
+            else:  # frozen base weights: untouched
+                assert torch.equal(state[n], t), n
     got = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    assert set(got) == set(ref_tensors)
-    for k, t in ref_tensors.items():
+    ref = load_file(str(tmp_path / "ref" / "adapter_model.safetensors"))
+    assert set(got) == set(ref)
+    for k, t in ref.items():
+        torch.testing.assert_close(got[k], t, rtol=0, atol=1e-5, msg=k)
+    # the export holds exactly the sharded run's adapters
+    ref_model.load_state_dict(res[0][2], strict=False)
+    for k, t in peft_state_dict(ref_model).items():
         torch.testing.assert_close(got[k], t, rtol=0, atol=0, msg=k)
 
 
+def _perturb_lora_b(model):
+    """Non-zero ``lora_B`` (0 at init), the same per name in every layout."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                g = torch.Generator().manual_seed(zlib.crc32(n.encode()))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
 def _pp_worker(rank, world, out_dir):
-    from hybridtrain.distributed.parallel_dims import ParallelDims
-    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
     from hybridtrain.peft import export_peft
 
-    m, _, _ = _lora_model()
-    dims = ParallelDims(world_size=world, pp=2).build_mesh("cpu")
-    parallelize_nemotron_h(m, dims, device="cpu")
-    n_layers = len(m.backbone.layers)
-    export_peft(m, out_dir, "base")
-    return n_layers
+    b, _ = pu.build({"pp": 2}, world, peft=LORA, model=MOE)
+    _perturb_lora_b(b.model)
+    export_peft(b.model, out_dir, "base")
+    return len(b.model.backbone.layers)
 
 
 @pytest.mark.distributed
@@ -92,13 +88,15 @@ def test_lora_export_under_pipeline_parallel(tmp_path):
 
     from hybridtrain.peft import save_peft_adapter
 
-    m, _, _ = _lora_model()
-    save_peft_adapter(m, tmp_path / "ref", "base")
+    b, _ = pu.build({}, 1, peft=LORA, model=MOE)
+    _perturb_lora_b(b.model)
+    save_peft_adapter(b.model, tmp_path / "ref", "base")
     layers = run_distributed(_pp_worker, 2, str(tmp_path / "adapter"))
-    assert sum(layers) == m.config.num_hidden_layers and min(layers) > 0
+    assert sum(layers) == b.model.config.num_hidden_layers and min(layers) > 0
     ref, got = load_file(str(tmp_path / "ref" / "adapter_model.safetensors")), \
         load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert set(got) == set(ref)
+    assert any(t.abs().sum() > 0 for k, t in ref.items() if "lora_B" in k)
     for k, t in ref.items():
         torch.testing.assert_close(got[k], t, rtol=0, atol=0, msg=k)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text()) == \

@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from hybridtrain.distributed.parallel_dims import ParallelDims
 
-from dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 @pytest.mark.parametrize(

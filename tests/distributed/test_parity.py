@@ -1,10 +1,12 @@
 """Every parallel layout trains like the single process: the parity matrix.
 
-Tiny MoE Nemotron-H with all four layer types, 5 AdamW steps, global batch 8 (micro-batch 2),
-unpacked and packed rows. For each layout: per-step losses within 1e-5 relative of the
-single-process run, final weights within 1e-5, validation loss within 1e-5. Layouts that fit in
-two ranks run in one spawned group, the four-rank ones in another (process start-up dominates).
-Checkpoints cross layouts: FSDP2 -> {PP, single}, PP -> {FSDP2, single}.
+The recipe's own builder and trainer (``tests.helpers.parity``): tiny MoE Nemotron-H with all
+four layer types, 5 AdamW steps of ``Trainer.train_one_step``, global batch 8 (micro-batch 2),
+unpacked and packed rows. For each layout: per-step losses and gradient norms within 1e-5
+relative of the single-process run (the same builder, one process), final weights within 1e-5,
+validation loss (``Trainer.validate``) within 1e-5. Layouts that fit in two ranks run in one
+spawned group, the four-rank ones in another (process start-up dominates). Checkpoints (the
+trainer's save and resume) cross layouts: FSDP2 -> {PP, single}, PP -> {FSDP2, single}.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import math
 import pytest
 import torch
 
-import parity_utils as pu
-from dist_utils import run_distributed
+from tests.helpers import parity as pu
+from tests.helpers.distributed import run_distributed
 
 LAYOUTS_2 = {
     "fsdp2": {},
@@ -40,12 +42,12 @@ def _group(rank, world, layouts, ckpt_dir):
     if ckpt_dir is None:
         return out
     # activation checkpointing changes nothing (bitwise)
-    out[("fsdp2_ac", False)] = pu.run_layout({}, world, False, ac={"every": 2})
+    out[("fsdp2_ac", False)] = pu.run_layout({}, world, False, ac=2)
     # checkpoints across layouts
     out["save_fsdp2"] = pu.train_and_save({}, world, f"{ckpt_dir}/fsdp2", SAVE_AT)
     out["save_pp2"] = pu.train_and_save({"pp": 2}, world, f"{ckpt_dir}/pp2", SAVE_AT)
-    out["fsdp2->pp2"] = pu.resume_and_train({"pp": 2}, world, f"{ckpt_dir}/fsdp2", SAVE_AT)
-    out["pp2->fsdp2"] = pu.resume_and_train({}, world, f"{ckpt_dir}/pp2", SAVE_AT)
+    out["fsdp2->pp2"] = pu.resume_and_train({"pp": 2}, world, f"{ckpt_dir}/fsdp2")
+    out["pp2->fsdp2"] = pu.resume_and_train({}, world, f"{ckpt_dir}/pp2")
     return out
 
 
@@ -58,21 +60,8 @@ def matrix(tmp_path_factory):
     res.update(run_distributed(_group, 4, LAYOUTS_4, None)[0])
     # single-process resumes of the distributed checkpoints
     for src in ("fsdp2", "pp2"):
-        plan = pu.build({}, 1)
-        res[f"{src}->single"] = _single_resume(plan, f"{ckpt}/{src}")
+        res[f"{src}->single"] = pu.resume_and_train({}, 1, f"{ckpt}/{src}")
     return ref, res
-
-
-def _single_resume(plan, path):
-    from hybridtrain.training.checkpoint import Checkpointer
-
-    params = [p for p in plan.model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=pu.LR, weight_decay=0.1, foreach=True)
-    ck = Checkpointer(path)
-    ck.load(ck.latest(), plan.model, opt)
-    losses, _ = pu.train(plan, pu.global_batches(False), False, optimizer=opt, start=SAVE_AT,
-                         steps=pu.STEPS - SAVE_AT)
-    return losses
 
 
 def max_rel(a, b):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from train_helpers import standin_model, tiny_model
+from tests.helpers.models import standin_model, tiny_model
 
 from hybridtrain.training.checkpoint import Checkpointer, convert
 from hybridtrain.training.lr_schedule import LRScheduler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_testutils import label_tokens
+from tests.helpers.data import label_tokens
 
 from hybridtrain.data import (
     AnswerMismatchError,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from data_testutils import bpe_tokenizer
+from tests.helpers.data import bpe_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

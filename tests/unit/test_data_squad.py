@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from data_testutils import label_tokens, require_squad_subset
+from tests.helpers.data import label_tokens, require_squad_subset
 
 from hybridtrain.data import (
     build_squad_dataset,

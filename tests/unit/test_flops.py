@@ -1,6 +1,6 @@
 """FLOPs accounting against torch.utils.flop_counter.FlopCounterMode.
 
-What FlopCounterMode counts, and how it is compared with hybridtrain.training.flops:
+What FlopCounterMode counts, and how it is compared with hybridtrain.models.nemotron_h.flops:
 
 * It counts matmul-like aten ops only: mm / addmm / bmm / baddbmm (every nn.Linear, the router,
   the per-expert GEMMs, the SSD scan's einsums, which lower to bmm), convolution, and the fused
@@ -32,18 +32,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
-from hybridtrain.training.flops import (
+from hybridtrain.models.nemotron_h.flops import (
     batch_flops,
     flops_breakdown,
     flops_per_token,
-    gpu_peak_tflops,
     layer_flops,
-    measure_matmul_peak,
-    mfu,
     model_flops,
-    peak_tflops,
 )
 from hybridtrain.ops.loss import cross_entropy_sum
+from hybridtrain.training.flops import gpu_peak_tflops, measure_matmul_peak, mfu, peak_tflops
 
 aten = torch.ops.aten
 _CPU_SDPA = {

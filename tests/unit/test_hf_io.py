@@ -10,7 +10,8 @@ import os
 
 import pytest
 import torch
-from nemotron_h_testutils import hf_from_dir, hf_logits, perturbed_model, transformers
+from tests.helpers.hf import hf_from_dir, hf_logits, transformers
+from tests.helpers.models import perturbed_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import torch
-from recipe_testutils import run_overrides
+from tests.helpers.recipes import run_overrides
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "chat_lora_tiny.yaml"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from nemotron_h_testutils import perturbed_model
+from tests.helpers.models import perturbed_model
 
 from hybridtrain.models.nemotron_h import tiny_config
 from hybridtrain.models.nemotron_h.model import seq_idx_from_cu_seqlens, seq_idx_from_position_ids

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nemotron_h_testutils import hf_from_dir, hf_logits, hf_name, perturbed_model
+from tests.helpers.hf import hf_from_dir, hf_logits, hf_name
+from tests.helpers.models import perturbed_model
 
 from hybridtrain.models.nemotron_h import tiny_config
 

@@ -11,7 +11,8 @@ import logging
 
 import pytest
 import torch
-from nemotron_h_testutils import perturbed_model, transformers
+from tests.helpers.hf import transformers
+from tests.helpers.models import perturbed_model
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -436,7 +437,8 @@ def test_bf16_training_follows_fp32():
     """30 trainer steps of the tiny MoE Nemotron-H (Mamba, attention and MoE layers) from the
     same init and data, once in fp32 and once as ``training.dtype: bfloat16`` runs it (fp32
     masters and AdamW state, bf16 autocast): every step's loss within 2 %, no step skipped."""
-    from train_helpers import VOCAB, build_trainer
+    from tests.helpers.data import VOCAB
+    from tests.helpers.training import build_trainer
 
     from hybridtrain.training.trainer import TrainStep
 
@@ -448,7 +450,7 @@ def test_bf16_training_follows_fp32():
 
     runs = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        step = TrainStep(chunk_size=16, autocast_dtype=precision.autocast_dtype(dtype))
+        step = TrainStep(autocast_dtype=precision.autocast_dtype(dtype))
         trainer = build_trainer(None, max_steps=30, gbs=8, mbs=4, model_fn=tiny_moe, train_step=step, val=False)
         trainer.fit()
         runs[name] = trainer.history

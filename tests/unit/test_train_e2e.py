@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from recipe_testutils import run_overrides
+from tests.helpers.recipes import run_overrides
 
 from hybridtrain.training.metrics import TRAIN_FIELDS
 

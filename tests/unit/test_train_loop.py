@@ -6,10 +6,12 @@ import os
 
 import pytest
 import torch
-from train_helpers import SyntheticDataset, build_trainer, collate, standin_model, tiny_model
 
 from hybridtrain.training.optim import build_optimizer, is_no_decay
-from hybridtrain.training.trainer import TrainStep, loss_sum
+from hybridtrain.training.trainer import TrainStep
+from tests.helpers.data import collate, sft_dataset
+from tests.helpers.models import standin_model, tiny_model
+from tests.helpers.training import build_trainer, train_model
 
 
 def _grads(model):
@@ -18,15 +20,15 @@ def _grads(model):
 
 def test_grad_accumulation_matches_one_big_batch():
     """4 micro-batches of 2 == 1 batch of 8 (uneven label counts per micro-batch), fp32."""
-    ds = SyntheticDataset(8, seed=5)
+    ds = sft_dataset(8, seed=5)
     items = [ds[i] for i in range(8)]
     counts = [int((it["labels"] != -100).sum()) for it in items]
     assert len({sum(counts[i:i + 2]) for i in range(0, 8, 2)}) > 1  # really uneven
-    step = TrainStep(chunk_size=7)
+    step = TrainStep()
     results = []
     for mbs in (2, 8):
-        model = tiny_model(0)
-        micro = [collate(items[i:i + mbs]) for i in range(0, 8, mbs)]
+        model = train_model(tiny_model, 0, loss_chunk_size=7)
+        micro = [collate(ds, items[i:i + mbs]) for i in range(0, 8, mbs)]
         total = sum(int((m["labels"] != -100).sum()) for m in micro)
         ce = step(model, micro, total)
         results.append((float(ce) / total, _grads(model)))
@@ -54,11 +56,11 @@ def test_grad_accumulation_through_the_trainer(tmp_path):
 
 
 def test_loss_is_token_weighted_mean():
-    model = tiny_model(0)
-    ds = SyntheticDataset(4, seed=2)
-    batch = collate([ds[i] for i in range(4)])
+    model = train_model(tiny_model, 0, loss_chunk_size=None)
+    ds = sft_dataset(4, seed=2)
+    batch = collate(ds, [ds[i] for i in range(4)])
     with torch.no_grad():
-        ce = loss_sum(model, batch, chunk_size=None)
+        ce = TrainStep.loss_sum(model, batch)
         logits = model(batch["input_ids"])
         ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                 batch["labels"].reshape(-1), reduction="sum")
@@ -69,18 +71,15 @@ class NaNAt(TrainStep):
     """Returns a NaN loss on the micro-batches of one step."""
 
     def __init__(self, bad_step, **kw):
-        super().__init__(chunk_size=16, **kw)
+        super().__init__(**kw)
         self.bad_step, self.calls = bad_step, 0
+
+    def loss_sum(self, model, batch):
+        ce = super().loss_sum(model, batch)
+        return ce * float("nan") if self.calls == self.bad_step else ce
 
     def __call__(self, model, micro_batches, n):
         self.calls += 1
-        if self.calls == self.bad_step:
-            base = self.loss_fn
-            self.loss_fn = lambda m, b: base(m, b) * float("nan")
-            try:
-                return super().__call__(model, micro_batches, n)
-            finally:
-                self.loss_fn = base
         return super().__call__(model, micro_batches, n)
 
 
@@ -105,7 +104,7 @@ def test_nan_step_is_skipped_and_lr_does_not_advance(tmp_path):
 
 def test_zero_label_batch_is_skipped():
     tr = build_trainer(None, max_steps=2, val=False)
-    mb = collate([tr.train_dataset[i] for i in range(2)])
+    mb = collate(tr.train_dataset, [tr.train_dataset[i] for i in range(2)])
     mb["labels"][:] = -100
     rec = tr.train_one_step([mb] * 4)
     assert rec["num_label_tokens"] == 0 and rec["skipped_steps"] == 1
@@ -114,7 +113,7 @@ def test_zero_label_batch_is_skipped():
 
 class CrashAt(TrainStep):
     def __init__(self, crash_step):
-        super().__init__(chunk_size=16)
+        super().__init__()
         self.crash_step, self.calls = crash_step, 0
 
     def __call__(self, model, micro_batches, n):

@@ -284,6 +284,19 @@ class _AsVector(nn.Module):
         return self.inner(*args, **kwargs).reshape(1)
 
 
+def _grads_in_param_layout(stages: Sequence[nn.Module]) -> None:
+    """Give every plain gradient its parameter's strides. The zero-bubble schedules' weight pass
+    sets gradients as autograd returns them (e.g. a Mamba conv weight's transposed), not in the
+    parameter's layout as autograd's own accumulation does, and fused optimizers read a
+    gradient by its parameter's strides (torch's fused CPU AdamW updates the wrong elements)."""
+    for stage in stages:
+        for p in stage.parameters():
+            g = p.grad
+            if g is not None and type(g) is torch.Tensor and g.stride() != p.stride():
+                p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype,
+                                             device=g.device).copy_(g)
+
+
 # -- the train step -----------------------------------------------------------------------------
 class PipelineTrainStep:
     """Forward+backward of one global batch through the pipeline (see module docstring).
@@ -451,6 +464,8 @@ class PipelineTrainStep:
             return total
         if train:
             sched.step(*args, target=batch["labels"], return_outputs=False, **kwargs)
+            if self.spec.split_backward:
+                _grads_in_param_layout(self.stages)
             for s in self._ce_sums:
                 total = total + s.to(self.device)
         else:

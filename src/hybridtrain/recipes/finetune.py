@@ -271,6 +271,23 @@ def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: 
         save_merged_hf(model, os.path.join(step_dir, "merged_hf"), tokenizer, dtype=dtype)
 
 
+def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
+                 checkpointer: Checkpointer | None = None,
+                 metrics: MetricsLogger | None = None) -> Trainer:
+    """The recipe's :class:`Trainer` over what :func:`build` made (its plan's train step,
+    coordinates and clipping) with these schedulers, checkpoints and metrics."""
+    cfg = b.cfg
+    t, ck = cfg.training, cfg.checkpoint
+    return Trainer(
+        b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
+        val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
+        device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
+        max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
+        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
+        save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
+        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm)
+
+
 # -- the recipe -------------------------------------------------------------------------------
 def run(cfg: Any) -> dict[str, Any]:
     """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
@@ -333,14 +350,7 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
                             plot=cfg.metrics.plot)
-    trainer = Trainer(
-        b.model, b.optimizer, lr_scheduler, sched, train_ds, b.make_loader, val_dataset=val_ds,
-        checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer, device=b.device,
-        grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
-        max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
-        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
-        save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
-        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm)
+    trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics)
     if resume is not None:
         trainer.resume(resume)
     logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "

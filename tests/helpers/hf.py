@@ -1,6 +1,4 @@
-"""Shared helpers of the Nemotron-H model tests: building a model with non-trivial weights,
-moving weights between our model and transformers'. (The SSD scan's plain reference is
-``models.nemotron_h.ssd.ssd_reference``.)"""
+"""Moving weights between our Nemotron-H and transformers' (the model-parity tests)."""
 
 from __future__ import annotations
 
@@ -10,23 +8,8 @@ import io
 import pytest
 import torch
 
-from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-
-def perturbed_model(cfg, seed: int = 0, scale: float = 0.05) -> NemotronHForCausalLM:
-    """Reference init plus noise on every parameter and buffer (norm weights, D, biases,
-    e_score_correction_bias all away from their trivial init values)."""
-    torch.manual_seed(seed)
-    m = NemotronHForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * scale)
-        for b in m.buffers():
-            b.add_(torch.randn_like(b) * scale)
-    return m.eval()
 
 
 def hf_from_dir(path, **kw):
@@ -48,4 +31,3 @@ def hf_name(ours: str) -> str:
     """Our parameter name -> the name inside transformers' module tree."""
     assert ours.startswith(("backbone.", "lm_head."))
     return "model." + ours[len("backbone."):] if ours.startswith("backbone.") else ours
-

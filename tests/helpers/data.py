@@ -1,0 +1,123 @@
+"""Test data: the synthetic SFT generator, batches made by the project's collators, the test
+tokenizer and the reference SQuAD subset.
+
+::
+
+    sft_examples(n, vocab_size=VOCAB, min_len=4, max_len=12, seed=0) -> list[dict]
+    sft_dataset(n, ..., pack_size=None) -> SFTDataset, or its PackedDataset with pack_size
+    collate(dataset, examples) -> dict            # hybridtrain.data.build_collator's batch
+    make_loader(dataset, batch_sampler) -> DataLoader   # as the recipe's (its collator)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hybridtrain.data import IGNORE_INDEX, build_collator, pack_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO.parent / "shared" / "data"
+SQUAD_SUBSET = SHARED_DATA / "squad-v2-dev-subset.json"
+
+VOCAB = 48  # the tiny models' vocabulary
+PAD = 0  # the synthetic data's pad token (never a content token)
+
+
+# -- the synthetic SFT generator ---------------------------------------------------------------
+def sft_examples(n: int, vocab_size: int = VOCAB, min_len: int = 4, max_len: int = 12,
+                 seed: int = 0) -> list[dict]:
+    """``n`` examples of uneven length (``min_len..max_len`` tokens, ids ``1..vocab_size-1``),
+    each a prompt without labels and a supervised answer: ``labels[t] = input_ids[t+1]`` on the
+    answer, -100 on the prompt and on the last token (already shifted, as the datasets make)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (), generator=g))
+        ids = torch.randint(1, vocab_size, (length,), generator=g)
+        prompt = int(torch.randint(1, length - 1, (), generator=g))
+        labels = torch.full((length,), IGNORE_INDEX)
+        labels[prompt - 1 : length - 1] = ids[prompt:]
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """A list of examples carrying ``pad_token_id`` (what ``build_collator`` and
+    ``pack_dataset`` read from a dataset)."""
+
+    pad_token_id = PAD
+
+    def __init__(self, examples: list[dict]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.examples[i]
+
+
+def sft_dataset(n: int, vocab_size: int = VOCAB, min_len: int = 4, max_len: int = 12,
+                seed: int = 0, pack_size: int | None = None):
+    """:func:`sft_examples` as a dataset; with ``pack_size`` packed by ``pack_dataset``. Also a
+    recipe's ``dataset`` target (``_target_: tests.helpers.data.sft_dataset``)."""
+    ds = SFTDataset(sft_examples(n, vocab_size, min_len, max_len, seed))
+    return pack_dataset(ds, pack_size) if pack_size else ds
+
+
+def collate(dataset, examples) -> dict:
+    """One batch of ``examples`` (items of ``dataset``) by the dataset's own collator."""
+    return build_collator(dataset)(list(examples))
+
+
+def make_loader(dataset, batch_sampler) -> DataLoader:
+    """The recipe's loader over ``dataset``: ``batch_sampler``'s index lists, the collator of
+    ``build_collator``."""
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=build_collator(dataset),
+                      generator=torch.Generator())
+
+
+def label_tokens(example) -> list[int]:
+    labels = example["labels"]
+    return labels[labels != IGNORE_INDEX].tolist()
+
+
+# -- tokenizer and reference data --------------------------------------------------------------
+_TOKENIZERS: dict[str, object] = {}
+
+
+def require_squad_subset() -> Path:
+    if not SQUAD_SUBSET.is_file():
+        pytest.skip(f"reference data not found: {SQUAD_SUBSET} (the ../shared/data folder is absent)")
+    return SQUAD_SUBSET
+
+
+def _training_texts() -> list[str]:
+    texts = []
+    if SQUAD_SUBSET.is_file():
+        doc = json.loads(SQUAD_SUBSET.read_text())
+        for art in doc["data"]:
+            for par in art["paragraphs"]:
+                texts.append(par["context"])
+                texts.extend(qa["question"] for qa in par["qas"])
+    from hybridtrain.data import synthetic_texts
+
+    texts += synthetic_texts(400, seed=0)
+    texts += ["system user assistant tool Hello! How are you? I am fine, thanks."] * 5
+    return texts
+
+
+def bpe_tokenizer(tmp_path_factory, vocab_size: int = 3000):
+    """A byte-level BPE trained on the SQuAD subset (when present) and synthetic text; cached."""
+    key = f"bpe{vocab_size}"
+    if key not in _TOKENIZERS:
+        from hybridtrain.data import build_bpe_tokenizer
+
+        out = tmp_path_factory.mktemp("tokenizer")
+        _TOKENIZERS[key] = build_bpe_tokenizer(_training_texts(), out, vocab_size=vocab_size)
+    return _TOKENIZERS[key]
