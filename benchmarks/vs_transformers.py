@@ -11,8 +11,8 @@ BPE tokenizer trained on them. fp32, and bf16 under ``torch.autocast`` (fp32 mas
 
 (a) what a TRL user runs: ``transformers.NemotronHForCausalLM`` on batches of ``batch_size``
     shuffled examples, each padded to ``seq_len`` (with ``attention_mask``), loss from fp32
-    logits -- against hybridtrain's trainer step (``loss_sum``: final hidden states + chunked
-    linear cross-entropy) on ``batch_size`` packed rows of ``seq_len`` tokens (documents kept
+    logits -- against hybridtrain's trainer step (the model's forward with the summing training
+    loss: final hidden states + chunked linear cross-entropy) on ``batch_size`` packed rows of ``seq_len`` tokens (documents kept
     apart by ``cu_seqlens``). Compared: effective (non-padding) tokens/s.
 (b) both on the identical fully-packed rows, SFT labels (answer tokens only): raw tokens/s.
     transformers cannot keep the packed documents apart; hybridtrain does, as in training.
@@ -72,7 +72,9 @@ def run_child(spec: dict) -> dict:
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
     from hybridtrain.ops.backend import configure_backend, configure_cpu_allocator
     from hybridtrain.training.optim import build_optimizer
-    from hybridtrain.training.trainer import loss_sum
+    from hybridtrain.models.spec import set_train_loss
+    from hybridtrain.ops.loss import LinearCrossEntropy
+    from hybridtrain.training.trainer import TrainStep
 
     # hybridtrain's recipes configure the backend (training.cpu_allocator, auto: heap on CPU; GEMM
     # row alignment for bf16); transformers runs with glibc's defaults unless --hf-allocator says
@@ -105,9 +107,10 @@ def run_child(spec: dict) -> dict:
 
             apply_activation_checkpointing(model.backbone.layers, spec["ac"])
         opt = build_optimizer(model, lr=1e-5)
+        set_train_loss(model, LinearCrossEntropy(chunk_size=spec["ce_chunk"], reduction="sum"))
 
-        def loss_fn(b):
-            return loss_sum(model, b, chunk_size=spec["ce_chunk"])
+        def loss_fn(b):  # the trainer's: the model's own forward with its summing loss
+            return TrainStep.loss_sum(model, b)
 
     model.train()
     times, cpu_times, tokens, losses = [], [], [], []
