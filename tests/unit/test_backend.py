@@ -58,7 +58,11 @@ def restore_settings():
 
 
 def test_configure_backend_pads_only_cpu_low_precision(restore_settings):
-    assert backend.settings() == BackendSettings()  # nothing tuned until the recipe configures
+    # nothing is tuned until the recipe configures the backend (a fresh process)
+    fresh = subprocess.run([sys.executable, "-c", "from hybridtrain.ops import backend; "
+                            "print(backend.settings() == backend.BackendSettings())"],
+                           capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "True" and BackendSettings().gemm_row_multiple == 1
     cases = [("cpu", torch.bfloat16, 64), ("cpu", torch.float16, 64), ("cpu", torch.float32, 1),
              ("meta", torch.bfloat16, 1)]
     for device, dtype, multiple in cases:

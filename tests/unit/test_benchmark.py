@@ -49,7 +49,11 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
 
 
 def test_benchmark_compares_dtypes(tmp_path):
-    res = run(_cfg(tmp_path, dtypes=["float32", "bfloat16"], seq_lengths=[]))
+    cfg = _cfg(tmp_path, dtypes=["float32", "bfloat16"], seq_lengths=[])
+    # a given peak: no timed 2048^2 matmul probe per dtype (minutes of emulated bf16 on CPUs
+    # without avx512_bf16); the peak probe has its own test above
+    cfg["metrics"] = {"peak_tflops": 1.0}
+    res = run(cfg)
     assert [r["name"] for r in res["runs"]] == ["float32_main", "bfloat16_main"]
     assert [r["dtype"] for r in res["runs"]] == ["torch.float32", "torch.bfloat16"]
     assert all(r["tokens_per_s"] > 0 for r in res["runs"])

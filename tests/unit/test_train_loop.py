@@ -294,12 +294,13 @@ def test_trainer_clips_then_steps(max_norm):
 
     tr = build_trainer(None, max_steps=2, val=False)
     tr.grad_clip = max_norm
-    model = tiny_model(0)
+    model = train_model(tiny_model, 0)
     opt = build_optimizer(model, lr=tr.optimizer.param_groups[0]["lr"], weight_decay=0.1)
-    micro = [collate([tr.train_dataset[i] for i in range(k, k + 2)]) for k in range(0, 8, 2)]
+    micro = [collate(tr.train_dataset, [tr.train_dataset[i] for i in range(k, k + 2)])
+             for k in range(0, 8, 2)]
     rec = tr.train_one_step(micro)
     n = sum(int((m["labels"] != -100).sum()) for m in micro)
-    TrainStep(chunk_size=16)(model, micro, n)
+    TrainStep()(model, micro, n)
     params = [p for p in model.parameters() if p.requires_grad]
     norm = clip_grad_norm(params, max_norm)
     opt.step()
