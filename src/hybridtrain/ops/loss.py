@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.data.batch import IGNORE_INDEX
 from hybridtrain.ops.backend import auto_chunk_size, pad_rows, unpad_rows
 from hybridtrain.ops.base2 import LOG2E
 
 __all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_SIZE", "LinearCrossEntropy", "cross_entropy_sum", "token_logprobs"]
 
-IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = "auto"
 
 
