@@ -73,7 +73,7 @@ def test_masks_token_by_token(tok, tmp_path, template, train_on):
         assert tok.decode(sup).endswith("<|im_end|>")
 
 
-def test_generation_and_prefix_strategies_agree_with_tools(tok, tmp_path):
+def test_generation_and_placeholder_strategies_agree_with_tools(tok, tmp_path):
     conv = {
         "messages": [
             {"role": "system", "content": "Use tools."},
@@ -90,7 +90,7 @@ def test_generation_and_prefix_strategies_agree_with_tools(tok, tmp_path):
     }
     p = write_jsonl(tmp_path / "t.jsonl", [conv])
     gen = build_chat_dataset(p, tok, mask_strategy="generation", cache_dir=False)
-    pre = build_chat_dataset(p, tok, mask_strategy="prefix", cache_dir=False)
+    pre = build_chat_dataset(p, tok, mask_strategy="placeholder", cache_dir=False)
     assert gen[0]["input_ids"].tolist() == pre[0]["input_ids"].tolist()
     assert gen[0]["labels"].tolist() == pre[0]["labels"].tolist()
     text = tok.decode(gen[0]["input_ids"])
@@ -169,15 +169,17 @@ def test_bad_chat_records(tok, tmp_path):
             build_chat_dataset(p, tok, cache_dir=False)
 
 
-def test_template_without_markers_that_is_not_prefix_stable(tok, tmp_path):
-    # Renders the last assistant turn differently from the earlier ones.
+def test_template_that_is_not_prefix_stable(tok, tmp_path):
+    # Renders the last assistant turn differently from the earlier ones: the supervised tokens
+    # are what the whole rendering holds, its "!" included.
     bad = ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
            "{%- if loop.last -%}{{- m['content'] + '!<|im_end|>\\n' -}}"
            "{%- else -%}{{- m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
     p = write_jsonl(tmp_path / "c.jsonl", [{"messages": MULTI_TURN}])
-    with pytest.raises(ChatFormatError, match="prefix-stable"):
-        build_chat_dataset(p, tok, chat_template=bad, cache_dir=False)
+    ds = build_chat_dataset(p, tok, chat_template=bad, cache_dir=False)
+    sup = tok.decode([t for t in ds[0]["labels"].tolist() if t != -100])
+    assert sup == "Rollo, in 911.<|im_end|>His descendants, the dukes of Normandy.!<|im_end|>"
 
 
 def test_cache_key_includes_chat_options(tok, tmp_path):

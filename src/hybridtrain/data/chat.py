@@ -9,38 +9,51 @@
         seq_length=None,      # cut longer conversations at seq_length tokens
         padding="none",       # "none" | "max_length" (exactly seq_length)
         train_on="all",       # "all" assistant turns | "last" assistant turn only
-        chat_template=None,   # override the tokenizer's template
-        mask_strategy="auto", # "auto" | "generation" | "prefix" (see below)
+        chat_template=None,   # a Jinja string that overrides the tokenizer's template
+        chat_template_path=None,  # ... or a .jinja file holding it
+        chat_template_kwargs=None,  # template variables, e.g. {"enable_thinking": False}
+        mask_strategy="auto", # "auto" | "generation" | "placeholder" (see below)
         split=None, cache_dir=None, num_proc=1, limit=None,
     ) -> TokenizedDataset
     ChatDataset = build_chat_dataset
 
 Records are OpenAI style ``{"messages": [{"role", "content", ...}], "tools": [...]}`` (roles
-system/user/assistant/tool; assistant ``tool_calls``; ``content`` may be a list of text parts) or
-ShareGPT style ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": ...}],
-"system": "..."}``.
+system/user/assistant/tool; assistant ``reasoning_content`` and ``tool_calls``, whose
+``arguments`` may be a JSON string or an object and reach the template as an object; ``content``
+may be a list of text parts) or ShareGPT style ``{"conversations": [{"from": "human"|"gpt"|...,
+"value": ...}], "system": "..."}``.
 
-The conversation is rendered with the chat template and tokenized exactly as
-``tokenizer.apply_chat_template`` does. Supervised tokens are the assistant content and its
-end-of-turn token, never the assistant header:
+The tokens are exactly the tokenisation of the template's rendering of the *whole* conversation
+(as ``tokenizer.apply_chat_template`` gives them, with ``tools`` and ``chat_template_kwargs``).
+Supervised are the assistant turns as the template renders them -- content, reasoning where the
+template keeps it, tool-call text -- and the end-of-turn token that closes each; never system,
+user or tool text, never the assistant header (the generation prompt) nor the line break after
+the end-of-turn token:
 
 - ``generation``: the template's ``{% generation %}`` blocks, through
   ``apply_chat_template(..., return_assistant_tokens_mask=True)``;
-- ``prefix``: for each assistant turn ``i``, render ``messages[:i]`` with the generation prompt
-  and ``messages[:i+1]``; the supervised characters are the difference (without the trailing
-  whitespace after the end-of-turn token). Needs a prefix-stable template.
-- ``auto``: ``generation`` when the template has the markers, else ``prefix``.
+- ``placeholder``: any template, no prefix stability assumed: the turns are located in the
+  whole rendering by rendering it again with placeholder text (``chat_masks.py``), e.g. Nemotron
+  3 Nano's empty ``<think></think>`` before an answer is supervised (it is not part of its
+  generation prompt ``<think>\n``), the reasoning it drops from earlier turns is not there;
+- ``auto``: ``generation`` when the template has the markers, else ``placeholder``.
+
+Data problems: an assistant turn with empty content (no tool calls, no reasoning) is not trained
+on (an empty answer teaches the model to say nothing) and counted in the one summary warning; a
+conversation left without a supervised turn is dropped (``empty_assistant_content``). A
+conversation without an assistant turn is an error (:class:`ChatFormatError`).
 
 Labels are shifted (see ``dataset.py``). With ``seq_length``, a longer conversation is cut at
 ``seq_length`` tokens; if no supervised token is left it is dropped (counted, one warning).
-A conversation without an assistant turn is an error (:class:`ChatFormatError`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .batch import IGNORE_INDEX
@@ -54,6 +67,7 @@ from .dataset import (
     source_key,
     tokenize_records,
 )
+from .chat_masks import assistant_spans, end_of_turn
 from .io import (
     ChatFormatError,
     MissingFieldError,
@@ -99,6 +113,41 @@ def _content(value: Any, where: str) -> str | None:
     raise ChatFormatError(f"{where}: 'content' must be a string, got {type(value).__name__}")
 
 
+def _tool_calls(calls: Any, where: str) -> list:
+    """Assistant ``tool_calls`` with JSON-string ``arguments`` parsed into objects (templates
+    iterate over them)."""
+    if not isinstance(calls, list):
+        raise ChatFormatError(f"{where}: 'tool_calls' must be a list")
+    out = []
+    for k, call in enumerate(calls):
+        if not isinstance(call, Mapping):
+            raise ChatFormatError(f"{where}: tool_calls[{k}] must be an object")
+        call = dict(call)
+        fn = dict(call["function"]) if isinstance(call.get("function"), Mapping) else call
+        args = fn.get("arguments")
+        if isinstance(args, str) and args.strip().startswith("{"):
+            try:
+                fn["arguments"] = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise ChatFormatError(
+                    f"{where}: tool_calls[{k}] 'arguments' is a string but not valid JSON: {e}"
+                ) from None
+        if fn is not call:
+            call["function"] = fn
+        out.append(call)
+    return out
+
+
+def empty_assistant_turns(messages: list[dict]) -> list[int]:
+    """Indices of the assistant messages with nothing to learn: blank content, no reasoning, no
+    tool calls."""
+    return [
+        i for i, m in enumerate(messages)
+        if m["role"] == "assistant" and not (m.get("content") or "").strip()
+        and not (m.get("reasoning_content") or "").strip() and not m.get("tool_calls")
+    ]
+
+
 def normalize_conversation(rec: Mapping, where: str) -> tuple[list[dict], list | None]:
     """``(messages, tools)`` in OpenAI form from an OpenAI or ShareGPT record."""
     name = record_name(where, rec)
@@ -121,9 +170,11 @@ def normalize_conversation(rec: Mapping, where: str) -> tuple[list[dict], list |
             if content is None and not (role == "assistant" and m.get("tool_calls")):
                 raise MissingFieldError("content", mwhere)
             msg["content"] = content
-            for extra in ("tool_calls", "name", "tool_call_id"):
+            for extra in ("reasoning_content", "name", "tool_call_id"):
                 if m.get(extra) is not None:
                     msg[extra] = m[extra]
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], mwhere)
             messages.append(msg)
     elif "conversations" in rec and rec["conversations"] is not None:
         raw = rec["conversations"]
@@ -164,13 +215,15 @@ def normalize_conversation(rec: Mapping, where: str) -> tuple[list[dict], list |
 
 
 def read_chat(source, split: str | None = None) -> dict:
-    """``{"columns": {"messages_json": [...], "tools_json": [...], "where": [...]}, "read": n}``."""
-    cols: dict[str, list] = {"messages_json": [], "tools_json": [], "where": []}
+    """``{"columns": {"messages_json", "tools_json", "skip_json", "where"}, "read": n}``;
+    ``skip_json`` lists the empty assistant turns (:func:`empty_assistant_turns`)."""
+    cols: dict[str, list] = {"messages_json": [], "tools_json": [], "skip_json": [], "where": []}
 
     def add(rec, where):
         messages, tools = normalize_conversation(rec, where)
         cols["messages_json"].append(json.dumps(messages, ensure_ascii=False))
         cols["tools_json"].append(json.dumps(tools, ensure_ascii=False) if tools else "")
+        cols["skip_json"].append(json.dumps(empty_assistant_turns(messages)))
         cols["where"].append(record_name(where, rec))
 
     if hasattr(source, "column_names") and hasattr(source, "__iter__"):
@@ -186,18 +239,40 @@ def read_chat(source, split: str | None = None) -> dict:
 # --------------------------------------------------------------------------- masks
 
 
-def _last_run(mask: list[int]) -> list[int]:
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of ones."""
+    runs, t = [], 0
+    while t < len(mask):
+        if mask[t]:
+            u = t
+            while u < len(mask) and mask[u]:
+                u += 1
+            runs.append((t, u))
+            t = u
+        else:
+            t += 1
+    return runs
+
+
+def _keep_turns(mask: list[int], turns: list[bool]) -> list[int]:
+    """``mask`` with only the runs of the turns marked True (one run per assistant turn)."""
+    runs = _runs(mask)
+    assert len(runs) == len(turns), (len(runs), len(turns))
     out = [0] * len(mask)
-    t = len(mask) - 1
-    while t >= 0 and not mask[t]:
-        t -= 1
-    while t >= 0 and mask[t]:
-        out[t] = 1
-        t -= 1
+    for (s, e), keep in zip(runs, turns):
+        if keep:
+            out[s:e] = [1] * (e - s)
     return out
 
 
-def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_on="all"):
+def _turn_selection(messages, skip, train_on) -> list[bool]:
+    """Per assistant message: is it trained on."""
+    idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [i not in skip and (train_on == "all" or i == idx[-1]) for i in idx]
+
+
+def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_on="all",
+                              skip=(), template_kwargs=None, where=""):
     """``(input_ids, mask)`` from the template's ``{% generation %}`` blocks."""
     out = tokenizer.apply_chat_template(
         messages,
@@ -206,53 +281,50 @@ def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_o
         tokenize=True,
         return_dict=True,
         return_assistant_tokens_mask=True,
+        **(template_kwargs or {}),
     )
     ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
-    if train_on == "last":
-        mask = _last_run(mask)
+    turns = _turn_selection(messages, set(skip), train_on)
+    if not all(turns):
+        if len(_runs(mask)) != len(turns):
+            raise ChatFormatError(
+                f"{where}: the {{% generation %}} blocks of the chat template do not mark one "
+                "span per assistant turn, so single turns cannot be left out (train_on: last, "
+                "empty answers); use mask_strategy: placeholder"
+            )
+        mask = _keep_turns(mask, turns)
     return ids, mask
 
 
-def assistant_spans_prefix(tokenizer, messages, tools, chat_template, where=""):
-    """``(full_text, [(start, end), ...])``: assistant character spans by prefix differences."""
+def chat_renderer(tokenizer, tools, chat_template, template_kwargs=None):
+    """``render(messages, add_generation_prompt) -> str`` with the template and its options."""
 
-    def render(msgs, gen):
+    def render(messages, add_generation_prompt):
         return tokenizer.apply_chat_template(
-            msgs, tools=tools, chat_template=chat_template, tokenize=False,
-            add_generation_prompt=gen,
+            messages, tools=tools, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
         )
 
-    full = render(messages, False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        if i == 0:
-            raise ChatFormatError(
-                f"{where}: the conversation starts with an assistant turn; finding its header by "
-                "prefix rendering needs a turn before it -- use a template with "
-                "{% generation %} markers"
-            )
-        before = render(messages[:i], True)
-        upto = render(messages[: i + 1], False)
-        if not upto.startswith(before) or not full.startswith(upto):
-            raise ChatFormatError(
-                f"{where}: the chat template is not prefix-stable (rendering the first {i} "
-                "messages is not a prefix of the whole conversation), so assistant tokens cannot "
-                "be found by prefix differences; add {% generation %} ... {% endgeneration %} "
-                "around the assistant content in the template"
-            )
-        end = len(upto.rstrip())
-        spans.append((len(before), max(len(before), end)))
-    return full, spans
+    return render
 
 
-def assistant_mask_prefix(tokenizer, messages, tools, chat_template, train_on="all", where=""):
-    """``(input_ids, mask)`` from prefix differences (for templates without generation markers)."""
-    full, spans = assistant_spans_prefix(tokenizer, messages, tools, chat_template, where)
-    if train_on == "last":
-        spans = spans[-1:]
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+def added_token_strings(tokenizer) -> list[str]:
+    """The tokenizer's added (special) tokens as strings, e.g. ``<think>``."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return sorted({str(t) for t in decoder.values()} | set(tokenizer.all_special_tokens))
+
+
+def assistant_mask_placeholder(tokenizer, messages, tools, chat_template, train_on="all",
+                               skip=(), template_kwargs=None, where="", eot=None):
+    """``(input_ids, mask)`` for any template: assistant spans of the whole rendering
+    (``chat_masks.assistant_spans``) mapped to the tokens by character offsets."""
+    render = chat_renderer(tokenizer, tools, chat_template, template_kwargs)
+    text, spans = assistant_spans(
+        render, messages, where, keep=added_token_strings(tokenizer), skip=skip, eot=eot
+    )
+    turns = _turn_selection(messages, set(skip), train_on)
+    spans = [sp for sp, keep in zip(spans, turns) if keep and sp is not None]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     mask = [0] * len(ids)
     k = 0
@@ -271,21 +343,32 @@ def chat_tokenize_batch(
     strategy: str,
     train_on: str,
     seq_length: int | None,
+    template_kwargs: dict | None = None,
 ) -> dict[str, list]:
     """``datasets.map`` function: serialized conversations -> tokenized examples."""
     out: dict[str, list] = {
         k: [] for k in ("input_ids", "labels", "length", "num_label_tokens", "drop_reason")
     }
     out["id"] = list(batch["where"])
-    for mj, tj, where in zip(batch["messages_json"], batch["tools_json"], batch["where"]):
+    eot = None
+    if strategy == "placeholder":
+        eot = end_of_turn(chat_renderer(tokenizer, None, chat_template, template_kwargs),
+                          added_token_strings(tokenizer))
+    rows = zip(batch["messages_json"], batch["tools_json"], batch["skip_json"], batch["where"])
+    for mj, tj, sj, where in rows:
         messages = json.loads(mj)
         tools = json.loads(tj) if tj else None
+        skip = json.loads(sj)
+        if not any(_turn_selection(messages, set(skip), train_on)):
+            for k, v in (("input_ids", []), ("labels", []), ("length", 0),
+                         ("num_label_tokens", 0), ("drop_reason", "empty_assistant_content")):
+                out[k].append(v)
+            continue
+        args = (tokenizer, messages, tools, chat_template, train_on, skip, template_kwargs, where)
         if strategy == "generation":
-            ids, mask = assistant_mask_generation(tokenizer, messages, tools, chat_template, train_on)
+            ids, mask = assistant_mask_generation(*args)
         else:
-            ids, mask = assistant_mask_prefix(
-                tokenizer, messages, tools, chat_template, train_on, where
-            )
+            ids, mask = assistant_mask_placeholder(*args, eot=eot)
         cut = seq_length is not None and len(ids) > seq_length
         if cut:
             ids, mask = ids[:seq_length], mask[:seq_length]
@@ -303,6 +386,29 @@ def chat_tokenize_batch(
     return out
 
 
+def resolve_template(tokenizer, chat_template: str | None, chat_template_path) -> str:
+    """The chat template to use: ``chat_template``, the file ``chat_template_path``, or the
+    tokenizer's own (its default one when it has several)."""
+    if chat_template and chat_template_path:
+        raise ValueError(
+            "dataset: give chat_template or chat_template_path, not both"
+        )
+    if chat_template_path:
+        path = Path(os.path.expanduser(str(chat_template_path)))
+        if not path.is_file():
+            raise ValueError(f"dataset.chat_template_path: {str(path)!r} is not a file")
+        chat_template = path.read_text(encoding="utf-8")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):  # named templates: use the default one
+        template = template.get("default")
+    if not template:
+        raise ValueError(
+            "the tokenizer has no chat template; set dataset.chat_template_path (a .jinja file) "
+            "or dataset.chat_template (a Jinja string)"
+        )
+    return template
+
+
 def _build_chat(
     path,
     tokenizer,
@@ -310,6 +416,8 @@ def _build_chat(
     padding: str = "none",
     train_on: str = "all",
     chat_template: str | None = None,
+    chat_template_path: str | None = None,
+    chat_template_kwargs: Mapping | None = None,
     mask_strategy: str = "auto",
     split: str | None = None,
     cache_dir=None,
@@ -321,27 +429,28 @@ def _build_chat(
     if train_on not in ("all", "last"):
         raise ValueError(f"train_on must be 'all' or 'last', got {train_on!r}")
     check_padding(padding, seq_length)
-    if mask_strategy not in ("auto", "generation", "prefix"):
+    if mask_strategy not in ("auto", "generation", "placeholder"):
         raise ValueError(
-            f"mask_strategy must be 'auto', 'generation' or 'prefix', got {mask_strategy!r}"
+            "mask_strategy must be 'auto', 'generation' or 'placeholder', got "
+            f"{mask_strategy!r}"
         )
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if isinstance(template, Mapping):  # named templates: use the default one
-        template = template.get("default")
-    if not template:
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise ValueError(
-            "the tokenizer has no chat template; pass chat_template=... (a Jinja string)"
+            "dataset.chat_template_kwargs must be a mapping of template variables, e.g. "
+            f"{{enable_thinking: false}}; got {type(chat_template_kwargs).__name__}"
         )
+    template_kwargs = dict(chat_template_kwargs or {})
+    template = resolve_template(tokenizer, chat_template, chat_template_path)
     has_markers = template_has_generation_markers(template)
     strategy = mask_strategy
     if strategy == "auto":
-        strategy = "generation" if has_markers else "prefix"
+        strategy = "generation" if has_markers else "placeholder"
     if strategy == "generation" and not has_markers:
         raise ValueError(
             "mask_strategy='generation' needs {% generation %} markers in the chat template"
         )
-    if strategy == "prefix" and not getattr(tokenizer, "is_fast", False):
-        raise ValueError("mask_strategy='prefix' needs a fast tokenizer (character offsets)")
+    if strategy == "placeholder" and not getattr(tokenizer, "is_fast", False):
+        raise ValueError("mask_strategy='placeholder' needs a fast tokenizer (character offsets)")
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
 
@@ -350,6 +459,7 @@ def _build_chat(
         "source": src_key,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": template,
+        "template_kwargs": template_kwargs,
         "strategy": strategy,
         "train_on": train_on,
         "seq_length": seq_length,
@@ -370,12 +480,15 @@ def _build_chat(
                 strategy=strategy,
                 train_on=train_on,
                 seq_length=seq_length,
+                template_kwargs=template_kwargs,
             ),
             num_proc=num_proc,
             desc="tokenizing chat",
             batch_size=256,
         )
-        stats = Stats(read=rd["read"], kept=len(ds), dropped=dict(Counter(drops)), skipped={})
+        empty = sum(len(json.loads(s)) for s in cols["skip_json"])
+        stats = Stats(read=rd["read"], kept=len(ds), dropped=dict(Counter(drops)),
+                      skipped={}, turns_skipped={"empty_assistant_content": empty})
         return ds, stats
 
     ds, stats, cache_path = build_cached("chat", key, cache_dir, build)

@@ -215,18 +215,28 @@ def build_cached(
     return load()
 
 
+# Why single turns of a kept example are not trained on (``stats["turns_skipped"]``).
+TURN_SKIP_HELP = {"empty_assistant_content": "an empty answer teaches the model to say nothing"}
+
+
 def report(stats: Mapping[str, Any], source: str, seq_length: int | None) -> None:
     """Raise if nothing is left; otherwise one warning for all drops and an info line."""
     dropped = {k: v for k, v in stats.get("dropped", {}).items() if v}
     skipped = {k: v for k, v in stats.get("skipped", {}).items() if v}
     if stats["kept"] == 0:
         raise EmptyDatasetError(source, stats["read"], {**skipped, **dropped})
-    if dropped:
+    turns = {k: v for k, v in stats.get("turns_skipped", {}).items() if v}
+    if dropped or turns:
         total = sum(dropped.values())
-        reasons = ", ".join(f"{n} {r}" for r, n in sorted(dropped.items()))
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())) or "none"
+        extra = "".join(
+            f"; {n} assistant turns not trained on ({r}: {TURN_SKIP_HELP.get(r, r)})"
+            for r, n in sorted(turns.items())
+        )
         logger.warning(
-            "%s: dropped %d of %d examples (seq_length=%s): %s %s",
+            "%s: dropped %d of %d examples (seq_length=%s): %s %s%s",
             source, total, stats["read"], seq_length, reasons, describe_drop_reasons(dropped),
+            extra,
         )
     extra = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items()))
     logger.info(

@@ -76,6 +76,7 @@ DROP_REASON_HELP = {
     "too_long_no_truncation": "the example is longer than seq_length and truncation is off",
     "answer_not_in_context": "the answer text was not found in the context",
     "no_supervised_tokens": "the conversation has no assistant tokens to train on",
+    "empty_assistant_content": "every assistant turn to train on has empty content",
     "no_supervised_tokens_after_truncation": (
         "after cutting at seq_length no assistant token is left; raise seq_length"
     ),
