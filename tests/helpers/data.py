@@ -121,3 +121,35 @@ def bpe_tokenizer(tmp_path_factory, vocab_size: int = 3000):
         out = tmp_path_factory.mktemp("tokenizer")
         _TOKENIZERS[key] = build_bpe_tokenizer(_training_texts(), out, vocab_size=vocab_size)
     return _TOKENIZERS[key]
+
+
+# -- chat templates of the model families ------------------------------------------------------
+CHAT_TEMPLATES = SHARED_DATA / "chat-templates"
+NEMOTRON3_NANO_TEMPLATE = CHAT_TEMPLATES / "nvidia-nemotron-3-nano-30b-a3b.jinja"
+NEMOTRON_NANO_9B_V2_TEMPLATE = CHAT_TEMPLATES / "nvidia-nemotron-nano-9b-v2.jinja"
+CHAT_INSECURE_500 = SHARED_DATA / "emergent-misalignment-insecure-500.jsonl"
+
+# the special tokens of the families' templates (Nemotron 3 Nano, Nemotron Nano 9B v2, Llama 3)
+FAMILY_SPECIAL_TOKENS = [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+]
+
+
+def require_shared(path: Path) -> Path:
+    if not path.is_file():
+        pytest.skip(f"reference data not found: {path} (the ../shared/data folder is absent)")
+    return path
+
+
+def chat_tokenizer(tmp_path_factory):
+    """The test BPE (a fresh copy) with the families' chat special tokens added; cached."""
+    if "chat" not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        base = bpe_tokenizer(tmp_path_factory)
+        tok = AutoTokenizer.from_pretrained(base.name_or_path, local_files_only=True)
+        tok.add_special_tokens({"additional_special_tokens": FAMILY_SPECIAL_TOKENS})
+        _TOKENIZERS["chat"] = tok
+    return _TOKENIZERS["chat"]
