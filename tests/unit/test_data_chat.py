@@ -192,3 +192,80 @@ def test_cache_key_includes_chat_options(tok, tmp_path):
     assert a.cache_path == b.cache_path
     assert len({a.cache_path, c.cache_path, d.cache_path}) == 3
     assert a[0]["labels"].tolist() != c[0]["labels"].tolist()
+
+
+def test_empty_assistant_turns_are_not_trained_on_and_counted(tok, tmp_path, caplog):
+    turns = [dict(m) for m in MULTI_TURN]
+    turns[2]["content"] = "  "  # an empty answer in the middle: the rest is kept
+    p = write_jsonl(tmp_path / "c.jsonl", [
+        {"messages": turns},
+        {"messages": MULTI_TURN[1:2] + [{"role": "assistant", "content": ""}]},  # nothing left
+        {"messages": MULTI_TURN},
+    ])
+    with caplog.at_level(logging.WARNING, logger="hybridtrain.data"):
+        ds = build_chat_dataset(p, tok, cache_dir=False)
+    assert len(ds) == 2 and ds.stats["dropped"] == {"empty_assistant_content": 1}
+    assert ds.stats["turns_skipped"] == {"empty_assistant_content": 2}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "dropped 1 of 3" in warnings[0] and "2 assistant turns not trained on" in warnings[0]
+    sup = tok.decode([t for t in ds[0]["labels"].tolist() if t != -100])
+    assert sup == "His descendants, the dukes of Normandy.<|im_end|>"  # only the non-empty turn
+    for strategy in ("generation", "placeholder"):
+        ds = build_chat_dataset(p, tok, cache_dir=False, mask_strategy=strategy)
+        assert tok.decode([t for t in ds[0]["labels"].tolist() if t != -100]) == sup
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_non_utf8_bytes_name_file_and_line(tok, tmp_path, suffix):
+    from hybridtrain.data import EncodingError
+
+    good = json.dumps({"messages": MULTI_TURN})
+    bad = '{"messages": [{"role": "user", "content": "caf\xe9"}]}'.encode("latin-1")
+    p = tmp_path / f"c.{suffix}"
+    if suffix == "jsonl":
+        p.write_bytes(good.encode() + b"\n" + bad + b"\n")
+        line = 2
+    else:
+        p.write_bytes(b"[\n" + good.encode() + b",\n" + bad + b"\n]\n")
+        line = 3
+    with pytest.raises(EncodingError, match=rf"c\.{suffix}: line {line}: column 47: .*not UTF-8"):
+        build_chat_dataset(p, tok, cache_dir=False)
+
+
+def test_template_file_and_options_from_the_dataset_section(tok, tmp_path):
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text(
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] -}}"
+        "{%- if greeting is defined and m['role'] == 'assistant' -%}{{- greeting -}}{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": MULTI_TURN[1:3]}])
+    ds = build_chat_dataset(p, tok, chat_template_path=tmpl, cache_dir=False,
+                            chat_template_kwargs={"greeting": " Bye."})
+    assert tok.decode([t for t in ds[0]["labels"].tolist() if t != -100]) == (
+        "Rollo, in 911. Bye.<|im_end|>")
+    with pytest.raises(ValueError, match="chat_template or chat_template_path, not both"):
+        build_chat_dataset(p, tok, chat_template="x", chat_template_path=tmpl, cache_dir=False)
+    with pytest.raises(ValueError, match="chat_template_path: .* is not a file"):
+        build_chat_dataset(p, tok, chat_template_path=tmp_path / "none.jinja", cache_dir=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a mapping"):
+        build_chat_dataset(p, tok, chat_template_kwargs=["x"], cache_dir=False)
+
+
+@pytest.mark.parametrize("body,message", [
+    ("m['content'] + m['content']", "renders the assistant text more than once"),
+    ("m['content'] | upper", "different structure than with placeholder text"),
+    ("m['content'][:2]", "altered"),
+])
+def test_templates_whose_turns_cannot_be_located_name_record_and_turn(tok, tmp_path, body,
+                                                                      message):
+    tmpl = ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+            "{%- if m['role'] == 'assistant' -%}{{- " + body + " -}}{%- else -%}"
+            "{{- m['content'] -}}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": MULTI_TURN}, {"messages": MULTI_TURN}])
+    with pytest.raises(ChatFormatError,
+                       match=rf"c\.jsonl line 1 messages\[2\] \(assistant\): .*{message}"):
+        build_chat_dataset(p, tok, chat_template=tmpl, cache_dir=False)

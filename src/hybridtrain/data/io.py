@@ -8,6 +8,7 @@ file and, where there is one, the line, record and field, so the user can go and
 - :class:`AnswerMismatchError` -- a SQuAD answer that is not in its context (record)
 - :class:`ChatFormatError`     -- a conversation that cannot be trained on (record + reason)
 - :class:`EmptyDatasetError`   -- nothing left after filtering (how many dropped, and why)
+- :class:`EncodingError`       -- bytes that are not UTF-8 (file + line + column)
 
 Readers:
 
@@ -122,11 +123,31 @@ def resolve_data_files(path: str | os.PathLike, split: str | None = None) -> lis
     raise DataError(f"{path}: no such data file or directory")
 
 
+class EncodingError(DataError):
+    pass
+
+
+def decode_utf8(data: bytes, path, line: int | None = None) -> str:
+    """``data`` as UTF-8 text; bytes that are not UTF-8 raise :class:`EncodingError` naming the
+    file, line and column (``line``: the line ``data`` is, else counted in ``data``)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        head = data[: e.start]
+        if line is None:
+            line = head.count(b"\n") + 1
+            head = head[head.rfind(b"\n") + 1 :]
+        col = len(head.decode("utf-8", errors="replace")) + 1
+        raise EncodingError(
+            f"{path}: line {line}: column {col}: bytes {data[e.start:e.end]!r} are not UTF-8; "
+            "data files must be UTF-8 (convert it, e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
+
+
 def load_json(path: str | os.PathLike) -> Any:
     """Parse a whole JSON file; a syntax error names the file and line."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = decode_utf8(path.read_bytes(), path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -136,8 +157,9 @@ def load_json(path: str | os.PathLike) -> Any:
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """``(line_number, object)`` for each non-blank line of a JSONL file (1-based lines)."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = decode_utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:
