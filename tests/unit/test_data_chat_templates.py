@@ -55,6 +55,9 @@ CONVERSATIONS = {
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "tool", "content": "sunny, 21C"},
         {"role": "assistant", "content": "It is sunny."}]},
+    "tool_call_last": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL]}]},
 }
 
 
@@ -208,16 +211,27 @@ def oracle_nemotron_9b_v2(messages, tools, train_on, kwargs):
         if "</think>" in content:
             content = content.split("</think>")[1]
         content = content.strip()
-        calls = m.get("tool_calls") or []
-        if calls:
-            content += ("\n" if content else "") + "<TOOLCALL>[" + ", ".join(
-                json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                for c in calls) + "]</TOOLCALL>"
-        p.add("<SPECIAL_11>Assistant\n")
-        if k == len(msgs) - 1:
-            p.add("<think></think>" if no_think else "<think>\n")
-        p.add(content + "\n<SPECIAL_12>", trained(messages, k + offset, train_on))
-        p.add("\n")
+        calls = "<TOOLCALL>[" + ", ".join(
+            json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            for c in m.get("tool_calls") or []) + "]</TOOLCALL>"
+        sup = trained(messages, k + offset, train_on)
+        if k < len(msgs) - 1:
+            if m.get("tool_calls"):
+                content += ("\n" if content else "") + calls
+            p.add("<SPECIAL_11>Assistant\n")
+            p.add(content + "\n<SPECIAL_12>", sup)
+            p.add("\n")
+            continue
+        # the final reply: its text after a thinking opener, then its tool calls in a block
+        # of their own
+        if content:
+            p.add("<SPECIAL_11>Assistant\n" + ("<think></think>" if no_think else "<think>\n"))
+            p.add(content + "\n<SPECIAL_12>", sup)
+            p.add("\n")
+        if m.get("tool_calls"):
+            p.add("<SPECIAL_11>Assistant\n")
+            p.add(calls + "<SPECIAL_12>", sup)
+            p.add("\n\n")
     return p
 
 
@@ -272,11 +286,11 @@ def check(ctok, tmp_path, template, case, train_on="all", kwargs=None, record=No
 
 
 CASES = {
-    "chatml": ["single", "multi", "tools"],
-    "chatml_no_markers": ["single", "multi", "tools"],
-    "llama3": ["single", "multi", "tools"],
-    "nemotron3_nano": ["single", "multi", "reasoning", "tools"],
-    "nemotron_nano_9b_v2": ["single", "multi", "tools"],
+    "chatml": ["single", "multi", "tools", "tool_call_last"],
+    "chatml_no_markers": ["single", "multi", "tools", "tool_call_last"],
+    "llama3": ["single", "multi", "tools", "tool_call_last"],
+    "nemotron3_nano": ["single", "multi", "reasoning", "tools", "tool_call_last"],
+    "nemotron_nano_9b_v2": ["single", "multi", "tools", "tool_call_last"],
 }
 
 

@@ -254,6 +254,16 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _last_run(mask: list[int]) -> list[int]:
+    """``mask`` with only its last run of ones."""
+    runs = _runs(mask)
+    out = [0] * len(mask)
+    if runs:
+        s, e = runs[-1]
+        out[s:e] = [1] * (e - s)
+    return out
+
+
 def _keep_turns(mask: list[int], turns: list[bool]) -> list[int]:
     """``mask`` with only the runs of the turns marked True (one run per assistant turn)."""
     runs = _runs(mask)
@@ -286,6 +296,8 @@ def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_o
     ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
     turns = _turn_selection(messages, set(skip), train_on)
     if not all(turns):
+        if len(_runs(mask)) != len(turns) and train_on == "last" and not skip:
+            return ids, _last_run(mask)
         if len(_runs(mask)) != len(turns):
             raise ChatFormatError(
                 f"{where}: the {{% generation %}} blocks of the chat template do not mark one "
@@ -323,7 +335,7 @@ def assistant_mask_placeholder(tokenizer, messages, tools, chat_template, train_
         render, messages, where, keep=added_token_strings(tokenizer), skip=skip, eot=eot
     )
     turns = _turn_selection(messages, set(skip), train_on)
-    spans = [sp for sp, keep in zip(spans, turns) if keep and sp is not None]
+    spans = [sp for turn, keep in zip(spans, turns) if keep for sp in turn]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     mask = [0] * len(ids)
@@ -461,6 +473,7 @@ def _build_chat(
         "template": template,
         "template_kwargs": template_kwargs,
         "strategy": strategy,
+        "masks": 2,  # how turns are selected (empty answers are not trained on)
         "train_on": train_on,
         "seq_length": seq_length,
         "limit": limit,

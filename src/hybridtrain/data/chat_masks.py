@@ -2,12 +2,14 @@
 
 ::
 
-    assistant_spans(render, messages, where, keep=(), skip=()) -> (text, [(start, end), ...])
+    assistant_spans(render, messages, where, keep=(), skip=()) -> (text, [[(start, end), ...], ...])
 
 ``render(messages, add_generation_prompt) -> str`` renders with the chat template (and its
 options). ``text`` is ``render(messages, False)``: the whole conversation as the model sees it at
-inference. Span ``k`` is the ``[start, end)`` characters of ``text`` the ``k``-th assistant turn
-(in message order) emits itself: from the end of its header to the end of its end-of-turn marker.
+inference. ``spans[k]`` are the ``[start, end)`` characters of ``text`` the ``k``-th assistant
+turn (in message order) emits itself: from the end of its header to the end of its end-of-turn
+marker (several spans when the template writes the reply as several blocks, each with a header,
+e.g. text then tool calls: the headers between them are not part of the reply).
 
 How, without template-specific code and without assuming that rendering a prefix of the
 conversation gives a prefix of the text:
@@ -29,7 +31,7 @@ conversation gives a prefix of the text:
    span.
 
 A turn of which nothing shows in the rendering (the template drops it, e.g. earlier reasoning-only
-turns) and the turns in ``skip`` get no span (``None``). Anything ambiguous raises
+turns) and the turns in ``skip`` get no span (``[]``). Anything ambiguous raises
 :class:`ChatFormatError` naming ``where`` and the turn.
 """
 
@@ -156,8 +158,9 @@ def assistant_spans(
     keep: Iterable[str] = (),
     skip: Iterable[int] = (),
     eot: str | None = None,
-) -> tuple[str, list[tuple[int, int] | None]]:
-    """``(text, spans)``: one span (or ``None``) per assistant message; see the module docstring."""
+) -> tuple[str, list[list[tuple[int, int]]]]:
+    """``(text, spans)``: the spans of each assistant message (``[]`` for none); see the module
+    docstring."""
     text = render(list(messages), False)
     ph_messages, values, owner = placeholder_messages(messages, keep)
     if any(OPEN in v or CLOSE in v for v in values) or OPEN in text or CLOSE in text:
@@ -209,16 +212,17 @@ def assistant_spans(
         first.setdefault(i, m.start())
         last[i] = m.end()
     skip = set(skip)
-    spans: list[tuple[int, int] | None] = []
+    spans: list[list[tuple[int, int]]] = []
     prev_end = 0
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
         if i in skip or i not in first:
-            spans.append(None)
+            spans.append([])
             continue
         window = sk[prev_end : first[i]]
-        head = _header(_generation_prompt(render, messages, i), window)
+        prompt = _generation_prompt(render, messages, i)
+        head = _header(prompt, window)
         h = window.rfind(head) if head else -1
         if h < 0:
             raise ChatFormatError(
@@ -236,5 +240,26 @@ def assistant_spans(
                 "assistant reply in the template"
             )
         prev_end = e + len(eot)
-        spans.append((to_text(start), to_text(prev_end)))
+        spans.append([(to_text(a), to_text(b)) for a, b in _blocks(sk, start, prev_end, eot,
+                                                                     prompt)])
     return text, spans
+
+
+def _blocks(sk: str, start: int, end: int, eot: str, prompt: str) -> list[tuple[int, int]]:
+    """``[start, end)`` split where the template closes the turn and opens it again with a
+    header (a reply written as several blocks, e.g. its text, then its tool calls)."""
+    out, pos = [], start
+    e = sk.find(eot, pos, end - len(eot))
+    while e >= 0:
+        after = e + len(eot)
+        at = after + len(sk[after:end]) - len(sk[after:end].lstrip())
+        k = 0
+        while k < len(prompt) and at + k < end and sk[at + k] == prompt[k]:
+            k += 1
+        head = k if k == len(prompt) else prompt[:k].rfind("\n") + 1
+        if head and prompt[:head].strip():
+            out.append((pos, after))
+            pos = at + head
+        e = sk.find(eot, after, end - len(eot))
+    out.append((pos, end))
+    return out
