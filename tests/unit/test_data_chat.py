@@ -269,3 +269,19 @@ def test_templates_whose_turns_cannot_be_located_name_record_and_turn(tok, tmp_p
     with pytest.raises(ChatFormatError,
                        match=rf"c\.jsonl line 1 messages\[2\] \(assistant\): .*{message}"):
         build_chat_dataset(p, tok, chat_template=tmpl, cache_dir=False)
+
+
+def test_template_without_generation_prompt(tok, tmp_path):
+    # Mistral-like: no generation prompt; the reply's first token carries the template's space
+    # (" Rollo"): a token that overlaps the reply is supervised.
+    tmpl = ("{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+            "{{- '[INST] ' + m['content'] + ' [/INST]' -}}{%- elif m['role'] == 'assistant' -%}"
+            "{{- ' ' + m['content'] + '<|endoftext|>' -}}{%- endif -%}{%- endfor -%}")
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": MULTI_TURN[1:]}])
+    ds = build_chat_dataset(p, tok, chat_template=tmpl, cache_dir=False)
+    ids = ds[0]["input_ids"].tolist()
+    text = "[INST] Who ruled Normandy? [/INST] Rollo, in 911.<|endoftext|>[INST] And then? [/INST]"
+    first = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[: len(first)] == first
+    sup = tok.decode([t for t in ds[0]["labels"].tolist() if t != -100])
+    assert sup == " Rollo, in 911.<|endoftext|> His descendants, the dukes of Normandy.<|endoftext|>"

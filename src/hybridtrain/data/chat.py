@@ -33,9 +33,10 @@ the end-of-turn token:
 - ``generation``: the template's ``{% generation %}`` blocks, through
   ``apply_chat_template(..., return_assistant_tokens_mask=True)``;
 - ``placeholder``: any template, no prefix stability assumed: the turns are located in the
-  whole rendering by rendering it again with placeholder text (``chat_masks.py``), e.g. Nemotron
-  3 Nano's empty ``<think></think>`` before an answer is supervised (it is not part of its
-  generation prompt ``<think>\n``), the reasoning it drops from earlier turns is not there;
+  whole rendering by rendering it again with placeholder text (``chat_masks.py``). An empty
+  ``<think></think>`` a template writes before an answer is supervised unless it is part of
+  the generation prompt (a prompt that ends ``<think>\n`` makes it part of the reply);
+  reasoning a template drops from earlier turns is not in the rendering, so not supervised;
 - ``auto``: ``generation`` when the template has the markers, else ``placeholder``.
 
 Data problems: an assistant turn with empty content (no tool calls, no reasoning) is not trained
@@ -329,7 +330,8 @@ def added_token_strings(tokenizer) -> list[str]:
 def assistant_mask_placeholder(tokenizer, messages, tools, chat_template, train_on="all",
                                skip=(), template_kwargs=None, where="", eot=None):
     """``(input_ids, mask)`` for any template: assistant spans of the whole rendering
-    (``chat_masks.assistant_spans``) mapped to the tokens by character offsets."""
+    (``chat_masks.assistant_spans``) mapped to the tokens by character offsets; a token that
+    overlaps a span is supervised (``" Hi"`` after a header that ends ``[/INST]``)."""
     render = chat_renderer(tokenizer, tools, chat_template, template_kwargs)
     text, spans = assistant_spans(
         render, messages, where, keep=added_token_strings(tokenizer), skip=skip, eot=eot
@@ -340,10 +342,10 @@ def assistant_mask_placeholder(tokenizer, messages, tools, chat_template, train_
     ids = list(enc["input_ids"])
     mask = [0] * len(ids)
     k = 0
-    for t, (s, _e) in enumerate(enc["offset_mapping"]):
+    for t, (s, e) in enumerate(enc["offset_mapping"]):  # a token that overlaps a span
         while k < len(spans) and s >= spans[k][1]:
             k += 1
-        if k < len(spans) and spans[k][0] <= s < spans[k][1]:
+        if k < len(spans) and s < spans[k][1] and e > spans[k][0]:
             mask[t] = 1
     return ids, mask
 

@@ -24,7 +24,8 @@ conversation gives a prefix of the text:
    ``add_generation_prompt`` appends before the model speaks), or when the turn does not start
    with the whole prompt (``<think></think>`` where the prompt opens ``<think>\\n``) the prompt's
    longest common part cut back to its last line break. So an empty ``<think></think>`` the
-   template writes is supervised unless it is part of the generation prompt.
+   template writes is supervised unless it is part of the generation prompt. A template without
+   a generation prompt (or none that heads the turn) starts the reply at its own text.
 3. A turn ends with the first end-of-turn marker after its last placeholder: the first of the
    ``keep`` tokens (else the first word) the template writes after an assistant reply at the end
    of a conversation (``<|im_end|>``, ``<|eot_id|>``); the line break after it is not part of the
@@ -136,15 +137,14 @@ def end_of_turn(render: Render, keep: Iterable[str] = ()) -> str:
 
 
 def _header(prompt: str, window: str) -> str:
-    """The part of the generation prompt that heads the turn ending ``window``."""
-    if prompt and prompt in window:
+    """The part of the generation prompt that heads the turn ending ``window``: all of it, or
+    its longest part found there cut back to a line break; ``""`` if neither."""
+    if prompt in window:
         return prompt
     k = len(prompt)
     while k > 0 and prompt[:k] not in window:
         k -= 1
-    head = prompt[:k]
-    cut = head.rfind("\n")
-    return head[: cut + 1] if cut >= 0 else head
+    return prompt[: prompt.rfind("\n", 0, k) + 1]
 
 
 def _turn(where: str, i: int) -> str:
@@ -223,14 +223,8 @@ def assistant_spans(
         window = sk[prev_end : first[i]]
         prompt = _generation_prompt(render, messages, i)
         head = _header(prompt, window)
-        h = window.rfind(head) if head else -1
-        if h < 0:
-            raise ChatFormatError(
-                f"{_turn(where, i)}: the template's generation prompt does not head this "
-                "assistant turn, so where the reply starts is unknown; add {% generation %} ... "
-                "{% endgeneration %} around the assistant reply in the template"
-            )
-        start = prev_end + h + len(head)
+        # without a generation prompt that heads it, the reply starts at its own text
+        start = prev_end + window.rfind(head) + len(head) if head else first[i]
         e = sk.find(eot, last[i]) if eot else -1
         nxt = min((first[j] for j in first if j > i), default=len(sk))
         if e < 0 or e >= nxt:
