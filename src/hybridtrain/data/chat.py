@@ -255,23 +255,11 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _last_run(mask: list[int]) -> list[int]:
-    """``mask`` with only its last run of ones."""
-    runs = _runs(mask)
+def _keep_runs(mask: list[int], keep: list[bool]) -> list[int]:
+    """``mask`` with only the runs of ones marked True in ``keep`` (one flag per run)."""
     out = [0] * len(mask)
-    if runs:
-        s, e = runs[-1]
-        out[s:e] = [1] * (e - s)
-    return out
-
-
-def _keep_turns(mask: list[int], turns: list[bool]) -> list[int]:
-    """``mask`` with only the runs of the turns marked True (one run per assistant turn)."""
-    runs = _runs(mask)
-    assert len(runs) == len(turns), (len(runs), len(turns))
-    out = [0] * len(mask)
-    for (s, e), keep in zip(runs, turns):
-        if keep:
+    for (s, e), k in zip(_runs(mask), keep):
+        if k:
             out[s:e] = [1] * (e - s)
     return out
 
@@ -296,17 +284,17 @@ def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_o
     )
     ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
     turns = _turn_selection(messages, set(skip), train_on)
-    if not all(turns):
-        if len(_runs(mask)) != len(turns) and train_on == "last" and not skip:
-            return ids, _last_run(mask)
-        if len(_runs(mask)) != len(turns):
-            raise ChatFormatError(
-                f"{where}: the {{% generation %}} blocks of the chat template do not mark one "
-                "span per assistant turn, so single turns cannot be left out (train_on: last, "
-                "empty answers); use mask_strategy: placeholder"
-            )
-        mask = _keep_turns(mask, turns)
-    return ids, mask
+    n_runs = len(_runs(mask))
+    if all(turns):
+        return ids, mask
+    if n_runs == len(turns):  # one run per assistant turn
+        return ids, _keep_runs(mask, turns)
+    if train_on == "last" and not skip:
+        return ids, _keep_runs(mask, [k == n_runs - 1 for k in range(n_runs)])
+    raise ChatFormatError(
+        f"{where}: the {{% generation %}} blocks of the chat template do not mark one span per "
+        "assistant turn, so an empty answer cannot be left out; use mask_strategy: placeholder"
+    )
 
 
 def chat_renderer(tokenizer, tools, chat_template, template_kwargs=None):
