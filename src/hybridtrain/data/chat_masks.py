@@ -16,8 +16,9 @@ conversation gives a prefix of the text:
 
 1. Every assistant message's own text (``content``, ``reasoning_content``, tool-call names) is
    replaced by numbered placeholders, one per run of ordinary characters; the strings in ``keep``
-   (the tokenizer's added tokens, e.g. ``<think>``) and the whitespace at the edges of each run stay,
-   so the template's own tests (``'</think>' in content``, ``| trim``) take the same branches.
+   (the tokenizer's added tokens, e.g. ``<think>``) and the whitespace at the edges of each run
+   stay, so the template's own tests (``'</think>' in content``, ``| trim``) take the same
+   branches.
    The placeholder rendering must give back the real rendering exactly once each placeholder is
    replaced by its text (the structural check); each placeholder may appear at most once.
 2. Within that rendering, a turn starts after its header: the generation prompt (what
@@ -164,7 +165,10 @@ def assistant_spans(
     text = render(list(messages), False)
     ph_messages, values, owner = placeholder_messages(messages, keep)
     if any(OPEN in v or CLOSE in v for v in values) or OPEN in text or CLOSE in text:
-        raise ChatFormatError(f"{where}: the text contains the private-use characters U+E000/U+E001")
+        raise ChatFormatError(
+            f"{where}: the text contains the private-use characters U+E000/U+E001, which mark "
+            "placeholders; remove them from the data"
+        )
     sk = render(ph_messages, False)
     found = list(_PLACEHOLDER.finditer(sk))
     ids = [int(m.group(1)) for m in found]
