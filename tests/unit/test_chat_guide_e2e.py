@@ -69,7 +69,7 @@ def guide_overrides(out: Path) -> list[str]:
         "--dataset.num_proc=1",
         f"--+validation_dataset.cache_dir={out.parent}/cache",
         "--validation_dataset.seq_length=512",
-        "--model.dtype=float32", "--training.dtype=float32",
+        "--model.dtype=float32", "--training.dtype=float32",  # CPU: fp32 (bf16 runs, 2x slower)
         "--packing.pack_size=512", "--training.global_batch_size=4",
         "--training.micro_batch_size=4", "--training.max_steps=24",
         "--training.val_every_steps=24", "--training.max_val_steps=1",
