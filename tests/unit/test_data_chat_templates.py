@@ -320,3 +320,25 @@ def test_nemotron_nano_9b_v2_reasoning_inline_and_no_think(ctok, tmp_path):
         {"role": "assistant", "content": "12"}]}
     sup = check(ctok, tmp_path, "nemotron_nano_9b_v2", "inline", record=record)
     assert sup == "4\n<SPECIAL_12>12\n<SPECIAL_12>"
+
+
+def test_dataset_section_options_from_yaml(ctok, tmp_path):
+    """The options as a recipe's dataset section gives them (YAML, `_target_`)."""
+    import yaml
+
+    from hybridtrain.config.instantiate import instantiate
+
+    record = CONVERSATIONS["reasoning"]
+    (tmp_path / "c.jsonl").write_text(json.dumps(record) + "\n")
+    section = yaml.safe_load(f"""
+        _target_: hybridtrain.data.build_chat_dataset
+        path: {tmp_path / "c.jsonl"}
+        chat_template_path: {require_shared(NEMOTRON3_NANO_TEMPLATE)}
+        chat_template_kwargs: {{truncate_history_thinking: false}}
+        cache_dir: false
+    """)
+    ds = instantiate(section, tokenizer=ctok)
+    sup = ctok.decode([t for t in ds[0]["labels"].tolist() if t != -100])
+    # both turns keep their reasoning; each opens with the generation prompt's `<think>\n`
+    assert sup == ("Add two and two.\n</think>\n4<|im_end|>"
+                   "4 times 3 is 12.\n</think>\n12<|im_end|>")
