@@ -61,7 +61,8 @@ def _instantiate_with(node, **offered):
     if node is None:
         return None
     try:
-        params = inspect.signature(resolve_target(node["_target_"])).parameters
+        params = inspect.signature(resolve_target(node["_target_"],
+                                                  node.target_prefixes())).parameters
     except (TypeError, ValueError, KeyError):
         params = {}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
