@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
 from hybridtrain.distributed.utils import main_process_first
+from hybridtrain.fileio import atomic_write
 from hybridtrain.models.spec import model_spec_for, set_train_loss
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
@@ -286,7 +287,8 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
         save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
-        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm)
+        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps)
 
 
 # -- the recipe -------------------------------------------------------------------------------
@@ -302,14 +304,41 @@ def run(cfg: Any) -> dict[str, Any]:
 
 def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
          t_start: float) -> dict[str, Any]:
+    """Start-up checks, then training. Nothing in the run folder is written before every check
+    has passed (only its lock, which goes with the run, and a folder created for it, removed
+    again when a check fails)."""
+    from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.runfolder import RunLock
+
+    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    parallel_dims_from_config(cfg.distributed, world_size, device.type, build_mesh=False)
+    created = is_main and not os.path.exists(out_dir)
+    lock = RunLock(out_dir) if is_main else None
+    if lock is not None:
+        lock.acquire()
+    started = False
+    try:
+        trainer, sched, checkpointer, resume, clear = _start(cfg, device, is_main, world_size,
+                                                              out_dir)
+        started = True
+        return _train(cfg, trainer, sched, checkpointer, resume, clear, is_main, out_dir,
+                      t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+            if created and not started:
+                try:
+                    os.rmdir(out_dir)  # only if empty: this run wrote nothing there
+                except OSError:
+                    pass
+
+
+def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str):
+    """Builds everything and checks the run folder (earlier run, resume point); writes nothing
+    there. Returns (trainer, step scheduler, checkpointer, resume path, whether to clear)."""
     t, ck = cfg.training, cfg.checkpoint
-    out_dir = os.path.abspath(ck.dir)
-    if is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            f.write(cfg.to_yaml())
     b = build(cfg, device, is_main, world_size)
-    train_ds, val_ds, peft = b.train_ds, b.val_ds, b.peft
+    train_ds, peft = b.train_ds, b.peft
 
     # step scheduler, LR scheduler
     sched = StepScheduler(
@@ -336,17 +365,13 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
                                 export_fn=export_fn, state_extra=state_extra)
     resume = checkpointer.resolve_resume(ck.resume)
-    if resume is None and checkpointer.steps() and ck.enabled:
-        if not ck.overwrite:
-            raise ValueError(
-                f"checkpoint.dir {out_dir} already holds a run ({', '.join(f'step_{s}' for s in checkpointer.steps())}); "
-                "set checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
-                "checkpoint.overwrite=true to delete it and start over")
-        removed = checkpointer.clear()
-        if is_main:
-            logger.warning("%s held an earlier run: starting a new one there, removed its %s "
-                           "(checkpoint.resume: auto continues a run instead)", out_dir,
-                           ", ".join(removed))
+    clear = resume is None and bool(checkpointer.steps()) and ck.enabled
+    if clear and not ck.overwrite:
+        raise ValueError(
+            f"checkpoint.dir {out_dir} already holds a run "
+            f"({', '.join(f'step_{s}' for s in checkpointer.steps())}); set "
+            "checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
+            "checkpoint.overwrite=true to delete it and start over")
     metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
@@ -354,6 +379,21 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics)
     if resume is not None:
         trainer.resume(resume)
+    return trainer, sched, checkpointer, resume, clear
+
+
+def _train(cfg: ConfigNode, trainer: Trainer, sched: StepScheduler, checkpointer: Checkpointer,
+           resume: str | None, clear: bool, is_main: bool, out_dir: str,
+           t_start: float) -> dict[str, Any]:
+    if clear:
+        removed = checkpointer.clear()
+        if is_main:
+            logger.warning("%s held an earlier run: starting a new one there, removed its %s "
+                           "(checkpoint.resume: auto continues a run instead)", out_dir,
+                           ", ".join(removed))
+    if is_main:
+        atomic_write(os.path.join(out_dir, "config.yaml"), cfg.to_yaml())
+    train_ds, val_ds = trainer.train_dataset, trainer.val_dataset
     logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "
                 "data-parallel ranks); %d training samples, %s validation samples",
                 sched.max_steps, sched.global_batch_size, sched.grad_acc_steps,

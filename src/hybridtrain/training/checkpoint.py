@@ -341,6 +341,16 @@ class Checkpointer:
         barrier()
         return out
 
+    def set_latest(self, step: int) -> str:
+        """Points ``latest`` at the existing ``step_{step}`` (a resume goes back there);
+        collective. Returns the folder."""
+        name = f"step_{step}"
+        assert step in self.steps(), f"no checkpoint {name} in {self.dir}"
+        if get_rank() == 0:
+            atomic_write(os.path.join(self.dir, LATEST), name + "\n", fsync=True)
+        barrier()
+        return os.path.join(self.dir, name)
+
     def clear(self) -> list[str]:
         """Removes the ``step_*`` folders and ``latest`` of an earlier run in ``dir`` (a new run
         starts there); collective. Returns the removed names."""
