@@ -35,6 +35,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
+from hybridtrain.fileio import apply_umask
 from hybridtrain.models.spec import get_model_spec, model_spec_for
 
 from .lora import (
@@ -190,10 +191,8 @@ def _write_dir(out_dir: str, write) -> None:
     try:
         write(tmp)
         os.makedirs(out_dir, exist_ok=True)
-        umask = os.umask(0)
-        os.umask(umask)
+        apply_umask(tmp)  # safetensors writes 0600
         for fn in sorted(os.listdir(tmp), key=lambda f: f == ADAPTER_CONFIG):  # config last
-            os.chmod(os.path.join(tmp, fn), 0o666 & ~umask)  # safetensors writes 0600
             os.replace(os.path.join(tmp, fn), os.path.join(out_dir, fn))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
