@@ -444,6 +444,9 @@ def format_summary(summary: dict[str, Any], out_dir: str) -> str:
                 entries.append(((rel(os.path.join(exp, sub)) or sub) + "/", what))
     if os.path.exists(os.path.join(out_dir, "latest")):
         entries.append(("latest", "name of the newest checkpoint"))
+    if os.path.islink(os.path.join(out_dir, "final")):
+        entries.append(("final/", f"-> {os.readlink(os.path.join(out_dir, 'final'))}: the "
+                                  "finished run's export (a path that stays the same)"))
     width = max(len(n) for n, _ in entries) + 2 if entries else 0
     lines += [f"  {n:<{width}}{w}" for n, w in entries]
     return "\n".join(lines)

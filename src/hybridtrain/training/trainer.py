@@ -372,6 +372,7 @@ class Trainer:
                 self.checkpointer.export_fn(self.model, self.checkpointer.dir, self.tokenizer,
                                             True)
                 export_dir = self.checkpointer.dir
+            self.checkpointer.mark_final(export_dir)
         plot = self.metrics.close() if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {
