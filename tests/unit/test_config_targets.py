@@ -42,7 +42,8 @@ def test_attribute_paths_are_refused(target):
     "torch.load", "torch.hub.load", "torch.jit.load", "torch.utils.cpp_extension.load",
     "torch.compile", "torch.package.PackageImporter", "transformers.AutoModel.from_pretrained",
     "transformers.dynamic_module_utils.get_class_from_dynamic_module",
-    "datasets.load_dataset",
+    "datasets.load_dataset", "hybridtrain.recipes.finetune.run", "hybridtrain.fileio.atomic_write",
+    "hybridtrain.config.load_config",
 ])
 def test_code_loading_entry_points_are_refused_even_under_a_wide_prefix(target):
     top = target.split(".")[0] + "."

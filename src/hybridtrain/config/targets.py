@@ -29,8 +29,8 @@ __all__ = ["DEFAULT_ALLOWED_PREFIXES", "CODE_LOADING", "normalize_prefixes", "is
 # what recipes need: the package itself, torch modules and optimizers / LR schedules
 DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("hybridtrain.", "torch.nn.", "torch.optim.")
 
-# entry points that load or compile code from a path, a pickle or the network; refused unless
-# the user lists them (or a prefix inside them) explicitly
+# entry points that load or compile code from a path, a pickle or the network (or write files
+# that would); refused unless the user lists them (or a prefix inside them) explicitly
 CODE_LOADING: tuple[str, ...] = (
     "torch.load", "torch.jit.", "torch.hub.", "torch.package.", "torch.utils.cpp_extension.",
     "torch.compile", "torch._dynamo.", "torch._inductor.", "torch.export.load",
@@ -39,7 +39,9 @@ CODE_LOADING: tuple[str, ...] = (
     "transformers.dynamic_module_utils.", "transformers.AutoModel", "transformers.AutoConfig",
     "transformers.AutoTokenizer", "transformers.AutoProcessor", "transformers.pipeline",
     "transformers.models.auto.", "datasets.load_dataset", "datasets.load.",
-    "hybridtrain.config.instantiate.", "hybridtrain.cli.",
+    # hybridtrain's own: commands and recipes load other recipes (with their own allow-lists),
+    # fileio writes any bytes to any path (a .pth file in site-packages runs at the next start)
+    "hybridtrain.cli.", "hybridtrain.config.", "hybridtrain.recipes.", "hybridtrain.fileio.",
 )
 
 
