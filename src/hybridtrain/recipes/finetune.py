@@ -333,10 +333,27 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                     pass
 
 
+def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
+    """(checkpoint to resume or None, whether an earlier run there is to be cleared); refuses
+    a folder holding a run that the recipe neither resumes nor overwrites."""
+    ck = cfg.checkpoint
+    folder = Checkpointer(out_dir)
+    resume = folder.resolve_resume(ck.resume)
+    clear = resume is None and bool(folder.steps()) and ck.enabled
+    if clear and not ck.overwrite:
+        raise ValueError(
+            f"checkpoint.dir {out_dir} already holds a run "
+            f"({', '.join(f'step_{s}' for s in folder.steps())}); set "
+            "checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
+            "checkpoint.overwrite=true to delete it and start over")
+    return resume, clear
+
+
 def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str):
     """Builds everything and checks the run folder (earlier run, resume point); writes nothing
     there. Returns (trainer, step scheduler, checkpointer, resume path, whether to clear)."""
     t, ck = cfg.training, cfg.checkpoint
+    resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
     b = build(cfg, device, is_main, world_size)
     train_ds, peft = b.train_ds, b.peft
 
@@ -364,14 +381,6 @@ def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int
 
     checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
                                 export_fn=export_fn, state_extra=state_extra)
-    resume = checkpointer.resolve_resume(ck.resume)
-    clear = resume is None and bool(checkpointer.steps()) and ck.enabled
-    if clear and not ck.overwrite:
-        raise ValueError(
-            f"checkpoint.dir {out_dir} already holds a run "
-            f"({', '.join(f'step_{s}' for s in checkpointer.steps())}); set "
-            "checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
-            "checkpoint.overwrite=true to delete it and start over")
     metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
