@@ -25,9 +25,10 @@ _STARTED: list[threading.Thread] = []
 
 
 def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
-    """True in a worker that torchrun (torch elastic) started."""
+    """True in a worker that torchrun (torch elastic) started, or with
+    ``HYBRIDTRAIN_WATCH_PARENT=1`` (workers of other launchers)."""
     environ = os.environ if environ is None else environ
-    return bool(environ.get("TORCHELASTIC_RUN_ID")) or bool(environ.get("HYBRIDTRAIN_WATCH_PARENT"))
+    return bool(environ.get("TORCHELASTIC_RUN_ID")) or environ.get("HYBRIDTRAIN_WATCH_PARENT") == "1"
 
 
 def _watch(parent: int, interval: float) -> None:
