@@ -4,11 +4,13 @@ metrics from a recipe, and train.
     from hybridtrain.recipes.finetune import run
     summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
 
-Order of events: process group (when launched with several ranks) -> :func:`build` (seeds ->
+Order of events: process group (when launched with several ranks) -> start-up checks (layout,
+run-folder lock, earlier run or resume point) -> :func:`build` (seeds ->
 tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
 datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
-scheduler -> checkpointer and resume -> train -> final checkpoint with the HF (or PEFT adapter)
-export -> summary. ``hybridtrain benchmark`` uses the same :func:`build`.
+scheduler -> checkpointer and resume -> (only now writes: config.yaml, clearing an overwritten
+run) train -> final checkpoint with the HF (or PEFT adapter) export and the ``final`` link ->
+summary. ``hybridtrain benchmark`` uses the same :func:`build`.
 """
 
 from __future__ import annotations
@@ -318,11 +320,9 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
         lock.acquire()
     started = False
     try:
-        trainer, sched, checkpointer, resume, clear = _start(cfg, device, is_main, world_size,
-                                                              out_dir)
+        trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size, out_dir)
         started = True
-        return _train(cfg, trainer, sched, checkpointer, resume, clear, is_main, out_dir,
-                      t_start)
+        return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
     finally:
         if lock is not None:
             lock.release()
@@ -351,7 +351,7 @@ def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
 
 def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str):
     """Builds everything and checks the run folder (earlier run, resume point); writes nothing
-    there. Returns (trainer, step scheduler, checkpointer, resume path, whether to clear)."""
+    there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
     t, ck = cfg.training, cfg.checkpoint
     resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
     b = build(cfg, device, is_main, world_size)
@@ -388,12 +388,12 @@ def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int
     trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics)
     if resume is not None:
         trainer.resume(resume)
-    return trainer, sched, checkpointer, resume, clear
+    return trainer, sched, checkpointer, clear
 
 
 def _train(cfg: ConfigNode, trainer: Trainer, sched: StepScheduler, checkpointer: Checkpointer,
-           resume: str | None, clear: bool, is_main: bool, out_dir: str,
-           t_start: float) -> dict[str, Any]:
+           clear: bool, is_main: bool, out_dir: str, t_start: float) -> dict[str, Any]:
+    """Every check has passed: clear an earlier run (``overwrite``), record the recipe, train."""
     if clear:
         removed = checkpointer.clear()
         if is_main:
