@@ -28,6 +28,7 @@ def _args(tmp_path, out, *extra):
 
 
 @pytest.mark.parametrize("degrees,need", [(["--distributed.pp=2"], 2),
+                                          (["--distributed.pp=2", "--distributed.ep=2"], 4),
                                           (["--distributed.tp=2", "--distributed.cp=2"], 4)])
 def test_layout_needing_more_ranks_is_refused_in_one_process(tmp_path, capsys, degrees, need):
     out = tmp_path / "run"
