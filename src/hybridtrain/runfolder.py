@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import socket
+import time
 
 __all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "LOCK_NAME"]
 
@@ -71,6 +72,7 @@ class RunLock:
             except FileExistsError:
                 holder = self._holder()
                 if holder is None:  # being written, or garbage: look again
+                    time.sleep(0.2)
                     holder = self._holder()
                 if holder is not None and holder[0] == socket.gethostname() \
                         and not _alive(holder[1]):
