@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 class TrainingDiverged(TrainingStopped):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
+
 class TrainStep:
     """Forward and backward of this rank's micro-batches of one global batch; the one train
     step of every layout.
@@ -303,7 +304,7 @@ class Trainer:
         limit = self.max_consecutive_skipped_steps
         return bool(limit) and self._nonfinite_streak >= limit
 
-    def _stop_diverged(self, last_ckpt: str | None) -> None:
+    def _stop_diverged(self) -> None:
         """Raises :class:`TrainingDiverged`. The checkpoint taken just before the streak holds
         the update that made it diverge: ``latest`` goes back to an older one when there is."""
         if self.metrics is not None:
@@ -354,7 +355,7 @@ class Trainer:
                     self.metrics.log_train(rec)
                 self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
             if diverged:
-                self._stop_diverged(last_ckpt)
+                self._stop_diverged()
             if self.gc_every_steps and sched.step % self.gc_every_steps == 0:
                 gc.collect()
             if self.val_dataset is not None and sched.is_val_step:
