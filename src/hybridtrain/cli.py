@@ -33,6 +33,7 @@ from hybridtrain.config import ConfigError, apply_dist_env, load_config
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
+from hybridtrain.runfolder import TrainingStopped
 
 __all__ = ["main", "build_parser", "build_torchrun_argv", "strip_nproc_flag", "under_torchrun",
            "setup_logging"]
@@ -51,7 +52,7 @@ overrides (any number, after or before -c):
                              without '+' an unknown key is an error with a suggestion
   --allowed_target_prefixes=[mypkg.]
                              allow _target_ callables under mypkg (besides hybridtrain.,
-                             torch., transformers., datasets.)
+                             torch.nn., torch.optim.; README: Safety)
   ${env:VAR} / ${env:VAR,default} in any string value reads the environment.
 
 recipe sections:
@@ -275,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CommandUnavailable) as e:
         print(f"hybridtrain: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:  # a run that cannot go on (e.g. diverged); said why
+        print(f"hybridtrain: error: {e}", file=sys.stderr)
+        return 3
     except ValueError as e:  # a user mistake found later (DESIGN: user errors are ValueError)
         logger.debug("traceback", exc_info=True)
         print(f"hybridtrain: error: {e}\n(HYBRIDTRAIN_LOG_LEVEL=DEBUG shows the traceback)",

@@ -5,12 +5,17 @@
     atomic_write(path, data, fsync=False) -> bool        # str or bytes
     atomic_write_json(path, obj, indent=1, fsync=False) -> bool
     publish_files(src_dir, dst_dir) -> None              # each file of src_dir, atomically
+    apply_umask(path) -> None                            # modes as a plain open()/mkdir give
 
 A file is written to a temporary name unique to the process (``.NAME.<pid>.<random>.tmp`` in
 the same folder) and renamed over ``path`` with :func:`os.replace`, so a reader sees the old file
 or the whole new one, and two writers never share a temporary file. A file that already holds
 exactly ``data`` is left alone (its mtime too, which keeps caches keyed on it valid); the
 functions return whether they wrote.
+
+Writers that go through private temporary files (``tempfile.mkdtemp`` folders are 0700,
+safetensors writes 0600) call :func:`apply_umask` on what they publish, so exported weights get
+the user's umask like every other file.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import os
 import secrets
 from typing import Any
 
-__all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path"]
+__all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
+           "apply_umask"]
 
 
 def unique_tmp_path(path: str | os.PathLike) -> str:
@@ -81,3 +87,33 @@ def publish_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> Non
         if os.path.isfile(src):
             with open(src, "rb") as f:
                 atomic_write(os.path.join(dst_dir, name), f.read())
+
+
+def current_umask() -> int:
+    """The process umask (read from /proc where it can be, without changing it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` (and, for a folder, everything in it) the mode a plain ``open`` or
+    ``mkdir`` would: files ``0o666 & ~umask``, folders ``0o777 & ~umask``."""
+    mask = current_umask()
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for fn in files:
+            os.chmod(os.path.join(root, fn), 0o666 & ~mask)

@@ -13,7 +13,11 @@ from tests.helpers.distributed import run_distributed
         (dict(world_size=8, pp=3),
          "world size 8 is not divisible by tp·cp·pp = 3 (tp=1, cp=1, pp=3)"),
         (dict(world_size=8, tp=2, cp=2, pp=4),
-         "world size 8 is not divisible by tp·cp·pp = 16 (tp=2, cp=2, pp=4)"),
+         "this layout (cp=2, tp=2, pp=4) needs 16 ranks but the run has 8; "
+         "add --nproc-per-node 16"),
+        (dict(world_size=1, pp=2), "this layout (pp=2) needs 2 ranks but the run has 1; "
+                                   "add --nproc-per-node 2"),
+        (dict(world_size=1, ep=2), "needs 2 ranks"),
         (dict(world_size=8, dp_replicate=3),
          "world size 8 is not divisible by dp_replicate·tp·cp·pp = 3 "
          "(dp_replicate=3, tp=1, cp=1, pp=1)"),

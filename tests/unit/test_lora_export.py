@@ -203,3 +203,30 @@ def test_peft_library_loads_adapter_into_transformers(tmp_path):
             got = pm(x, use_cache=False).logits
     assert n_lora == sum(1 for n in lora_state_dict(m) if n.endswith("lora_A"))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_merge_refuses_another_base_unless_told(tmp_path, capsys):
+    from hybridtrain.cli import main
+
+    m = make_model()
+    m.save_pretrained(tmp_path / "base")
+    m.save_pretrained(tmp_path / "other")  # same shapes, another folder
+    apply_lora(m, dim=4, alpha=8)
+    randomize_adapters(m)
+    save_peft_adapter(m, tmp_path / "adapter", str(tmp_path / "base"))
+    args = ["merge", "--base", str(tmp_path / "other"), "--adapter", str(tmp_path / "adapter"),
+            "--out", str(tmp_path / "merged")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "base") in err and str(tmp_path / "other") in err
+    assert "--allow-base-mismatch" in err and not (tmp_path / "merged").exists()
+    assert main(args + ["--allow-base-mismatch"]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+    # a Hub id matches a local folder named after it (or the Hub cache's snapshot folder)
+    from hybridtrain.peft.export import _same_base
+
+    snap = tmp_path / "models--org--Model-X" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    assert _same_base("org/Model-X", str(snap), str(tmp_path / "adapter"))
+    assert _same_base("org/Model-X", str(tmp_path / "org" / "Model-X"), str(tmp_path))
+    assert not _same_base("org/Model-Y", str(snap), str(tmp_path / "adapter"))

@@ -82,3 +82,37 @@ def test_chat_lora_tiny(tmp_path, monkeypatch):
     assert [r["step"] for r in recs2] == [1, 2, 3] and recs2[:2] == recs
     merged3 = load_file(out / "step_3" / "merged_hf" / "model.safetensors")
     assert {v.dtype for k, v in merged3.items() if k.endswith("proj.weight")} == {torch.bfloat16}
+
+
+def test_chat_lora_tiny_runs_right_after_the_demo(tmp_path, monkeypatch):
+    """The README's two demos in a row, with the defaults' paths, whatever the first's step count:
+    the LoRA recipe reads the base from outputs/squad_tiny/final/hf."""
+    from hybridtrain.cli import main
+
+    repo = RECIPE.parents[1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYBRIDTRAIN_TINY_BASE", raising=False)
+    (tmp_path / "examples").symlink_to(repo / "examples")
+    short = ["--metrics.progress_bar=false", "--metrics.plot=false", "--metrics.peak_tflops=1.0"]
+    assert main(["finetune", "-c", "examples/squad_tiny.yaml", "--training.max_steps=3",
+                 "--training.ckpt_every_steps=2", "--training.val_every_steps=0",
+                 "--tokenizer.out_dir=outputs/squad_tiny/tokenizer",
+                 "--tokenizer.texts.num_questions=300",
+                 "--dataset.path.path=outputs/data/train.json",
+                 "--dataset.path.num_questions=100",
+                 "--validation_dataset.path.path=outputs/data/validation.json",
+                 "--validation_dataset.path.num_questions=8", *short]) == 0
+    final = tmp_path / "outputs" / "squad_tiny" / "final"
+    assert os.readlink(final) == "step_3" and (final / "hf" / "config.json").is_file()
+    assert main(["finetune", "-c", "examples/chat_lora_tiny.yaml", "--training.max_steps=2",
+                 "--training.ckpt_every_steps=0", "--training.val_every_steps=0",
+                 f"--+dataset.cache_dir={tmp_path}/cache", "--+dataset.limit=24",
+                 f"--+validation_dataset.cache_dir={tmp_path}/cache",
+                 "--+validation_dataset.limit=4", "--packing.pack_size=256",
+                 "--training.global_batch_size=2", *short]) == 0
+    adapter = tmp_path / "outputs" / "chat_lora_tiny" / "final" / "adapter"
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "outputs/squad_tiny/final/hf"
+    # and the README's merge command
+    assert main(["merge", "--base", "outputs/squad_tiny/final/hf", "--adapter", str(adapter),
+                 "--out", "outputs/chat_lora_tiny/merged"]) == 0

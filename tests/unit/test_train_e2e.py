@@ -66,8 +66,12 @@ def test_squad_tiny_output_folder(tmp_path, capsys):
 
     # a fresh start (resume null) in a folder holding a run refuses unless overwrite is set
     capsys.readouterr()
+    kept = {p: p.read_bytes() for p in (out / "config.yaml", out / "tokenizer" / "tokenizer.json",
+                                        out / "data" / "train.json")}
     assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 2),
-                 "--checkpoint.overwrite=false"]) == 2
+                 "--checkpoint.overwrite=false", "--tokenizer.texts.num_questions=250",
+                 "--dataset.path.seed=7"]) == 2
+    assert {p: p.read_bytes() for p in kept} == kept  # the refused run wrote nothing
     err = capsys.readouterr().err
     assert "already holds a run" in err and "checkpoint.resume=auto" in err
     assert open(out / "latest").read().strip() == "step_6"

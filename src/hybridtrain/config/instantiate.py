@@ -12,7 +12,7 @@ A mapping ``{_target_: a.b.callable, k1: v1, ...}`` becomes ``a.b.callable(k1=v1
   key is a ``ValueError`` naming the key, where it was set and the nearest parameter name.
 
 Every ``_target_`` is checked against the recipe's allow-list (``hybridtrain.config.targets``)
-before anything is imported.
+before anything is imported, and the object it resolves to by its defining module.
 """
 
 from __future__ import annotations
@@ -20,21 +20,24 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigNode, dotted, suggest
-from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, check_target
+from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_defining_module,
+                                        check_target)
 
 __all__ = ["instantiate", "resolve_target"]
 
 _RESERVED = ("_target_", "_partial_", "_args_")
 
 
-def resolve_target(target: str) -> Callable:
-    """Import ``a.b.c.attr`` (the longest importable module, then attributes)."""
+def resolve_target(target: str, prefixes: Iterable[str] = DEFAULT_ALLOWED_PREFIXES) -> Callable:
+    """Import ``a.b.c.attr``: the longest prefix that is a real module, then attributes that
+    are not modules (``torch.serialization.os.system`` is refused: ``os`` is reached through
+    another module's attribute). The object's defining module must pass the allow-list
+    ``prefixes`` too (:func:`hybridtrain.config.targets.check_defining_module`)."""
     parts = target.split(".")
-    module = None
     for i in range(len(parts), 0, -1):
         name = ".".join(parts[:i])
         try:
@@ -53,8 +56,24 @@ def resolve_target(target: str) -> Callable:
                                   f"'{'.'.join(parts[:j])}' has no attribute '{attr}'"
                                   f"{suggest(attr, [a for a in dir(obj) if not a.startswith('_')])}"
                                   ) from None
+            if inspect.ismodule(obj):
+                raise ConfigError(
+                    f"_target_ '{target}' reaches module '{obj.__name__}' through the attribute "
+                    f"'{'.'.join(parts[:j + 1])}': name callables by the module that defines "
+                    "them, not through another module's attributes")
+        check_defining_module(target, _qualified_name(obj, name, parts[i:]), prefixes)
         return obj
     raise ConfigError(f"cannot resolve _target_ '{target}': no module '{parts[0]}'")
+
+
+def _qualified_name(obj: Any, module_name: str, attrs: list[str]) -> str:
+    """``defining_module.QualName`` of ``obj`` (bound methods: their function's); objects that
+    do not say where they are defined keep the path they were reached by."""
+    fn = getattr(obj, "__func__", obj)
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}.{qualname}"
+    return ".".join([module_name, *attrs])
 
 
 def _location(node: Mapping) -> tuple[str, str, tuple[str, ...]]:
@@ -82,7 +101,7 @@ def _instantiate(node: Mapping, args: tuple, kwargs: dict, prefixes: tuple[str, 
     tpath = f"{key_path}._target_" if key_path != "<dict>" else "_target_"
     twhere = node.where("_target_") if isinstance(node, ConfigNode) else where
     check_target(target, prefixes, tpath, twhere)
-    fn = resolve_target(target)
+    fn = resolve_target(target, prefixes)
     if not callable(fn):
         raise ConfigError(f"_target_ '{target}' at '{tpath}' ({twhere}) is not callable")
     partial = bool(node.get("_partial_", False))

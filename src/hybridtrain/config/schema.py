@@ -100,6 +100,9 @@ TRAINING = {
                                  "materialised whole); auto -> 2^25 logits per chunk (128 MiB in "
                                  "fp32): 1024 tokens at a 32k vocabulary, 256 at 131k; null -> "
                                  "plain full-logit loss", (int, str, type(None)), choices=("auto",)),
+    "max_consecutive_skipped_steps": K(5, "stop the run (non-zero exit, no export) after this "
+                                          "many skipped steps in a row (non-finite loss or "
+                                          "gradient norm); null or 0 -> never stop", _OPT_INT),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
     "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
                                          "'all', k (every k-th block), layer types "
@@ -278,7 +281,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
 # Top-level keys that are not sections.
 TOP_LEVEL_KEYS: dict[str, K] = {
     "allowed_target_prefixes": K([], "extra module prefixes allowed in _target_ "
-                                     "(besides hybridtrain., torch., transformers., datasets.)",
+                                     "(besides hybridtrain., torch.nn., torch.optim.)",
                                  (list,)),
 }
 

@@ -25,6 +25,8 @@ expert                ``pp, dp_replicate, efsdp, ep, tp``
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -80,6 +82,15 @@ class ParallelDims:
                 raise ValueError(f"parallel degree {name} must be >= 1{hint} (got {value})")
         world = self.world_size
         v = {n: getattr(self, n) for n in _DEGREES}
+        # the fewest ranks the layout runs on (dp_shard=-1: enough shards to hold ep)
+        shard = self.dp_shard if self.dp_shard > 0 else self.ep // math.gcd(self.ep, self.cp)
+        need = self.dp_replicate * shard * self.cp * self.tp * self.pp
+        if world < need:
+            set_ = {n: x for n, x in v.items() if x > 1}
+            raise ValueError(
+                f"this layout ({', '.join(f'{n}={x}' for n, x in set_.items())}) needs {need} "
+                f"ranks but the run has {world}; add --nproc-per-node {need} (or launch "
+                f"{need} processes with torchrun), or lower the distributed degrees")
         if world % (self.tp * self.cp * self.pp):
             raise ValueError(
                 f"world size {world} is not divisible by {_fmt(('tp', 'cp', 'pp'), v)}"

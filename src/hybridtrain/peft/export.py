@@ -35,6 +35,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
+from hybridtrain.fileio import apply_umask
 from hybridtrain.models.spec import get_model_spec, model_spec_for
 
 from .lora import (
@@ -190,10 +191,8 @@ def _write_dir(out_dir: str, write) -> None:
     try:
         write(tmp)
         os.makedirs(out_dir, exist_ok=True)
-        umask = os.umask(0)
-        os.umask(umask)
+        apply_umask(tmp)  # safetensors writes 0600
         for fn in sorted(os.listdir(tmp), key=lambda f: f == ADAPTER_CONFIG):  # config last
-            os.chmod(os.path.join(tmp, fn), 0o666 & ~umask)  # safetensors writes 0600
             os.replace(os.path.join(tmp, fn), os.path.join(out_dir, fn))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -404,15 +403,50 @@ def _model_class(hf_dir: str) -> type[nn.Module]:
     return get_model_spec(model_type).model_cls
 
 
+def _same_base(recorded: str, base_dir: str, adapter_dir: str) -> bool:
+    """Whether ``base_dir`` is the base ``recorded`` in an adapter's config: the same folder
+    when ``recorded`` is a path that exists (relative paths: to the current folder or the
+    adapter's), else a Hub id ``org/name`` (or a path from another machine) whose last two
+    parts ``base_dir`` ends with, or a Hub cache ``models--org--name/snapshots/<rev>``."""
+    for root in (os.getcwd(), adapter_dir):
+        path = os.path.join(root, os.path.expanduser(recorded))
+        if os.path.isdir(path):
+            return os.path.realpath(path) == os.path.realpath(base_dir)
+    parts = [p for p in recorded.strip("/").split("/") if p][-2:]
+    real = os.path.realpath(base_dir).split(os.sep)
+    if real[-len(parts):] == parts:
+        return True
+    cache = "models--" + "--".join(parts)
+    return len(real) >= 3 and real[-3] == cache and real[-2] == "snapshots"
+
+
 def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
                           out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                          max_shard_size: int | str = "5GB") -> str:
+                          max_shard_size: int | str = "5GB",
+                          allow_base_mismatch: bool = False) -> str:
     """Base HF checkpoint + PEFT adapter -> merged plain HF checkpoint (plus the base's tokenizer
-    and generation files). Returns the output directory."""
+    and generation files). Returns the output directory.
+
+    The adapter must have been trained on ``base_dir``: a different ``base_model_name_or_path``
+    in its ``adapter_config.json`` is a ``ValueError`` naming both, unless
+    ``allow_base_mismatch`` (same shapes are no proof of the same weights)."""
     base_dir, adapter_dir, out_dir = (os.path.abspath(os.fspath(d)) for d in (base_dir, adapter_dir, out_dir))
     if out_dir in (base_dir, adapter_dir):
         raise ValueError(f"--out {out_dir} must differ from --base and --adapter")
-    _read_adapter(adapter_dir)  # fail on a bad adapter before loading a large base model
+    cfg, _ = _read_adapter(adapter_dir)  # fail on a bad adapter before loading a large base model
+    recorded = cfg.get("base_model_name_or_path")
+    if recorded and not _same_base(str(recorded), base_dir, adapter_dir):
+        if not allow_base_mismatch:
+            raise ValueError(
+                f"{os.path.join(adapter_dir, ADAPTER_CONFIG)} was trained on base "
+                f"'{recorded}', not on --base {base_dir}; merging it into another model gives "
+                "wrong weights even when the shapes fit. Pass the adapter's base, or "
+                "--allow-base-mismatch if you know they hold the same weights")
+        logger.warning("merging an adapter trained on %s into %s (--allow-base-mismatch)",
+                       recorded, base_dir)
+    elif not recorded:
+        logger.warning("%s records no base_model_name_or_path: cannot check that %s is its base",
+                       os.path.join(adapter_dir, ADAPTER_CONFIG), base_dir)
     model = _model_class(base_dir).from_pretrained(base_dir, dtype=dtype)
     names = load_peft_adapter(model, adapter_dir)
     merge_lora(model)
@@ -427,7 +461,8 @@ def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.Pat
 
 # ---------------------------------------------------------------------------------- CLI
 def merge_cli(argv: Sequence[str] | None = None) -> int:
-    """``hybridtrain merge --base BASE_HF_DIR --adapter ADAPTER_DIR --out OUT_DIR [--dtype D]``:
+    """``hybridtrain merge --base BASE_HF_DIR --adapter ADAPTER_DIR --out OUT_DIR [--dtype D]
+    [--allow-base-mismatch]``:
     fold a PEFT-format LoRA adapter into its base checkpoint and write a plain HF checkpoint."""
     parser = argparse.ArgumentParser(
         prog="hybridtrain merge",
@@ -439,8 +474,11 @@ def merge_cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None,
                         help="dtype of the merged weights (default: the base checkpoint's)")
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--allow-base-mismatch", action="store_true",
+                        help="merge even though adapter_config.json names another base model")
     args = parser.parse_args(list(argv) if argv is not None else None)
     out = merge_adapter_into_hf(args.base, args.adapter, args.out, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size)
+                                max_shard_size=args.max_shard_size,
+                                allow_base_mismatch=args.allow_base_mismatch)
     print(f"merged {args.adapter} into {args.base} -> {out}")
     return 0

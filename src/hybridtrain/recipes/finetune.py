@@ -4,11 +4,13 @@ metrics from a recipe, and train.
     from hybridtrain.recipes.finetune import run
     summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
 
-Order of events: process group (when launched with several ranks) -> :func:`build` (seeds ->
+Order of events: process group (when launched with several ranks) -> start-up checks (layout,
+run-folder lock, earlier run or resume point) -> :func:`build` (seeds ->
 tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
 datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
-scheduler -> checkpointer and resume -> train -> final checkpoint with the HF (or PEFT adapter)
-export -> summary. ``hybridtrain benchmark`` uses the same :func:`build`.
+scheduler -> checkpointer and resume -> (only now writes: config.yaml, clearing an overwritten
+run) train -> final checkpoint with the HF (or PEFT adapter) export and the ``final`` link ->
+summary. ``hybridtrain benchmark`` uses the same :func:`build`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
 from hybridtrain.distributed.utils import main_process_first
+from hybridtrain.fileio import atomic_write
 from hybridtrain.models.spec import model_spec_for, set_train_loss
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
@@ -61,7 +64,8 @@ def _instantiate_with(node, **offered):
     if node is None:
         return None
     try:
-        params = inspect.signature(resolve_target(node["_target_"])).parameters
+        params = inspect.signature(resolve_target(node["_target_"],
+                                                  node.target_prefixes())).parameters
     except (TypeError, ValueError, KeyError):
         params = {}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -285,7 +289,8 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
         save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
-        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm)
+        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps)
 
 
 # -- the recipe -------------------------------------------------------------------------------
@@ -301,14 +306,56 @@ def run(cfg: Any) -> dict[str, Any]:
 
 def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
          t_start: float) -> dict[str, Any]:
+    """Start-up checks, then training. Nothing in the run folder is written before every check
+    has passed (only its lock, which goes with the run, and a folder created for it, removed
+    again when a check fails)."""
+    from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.runfolder import RunLock
+
+    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    parallel_dims_from_config(cfg.distributed, world_size, device.type, build_mesh=False)
+    created = is_main and not os.path.exists(out_dir)
+    lock = RunLock(out_dir) if is_main else None
+    if lock is not None:
+        lock.acquire()
+    started = False
+    try:
+        trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size, out_dir)
+        started = True
+        return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+            if created and not started:
+                try:
+                    os.rmdir(out_dir)  # only if empty: this run wrote nothing there
+                except OSError:
+                    pass
+
+
+def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
+    """(checkpoint to resume or None, whether an earlier run there is to be cleared); refuses
+    a folder holding a run that the recipe neither resumes nor overwrites."""
+    ck = cfg.checkpoint
+    folder = Checkpointer(out_dir)
+    resume = folder.resolve_resume(ck.resume)
+    clear = resume is None and bool(folder.steps()) and ck.enabled
+    if clear and not ck.overwrite:
+        raise ValueError(
+            f"checkpoint.dir {out_dir} already holds a run "
+            f"({', '.join(f'step_{s}' for s in folder.steps())}); set "
+            "checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
+            "checkpoint.overwrite=true to delete it and start over")
+    return resume, clear
+
+
+def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str):
+    """Builds everything and checks the run folder (earlier run, resume point); writes nothing
+    there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
     t, ck = cfg.training, cfg.checkpoint
-    out_dir = os.path.abspath(ck.dir)
-    if is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            f.write(cfg.to_yaml())
+    resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
     b = build(cfg, device, is_main, world_size)
-    train_ds, val_ds, peft = b.train_ds, b.val_ds, b.peft
+    train_ds, peft = b.train_ds, b.peft
 
     # step scheduler, LR scheduler
     sched = StepScheduler(
@@ -334,18 +381,6 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
 
     checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
                                 export_fn=export_fn, state_extra=state_extra)
-    resume = checkpointer.resolve_resume(ck.resume)
-    if resume is None and checkpointer.steps() and ck.enabled:
-        if not ck.overwrite:
-            raise ValueError(
-                f"checkpoint.dir {out_dir} already holds a run ({', '.join(f'step_{s}' for s in checkpointer.steps())}); "
-                "set checkpoint.resume=auto to continue it, choose another checkpoint.dir, or set "
-                "checkpoint.overwrite=true to delete it and start over")
-        removed = checkpointer.clear()
-        if is_main:
-            logger.warning("%s held an earlier run: starting a new one there, removed its %s "
-                           "(checkpoint.resume: auto continues a run instead)", out_dir,
-                           ", ".join(removed))
     metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
@@ -353,6 +388,21 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics)
     if resume is not None:
         trainer.resume(resume)
+    return trainer, sched, checkpointer, clear
+
+
+def _train(cfg: ConfigNode, trainer: Trainer, sched: StepScheduler, checkpointer: Checkpointer,
+           clear: bool, is_main: bool, out_dir: str, t_start: float) -> dict[str, Any]:
+    """Every check has passed: clear an earlier run (``overwrite``), record the recipe, train."""
+    if clear:
+        removed = checkpointer.clear()
+        if is_main:
+            logger.warning("%s held an earlier run: starting a new one there, removed its %s "
+                           "(checkpoint.resume: auto continues a run instead)", out_dir,
+                           ", ".join(removed))
+    if is_main:
+        atomic_write(os.path.join(out_dir, "config.yaml"), cfg.to_yaml())
+    train_ds, val_ds = trainer.train_dataset, trainer.val_dataset
     logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "
                 "data-parallel ranks); %d training samples, %s validation samples",
                 sched.max_steps, sched.global_batch_size, sched.grad_acc_steps,
@@ -403,6 +453,9 @@ def format_summary(summary: dict[str, Any], out_dir: str) -> str:
                 entries.append(((rel(os.path.join(exp, sub)) or sub) + "/", what))
     if os.path.exists(os.path.join(out_dir, "latest")):
         entries.append(("latest", "name of the newest checkpoint"))
+    if os.path.islink(os.path.join(out_dir, "final")):
+        entries.append(("final/", f"-> {os.readlink(os.path.join(out_dir, 'final'))}: the "
+                                  "finished run's export (a path that stays the same)"))
     width = max(len(n) for n, _ in entries) + 2 if entries else 0
     lines += [f"  {n:<{width}}{w}" for n, w in entries]
     return "\n".join(lines)

@@ -45,13 +45,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
-from hybridtrain.fileio import atomic_write, atomic_write_json
+from hybridtrain.fileio import atomic_write, atomic_write_json, unique_tmp_path
 from hybridtrain.models.spec import model_spec_for
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+FINAL = "final"  # symlink to the step folder holding the finished run's export
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # Config keys that do not change the model's function; ignored when comparing on resume.
 _CONFIG_IGNORE = {
@@ -341,17 +342,44 @@ class Checkpointer:
         barrier()
         return out
 
+    def set_latest(self, step: int) -> str:
+        """Points ``latest`` at the existing ``step_{step}`` (a resume goes back there);
+        collective. Returns the folder."""
+        name = f"step_{step}"
+        assert step in self.steps(), f"no checkpoint {name} in {self.dir}"
+        if get_rank() == 0:
+            atomic_write(os.path.join(self.dir, LATEST), name + "\n", fsync=True)
+        barrier()
+        return os.path.join(self.dir, name)
+
+    def mark_final(self, export_dir: str) -> str:
+        """Points the symlink ``final`` at ``export_dir`` (a ``step_N`` folder or the run folder
+        itself): ``final/hf`` (``final/adapter``) is the finished run's export whatever its step
+        count; collective. Returns the link's path."""
+        link = os.path.join(self.dir, FINAL)
+        if get_rank() == 0:
+            target = os.path.relpath(os.path.abspath(export_dir), self.dir)
+            tmp = unique_tmp_path(link)
+            os.symlink(target, tmp, target_is_directory=True)
+            os.replace(tmp, link)
+            latest = self.latest()
+            if latest is not None:  # the step `final` named before may go now
+                self._retain(os.path.basename(latest))
+        barrier()
+        return link
+
     def clear(self) -> list[str]:
         """Removes the ``step_*`` folders and ``latest`` of an earlier run in ``dir`` (a new run
         starts there); collective. Returns the removed names."""
         names = [f"step_{s}" for s in self.steps()]
-        if os.path.exists(os.path.join(self.dir, LATEST)):
-            names.append(LATEST)
+        for pointer in (LATEST, FINAL):
+            if os.path.lexists(os.path.join(self.dir, pointer)):
+                names.append(pointer)
         barrier()
         if get_rank() == 0:
             for n in names:
                 p = os.path.join(self.dir, n)
-                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
         barrier()
         return names
 
@@ -359,8 +387,9 @@ class Checkpointer:
         if not self.keep_last:
             return
         steps = self.steps()
+        final = os.path.basename(os.path.realpath(os.path.join(self.dir, FINAL)))
         for s in steps[: max(len(steps) - self.keep_last, 0)]:
-            if f"step_{s}" != latest_name:
+            if f"step_{s}" not in (latest_name, final):
                 shutil.rmtree(os.path.join(self.dir, f"step_{s}"), ignore_errors=True)
 
     # -- load --------------------------------------------------------------------------------

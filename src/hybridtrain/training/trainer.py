@@ -17,6 +17,10 @@ A step whose loss or gradient norm is not finite is skipped: gradients are dropp
 and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
 without any label token is skipped the same way (it has no loss).
 
+A run that diverges stops: after ``max_consecutive_skipped_steps`` non-finite steps in a row
+:meth:`Trainer.fit` raises :class:`TrainingDiverged` (no export is written). While such a streak
+lasts no checkpoint is saved, so rotation never replaces the last checkpoint taken before it.
+
 Layouts: the recipe lays the model out (``hybridtrain.distributed.plan.parallelize``, one
 process included) before the optimizer is built; :class:`TrainStep` runs the model's own forward
 (or, under pipeline parallelism, the plan's schedule step), and ``ParallelDims`` names the
@@ -36,12 +40,18 @@ from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import clip_grad_norm
 from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
 logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(TrainingStopped):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
 
 class TrainStep:
     """Forward and backward of this rank's micro-batches of one global batch; the one train
@@ -133,6 +143,7 @@ class Trainer:
         save_hf_at_end: bool = True,
         save_ckpt: bool = True,
         gc_every_steps: int | None = None,
+        max_consecutive_skipped_steps: int | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -156,6 +167,8 @@ class Trainer:
         self.save_hf_at_end = save_hf_at_end
         self.save_ckpt = save_ckpt
         self.gc_every_steps = gc_every_steps
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
 
@@ -282,6 +295,41 @@ class Trainer:
         assert self.checkpointer is not None
         self.checkpointer.load(path, self.model, self.optimizer, self.lr_scheduler, self.sched)
 
+    # -- divergence --------------------------------------------------------------------------
+    def _count_nonfinite(self, rec: dict) -> bool:
+        """Counts step ``rec`` into the non-finite streak; True when the streak hits the limit."""
+        nonfinite = rec["num_label_tokens"] > 0 and not (
+            math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]))
+        self._nonfinite_streak = self._nonfinite_streak + 1 if nonfinite else 0
+        limit = self.max_consecutive_skipped_steps
+        return bool(limit) and self._nonfinite_streak >= limit
+
+    def _stop_diverged(self) -> None:
+        """Raises :class:`TrainingDiverged`. The checkpoint taken just before the streak holds
+        the update that made it diverge: ``latest`` goes back to an older one when there is."""
+        if self.metrics is not None:
+            self.metrics.close()
+        n, step = self._nonfinite_streak, self.sched.step
+        first = step - n + 1
+        where = "No checkpoint was written before the divergence"
+        if self.checkpointer is not None and self.checkpointer.steps():
+            older = [s for s in self.checkpointer.steps() if s < first - 1]
+            suspect = [s for s in self.checkpointer.steps() if s >= first - 1]
+            if older:
+                path = self.checkpointer.set_latest(older[-1])
+                where = (f"`latest` now names {path}, the newest checkpoint before the "
+                         f"update that diverged" + (f" (step_{suspect[-1]} may hold the "
+                                                    f"diverged weights)" if suspect else ""))
+            else:
+                where = (f"The only checkpoint, {self.checkpointer.latest()}, was taken right "
+                         f"before the non-finite steps and may hold the diverged weights")
+            where += ("; resume with --checkpoint.resume=auto after lowering optimizer.lr or "
+                      "tightening training.grad_clip")
+        raise TrainingDiverged(
+            f"training diverged: {n} consecutive steps ({first}..{step}) had a non-finite loss "
+            f"or gradient norm and were skipped; stopped without exporting. {where}. "
+            "training.max_consecutive_skipped_steps sets the limit (null: never stop)")
+
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Trains until ``max_steps``; returns a summary (paths, first/last loss, times)."""
@@ -301,15 +349,19 @@ class Trainer:
             micro_batches = next(batches)
             rec = self.train_one_step(micro_batches)
             self.history.append(rec)
+            diverged = self._count_nonfinite(rec)
             if self.metrics is not None:
-                if sched.is_log_step:
+                if sched.is_log_step or diverged:
                     self.metrics.log_train(rec)
                 self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
+            if diverged:
+                self._stop_diverged()
             if self.gc_every_steps and sched.step % self.gc_every_steps == 0:
                 gc.collect()
             if self.val_dataset is not None and sched.is_val_step:
                 self._validate_and_log()
-            if self.checkpointer is not None and self.save_ckpt and sched.is_ckpt_step:
+            if (self.checkpointer is not None and self.save_ckpt and sched.is_ckpt_step
+                    and (self._nonfinite_streak == 0 or sched.done)):
                 last_ckpt = self.save_checkpoint(final=sched.done)
         export_dir = None
         if self.save_hf_at_end and self.checkpointer is not None:
@@ -321,6 +373,7 @@ class Trainer:
                 self.checkpointer.export_fn(self.model, self.checkpointer.dir, self.tokenizer,
                                             True)
                 export_dir = self.checkpointer.dir
+            self.checkpointer.mark_final(export_dir)
         plot = self.metrics.close() if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {

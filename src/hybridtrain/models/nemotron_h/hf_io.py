@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
+from hybridtrain.fileio import apply_umask
 
 from .config import NemotronHConfig
 
@@ -261,6 +262,7 @@ def save_hf_checkpoint(
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             f.write(config.to_json_string(dtype=dtype_name(main_dtype)))
+        apply_umask(tmp)  # mkdtemp makes it 0700, safetensors writes 0600
         _publish(tmp, save_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

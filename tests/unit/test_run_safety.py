@@ -1,0 +1,101 @@
+"""Start-up and failure behaviour of `hybridtrain finetune`, through the CLI: a layout that needs
+more ranks, a refused run that leaves the folder alone, the run-folder lock, divergence."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from tests.helpers.recipes import tiny_recipe
+
+from hybridtrain.cli import main
+from hybridtrain.runfolder import LOCK_NAME, RunFolderBusy, RunLock
+
+
+def _recipe(tmp_path, **sections):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(**sections)))
+    return str(path)
+
+
+def _args(tmp_path, out, *extra):
+    return ["finetune", "-c", _recipe(tmp_path), f"--checkpoint.dir={out}",
+            "--metrics.progress_bar=false", "--training.max_steps=2", *extra]
+
+
+@pytest.mark.parametrize("degrees,need", [(["--distributed.pp=2"], 2),
+                                          (["--distributed.pp=2", "--distributed.ep=2"], 4),
+                                          (["--distributed.tp=2", "--distributed.cp=2"], 4)])
+def test_layout_needing_more_ranks_is_refused_in_one_process(tmp_path, capsys, degrees, need):
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out, *degrees)) == 2
+    err = capsys.readouterr().err
+    assert f"needs {need} ranks" in err and f"--nproc-per-node {need}" in err
+    assert not out.exists()  # nothing written
+
+
+def test_refused_run_leaves_the_earlier_run_untouched(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out)) == 0
+    before = {p: (out / p).read_bytes() for p in ("config.yaml", "training.jsonl", "latest")}
+    assert main(_args(tmp_path, out, "--optimizer.lr=0.5")) == 2  # no resume, no overwrite
+    assert "already holds a run" in capsys.readouterr().err
+    assert {p: (out / p).read_bytes() for p in before} == before
+    assert not (out / LOCK_NAME).exists()  # released on exit
+
+
+def test_a_held_run_folder_refuses_a_second_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import socket
+
+        (out / LOCK_NAME).write_text(f"{socket.gethostname()} {holder.pid}\n")
+        assert main(_args(tmp_path, out)) == 2
+        err = capsys.readouterr().err
+        assert str(out) in err and f"process {holder.pid}" in err
+        assert sorted(os.listdir(out)) == [LOCK_NAME]  # nothing else written
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock is stale and the run goes ahead
+    assert main(_args(tmp_path, out)) == 0
+    assert not (out / LOCK_NAME).exists() and (out / "latest").exists()
+
+
+def test_run_lock_api(tmp_path):
+    with RunLock(tmp_path / "r") as lock:
+        assert (tmp_path / "r" / LOCK_NAME).read_text().split()[1] == str(os.getpid())
+        with pytest.raises(RunFolderBusy, match="in use by process"):
+            RunLock(tmp_path / "r").acquire()
+        assert lock.held
+    assert not (tmp_path / "r" / LOCK_NAME).exists()
+
+
+def test_diverging_run_stops_without_export_and_stays_resumable(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = _args(tmp_path, out, "--training.ckpt_every_steps=1", "--checkpoint.keep_last=2",
+                 "--training.grad_clip=null")
+    args = [a for a in args if not a.startswith("--training.max_steps")]
+    # two good steps, then a learning rate that sends the weights to inf
+    assert main(args + ["--training.max_steps=2"]) == 0
+    code = main(args + ["--training.max_steps=20", "--checkpoint.resume=auto",
+                        "--optimizer.lr=1e30", "--training.max_consecutive_skipped_steps=3"])
+    err = capsys.readouterr().err
+    assert code == 3 and "training diverged: 3 consecutive steps" in err
+    assert "max_consecutive_skipped_steps" in err
+    recs = [json.loads(line) for line in open(out / "training.jsonl")]
+    assert [r["skipped_steps"] for r in recs[-3:]] == [1, 2, 3]
+    assert not any((p / "hf").exists() for p in out.glob("step_*") if p.name != "step_2")
+    # step 3's update sent the weights to inf (steps 4..6 skipped): latest goes back to step_2
+    assert "latest` now names" in err and "step_3 may hold the diverged weights" in err
+    assert (out / "latest").read_text().strip() == "step_2"
+    assert not (out / LOCK_NAME).exists()
+    # the last checkpoint resumes
+    assert main(args + ["--training.max_steps=6", "--checkpoint.resume=auto"]) == 0
+    assert (out / "step_6" / "hf").is_dir()
