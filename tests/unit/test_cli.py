@@ -127,6 +127,20 @@ def test_print_config(recipe, fake_finetune, capsys):
     assert fake_finetune == []
 
 
+@pytest.mark.parametrize("override, key", [("--optimizer.lr=-0.1", "optimizer.lr"),
+                                           ("--training.micro_batch_size=0", "training.micro_batch_size"),
+                                           ("--optimizer.eps=-1e-8", "optimizer.eps")])
+@pytest.mark.parametrize("print_config", [False, True])
+def test_bad_values_are_refused_at_start_up(recipe, fake_finetune, capsys, override, key,
+                                            print_config):
+    """Out-of-range values name their key before anything is built (also with --print-config)."""
+    argv = ["finetune", "-c", str(recipe), override] + (["--print-config"] if print_config else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'{key}' must be >= " in err and "Traceback" not in err
+    assert fake_finetune == []
+
+
 def test_missing_command_module_is_a_clear_error(recipe, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hybridtrain.recipes.finetune", None)
     assert cli.main(["finetune", "-c", str(recipe)]) == 2

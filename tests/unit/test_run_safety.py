@@ -99,3 +99,18 @@ def test_diverging_run_stops_without_export_and_stays_resumable(tmp_path, capsys
     # the last checkpoint resumes
     assert main(args + ["--training.max_steps=6", "--checkpoint.resume=auto"]) == 0
     assert (out / "step_6" / "hf").is_dir()
+
+
+def test_resume_auto_into_an_empty_folder_says_so(tmp_path, caplog):
+    """A misspelt run folder under checkpoint.resume=auto does not start from scratch unnoticed."""
+    import logging
+
+    from hybridtrain.config import build_config
+    from hybridtrain.recipes.finetune import _check_run_folder
+
+    out = tmp_path / "no_such_run"
+    cfg = build_config({"checkpoint": {"dir": str(out), "resume": "auto"}})
+    with caplog.at_level(logging.INFO, logger="hybridtrain.recipes.finetune"):
+        assert _check_run_folder(cfg, str(out)) == (None, False)
+    lines = [r.getMessage() for r in caplog.records if "resume=auto" in r.getMessage()]
+    assert lines == [f"checkpoint.resume=auto: {out} holds no checkpoint; starting a new run"]

@@ -315,6 +315,9 @@ def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
         want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
         raise ConfigError(f"'{name}.{key}' must be {want}, got {value!r} "
                           f"({type(value).__name__}) in {where}")
+    if spec.minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and value < spec.minimum:
+        raise ConfigError(f"'{name}.{key}' must be >= {spec.minimum}, got {value!r} in {where}")
     if spec.choices and isinstance(value, str):
         low = canonical_dtype_name(value) or value.lower()
         for choice in spec.choices:

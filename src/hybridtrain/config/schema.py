@@ -42,12 +42,15 @@ class K:
     ``types``: accepted Python types; ``None`` means "the type of the default" (no check when
     the default is ``None``). ``int`` is accepted where ``float`` is. ``choices``: allowed values
     for strings (matched case-insensitively and normalised to the spelling given here).
+    ``minimum``: the smallest number accepted (checked when the recipe is loaded, so before
+    anything is built, and by ``--print-config``).
     """
 
     default: Any
     doc: str = ""
     types: tuple[type, ...] | None = None
     choices: tuple[str, ...] | None = None
+    minimum: float | None = None  # numbers below it are refused (null stays allowed)
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,10 @@ _OPT_FLOAT = (float, int, type(None))
 _OPT_STR = (str, type(None))
 
 TRAINING = {
-    "global_batch_size": K(8, "samples per optimizer step, over all data-parallel ranks", (int,)),
+    "global_batch_size": K(8, "samples per optimizer step, over all data-parallel ranks", (int,), minimum=1),
     "micro_batch_size": K(1, "samples per forward/backward on one rank; gradient "
-                             "accumulation = global / (micro * data-parallel size)", (int,)),
-    "max_steps": K(None, "optimizer steps to run; null -> derived from num_epochs", _OPT_INT),
+                             "accumulation = global / (micro * data-parallel size)", (int,), minimum=1),
+    "max_steps": K(None, "optimizer steps to run; null -> derived from num_epochs", _OPT_INT, minimum=1),
     "num_epochs": K(1, "epochs over the dataset when max_steps is null", (int, float)),
     "val_every_steps": K(None, "validate every N steps; null or 0 -> only at the end "
                                "(if a validation_dataset is given)", _OPT_INT),
@@ -103,7 +106,7 @@ TRAINING = {
     "max_consecutive_skipped_steps": K(5, "stop the run (non-zero exit, no export) after this "
                                           "many skipped steps in a row (non-finite loss or "
                                           "gradient norm); null or 0 -> never stop", _OPT_INT),
-    "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT),
+    "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT, minimum=0),
     "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
                                          "'all', k (every k-th block), layer types "
                                          "['mamba', 'moe'] (see distributed/activation_checkpoint)",
@@ -134,10 +137,10 @@ PACKING = {
 OPTIMIZER = {
     "name": K("adamw", "optimizer (AdamW; norms and biases get no weight decay)",
               choices=("adamw",)),
-    "lr": K(1e-4, "peak learning rate", (float, int)),
-    "weight_decay": K(0.0, "decoupled weight decay (not applied to norms/biases)", (float, int)),
+    "lr": K(1e-4, "peak learning rate", (float, int), minimum=0),
+    "weight_decay": K(0.0, "decoupled weight decay (not applied to norms/biases)", (float, int), minimum=0),
     "betas": K([0.9, 0.999], "Adam betas", (list, tuple)),
-    "eps": K(1e-8, "Adam epsilon", (float, int)),
+    "eps": K(1e-8, "Adam epsilon", (float, int), minimum=0),
     "implementation": K("auto", "auto -> fused when torch has it for the device (CUDA and CPU), else foreach",
                         choices=("auto", "fused", "foreach", "for_loop")),
 }
@@ -145,7 +148,7 @@ OPTIMIZER = {
 LR_SCHEDULER = {
     "lr_decay_style": K("constant", "shape after warmup",
                         choices=("constant", "linear", "cosine", "wsd")),
-    "lr_warmup_steps": K(0, "linear warmup length in optimizer steps", (int,)),
+    "lr_warmup_steps": K(0, "linear warmup length in optimizer steps", (int,), minimum=0),
     "lr_warmup_samples": K(None, "warmup length in samples (instead of lr_warmup_steps)",
                            _OPT_INT),
     "lr_decay_steps": K(None, "steps from start to end of decay; null -> max_steps", _OPT_INT),
@@ -157,7 +160,7 @@ LR_SCHEDULER = {
                                   "null -> 10% of the decay length", _OPT_INT),
     "lr_wsd_decay_samples": K(None, "WSD: decay phase length in samples", _OPT_INT),
     "init_lr": K(0.0, "learning rate at the start of warmup", (float, int)),
-    "min_lr": K(0.0, "learning rate at the end of decay", (float, int)),
+    "min_lr": K(0.0, "learning rate at the end of decay", (float, int), minimum=0),
 }
 
 CHECKPOINT = {

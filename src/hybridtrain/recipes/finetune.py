@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
-from hybridtrain.distributed.utils import main_process_first
+from hybridtrain.distributed.utils import is_main_process, main_process_first
 from hybridtrain.fileio import atomic_write
 from hybridtrain.models.spec import model_spec_for, set_train_loss
 from hybridtrain.ops.backend import configure_backend
@@ -339,6 +339,8 @@ def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
     ck = cfg.checkpoint
     folder = Checkpointer(out_dir)
     resume = folder.resolve_resume(ck.resume)
+    if resume is None and ck.resume in ("auto", True) and is_main_process():
+        logger.info("checkpoint.resume=auto: %s holds no checkpoint; starting a new run", out_dir)
     clear = resume is None and bool(folder.steps()) and ck.enabled
     if clear and not ck.overwrite:
         raise ValueError(
