@@ -9,7 +9,7 @@ collectives; no ``PREMUL_SUM``/``AVG``, which gloo lacks and NCCL's zero-copy pa
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -95,10 +95,6 @@ def shard_module(
         shard_placement_fn=shard_placement_fn,
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
-
-
-def fsdp_units(model: nn.Module) -> Iterable[FSDPModule]:
-    return (m for m in model.modules() if isinstance(m, FSDPModule))
 
 
 def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, *,

@@ -336,7 +336,6 @@ class PipelineTrainStep:
         self.hidden_dtype = hidden_dtype
         self.microbatch_size = microbatch_size
         self.pad_multiple = max(1, int(pad_multiple))
-        self.has_last = (num_stages - 1) in self.stage_ids
         if self.spec.multi != (len(self.stages) > 1):
             raise ValueError(
                 f"distributed.pp_schedule={self.spec.name!r} runs "

@@ -10,7 +10,7 @@ default run executes is the code the layout-parity tests cover.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,8 +41,6 @@ class ParallelPlan:
     stages: list[nn.Module]
     dims: ParallelDims
     pipeline: PipelineTrainStep | None = None
-    stage_ids: list[int] = field(default_factory=lambda: [0])
-    layer_ranges: list[tuple[int, int]] = field(default_factory=list)
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global gradient norm (all meshes, all pipeline stages); clips when ``max_norm``."""
@@ -73,7 +71,7 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
         logger.info("pipeline: %d stages, layer ranges %s; this rank runs stages %s (%s)",
                     num_stages, ranges, stage_ids, sched.name)
     else:
-        num_stages, ranges, stage_ids, stages = 1, [(0, len(layer_names))], [0], [model]
+        stages = [model]
     for stage in stages:
         spec.parallelize_fn(stage, dims, distributed, training, device=device,
                             autocast_dtype=autocast_dtype)
@@ -88,5 +86,4 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
             stages, stage_ids, num_stages, dims.group("pp"), device,
             hidden_size=config.hidden_size, hidden_dtype=hidden_dtype,
             schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size)
-    return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline,
-                        stage_ids=stage_ids, layer_ranges=ranges)
+    return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline)
