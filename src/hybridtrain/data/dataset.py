@@ -191,9 +191,12 @@ def build_cached(
     meta_file = final / "hybridtrain_meta.json"
 
     def load():
+        stats = Stats(json.loads(meta_file.read_text())["stats"])
+        if not stats.get("kept"):  # an empty entry (earlier versions wrote them): build again
+            return (*build(), None)
         with _quiet_datasets():
             ds = datasets.load_from_disk(str(final))
-        return ds, Stats(json.loads(meta_file.read_text())["stats"]), final
+        return ds, stats, final
 
     if meta_file.is_file():
         return load()
@@ -203,6 +206,8 @@ def build_cached(
         if meta_file.is_file():  # another process built it while we waited
             return load()
         ds, stats = build()
+        if len(ds) == 0:  # nothing to cache (the caller reports why); Arrow cannot reload it
+            return ds, stats, None
         tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         with _quiet_datasets():
             ds.save_to_disk(str(tmp))

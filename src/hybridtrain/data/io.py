@@ -63,10 +63,13 @@ class ChatFormatError(DataError):
 class EmptyDatasetError(DataError):
     def __init__(self, source: str, total: int, dropped: Mapping[str, int]):
         self.source, self.total, self.dropped = source, total, dict(dropped)
+        if total == 0:
+            super().__init__(f"{source}: empty dataset: the data holds no records")
+            return
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items())) or "none"
         super().__init__(
-            f"{source}: no examples left after filtering: {total} records read, dropped: {reasons}. "
-            f"{describe_drop_reasons(dropped)}"
+            f"{source}: empty dataset: no examples left after filtering: {total} records read, "
+            f"dropped: {reasons}. {describe_drop_reasons(dropped)}"
         )
 
 

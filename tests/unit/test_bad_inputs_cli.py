@@ -1,0 +1,101 @@
+"""Bad data files through `hybridtrain finetune`: each one is refused with a message that names
+the file (and line, and why), never a traceback from a library."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from hybridtrain.cli import main
+
+CTX = "The Normans gave their name to Normandy, a region in France, in the 10th century."
+
+
+def squad_rec(i, question="Where is Normandy?"):
+    return {"id": f"q{i}", "context": CTX, "question": question,
+            "answers": {"text": ["France"], "answer_start": [CTX.index("France")]}}
+
+
+def chat_rec(answer="In France."):
+    return {"messages": [{"role": "user", "content": "Where is Normandy?"},
+                         {"role": "assistant", "content": answer}]}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from hybridtrain.data import build_bpe_tokenizer, synthetic_texts
+
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    build_bpe_tokenizer(synthetic_texts(50, seed=0) + [CTX] * 3, out, vocab_size=300)
+    return out
+
+
+def finetune(tmp_path, tok_dir, dataset, *extra, **sections):
+    """Runs `hybridtrain finetune` on the tiny model with ``dataset`` (a recipe section) for 2
+    steps into tmp_path/run; returns its exit status."""
+    recipe = {
+        "tokenizer": {"_target_": "hybridtrain.data.load_tokenizer", "path": str(tok_dir)},
+        "model": {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
+                  "config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config",
+                             "kind": "mixed", "vocab_size": 300}},
+        "dataset": {"cache_dir": str(tmp_path / "cache"), **dataset},
+        "training": {"device": "cpu", "dtype": "float32", "global_batch_size": 2,
+                     "micro_batch_size": 1, "max_steps": 2},
+        "metrics": {"progress_bar": False, "plot": False, "peak_tflops": 1.0},
+        **sections,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return main(["finetune", "-c", str(path), f"--checkpoint.dir={tmp_path / 'run'}", *extra])
+
+
+SQUAD = "hybridtrain.data.build_squad_dataset"
+CHAT = "hybridtrain.data.build_chat_dataset"
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_empty_data_file_is_an_empty_dataset_error(tmp_path, tok_dir, capsys, cache):
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    extra = [] if cache else ["--dataset.cache_dir=false"]
+    assert finetune(tmp_path, tok_dir, {"_target_": SQUAD, "path": str(data)}, *extra) == 2
+    err = capsys.readouterr().err
+    assert f"{data}: empty dataset: the data holds no records" in err
+    assert "Traceback" not in err and "IndexError" not in err
+
+
+def test_every_squad_answer_too_long_says_how_many_and_why(tmp_path, tok_dir, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl",
+                       [squad_rec(i, "Where is Normandy? " * 20) for i in range(4)])
+    code = finetune(tmp_path, tok_dir, {"_target_": SQUAD, "path": str(data), "seq_length": 32})
+    err = capsys.readouterr().err
+    assert code == 2
+    assert (f"{data}: empty dataset: no examples left after filtering: 4 records read, "
+            f"dropped: 4 too_long") in err and "raise seq_length" in err
+    # the same files again (the cache holds no empty entry): the same message
+    assert finetune(tmp_path, tok_dir, {"_target_": SQUAD, "path": str(data),
+                                        "seq_length": 32}) == 2
+    assert "4 records read, dropped: 4 too_long" in capsys.readouterr().err
+
+
+def test_every_chat_record_cut_before_its_answer(tmp_path, tok_dir, capsys):
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat_rec()] * 3)
+    code = finetune(tmp_path, tok_dir, {"_target_": CHAT, "path": str(data), "seq_length": 8})
+    err = capsys.readouterr().err
+    assert code == 2
+    assert (f"{data}: empty dataset: no examples left after filtering: 3 records read, "
+            f"dropped: 3 no_supervised_tokens_after_truncation") in err
+
+
+def test_chat_record_without_an_assistant_turn_names_the_line(tmp_path, tok_dir, capsys):
+    rec = {"messages": [{"role": "user", "content": "Where is Normandy?"}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [rec, rec])
+    assert finetune(tmp_path, tok_dir, {"_target_": CHAT, "path": str(data)}) == 2
+    assert f"{data} line 1: the conversation has no assistant turn" in capsys.readouterr().err
