@@ -173,9 +173,10 @@ def test_override_forms_and_types(tmp_path):
 
 
 def test_override_schema_key_absent_from_recipe_and_optional_section(tmp_path):
-    cfg = load_config(write(tmp_path, BASE), ["--training.seed=7", "--peft.dim=4"])
+    cfg = load_config(write(tmp_path, BASE), ["--training.seed=7", "--peft.dim=4",
+                                              "--peft.match_all_linear=true"])
     assert cfg.training.seed == 7
-    assert cfg.peft.dim == 4 and cfg.peft.alpha == 32  # peft enabled with defaults
+    assert cfg.peft.dim == 4 and cfg.peft.alpha == 32  # peft enabled, other keys defaults
     assert load_config(write(tmp_path, BASE + "peft:\n  dim: 8\n"), ["--peft=null"]).peft is None
 
 

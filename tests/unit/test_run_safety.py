@@ -114,3 +114,23 @@ def test_resume_auto_into_an_empty_folder_says_so(tmp_path, caplog):
         assert _check_run_folder(cfg, str(out)) == (None, False)
     lines = [r.getMessage() for r in caplog.records if "resume=auto" in r.getMessage()]
     assert lines == [f"checkpoint.resume=auto: {out} holds no checkpoint; starting a new run"]
+
+
+@pytest.mark.parametrize("print_config", [False, True])
+def test_lora_without_targets_is_refused_naming_the_keys(tmp_path, capsys, print_config):
+    """`match_all_linear: false` and no `target_modules` adapts nothing the recipe names: refused
+    at load time (also by --print-config), not read as "adapt every layer"."""
+    path = tmp_path / "recipe.yaml"
+    recipe = tiny_recipe(peft={"dim": 4, "match_all_linear": False})
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    line = path.read_text().splitlines().index("  match_all_linear: false") + 1
+    out = tmp_path / "run"
+    args = ["finetune", "-c", str(path), f"--checkpoint.dir={out}", "--training.max_steps=1"]
+    assert main(args + (["--print-config"] if print_config else [])) == 2
+    err = capsys.readouterr().err
+    assert "peft.match_all_linear is false and peft.target_modules is empty" in err
+    assert f"({path}:{line})" in err and not out.exists()
+    # either key says what to adapt
+    recipe["peft"] = {"dim": 4, "target_modules": ["q_proj"]}
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["finetune", "-c", str(path), "--print-config"]) == 0

@@ -345,6 +345,10 @@ def _validate_fixed(name: str, node: Any, meta: ConfigMeta) -> Any:
     out = section_defaults(name)
     for key, value in node.items():
         out[key] = _check_value(name, key, sec.keys[key], value, meta.where((name, key)))
+    problem = sec.check(out) if sec.check is not None else None
+    if problem:
+        key, message = problem
+        raise ConfigError(f"{message} ({meta.where((name, key))})")
     return out
 
 

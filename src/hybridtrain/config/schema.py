@@ -21,12 +21,13 @@ Besides the sections, the top level may hold ``allowed_target_prefixes: [mypkg.,
 extends the ``_target_`` allow-list (see ``instantiate.py``), and keys starting with ``_`` which
 are ignored (a place for YAML anchors: ``_base: &base {...}`` then ``<<: *base``).
 
-``peft: {}`` enables LoRA with the defaults; ``peft:`` (empty, i.e. null) or no ``peft`` key
-leaves it off.
+``peft: {match_all_linear: true}`` (or ``target_modules``) enables LoRA; ``peft:`` (empty, i.e.
+null) or no ``peft`` key leaves it off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,9 @@ class Section:
     keys: dict[str, K] = field(default_factory=dict)
     optional: bool = False
     target_ok: bool = False
+    # a rule over the section's keys together: (validated section) -> None, or (the key to
+    # point at, the problem)
+    check: Callable[[dict[str, Any]], tuple[str, str] | None] | None = None
 
 
 _OPT_INT = (int, type(None))
@@ -192,6 +196,17 @@ PEFT = {
     "match_all_linear": K(False, "adapt every linear layer (except lm_head/embeddings)"),
 }
 
+
+
+def _check_peft(peft: dict[str, Any]) -> tuple[str, str] | None:
+    if not peft["match_all_linear"] and not peft["target_modules"]:
+        return "match_all_linear", (
+            "peft.match_all_linear is false and peft.target_modules is empty: nothing says which "
+            "layers to adapt. Set peft.match_all_linear: true (every linear layer but lm_head, "
+            "and the MoE experts) or list peft.target_modules (globs, e.g. ['*.q_proj'])")
+    return None
+
+
 DISTRIBUTED = {
     "backend": K("auto", "auto -> nccl on GPU, gloo on CPU", choices=("auto", "nccl", "gloo")),
     "dp_replicate": K(1, "data-parallel replicas (HSDP outer dim)", (int,)),
@@ -272,7 +287,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("lr_scheduler", "fixed", "warmup + constant/linear/cosine/WSD decay", LR_SCHEDULER,
             target_ok=True),
     Section("checkpoint", "fixed", "output folder, checkpoints, resume, HF export", CHECKPOINT),
-    Section("peft", "fixed", "LoRA (absent -> full fine-tuning)", PEFT, optional=True),
+    Section("peft", "fixed", "LoRA (absent -> full fine-tuning)", PEFT, optional=True,
+            check=_check_peft),
     Section("distributed", "fixed", "parallel layout and process-group options", DISTRIBUTED),
     Section("metrics", "fixed", "jsonl / progress bar / TensorBoard / plot", METRICS),
     Section("dist_env", "env", "environment variables set before CUDA/process-group init "

@@ -22,7 +22,8 @@ for each MoE experts module (whose Hub names are ``<experts>.{j}.up_proj``; a pa
 either form but cannot select some experts only). A pattern is a glob (``fnmatch``) matched
 against the whole dotted name or a dotted suffix of it: ``q_proj`` == ``*.q_proj``,
 ``mixer.in_proj`` matches ``backbone.layers.0.mixer.in_proj``. No ``target_modules`` (and
-``match_all_linear`` false) means every candidate, as ``match_all_linear: true``.
+``match_all_linear`` false) means every candidate, as ``match_all_linear: true``; a recipe's
+``peft:`` section must say which (the loader refuses false with no ``target_modules``).
 """
 
 from __future__ import annotations
