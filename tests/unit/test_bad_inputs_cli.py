@@ -99,3 +99,43 @@ def test_chat_record_without_an_assistant_turn_names_the_line(tmp_path, tok_dir,
     data = write_jsonl(tmp_path / "chat.jsonl", [rec, rec])
     assert finetune(tmp_path, tok_dir, {"_target_": CHAT, "path": str(data)}) == 2
     assert f"{data} line 1: the conversation has no assistant turn" in capsys.readouterr().err
+
+
+def test_a_directory_of_several_splits_is_read_by_split(tmp_path, tok_dir, capsys):
+    """train.jsonl + validation.jsonl in one folder: `dataset` reads train, `validation_dataset`
+    validation (and the log says which files); never both as one dataset."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", [squad_rec(i) for i in range(6)])
+    write_jsonl(data / "validation.jsonl", [squad_rec(i) for i in range(3)])
+    section = {"_target_": SQUAD, "path": str(data), "seq_length": 64}
+    assert finetune(tmp_path, tok_dir, section, "--training.val_every_steps=1",
+                    validation_dataset={**section, "cache_dir": str(tmp_path / "cache")}) == 0
+    err = capsys.readouterr().err
+    for line in ("reading train.jsonl", "6 examples kept of 6 read", "reading validation.jsonl",
+                 "3 examples kept of 3 read"):
+        assert f"INFO hybridtrain.data: {data}: {line}\n" in err
+    # a folder of other splits only (train and test) for the validation section: refused
+    (data / "validation.jsonl").rename(data / "test.jsonl")
+    code = finetune(tmp_path, tok_dir, section, f"--checkpoint.dir={tmp_path / 'run2'}",
+                    validation_dataset=section)
+    err = capsys.readouterr().err
+    assert code == 2 and (f"{data} holds the data files of several splits (test.jsonl, "
+                          "train.jsonl) and `split` is not set") in err
+    assert not (tmp_path / "run2").exists()
+
+
+def test_a_directory_of_several_splits_without_a_section(tmp_path, tok_dir):
+    """A builder called without the recipe's hint refuses naming the files; `split` chooses."""
+    from hybridtrain.data import DataError, build_chat_dataset
+
+    write_jsonl(tmp_path / "train.jsonl", [chat_rec()] * 2)
+    write_jsonl(tmp_path / "dev.jsonl", [chat_rec("Yes.")])
+    with pytest.raises(DataError, match=r"several splits \(dev\.jsonl, train\.jsonl\)"):
+        build_chat_dataset(tmp_path, str(tok_dir), cache_dir=False)
+    assert len(build_chat_dataset(tmp_path, str(tok_dir), split="dev", cache_dir=False)) == 1
+    assert len(build_chat_dataset(tmp_path, str(tok_dir), default_split="validation",
+                                  cache_dir=False)) == 1
+    # shards of one split are one dataset
+    (tmp_path / "dev.jsonl").rename(tmp_path / "train-00001.jsonl")
+    assert len(build_chat_dataset(tmp_path, str(tok_dir), cache_dir=False)) == 3

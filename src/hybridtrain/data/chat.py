@@ -14,6 +14,8 @@
         chat_template_kwargs=None,  # template variables, e.g. {"enable_thinking": False}
         mask_strategy="auto", # "auto" | "generation" | "placeholder" (see below)
         split=None, cache_dir=None, num_proc=1, limit=None,
+        default_split=None,   # without `split`: the split a directory of several splits is
+                              # read for (the recipe sets it: train / validation)
     ) -> TokenizedDataset
     ChatDataset = build_chat_dataset
 
@@ -72,6 +74,7 @@ from .chat_masks import assistant_spans, end_of_turn
 from .io import (
     ChatFormatError,
     MissingFieldError,
+    choose_split,
     iter_records,
     record_name,
     require,
@@ -426,7 +429,9 @@ def _build_chat(
     num_proc: int = 1,
     limit: int | None = None,
     trust_remote_code: bool = False,
+    default_split: str | None = None,
 ) -> tuple:
+    split = choose_split(path, split, default_split)
     tokenizer = as_tokenizer(tokenizer, trust_remote_code)
     if train_on not in ("all", "last"):
         raise ValueError(f"train_on must be 'all' or 'last', got {train_on!r}")

@@ -69,7 +69,10 @@ def source_key(path, split: str | None = None) -> tuple[str, Any]:
     fingerprint) or local files (their path, size and mtime)."""
     if hasattr(path, "column_names") and hasattr(path, "_fingerprint"):
         return f"datasets.Dataset({path._fingerprint})", path._fingerprint
-    return str(path), file_fingerprint(resolve_data_files(path, split))
+    files = resolve_data_files(path, split)
+    if len(files) > 1 or str(files[0]) != os.path.expanduser(str(path)):
+        logger.info("%s: reading %s", path, ", ".join(f.name for f in files))
+    return str(path), file_fingerprint(files)
 
 
 def check_padding(padding: str, seq_length: int | None) -> None:

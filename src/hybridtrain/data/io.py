@@ -14,6 +14,8 @@ Readers:
 
 - ``resolve_data_files(path, split=None) -> list[Path]``: a file, a glob, or a directory
   (files whose name starts with ``split`` when one is given).
+- ``choose_split(path, split, default_split=None) -> split``: a directory of several splits
+  (``train.jsonl``, ``validation.jsonl``) is read for one split, never as one dataset.
 - ``iter_records(path) -> Iterator[(where, record)]``: flat records from ``.jsonl`` (one object
   per line), ``.json`` (a list of objects, or one object) or ``.parquet``; ``where`` is a
   human-readable location such as ``"data.jsonl line 17"``.
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,8 @@ JSON_SUFFIXES = (".json",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 DATA_SUFFIXES = JSON_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+logger = logging.getLogger("hybridtrain.data")
 
 
 class DataError(ValueError):
@@ -99,6 +105,48 @@ def record_name(where: str, record: Mapping[str, Any] | None = None) -> str:
         if rid is not None and rid != "":
             return f"{where} (id {rid!r})"
     return where
+
+
+# split names a data file's name may start with (``train-00000-of-00002.parquet``), by split
+SPLIT_NAMES = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev", "eval"),
+    "test": ("test",),
+}
+_SPLIT_RE = re.compile(
+    r"^(" + "|".join(sorted((n for ns in SPLIT_NAMES.values() for n in ns), key=len, reverse=True))
+    + r")(?=$|[-_.])", re.IGNORECASE)
+
+
+def split_of(file: str | os.PathLike) -> str | None:
+    """The split name a data file's name starts with (``"dev"`` for ``dev.jsonl``), or None."""
+    m = _SPLIT_RE.match(Path(file).name)
+    return m.group(1) if m else None
+
+
+def choose_split(path, split: str | None, default_split: str | None = None) -> str | None:
+    """The ``split`` to read ``path`` with. A directory holding the files of several splits
+    (``train.jsonl`` and ``validation.jsonl``) without ``split`` is read for ``default_split``
+    (the recipe's section: ``"train"`` or ``"validation"``, any of its names in
+    :data:`SPLIT_NAMES`), else refused naming the files: it is never read as one dataset."""
+    if split is not None or not isinstance(path, (str, os.PathLike)):
+        return split
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_dir():
+        return split
+    files = sorted(f.name for f in p.iterdir() if f.is_file() and f.name.endswith(DATA_SUFFIXES))
+    groups = {split_of(f) for f in files}
+    if len(groups) <= 1:
+        return None
+    wanted = [g for g in groups if g and g.lower() in SPLIT_NAMES.get(default_split or "", ())]
+    if len(wanted) == 1:
+        logger.info("%s holds several splits (%s): the %s dataset reads split '%s'", p,
+                    ", ".join(files), default_split, wanted[0])
+        return wanted[0]
+    raise DataError(
+        f"{p} holds the data files of several splits ({', '.join(files)}) and `split` is not "
+        "set: set split (e.g. split: train) to read one of them, or point path at a file; "
+        "they are never read as one dataset")
 
 
 def resolve_data_files(path: str | os.PathLike, split: str | None = None) -> list[Path]:

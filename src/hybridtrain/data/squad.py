@@ -11,6 +11,8 @@
         padding="none",            # "none" (variable length) | "max_length" (exactly seq_length)
         truncation=True,           # shorten the context so the example fits (never the answer)
         split=None,                # e.g. "train" when `path` is a directory
+        default_split=None,        # without `split`: the split a directory of several splits
+                                   # is read for (the recipe sets it: train / validation)
         prompt_template=DEFAULT_PROMPT_TEMPLATE,          # {context} {question} {title}
         completion_template=DEFAULT_COMPLETION_TEMPLATE,  # {answer}; eos is appended
         unanswerable_answer=None,  # None: skip unanswerable v2 questions; a string: train on it
@@ -52,6 +54,7 @@ from .dataset import (
 from .io import (
     AnswerMismatchError,
     DataError,
+    choose_split,
     iter_records,
     record_name,
     require,
@@ -358,7 +361,9 @@ def _build_squad(
     num_proc: int = 1,
     limit: int | None = None,
     trust_remote_code: bool = False,
+    default_split: str | None = None,
 ) -> tuple:
+    split = choose_split(path, split, default_split)
     tokenizer = as_tokenizer(tokenizer, trust_remote_code)
     check_padding(padding, seq_length)
     if seq_length is not None and seq_length < 2:

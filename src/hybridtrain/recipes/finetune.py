@@ -138,10 +138,13 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file})")
     # rank 0 first: it writes files and fills the datasets cache the others then read
+    # default_split: which files of a directory holding several splits each section reads
     train_ds = main_process_first(
-        lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer), is_main)
+        lambda: _instantiate_with(cfg.dataset, tokenizer=tokenizer, default_split="train"),
+        is_main)
     val_ds = main_process_first(
-        lambda: _instantiate_with(cfg.validation_dataset, tokenizer=tokenizer), is_main)
+        lambda: _instantiate_with(cfg.validation_dataset, tokenizer=tokenizer,
+                                  default_split="validation"), is_main)
     from hybridtrain.data import build_collator, pack_dataset
 
     if cfg.packing.enabled:
