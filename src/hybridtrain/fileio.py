@@ -1,7 +1,11 @@
-"""Writing files that several processes may write at the same time (every rank of a run).
+"""Reading files with errors that name them; writing files that several processes may write at
+the same time (every rank of a run).
 
 ::
 
+    read_text(path) -> str                               # UTF-8; EncodingError names file:line
+    read_json(path) -> Any                               # ... and syntax errors file:line
+    open_safetensors(path, device="cpu") -> safe_open    # a truncated file: ValueError naming it
     atomic_write(path, data, fsync=False) -> bool        # str or bytes
     atomic_write_json(path, obj, indent=1, fsync=False) -> bool
     publish_files(src_dir, dst_dir) -> None              # each file of src_dir, atomically
@@ -26,7 +30,60 @@ import secrets
 from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
-           "apply_umask"]
+           "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
+           "open_safetensors"]
+
+
+# -- reading ----------------------------------------------------------------------------------
+class EncodingError(ValueError):
+    """Bytes that are not UTF-8 in a text file (the message names the file, line and column)."""
+
+
+def decode_utf8(data: bytes, path, line: int | None = None,
+                error: type[ValueError] = EncodingError) -> str:
+    """``data`` (read from ``path``) as UTF-8 text; bytes that are not UTF-8 raise ``error``
+    naming the file, line and column (``line``: the line ``data`` is, else counted in it)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        head = data[: e.start]
+        if line is None:
+            line = head.count(b"\n") + 1
+            head = head[head.rfind(b"\n") + 1:]
+        col = len(head.decode("utf-8", errors="replace")) + 1
+        raise error(
+            f"{path}: line {line}: column {col}: bytes {data[e.start:e.end]!r} are not UTF-8; "
+            "the file must be UTF-8 (convert it, e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line)."""
+    with open(path, "rb") as f:
+        return decode_utf8(f.read(), os.fspath(path))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON document in ``path``; bad bytes or syntax raise a ``ValueError`` naming the file
+    and line."""
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{os.fspath(path)}: line {e.lineno}: not valid JSON: {e.msg} "
+                         f"(column {e.colno}); the file is truncated or corrupt") from None
+
+
+def open_safetensors(path: str | os.PathLike, device: str = "cpu"):
+    """``safetensors.safe_open(path, framework="pt", device=device)`` (use it in ``with``); a
+    truncated or corrupt file raises a ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(os.fspath(path), framework="pt", device=device)
+    except SafetensorError as e:
+        size = os.path.getsize(path)
+        raise ValueError(f"{os.fspath(path)}: not a readable safetensors file, truncated or "
+                         f"corrupt ({size} bytes; {e}); copy or download it again") from None
 
 
 def unique_tmp_path(path: str | os.PathLike) -> str:

@@ -139,3 +139,47 @@ def test_a_directory_of_several_splits_without_a_section(tmp_path, tok_dir):
     # shards of one split are one dataset
     (tmp_path / "dev.jsonl").rename(tmp_path / "train-00001.jsonl")
     assert len(build_chat_dataset(tmp_path, str(tok_dir), cache_dir=False)) == 3
+
+
+LATIN1 = "caf\xe9".encode("latin-1")  # not UTF-8
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "chat_template", "tokenizer_config",
+                                  "tokenizer_json"])
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, tok_dir, capsys, kind):
+    import shutil
+
+    good = write_jsonl(tmp_path / "chat.jsonl", [chat_rec()] * 2)
+    section = {"_target_": CHAT, "path": str(good)}
+    tokenizer = tok_dir
+    if kind == "jsonl":  # line 2 of a data file
+        bad = tmp_path / "chat.jsonl"
+        bad.write_bytes(good.read_bytes() + b'{"messages": "' + LATIN1 + b'"}\n')
+        where = f"{bad}: line 3: column 18"
+    elif kind == "json":
+        bad = tmp_path / "squad.json"
+        bad.write_bytes(b'{"data": [\n {"title": "' + LATIN1 + b'"}]}\n')
+        section, where = {"_target_": SQUAD, "path": str(bad)}, f"{bad}: line 2: column 16"
+    elif kind == "chat_template":
+        bad = tmp_path / "t.jinja"
+        bad.write_bytes(b"{% for m in messages %}\n" + LATIN1 + b"{{ m.content }}{% endfor %}")
+        section["chat_template_path"], where = str(bad), f"{bad}: line 2: column 4"
+    else:  # a file of the tokenizer folder
+        tokenizer = tmp_path / "tok"
+        shutil.copytree(tok_dir, tokenizer)
+        bad = tokenizer / ("tokenizer_config.json" if kind == "tokenizer_config"
+                           else "tokenizer.json")
+        text = bad.read_bytes()
+        bad.write_bytes(text.replace(b'"', b'"' + LATIN1, 1))
+        where = f"{bad}: line 2: column 7"  # the first key
+    assert finetune(tmp_path, tokenizer, section) == 2
+    err = capsys.readouterr().err
+    assert f"{where}: bytes b'\\xe9' are not UTF-8" in err, err[-600:]
+    assert "Traceback" not in err
+
+
+def test_a_recipe_that_is_not_utf8_names_its_line(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(b"training:\n  max_steps: 2  # " + LATIN1 + b"\n")
+    assert main(["finetune", "-c", str(path), "--print-config"]) == 2
+    assert f"{path}: line 2: column 22: bytes b'\\xe9' are not UTF-8" in capsys.readouterr().err

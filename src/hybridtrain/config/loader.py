@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
@@ -31,6 +30,7 @@ from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
 from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
 from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, check_target, normalize_prefixes
+from hybridtrain.fileio import EncodingError, read_text
 
 __all__ = [
     "ConfigError", "Override", "load_config", "build_config", "parse_overrides",
@@ -462,9 +462,11 @@ def load_config(
     """
     source = os.fspath(path)
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        text = read_text(source)
     except FileNotFoundError:
         raise ConfigError(f"recipe file not found: {source}") from None
+    except EncodingError as e:
+        raise ConfigError(str(e)) from None
     data, locs = _read_yaml(text, source)
     return build_config(data, overrides, source=source, locs=locs,
                         allowed_target_prefixes=allowed_target_prefixes, environ=environ)

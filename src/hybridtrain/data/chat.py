@@ -59,6 +59,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.fileio import read_text
+
 from .batch import IGNORE_INDEX
 from .dataset import (
     SourceDataset,
@@ -402,7 +404,7 @@ def resolve_template(tokenizer, chat_template: str | None, chat_template_path) -
         path = Path(os.path.expanduser(str(chat_template_path)))
         if not path.is_file():
             raise ValueError(f"dataset.chat_template_path: {str(path)!r} is not a file")
-        chat_template = path.read_text(encoding="utf-8")
+        chat_template = read_text(path)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if isinstance(template, Mapping):  # named templates: use the default one
         template = template.get("default")

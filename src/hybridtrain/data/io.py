@@ -33,6 +33,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from hybridtrain import fileio
+
 JSON_SUFFIXES = (".json",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -174,25 +176,14 @@ def resolve_data_files(path: str | os.PathLike, split: str | None = None) -> lis
     raise DataError(f"{path}: no such data file or directory")
 
 
-class EncodingError(DataError):
+class EncodingError(DataError, fileio.EncodingError):
     pass
 
 
 def decode_utf8(data: bytes, path, line: int | None = None) -> str:
     """``data`` as UTF-8 text; bytes that are not UTF-8 raise :class:`EncodingError` naming the
     file, line and column (``line``: the line ``data`` is, else counted in ``data``)."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        head = data[: e.start]
-        if line is None:
-            line = head.count(b"\n") + 1
-            head = head[head.rfind(b"\n") + 1 :]
-        col = len(head.decode("utf-8", errors="replace")) + 1
-        raise EncodingError(
-            f"{path}: line {line}: column {col}: bytes {data[e.start:e.end]!r} are not UTF-8; "
-            "data files must be UTF-8 (convert it, e.g. `iconv -f latin1 -t utf-8`)"
-        ) from None
+    return fileio.decode_utf8(data, path, line, error=EncodingError)
 
 
 def load_json(path: str | os.PathLike) -> Any:

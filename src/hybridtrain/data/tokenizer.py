@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hybridtrain.fileio import publish_files
 
-from .io import DataError
+from .io import DataError, decode_utf8
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -93,6 +93,16 @@ def as_tokenizer(tokenizer, trust_remote_code: bool = False):
     return tokenizer
 
 
+TEXT_SUFFIXES = (".json", ".txt", ".jinja")  # the text files of a tokenizer folder
+
+
+def check_text_files(folder: Path) -> None:
+    """Raise :class:`EncodingError` (file, line) for a text file in ``folder`` that is not UTF-8."""
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name.endswith(TEXT_SUFFIXES):
+            decode_utf8(f.read_bytes(), f)
+
+
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs):
     """Load a tokenizer from a local directory, never from the network."""
     from transformers import AutoTokenizer
@@ -107,7 +117,10 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **k
         tok = AutoTokenizer.from_pretrained(
             str(p), local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
         )
-    except (OSError, ValueError) as e:
+    except Exception as e:
+        check_text_files(p)  # a file that is not UTF-8 is named with its line
+        if not isinstance(e, (OSError, ValueError)):
+            raise
         raise DataError(f"could not load a tokenizer from {p}: {e}") from e
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
