@@ -69,8 +69,8 @@ def read_json(path: str | os.PathLike) -> Any:
     try:
         return json.loads(read_text(path))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{os.fspath(path)}: line {e.lineno}: not valid JSON: {e.msg} "
-                         f"(column {e.colno}); the file is truncated or corrupt") from None
+        raise ValueError(f"{os.fspath(path)}: line {e.lineno}: column {e.colno}: not valid "
+                         f"JSON ({e.msg})") from None
 
 
 def open_safetensors(path: str | os.PathLike, device: str = "cpu"):

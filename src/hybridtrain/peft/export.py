@@ -29,13 +29,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
-from hybridtrain.fileio import apply_umask
+from hybridtrain.fileio import apply_umask, open_safetensors, read_json
 from hybridtrain.models.spec import get_model_spec, model_spec_for
 
 from .lora import (
@@ -302,11 +301,7 @@ def _read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
             if os.path.isfile(os.path.join(adapter_dir, "adapter_model.bin")) else ""
         raise ValueError(f"{adapter_dir}: not a PEFT adapter directory; expected {ADAPTER_CONFIG} and "
                          f"{ADAPTER_WEIGHTS}{extra}")
-    with open(cfg_path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    cfg = read_json(cfg_path)
     if str(cfg.get("peft_type", "")).upper() != "LORA":
         raise ValueError(f"{cfg_path}: peft_type is {cfg.get('peft_type')!r}; only LORA adapters are supported")
     unsupported = {
@@ -324,7 +319,7 @@ def _read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)):
             raise ValueError(f"{cfg_path}: missing or invalid {key!r}")
-    with safe_open(w_path, framework="pt") as f:
+    with open_safetensors(w_path) as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return cfg, tensors
 

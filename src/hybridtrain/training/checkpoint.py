@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
-from hybridtrain.fileio import atomic_write, atomic_write_json, unique_tmp_path
+from hybridtrain.fileio import atomic_write, atomic_write_json, read_json, unique_tmp_path
 from hybridtrain.models.spec import model_spec_for
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
@@ -75,10 +75,41 @@ def _dcp_save(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def _dcp_load(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Loads in place into ``tensors`` (plain or DTensor, resharding as needed)."""
+    """Loads in place into ``tensors`` (plain or DTensor, resharding as needed); an unreadable
+    shard or metadata file raises :func:`_unreadable`'s error."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        dcp.load(tensors, checkpoint_id=path, no_dist=not is_distributed())
+        try:
+            dcp.load(tensors, checkpoint_id=path, no_dist=not is_distributed())
+        except (Exception, dcp.CheckpointException) as e:  # the latter: each rank's failure
+            causes = [c for c, _ in e.failures.values()] if hasattr(e, "failures") else [e]
+            detail = "; ".join(map(_describe, causes))
+            raise _unreadable(os.path.dirname(path), f"{path} cannot be read ({detail})") from e
+
+
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def _previous_checkpoint(ckpt: str) -> str | None:
+    """The newest complete ``step_M`` (M < N) beside the checkpoint ``.../step_N``."""
+    run_dir, name = os.path.split(os.path.abspath(ckpt))
+    m = _STEP_RE.match(name)
+    if m is None or not os.path.isdir(run_dir):
+        return None
+    older = [int(k.group(1)) for k in map(_STEP_RE.match, os.listdir(run_dir))
+             if k and int(k.group(1)) < int(m.group(1))
+             and os.path.isfile(os.path.join(run_dir, k.group(0), "trainer_state.json"))]
+    return os.path.join(run_dir, f"step_{max(older)}") if older else None
+
+
+def _unreadable(ckpt: str, detail: str) -> ValueError:
+    """The error of a checkpoint that cannot be read: names it and the previous one."""
+    prev = _previous_checkpoint(ckpt)
+    hint = (f"Resume from the previous checkpoint instead: --checkpoint.resume={prev}" if prev
+            else "There is no earlier checkpoint beside it to resume from")
+    return ValueError(f"checkpoint {ckpt} is truncated or corrupt: {detail}. {hint}")
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -86,8 +117,11 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def _read_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    """A JSON file of a checkpoint; an unreadable one raises :func:`_unreadable`'s error."""
+    try:
+        return read_json(path)
+    except ValueError as e:
+        raise _unreadable(os.path.dirname(path).removesuffix(os.sep + "rng"), str(e)) from None
 
 
 def _fsync_dir(path: str) -> None:
@@ -406,7 +440,7 @@ class Checkpointer:
         trainer state dict."""
         state_path = os.path.join(path, "trainer_state.json")
         if not os.path.isfile(state_path):
-            raise ValueError(f"{path} is not a complete checkpoint (no trainer_state.json)")
+            raise _unreadable(path, "it has no trainer_state.json")
         state = _read_json(state_path)
         cfg_path = os.path.join(path, "config.json")
         current = model_config_dict(model)

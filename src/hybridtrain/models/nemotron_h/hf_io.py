@@ -17,12 +17,11 @@ from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
-from hybridtrain.fileio import apply_umask
+from hybridtrain.fileio import apply_umask, open_safetensors
 
 from .config import NemotronHConfig
 
@@ -121,7 +120,7 @@ def read_checkpoint_header(files: list[str]) -> dict[str, tuple[tuple[int, ...],
     """Hub name -> (shape, safetensors dtype, file), without reading any tensor data."""
     found: dict[str, tuple[tuple[int, ...], str, str]] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:
             for k in f.keys():
                 sl = f.get_slice(k)
                 if k in found:
@@ -183,7 +182,7 @@ def load_pretrained(
     # the tensors were created on the meta device; to_empty gave them storage, we fill each one
     with torch.no_grad():
         for path in files:
-            with safe_open(path, framework="pt", device=str(device)) as f:
+            with open_safetensors(path, device=str(device)) as f:
                 for k in f.keys():
                     if IGNORED_ON_LOAD.match(k):
                         continue

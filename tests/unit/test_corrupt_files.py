@@ -1,0 +1,112 @@
+"""Truncated or corrupt files through the CLI: model weights, a PEFT adapter, and each file of a
+checkpoint a run resumes from. The error names the file (and, for a checkpoint, the previous one
+to resume from instead); nothing is written into the run folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import yaml
+from tests.helpers.recipes import tiny_recipe
+
+from hybridtrain.cli import main
+
+
+def truncate(path, keep: float = 0.5) -> None:
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: int(len(data) * keep)])
+
+
+def write_recipe(tmp_path, model=None) -> str:
+    recipe = tiny_recipe()
+    if model is not None:
+        recipe["model"] = model
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A saved tiny model (config.json + model.safetensors) and a LoRA adapter of it."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+    from hybridtrain.peft import apply_lora, save_peft_adapter
+
+    root = tmp_path_factory.mktemp("hf")
+    model = NemotronHForCausalLM(tiny_config(kind="mixed"))
+    model.save_pretrained(root / "base")
+    apply_lora(model, dim=2, alpha=4, target_modules=["q_proj"])
+    save_peft_adapter(model, root / "adapter", str(root / "base"))
+    return root
+
+
+def test_truncated_model_weights_name_the_file(tmp_path, tiny_hf, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_hf / "base", base)
+    truncate(base / "model.safetensors")
+    model = {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
+             "local_dir": str(base)}
+    out = tmp_path / "run"
+    assert main(["finetune", "-c", write_recipe(tmp_path, model=model),
+                 f"--checkpoint.dir={out}", "--training.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{base / 'model.safetensors'}: not a readable safetensors file, truncated or "
+            "corrupt") in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_truncated_adapter_names_the_file(tmp_path, tiny_hf, capsys):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(tiny_hf / "adapter", adapter)
+    truncate(adapter / "adapter_model.safetensors", 0.9)
+    assert main(["merge", "--base", str(tiny_hf / "base"), "--adapter", str(adapter),
+                 "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert (f"{adapter / 'adapter_model.safetensors'}: not a readable safetensors file, "
+            "truncated or corrupt") in err
+    assert not (tmp_path / "merged").exists()
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run folder with step_1 and step_2 (latest), and the recipe and arguments that made it."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    args = ["finetune", "-c", write_recipe(tmp), "--metrics.progress_bar=false",
+            "--training.global_batch_size=2", "--training.ckpt_every_steps=1"]
+    assert main(args + [f"--checkpoint.dir={tmp / 'run'}", "--training.max_steps=2"]) == 0
+    return tmp / "run", args
+
+
+@pytest.mark.parametrize("victim", ["step_2/dcp/__0_0.distcp", "step_2/dcp/.metadata",
+                                    "step_2/trainer_state.json", "step_2/rng/rank_0.json",
+                                    "step_1/trainer_state.json"])
+def test_resume_from_a_truncated_checkpoint_names_it_and_the_previous_one(
+        tmp_path, two_checkpoints, capsys, victim):
+    src, args = two_checkpoints
+    run = tmp_path / "run"
+    shutil.copytree(src, run, symlinks=True)
+    step = victim.split("/")[0]
+    if step == "step_1":  # the oldest checkpoint is broken: there is none before it
+        (run / "latest").write_text("step_1\n")
+    truncate(run / victim)
+    before = {p: os.path.getmtime(p) for p in run.rglob("*")}
+    code = main(args + [f"--checkpoint.dir={run}", "--training.max_steps=3",
+                        "--checkpoint.resume=auto"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert f"hybridtrain: error: checkpoint {run / step} is truncated or corrupt: " in err
+    if victim.endswith(".json"):
+        assert f"{run / victim}: line " in err  # the file and where it breaks
+    else:
+        assert f"{run / step / 'dcp'} cannot be read" in err
+    if step == "step_2":
+        assert f"Resume from the previous checkpoint instead: --checkpoint.resume={run}/step_1" in err
+    else:
+        assert "There is no earlier checkpoint beside it to resume from" in err
+    assert {p: os.path.getmtime(p) for p in run.rglob("*")} == before  # nothing written
+    if step == "step_2":  # the suggestion works
+        assert main(args + [f"--checkpoint.dir={run}", "--training.max_steps=2",
+                            f"--checkpoint.resume={run}/step_1"]) == 0
