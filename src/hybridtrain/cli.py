@@ -284,6 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hybridtrain: error: {e}\n(HYBRIDTRAIN_LOG_LEVEL=DEBUG shows the traceback)",
               file=sys.stderr)
         return 2
+    except OSError as e:  # a full or read-only disk: said plainly, naming the file
+        from hybridtrain.fileio import write_error
+
+        err = write_error(e, "a file", None)
+        if err is None:
+            raise
+        logger.debug("traceback", exc_info=True)
+        print(f"hybridtrain: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

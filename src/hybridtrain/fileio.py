@@ -6,6 +6,8 @@ the same time (every rank of a run).
     read_text(path) -> str                               # UTF-8; EncodingError names file:line
     read_json(path) -> Any                               # ... and syntax errors file:line
     open_safetensors(path, device="cpu") -> safe_open    # a truncated file: ValueError naming it
+    write_error(exc, what, path) -> WriteError | None    # a full or read-only disk, named
+    append_text(path, text) -> None                      # a log line; WriteError names path
     atomic_write(path, data, fsync=False) -> bool        # str or bytes
     atomic_write_json(path, obj, indent=1, fsync=False) -> bool
     publish_files(src_dir, dst_dir) -> None              # each file of src_dir, atomically
@@ -24,6 +26,7 @@ the user's umask like every other file.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -31,7 +34,48 @@ from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
            "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
-           "open_safetensors"]
+           "open_safetensors", "WriteError", "write_error", "append_text"]
+
+
+# -- errors -----------------------------------------------------------------------------------
+# a disk that is full or read-only, a folder that is not writable, a file size limit: what to do
+_FULL = "free some space or choose another folder"
+_DENIED = "fix the folder's permissions or choose another folder"
+DISK_ERRNOS = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EROFS: "choose a writable folder",
+               errno.EFBIG: "a file size limit (ulimit -f) is in force",
+               errno.EACCES: _DENIED, errno.EPERM: _DENIED}
+
+
+class WriteError(ValueError):
+    """A file could not be written: the disk is full or read-only, or the folder not writable."""
+
+
+def write_error(exc: BaseException, what: str,
+                path: str | os.PathLike | None) -> WriteError | None:
+    """The :class:`WriteError` for ``exc`` (an ``OSError``, or one that has it as its cause)
+    raised while writing ``what`` into ``path`` (None: the file the error names); None for
+    any other error."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None or exc.errno not in DISK_ERRNOS:
+        return None
+    where = path if path is not None else exc.filename
+    where = f" ({os.fspath(where)})" if where else ""
+    return WriteError(f"{os.strerror(exc.errno).lower()} while writing {what}{where}; "
+                      f"{DISK_ERRNOS[exc.errno]}")
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append ``text`` to ``path`` (a log); a full or read-only disk raises a
+    :class:`WriteError` naming it."""
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        err = write_error(e, "log", path)
+        if err is None:
+            raise
+        raise err from e
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -105,7 +149,8 @@ def _holds(path: str, data: bytes) -> bool:
 def atomic_write(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> bool:
     """Write ``data`` (text is UTF-8) to ``path`` through a private temporary file and one
     rename; ``fsync``: flush it to disk before the rename. Returns False when ``path`` already
-    held ``data`` (nothing written)."""
+    held ``data`` (nothing written). A full or read-only disk raises a :class:`WriteError`
+    naming ``path`` (the temporary file removed)."""
     path = os.fspath(path)
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     if _holds(path, raw):
@@ -119,12 +164,15 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, fsync: bool = False
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.remove(tmp)
         except OSError:
             pass
-        raise
+        err = write_error(e, "file", path)
+        if err is None:
+            raise
+        raise err from e
     return True
 
 

@@ -22,6 +22,7 @@ previous checkpoint and ``latest`` untouched.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib
 import inspect
@@ -45,7 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
-from hybridtrain.fileio import atomic_write, atomic_write_json, read_json, unique_tmp_path
+from hybridtrain.fileio import (WriteError, atomic_write, atomic_write_json, read_json,
+                                unique_tmp_path, write_error)
 from hybridtrain.models.spec import model_spec_for
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
@@ -233,6 +235,30 @@ def default_export(model: torch.nn.Module, step_dir: str, tokenizer=None,
     return out
 
 
+def _partial_dir(run_dir: str, step: int) -> str:
+    """Where ``step_{step}`` is written before it is complete."""
+    return os.path.join(run_dir, f".step_{step}.tmp")
+
+
+def _removes_partial_on_write_error(save: Callable) -> Callable:
+    """``Checkpointer.save`` that, when a disk is full or read-only, removes the partial
+    checkpoint (it would fill the disk further) and raises a ``WriteError`` naming the path."""
+    @functools.wraps(save)
+    def wrapper(self, step: int, *args, **kwargs):
+        try:
+            return save(self, step, *args, **kwargs)
+        except (OSError, WriteError, dcp.CheckpointException) as e:
+            causes = [c for c, _ in e.failures.values()] if hasattr(e, "failures") else [e]
+            tmp = _partial_dir(self.dir, step)
+            what = f"checkpoint {os.path.join(self.dir, f'step_{step}')}"
+            err = next(filter(None, (write_error(c, what, tmp) for c in causes)), None)
+            if err is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise type(err)(f"{err}; the partial checkpoint was removed") from e
+    return wrapper
+
+
 # -- the checkpointer -------------------------------------------------------------------------
 def _peft_diff(saved: dict | None, current: dict | None) -> list[str]:
     """Differences between the LoRA settings of a checkpoint and of this run (dropout ignored:
@@ -306,6 +332,7 @@ class Checkpointer:
         return path
 
     # -- save --------------------------------------------------------------------------------
+    @_removes_partial_on_write_error
     def save(
         self,
         step: int,
@@ -324,7 +351,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         name = f"step_{step}"
         out = os.path.join(self.dir, name)
-        tmp = os.path.join(self.dir, f".{name}.tmp")
+        tmp = _partial_dir(self.dir, step)
         rank = get_rank()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hybridtrain.fileio import atomic_write
+from hybridtrain.fileio import append_text, atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,7 @@ class MetricsLogger:
     def _append(self, path: str, record: dict) -> None:
         if not self.jsonl:
             return
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(path, json.dumps(record) + "\n")
 
     def _write(self, path: str, tb_prefix: str, record: dict[str, Any]) -> dict[str, Any]:
         """Appends the JSON-safe ``record`` to ``path`` and its numbers to TensorBoard."""

@@ -1,0 +1,91 @@
+"""A full or read-only disk while a run writes: a clear error naming the path, and no partial
+checkpoint (``.step_N.tmp``) left behind to fill the disk further. A full disk is a file size
+limit (``RLIMIT_FSIZE``, set in the child process that runs the CLI: writes past it fail with
+EFBIG) or ``/dev/full`` (every write fails with ENOSPC)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tests.helpers.recipes import tiny_recipe
+
+from hybridtrain.cli import main
+from hybridtrain.fileio import WriteError, append_text, atomic_write
+from hybridtrain.runfolder import LOCK_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+
+LIMITED = """import resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+from hybridtrain.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def run_limited(tmp_path, limit: int, out: Path) -> subprocess.CompletedProcess:
+    """`hybridtrain finetune` of one step into ``out``, no file larger than ``limit`` bytes."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    args = ["finetune", "-c", str(recipe), f"--checkpoint.dir={out}", "--training.max_steps=1",
+            "--training.global_batch_size=2", "--metrics.progress_bar=false"]
+    return subprocess.run([sys.executable, "-c", LIMITED, str(limit), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_full_disk_while_checkpointing_leaves_no_partial_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    res = run_limited(tmp_path, 200_000, out)  # the logs fit, the checkpoint's shard does not
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert (f"hybridtrain: error: file too large while writing checkpoint {out}/step_1 "
+            f"({out}/.step_1.tmp); a file size limit (ulimit -f) is in force; the partial "
+            "checkpoint was removed") in res.stderr
+    assert "Traceback" not in res.stderr
+    assert sorted(os.listdir(out)) == ["config.yaml", "training.jsonl"]  # no .step_1.tmp, lock
+
+
+def test_full_disk_while_writing_the_recipe_names_the_file(tmp_path):
+    out = tmp_path / "run"
+    res = run_limited(tmp_path, 1000, out)  # config.yaml is larger
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert (f"hybridtrain: error: file too large while writing file ({out}/config.yaml)"
+            in res.stderr)
+    assert os.listdir(out) == []  # no temporary file, no lock
+
+
+def test_no_space_left_while_logging_names_the_log():
+    with pytest.raises(WriteError, match=r"^no space left on device while writing log "
+                                         r"\(/dev/full\); free some space"):
+        append_text("/dev/full", "x" * 10_000)
+
+
+def test_read_only_folders(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        try:
+            (ro / "probe").touch()
+        except PermissionError:
+            pass
+        else:  # root (os.geteuid() == 0, with CAP_DAC_OVERRIDE) writes into read-only folders
+            pytest.skip("this process writes into read-only folders (root)")
+        with pytest.raises(WriteError, match=rf"permission denied while writing file "
+                                             rf"\({ro}/f\)"):
+            atomic_write(ro / "f", "x")
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump(tiny_recipe()))
+        assert main(["finetune", "-c", str(recipe), f"--checkpoint.dir={ro}",
+                     "--training.max_steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot lock checkpoint.dir {ro}: Permission denied" in err
+        assert os.listdir(ro) == [] and not (ro / LOCK_NAME).exists()
+    finally:
+        ro.chmod(0o755)
