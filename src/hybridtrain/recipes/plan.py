@@ -139,7 +139,10 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
             "is neither")
     spec = model_spec_for(owner)
     kwargs = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
-    bound = inspect.signature(target).bind_partial(**kwargs).arguments
+    try:
+        bound = inspect.signature(target).bind_partial(**kwargs).arguments
+    except TypeError as e:
+        raise ValueError(f"{model_node.where()}: {e}") from None
     local_dir = bound.get(next(iter(inspect.signature(target).parameters)))
     path = os.path.join(str(local_dir), "config.json")
     if not os.path.isfile(path):
