@@ -21,8 +21,9 @@ logits). Per block type:
 
 A checkpointed block keeps only its input. The last stage adds the final norm and the chunked
 linear cross-entropy: the hidden-state gradient it forms in forward, the head weight's fp32
-gradient accumulator (when the head trains) and one chunk's logits (fp32), their exponentials
-and gradient (``loss_chunk_size: null``: every token's logits).
+gradient accumulator (when the head trains) and one chunk's logits, their fp32 exponentials
+(which become the gradient) and its low-precision copy (``loss_chunk_size: null``: every token's
+logits at once).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
     chunk = T if chunk is None else min(int(chunk), T)
     loss = (block_in + T * _F32  # final norm
             + T * H * e + T * _F32  # the hidden-state gradient, log-sum-exp
-            + chunk * V * (2 * _F32 + e)  # one chunk: logits, exponentials / gradient
+            + chunk * V * (_F32 if e == _F32 else 2 * e + _F32)  # one chunk's logits, fp32
+            # exponentials (the fp32 logits' own buffer) and low-precision gradient copy
             + (V * H * _F32 if head_grad else 0))
     return {"layers": layers, "head": {"loss": float(loss)}}
