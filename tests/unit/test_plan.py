@@ -139,3 +139,17 @@ def test_missing_config_json_is_a_user_error(tmp_path):
     recipe = _from_pretrained_recipe(tmp_path)
     with pytest.raises(ValueError, match="config.json"):
         plan_memory(recipe, 1)
+
+
+@pytest.mark.parametrize("name", ["nemotron3_nano_squad", "nemotron3_nano_lora_chat"])
+def test_recipe_comments_state_the_current_plan(nano_dir, name):
+    """The 8 x 80 GB figures written in the 30B recipes are what the plan says today."""
+    path = ROOT / "examples" / f"{name}.yaml"
+    plan = plan_memory(path, 8, device_memory=parse_memory("80GB"))
+    text = path.read_text()
+    assert plan.fits
+    for group in plan.roles():
+        r = group[0]
+        for value in (r.params, r.grads, r.optimizer, r.activations, sum(r.buffers.values()),
+                      r.total):
+            assert f"{value / GiB:.2f}" in text, (name, value / GiB)
