@@ -153,3 +153,14 @@ def test_recipe_comments_state_the_current_plan(nano_dir, name):
         for value in (r.params, r.grads, r.optimizer, r.activations, sum(r.buffers.values()),
                       r.total):
             assert f"{value / GiB:.2f}" in text, (name, value / GiB)
+
+
+def test_cpu_offload_moves_states_to_the_host(nano_dir):
+    path = ROOT / "examples" / "nemotron3_nano_lora_chat.yaml"
+    from hybridtrain.config import load_config
+
+    on = plan_memory(load_config(path, {"distributed.cpu_offload": True}), 8)
+    off = plan_memory(path, 8)
+    a, b = on.ranks[0], off.ranks[0]
+    assert a.host == b.params + b.grads + b.optimizer
+    assert a.total == pytest.approx(b.total - a.host)

@@ -21,6 +21,9 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   forward, as under pipeline parallelism; else two units) and one unit's unsharded gradients;
   without FSDP, autocast's low-precision weight copies.
 
+With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
+host (``RankMemory.host``), not in the device total.
+
 With ``--device-memory`` a plan over it exits with status 1 and lists changes (each planned
 again) that lower the peak. Allocator overhead (CUDA context, fragmentation) is not included.
 """
@@ -63,10 +66,17 @@ class RankMemory:
     micro_batches_in_flight: float
     activations: float
     buffers: dict[str, float]
+    offloaded: bool = False  # FSDP CPU offload: parameters, gradients, optimizer on the host
+
+    @property
+    def host(self) -> float:
+        """Bytes the rank keeps in host memory instead (CPU offload)."""
+        return self.params + self.grads + self.optimizer if self.offloaded else 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + sum(
+        """Device bytes."""
+        return self.params + self.grads + self.optimizer - self.host + self.activations + sum(
             self.buffers.values())
 
 
@@ -107,7 +117,7 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         for r, rd in zip(self.ranks, d["ranks"]):
-            rd["total"] = r.total
+            rd.update(total=r.total, host=r.host)
         d.update(peak=self.peak, fits=self.fits)
         return d
 
@@ -324,7 +334,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         buffers = _buffers(part, spec, dims, c, experts, gather_dtype, reshard, reduce_bytes,
                            autocast)
         ranks.append(RankMemory(rank, stage_ids, params, grads, opt, per_mb, flight,
-                                activations, buffers))
+                                activations, buffers, dims.fsdp_enabled and d.cpu_offload))
     all_params = _unique(model)
     return MemoryPlan(
         source=str(cfg.source_file), world_size=world_size, degrees=dims.degrees(),
@@ -406,6 +416,10 @@ def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tupl
             if (pp, ep) != (d.pp, d.ep):
                 with_(f"pp={pp}, ep={ep} (--distributed.pp={pp} --distributed.ep={ep})",
                       distributed={"pp": pp, "ep": ep, "dp_shard": -1})
+    if plan.degrees["dp_shard"] * plan.degrees["cp"] * plan.degrees["dp_replicate"] > 1 \
+            and not d.cpu_offload:
+        with_("offload parameters, gradients and optimizer state to the host "
+              "(--distributed.cpu_offload=true; slower)", distributed={"cpu_offload": True})
     if cfg.peft is None:
         extra = {"model": {"dtype": "bfloat16"}} if "dtype" in cfg.model else {}
         with_("use LoRA (a peft: section, e.g. dim 8, match_all_linear"
@@ -471,6 +485,8 @@ def format_plan(plan: MemoryPlan) -> str:
              ("activations", [_gib(g[0].activations) for g in roles])]
     rows += [(k.replace("_", " "), [_gib(g[0].buffers.get(k, 0.0)) for g in roles]) for k in bufs]
     rows += [("total", [_gib(g[0].total) for g in roles])]
+    if any(r.offloaded for r in plan.ranks):
+        rows += [("on the host (cpu_offload)", [_gib(g[0].host) for g in roles])]
     w0 = max(len(r[0]) for r in rows) + 2
     w = max(10, *(len(v) + 2 for _, vals in rows for v in vals))
     lines += [f"{name:<{w0}}" + "".join(f"{v:>{w}}" for v in vals) for name, vals in rows]
