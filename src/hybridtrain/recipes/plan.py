@@ -246,14 +246,66 @@ def _seq_len(cfg: ConfigNode) -> int:
     return _default_seq_len(cfg)
 
 
+def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
+    """(schedule or None, stages per rank, [(stage ids, layer positions, holds the last
+    stage, the rank's part of the model)] per pp rank), as :func:`~hybridtrain.distributed.
+    plan.parallelize` splits it."""
+    from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
+
+    names = spec.pipeline_layers(model)
+    if dims.pp == 1:
+        return None, 1, [([0], list(range(len(names))), True, model)]
+    config = model.config
+    sched, num_stages, ranges, _ = pipeline_layout(
+        len(names), dims, distributed, spec.layer_flops(config, seq_len), spec.head_flops(config))
+    per_rank = num_stages // dims.pp
+    parts = []
+    for r in range(dims.pp):
+        ids = stage_ids_for_rank(r, dims.pp, per_rank, sched.style)
+        mine = [i for s in ids for i in range(*ranges[s])]
+        last = num_stages - 1 in ids
+        parts.append((ids, mine, last, spec.pipeline_stage(
+            model, [names[i] for i in mine], 0 in ids, last)))
+    return sched, per_rank, parts
+
+
+def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int]):
+    """(parameter, gradient, AdamW state) bytes of ``part`` on the rank at coordinates ``c``."""
+    params = grads = opt = 0.0
+    for _, p in _unique(part):
+        expert = id(p) in experts
+        b = _local_numel(tuple(p.shape), expert, dims, c) / (1 if expert else dims.tp) \
+            * p.element_size()
+        params += b
+        if p.requires_grad:
+            grads += b
+            opt += _ADAM_MOMENTS * b + _STEP_BYTES
+    return params, grads, opt
+
+
+def _layer_activations(act: dict, policy, names: list[str], positions: list[int], tp: int):
+    """({category: bytes of one micro-batch}, the largest checkpointed block's bytes: what its
+    recompute in backward holds)."""
+    per_mb: dict[str, float] = {}
+    recompute = 0.0
+    for i in positions:
+        layer = act["layers"][i]
+        ckpt = policy.selects(int(names[i]), layer["type"])
+        key = layer["category"]
+        per_mb[key] = per_mb.get(key, 0.0) + layer["checkpointed" if ckpt else "saved"] / tp
+        if ckpt:
+            recompute = max(recompute, layer["saved"] / tp)
+    return per_mb, recompute
+
+
 def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 device_memory: float | None = None) -> MemoryPlan:
     """The per-rank memory plan of recipe ``cfg`` (a path, dict or loaded config) on
     ``world_size`` ranks of ``device_type`` (its ``auto`` dtype)."""
     from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
-    from hybridtrain.distributed.fsdp import fsdp_param_dtype, resolve_reshard_after_forward
+    from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
+                                              resolve_reshard_after_forward)
     from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
     from hybridtrain.recipes.finetune import as_config
     from hybridtrain.training.precision import autocast_dtype
 
@@ -262,7 +314,6 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     spec, model = meta_model(cfg.model)
-    config = model.config
     if cfg.peft is not None:
         from hybridtrain.peft.lora import apply_lora
 
@@ -272,57 +323,25 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     autocast = autocast_dtype(compute)
     experts = _expert_params(model)
     names = spec.pipeline_layers(model)
-    if dims.pp > 1:
-        sched, num_stages, ranges, _ = pipeline_layout(
-            len(names), dims, d, spec.layer_flops(config, _seq_len(cfg)), spec.head_flops(config))
-        per_rank = num_stages // dims.pp
-        parts = []
-        for r in range(dims.pp):
-            ids = stage_ids_for_rank(r, dims.pp, per_rank, sched.style)
-            mine = [i for s in ids for i in range(*ranges[s])]
-            last = num_stages - 1 in ids
-            parts.append((ids, mine, last, spec.pipeline_stage(
-                model, [names[i] for i in mine], 0 in ids, last)))
-    else:
-        sched, per_rank = None, 1
-        parts = [([0], list(range(len(names))), True, model)]
-    # activations of one micro-batch, per layer
     seq_len = _seq_len(cfg)
+    sched, per_rank, parts = _pipeline_parts(spec, model, dims, d, seq_len)
+    # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
     rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
-    head_trains = list(model.parameters())[-1].requires_grad  # the output head's weight
-    act = spec.activation_bytes(config, rows, -(-seq_len // dims.cp), compute,
+    head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
+    act = spec.activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
                                 t.loss_chunk_size, head_trains) if spec.activation_bytes else None
     policy = parse_ac_policy(t.activation_checkpointing)
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
-    gather_dtype = fsdp_param_dtype(d, autocast)
-    reshard = resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled)
-    reduce_bytes = _elsize(torch.float32 if d.fsdp_reduce_dtype in (None, "float32", "fp32")
-                           else compute)
-
+    fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
+            "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
+            "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
+                                                  "distributed.fsdp_reduce_dtype") or compute)}
     ranks = []
     for rank in range(world_size):
         c = _coords(rank, dims)
-        stage_ids, layer_pos, is_last, part = parts[c["pp"]]
-        params = grads = opt = 0.0
-        for _, p in _unique(part):
-            n = _local_numel(tuple(p.shape), id(p) in experts, dims, c) / (
-                1 if id(p) in experts else dims.tp)
-            b = n * p.element_size()
-            params += b
-            if p.requires_grad:
-                grads += b
-                opt += _ADAM_MOMENTS * b + _STEP_BYTES
-        per_mb: dict[str, float] = {}
-        recompute = 0.0
-        if act is not None:
-            for i in layer_pos:
-                layer = act["layers"][i]
-                key = layer["category"]
-                if policy.selects(int(names[i]), layer["type"]):
-                    per_mb[key] = per_mb.get(key, 0.0) + layer["checkpointed"] / dims.tp
-                    recompute = max(recompute, layer["saved"] / dims.tp)
-                else:
-                    per_mb[key] = per_mb.get(key, 0.0) + layer["saved"] / dims.tp
+        stage_ids, positions, is_last, part = parts[c["pp"]]
+        per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
+                             if act is not None else ({}, 0.0))
         flight = _in_flight(sched, dims.pp, c["pp"], per_rank, n_mb)
         activations = sum(per_mb.values()) * flight + recompute
         if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
@@ -331,10 +350,10 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 activations += v
         if recompute:
             per_mb["recompute"] = recompute
-        buffers = _buffers(part, spec, dims, c, experts, gather_dtype, reshard, reduce_bytes,
-                           autocast)
-        ranks.append(RankMemory(rank, stage_ids, params, grads, opt, per_mb, flight,
-                                activations, buffers, dims.fsdp_enabled and d.cpu_offload))
+        ranks.append(RankMemory(
+            rank, stage_ids, *_states(part, experts, dims, c), per_mb, flight, activations,
+            _buffers(part, spec, dims, experts, autocast, **fsdp),
+            dims.fsdp_enabled and d.cpu_offload))
     all_params = _unique(model)
     return MemoryPlan(
         source=str(cfg.source_file), world_size=world_size, degrees=dims.degrees(),
@@ -366,7 +385,7 @@ def _layers_path(part: nn.Module) -> str:
     raise AssertionError("a model's pipeline layers live in a ModuleDict")
 
 
-def _buffers(part, spec, dims, c, experts, gather_dtype, reshard, reduce_bytes, autocast):
+def _buffers(part, spec, dims, experts, autocast, gather_dtype, reshard, reduce_bytes):
     """Transient buffers: FSDP all-gathers and unsharded gradients, or autocast weight copies."""
     if dims.fsdp_enabled:
         sizes, grad_sizes = [], []
