@@ -164,3 +164,22 @@ def test_cpu_offload_moves_states_to_the_host(nano_dir):
     a, b = on.ranks[0], off.ranks[0]
     assert a.host == b.params + b.grads + b.optimizer
     assert a.total == pytest.approx(b.total - a.host)
+
+
+def test_shard_arithmetic_follows_torch_chunk_and_the_rank_layout():
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+    from hybridtrain.recipes.plan import _chunk, _coords
+
+    for n in range(0, 12):
+        for parts in range(1, 5):
+            ref = [len(c) for c in torch.chunk(torch.arange(n), parts)] if n else []
+            got = [_chunk(n, parts, i) for i in range(parts)]
+            assert got == ref + [0] * (parts - len(ref)), (n, parts, got, ref)
+    dims = ParallelDims(dp_replicate=2, dp_shard=4, pp=2, ep=2, world_size=16)
+    grid = torch.arange(16).view(2, 2, 4, 1, 1)  # pp, dp_replicate, dp_shard, cp, tp
+    for rank in range(16):
+        c = _coords(rank, dims)
+        assert grid[c["pp"], c["dp_replicate"], c["dp_shard"], c["cp"], c["tp"]] == rank
+        # the expert view (pp, dp_replicate, efsdp, ep, tp) of the same ranks
+        assert torch.arange(16).view(2, 2, 2, 2, 1)[
+            c["pp"], c["dp_replicate"], c["efsdp"], c["ep"], 0] == rank
