@@ -171,12 +171,12 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _add_recipe_options(p: argparse.ArgumentParser) -> set[str]:
+def _add_recipe_options(p: argparse.ArgumentParser, nproc_help: str | None = None) -> set[str]:
     p.add_argument("-c", "--config", required=True, metavar="RECIPE.yaml",
                    help="the YAML recipe")
     p.add_argument(*_NPROC_FLAGS, dest="nproc_per_node", type=_positive_int, default=None,
-                   metavar="N", help="processes on this node: N > 1 re-launches under "
-                   "torchrun --standalone (ignored under an external torchrun)")
+                   metavar="N", help=nproc_help or "processes on this node: N > 1 re-launches "
+                   "under torchrun --standalone (ignored under an external torchrun)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved recipe (defaults, overrides, env) and exit")
     return {"-c", "--config", *_NPROC_FLAGS, "--print-config", "-h", "--help"}
@@ -215,7 +215,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                        usage="hybridtrain plan -c RECIPE.yaml --nproc-per-node N [--nnodes M] "
                              "[--device-memory 80GB] [--json] [--section.key=VALUE ...]",
                        epilog=_OVERRIDE_HELP)
-    known["plan"] = _add_recipe_options(p) | {"--nnodes", "--device-memory", "--device-type",
+    known["plan"] = _add_recipe_options(p, "ranks per node the plan is for") | {"--nnodes", "--device-memory", "--device-type",
                                               "--json"}
     p.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
                    help="nodes (world size = M x N)")
