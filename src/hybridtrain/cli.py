@@ -4,6 +4,7 @@ Commands::
 
     hybridtrain finetune  -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain benchmark -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
+    hybridtrain plan      -c RECIPE.yaml --nproc-per-node N [--device-memory 80GB] [--json]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
     hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
 
@@ -170,12 +171,12 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _add_recipe_options(p: argparse.ArgumentParser) -> set[str]:
+def _add_recipe_options(p: argparse.ArgumentParser, nproc_help: str | None = None) -> set[str]:
     p.add_argument("-c", "--config", required=True, metavar="RECIPE.yaml",
                    help="the YAML recipe")
     p.add_argument(*_NPROC_FLAGS, dest="nproc_per_node", type=_positive_int, default=None,
-                   metavar="N", help="processes on this node: N > 1 re-launches under "
-                   "torchrun --standalone (ignored under an external torchrun)")
+                   metavar="N", help=nproc_help or "processes on this node: N > 1 re-launches "
+                   "under torchrun --standalone (ignored under an external torchrun)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved recipe (defaults, overrides, env) and exit")
     return {"-c", "--config", *_NPROC_FLAGS, "--print-config", "-h", "--help"}
@@ -207,6 +208,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                                  f"[--nproc-per-node N] [--print-config]",
                            epilog=_OVERRIDE_HELP)
         known[name] = _add_recipe_options(p)
+    desc = ("per-rank memory plan of a recipe's layout (no GPU needed: the model is built on "
+            "the meta device); exits 1 when it exceeds --device-memory, saying what to change")
+    p = sub.add_parser("plan", help=desc, description=desc, allow_abbrev=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="hybridtrain plan -c RECIPE.yaml --nproc-per-node N [--nnodes M] "
+                             "[--device-memory 80GB] [--json] [--section.key=VALUE ...]",
+                       epilog=_OVERRIDE_HELP)
+    known["plan"] = _add_recipe_options(p, "ranks per node the plan is for") | {"--nnodes", "--device-memory", "--device-type",
+                                              "--json"}
+    p.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
+                   help="nodes (world size = M x N)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="memory per device, e.g. 80GB (binary units: 80 GiB)")
+    p.add_argument("--device-type", default="cuda", choices=("cuda", "cpu"),
+                   help="the device the plan is for (training.dtype auto: bf16 on cuda)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("convert", help="export a checkpoint (step_N/ or a run folder's latest) "
                        "to a Hugging Face folder",
                        description="Export a checkpoint to a Hugging Face folder "
@@ -229,6 +246,10 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         sys.stdout.write(cfg.to_yaml())
         return 0
     nproc = args.nproc_per_node
+    if command == "plan":  # arithmetic on the meta device: never launches ranks
+        run = _load_entry("hybridtrain.recipes.plan", "run", command)
+        return run(cfg, (nproc or 1) * args.nnodes, args.device_memory, args.json,
+                   args.device_type)
     if nproc is not None and under_torchrun():
         if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "

@@ -47,6 +47,10 @@ class ModelSpec:
       them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take;
       ``peft_module_prefixes``: {prefix of the transformers implementation's module names:
       ours}, to read adapters PEFT wrote for it.
+    * ``activation_bytes(config, micro_batch, seq_len, dtype, loss_chunk_size, head_grad) ->
+      {"layers": [{"type", "category", "saved", "checkpointed"}, ...], "head": {name: bytes}}``:
+      what one micro-batch keeps for backward per layer (with and without activation
+      checkpointing) and on the last stage (``hybridtrain plan``; None: no activation estimate).
     """
 
     name: str
@@ -63,6 +67,7 @@ class ModelSpec:
     expert_modules: tuple[type[nn.Module], ...] = ()
     lora_export_notes: Callable[[list[str]], str | None] | None = None
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
+    activation_bytes: Callable[..., dict] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

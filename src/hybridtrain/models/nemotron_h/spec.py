@@ -10,6 +10,7 @@ from hybridtrain.models.spec import ModelSpec, register_model_spec
 from . import flops
 from .config import NemotronHConfig
 from .hf_io import save_hf_checkpoint
+from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
 from .parallelize import parallelize_nemotron_h
@@ -79,4 +80,5 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     expert_modules=(Experts,),
     lora_export_notes=lora_export_notes,
     peft_module_prefixes={"model.": "backbone."},
+    activation_bytes=activation_bytes,
 ))

@@ -1,0 +1,555 @@
+"""``hybridtrain plan``: the memory each rank of a recipe's layout needs, before the run.
+
+    hybridtrain plan -c RECIPE.yaml --nproc-per-node 8 [--device-memory 80GB] [--json]
+
+The model is built on the meta device from the recipe's model section (a class with its config,
+or ``from_pretrained``: only the checkpoint's ``config.json`` is read, never its weights), LoRA
+applied as the recipe says, and split and sharded *arithmetically* the way the run lays it out
+(:mod:`hybridtrain.distributed.plan`): pipeline stages (``pipeline_layout``), expert parameters
+(the spec's ``expert_modules``) sliced over ``ep`` then FSDP-sharded over ``efsdp``, every other
+parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and replicated over
+``dp_replicate``. Per rank:
+
+* **parameters / gradients / optimizer state**: local bytes of the rank's shards in their dtypes
+  (gradients of trainable parameters only; AdamW: two moments in the parameter's dtype and a
+  4-byte step per tensor). These match a real run's tensors (tests: within 10 %).
+* **activations**: the model's estimate per micro-batch (``ModelSpec.activation_bytes``) by
+  layer type, with activation checkpointing applied per block, times the micro-batches a
+  pipeline schedule keeps in flight on that rank; plus the recomputed block's activations under
+  checkpointing. An estimate (README: how it compares with measured peaks).
+* **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
+  forward, as under pipeline parallelism; else two units) and one unit's unsharded gradients;
+  without FSDP, autocast's low-precision weight copies.
+
+With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
+host (``RankMemory.host``), not in the device total.
+
+With ``--device-memory`` a plan over it exits with status 1 and lists changes (each planned
+again) that lower the peak. Allocator overhead (CUDA context, fragmentation) is not included.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.config import ConfigNode, build_config, instantiate, resolve_target
+
+__all__ = ["RankMemory", "MemoryPlan", "meta_model", "plan_memory", "format_plan",
+           "parse_memory", "run"]
+
+GiB = 1024 ** 3
+# AdamW's per-parameter state: exp_avg and exp_avg_sq (parameter dtype), step (fp32 scalar)
+_ADAM_MOMENTS, _STEP_BYTES = 2, 4
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds (see the module docstring)."""
+
+    rank: int
+    stages: list[int]
+    params: float
+    grads: float
+    optimizer: float
+    activations_per_micro_batch: dict[str, float]
+    micro_batches_in_flight: float
+    activations: float
+    buffers: dict[str, float]
+    offloaded: bool = False  # FSDP CPU offload: parameters, gradients, optimizer on the host
+
+    @property
+    def host(self) -> float:
+        """Bytes the rank keeps in host memory instead (CPU offload)."""
+        return self.params + self.grads + self.optimizer if self.offloaded else 0.0
+
+    @property
+    def total(self) -> float:
+        """Device bytes."""
+        return self.params + self.grads + self.optimizer - self.host + self.activations + sum(
+            self.buffers.values())
+
+
+@dataclass
+class MemoryPlan:
+    source: str
+    world_size: int
+    degrees: dict[str, int]
+    model: str
+    num_params: int
+    num_trainable: int
+    param_dtypes: list[str]
+    compute_dtype: str
+    micro_batch: int
+    seq_len: int
+    activation_checkpointing: Any
+    ranks: list[RankMemory]
+    device_memory: float | None = None
+    advice: list[dict] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return max(r.total for r in self.ranks)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.peak <= self.device_memory
+
+    def roles(self) -> list[list[RankMemory]]:
+        """Ranks grouped by identical figures (e.g. one group per pipeline stage)."""
+        groups: dict[tuple, list[RankMemory]] = {}
+        for r in self.ranks:
+            key = (tuple(r.stages), round(r.params), round(r.grads), round(r.optimizer),
+                   round(r.activations), round(sum(r.buffers.values())))
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for r, rd in zip(self.ranks, d["ranks"]):
+            rd.update(total=r.total, host=r.host)
+        d.update(peak=self.peak, fits=self.fits)
+        return d
+
+
+# -- the model on the meta device ----------------------------------------------------------------
+def _checkpoint_dtype(hf_config: dict) -> torch.dtype:
+    from hybridtrain.training.precision import parse_dtype
+
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return parse_dtype(name, "config.json torch_dtype") if name else torch.float32
+
+
+def meta_model(model_node) -> tuple[Any, nn.Module]:
+    """(spec, model on the meta device) of a recipe's model section, without reading weights:
+    a model class (its ``config`` instantiated) or a ``Model.from_pretrained(dir, dtype=...)``
+    (the config from ``dir/config.json``; the parameters in ``dtype``, else the checkpoint's)."""
+    from hybridtrain.models.spec import model_spec_for
+
+    target = resolve_target(model_node["_target_"], model_node.target_prefixes())
+    owner = getattr(target, "__self__", None)
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        spec = model_spec_for(target)
+        with torch.device("meta"):
+            return spec, instantiate(model_node)
+    if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
+        raise ValueError(
+            f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
+            f"from a model class with a config or Model.from_pretrained; {model_node['_target_']} "
+            "is neither")
+    spec = model_spec_for(owner)
+    kwargs = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
+    try:
+        bound = inspect.signature(target).bind_partial(**kwargs).arguments
+    except TypeError as e:
+        raise ValueError(f"{model_node.where()}: {e}") from None
+    local_dir = bound.get(next(iter(inspect.signature(target).parameters)))
+    path = os.path.join(str(local_dir), "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{model_node.where()}: {path} does not exist; the plan reads the "
+                         "checkpoint's config.json (set the model directory, e.g. its env var)")
+    with open(path) as f:
+        hf = json.load(f)
+    config = spec.config_cls.from_dict(hf, source=path)
+    with torch.device("meta"):
+        model = spec.model_cls(config)
+    dtype = bound.get("dtype")
+    from hybridtrain.training.precision import parse_dtype
+
+    model.to(parse_dtype(dtype, f"{model_node.dotted_path()}.dtype") if dtype
+             else _checkpoint_dtype(hf))
+    return spec, model
+
+
+# -- sharding arithmetic -------------------------------------------------------------------------
+def _chunk(n: int, parts: int, i: int) -> int:
+    """Rows of part ``i`` when ``torch.chunk`` splits ``n`` rows in ``parts`` (FSDP2's shards)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - i * size))
+
+
+def _coords(rank: int, dims) -> dict[str, int]:
+    """A rank's coordinates in the layout ``pp x dp_replicate x dp_shard x cp x tp``."""
+    out = {}
+    for name in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
+        size = getattr(dims, name)
+        out[name], rank = rank % size, rank // size
+    out["dp_shard_cp"] = out["dp_shard"] * dims.cp + out["cp"]
+    out["efsdp"], out["ep"] = divmod(out["dp_shard_cp"], dims.ep)
+    return out
+
+
+def _local_numel(shape: tuple[int, ...], expert: bool, dims, c: dict[str, int]) -> int:
+    """Elements of a parameter of ``shape`` on the rank at coordinates ``c``."""
+    shape = list(shape)
+    if not shape:
+        return 1
+    if expert and dims.ep > 1:
+        shape[0] //= dims.ep
+        if dims.fsdp_enabled:
+            d = 1 if shape[0] % dims.efsdp else 0  # as apply_fsdp: Shard(1) for too few experts
+            shape[d] = _chunk(shape[d], dims.efsdp, c["efsdp"])
+    elif dims.fsdp_enabled:
+        shape[0] = _chunk(shape[0], dims.dp_shard_cp, c["dp_shard_cp"])
+    return math.prod(shape)
+
+
+def _expert_params(model: nn.Module) -> set[int]:
+    from hybridtrain.peft.lora import expert_types
+
+    types = expert_types(model)
+    return {id(p) for m in model.modules() if isinstance(m, types)
+            for p in m.parameters(recurse=False)}
+
+
+def _unique(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def _in_flight(schedule, pp: int, pp_rank: int, stages_per_rank: int, n_mb: int) -> float:
+    """Micro-batches whose activations a rank holds at once, in units of the rank's whole part
+    (a stage-micro-batch of a rank running ``v`` stages counts ``1/v``)."""
+    if pp == 1:
+        return 1.0
+    v = stages_per_rank
+    if schedule.name in ("gpipe", "loopedbfs"):
+        return float(n_mb)
+    if not schedule.multi:  # 1F1B
+        return float(min(n_mb, pp - pp_rank))
+    # interleaved / zero-bubble / V: torch's warm-up of the interleaved 1F1B schedule, + 1
+    warmup = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
+    return min(n_mb * v, warmup) / v
+
+
+def _compute_dtype(training, device_type: str) -> torch.dtype:
+    from hybridtrain.training.precision import parse_dtype
+
+    if str(training.dtype).lower() == "auto":  # the GPU a plan is for: bf16 (CPU: fp32)
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return parse_dtype(training.dtype, "training.dtype")
+
+
+def _seq_len(cfg: ConfigNode) -> int:
+    from hybridtrain.recipes.benchmark import _default_seq_len
+
+    return _default_seq_len(cfg)
+
+
+def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
+    """(schedule or None, stages per rank, [(stage ids, layer positions, holds the last
+    stage, the rank's part of the model)] per pp rank), as :func:`~hybridtrain.distributed.
+    plan.parallelize` splits it."""
+    from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
+
+    names = spec.pipeline_layers(model)
+    if dims.pp == 1:
+        return None, 1, [([0], list(range(len(names))), True, model)]
+    config = model.config
+    sched, num_stages, ranges, _ = pipeline_layout(
+        len(names), dims, distributed, spec.layer_flops(config, seq_len), spec.head_flops(config))
+    per_rank = num_stages // dims.pp
+    parts = []
+    for r in range(dims.pp):
+        ids = stage_ids_for_rank(r, dims.pp, per_rank, sched.style)
+        mine = [i for s in ids for i in range(*ranges[s])]
+        last = num_stages - 1 in ids
+        parts.append((ids, mine, last, spec.pipeline_stage(
+            model, [names[i] for i in mine], 0 in ids, last)))
+    return sched, per_rank, parts
+
+
+def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int]):
+    """(parameter, gradient, AdamW state) bytes of ``part`` on the rank at coordinates ``c``."""
+    params = grads = opt = 0.0
+    for _, p in _unique(part):
+        expert = id(p) in experts
+        b = _local_numel(tuple(p.shape), expert, dims, c) / (1 if expert else dims.tp) \
+            * p.element_size()
+        params += b
+        if p.requires_grad:
+            grads += b
+            opt += _ADAM_MOMENTS * b + _STEP_BYTES
+    return params, grads, opt
+
+
+def _layer_activations(act: dict, policy, names: list[str], positions: list[int], tp: int):
+    """({category: bytes of one micro-batch}, the largest checkpointed block's bytes: what its
+    recompute in backward holds)."""
+    per_mb: dict[str, float] = {}
+    recompute = 0.0
+    for i in positions:
+        layer = act["layers"][i]
+        ckpt = policy.selects(int(names[i]), layer["type"])
+        key = layer["category"]
+        per_mb[key] = per_mb.get(key, 0.0) + layer["checkpointed" if ckpt else "saved"] / tp
+        if ckpt:
+            recompute = max(recompute, layer["saved"] / tp)
+    return per_mb, recompute
+
+
+def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
+                device_memory: float | None = None) -> MemoryPlan:
+    """The per-rank memory plan of recipe ``cfg`` (a path, dict or loaded config) on
+    ``world_size`` ranks of ``device_type`` (its ``auto`` dtype)."""
+    from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
+    from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
+                                              resolve_reshard_after_forward)
+    from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.recipes.finetune import as_config
+    from hybridtrain.training.precision import autocast_dtype
+
+    cfg = as_config(cfg)
+    t, d = cfg.training, cfg.distributed
+    if cfg.model is None:
+        raise ValueError(f"the recipe has no model section ({cfg.source_file})")
+    spec, model = meta_model(cfg.model)
+    if cfg.peft is not None:
+        from hybridtrain.peft.lora import apply_lora
+
+        apply_lora(model, **cfg.peft.to_dict())
+    dims = parallel_dims_from_config(d, world_size, device_type, build_mesh=False)
+    compute = _compute_dtype(t, device_type)
+    autocast = autocast_dtype(compute)
+    experts = _expert_params(model)
+    names = spec.pipeline_layers(model)
+    seq_len = _seq_len(cfg)
+    sched, per_rank, parts = _pipeline_parts(spec, model, dims, d, seq_len)
+    # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
+    rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
+    head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
+    act = spec.activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
+                                t.loss_chunk_size, head_trains) if spec.activation_bytes else None
+    policy = parse_ac_policy(t.activation_checkpointing)
+    n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
+            "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
+            "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
+                                                  "distributed.fsdp_reduce_dtype") or compute)}
+    ranks = []
+    for rank in range(world_size):
+        c = _coords(rank, dims)
+        stage_ids, positions, is_last, part = parts[c["pp"]]
+        per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
+                             if act is not None else ({}, 0.0))
+        flight = _in_flight(sched, dims.pp, c["pp"], per_rank, n_mb)
+        activations = sum(per_mb.values()) * flight + recompute
+        if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
+            for k, v in act["head"].items():
+                per_mb[k] = per_mb.get(k, 0.0) + v
+                activations += v
+        if recompute:
+            per_mb["recompute"] = recompute
+        ranks.append(RankMemory(
+            rank, stage_ids, *_states(part, experts, dims, c), per_mb, flight, activations,
+            _buffers(part, spec, dims, experts, autocast, **fsdp),
+            dims.fsdp_enabled and d.cpu_offload))
+    all_params = _unique(model)
+    return MemoryPlan(
+        source=str(cfg.source_file), world_size=world_size, degrees=dims.degrees(),
+        model=type(model).__name__, num_params=sum(p.numel() for _, p in all_params),
+        num_trainable=sum(p.numel() for _, p in all_params if p.requires_grad),
+        param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for _, p in all_params}),
+        compute_dtype=str(compute).removeprefix("torch."), micro_batch=rows, seq_len=seq_len,
+        activation_checkpointing=t.activation_checkpointing, ranks=ranks,
+        device_memory=device_memory)
+
+
+def _elsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _units(part: nn.Module, spec) -> list[list[nn.Parameter]]:
+    """FSDP units of a (stage) model: each pipeline-splittable layer, then the rest (embeddings,
+    final norm, head)."""
+    layers = [part.get_submodule(f"{_layers_path(part)}.{n}") for n in spec.pipeline_layers(part)]
+    seen = {id(p) for m in layers for p in m.parameters()}
+    rest = [p for _, p in _unique(part) if id(p) not in seen]
+    return [list(m.parameters()) for m in layers] + ([rest] if rest else [])
+
+
+def _layers_path(part: nn.Module) -> str:
+    for name, m in part.named_modules():
+        if isinstance(m, nn.ModuleDict):
+            return name
+    raise AssertionError("a model's pipeline layers live in a ModuleDict")
+
+
+def _buffers(part, spec, dims, experts, autocast, gather_dtype, reshard, reduce_bytes):
+    """Transient buffers: FSDP all-gathers and unsharded gradients, or autocast weight copies."""
+    if dims.fsdp_enabled:
+        sizes, grad_sizes = [], []
+        for unit in _units(part, spec):
+            # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
+            full = [(p.numel() // (dims.ep if id(p) in experts else 1), p) for p in unit]
+            el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()
+                  for _, p in full]
+            sizes.append(sum(n * e for (n, _), e in zip(full, el)))
+            grad_sizes.append(sum(n * (e + reduce_bytes) for (n, p), e in zip(full, el)
+                                  if p.requires_grad))
+        gathered = sum(sizes) if not reshard else sum(sorted(sizes)[-2:])
+        return {"fsdp_gathered_params": float(gathered),
+                "fsdp_unsharded_grads": float(max(grad_sizes, default=0))}
+    if autocast is not None:
+        copies = sum(p.numel() for _, p in _unique(part)
+                     if p.dim() >= 2 and p.dtype != autocast) / dims.tp
+        return {"autocast_weight_copies": float(copies * _elsize(autocast))}
+    return {}
+
+
+# -- advice --------------------------------------------------------------------------------------
+def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tuple[str, dict, int]]:
+    """(what to change, recipe data with it, world size) to try when the plan does not fit."""
+    base = cfg.to_dict()
+    t, d = cfg.training, cfg.distributed
+    out = []
+
+    def with_(label, world=world_size, **sections):
+        data = copy.deepcopy(base)
+        for sec, values in sections.items():
+            data[sec] = {**(data.get(sec) or {}), **values}
+        out.append((label, data, world))
+
+    if str(t.activation_checkpointing).lower() not in ("true", "all", "full"):
+        with_("turn on activation checkpointing (--training.activation_checkpointing=true)",
+              training={"activation_checkpointing": True})
+    if t.micro_batch_size > 1:
+        with_("lower micro_batch_size to 1 (--training.micro_batch_size=1)",
+              training={"micro_batch_size": 1})
+    if d.pp_microbatch_size and d.pp_microbatch_size > 1:
+        with_("lower pp_microbatch_size to 1 (--distributed.pp_microbatch_size=1)",
+              distributed={"pp_microbatch_size": 1})
+    powers = [2 ** i for i in range(world_size.bit_length()) if world_size % 2 ** i == 0]
+    for pp in powers:  # other layouts of the same ranks (invalid ones are skipped)
+        for ep in powers:
+            if (pp, ep) != (d.pp, d.ep):
+                with_(f"pp={pp}, ep={ep} (--distributed.pp={pp} --distributed.ep={ep})",
+                      distributed={"pp": pp, "ep": ep, "dp_shard": -1})
+    if plan.degrees["dp_shard"] * plan.degrees["cp"] * plan.degrees["dp_replicate"] > 1 \
+            and not d.cpu_offload:
+        with_("offload parameters, gradients and optimizer state to the host "
+              "(--distributed.cpu_offload=true; slower)", distributed={"cpu_offload": True})
+    if cfg.peft is None:
+        extra = {"model": {"dtype": "bfloat16"}} if "dtype" in cfg.model else {}
+        with_("use LoRA (a peft: section, e.g. dim 8, match_all_linear"
+              + (", frozen base in bf16: model.dtype=bfloat16)" if extra else ")"),
+              peft={"method": "lora", "dim": 8, "alpha": 32, "match_all_linear": True}, **extra)
+    with_(f"use {2 * world_size} GPUs (FSDP shards over twice the ranks)", world=2 * world_size)
+    return out
+
+
+def advise(cfg: ConfigNode, world_size: int, plan: MemoryPlan, device_type: str) -> list[dict]:
+    """The candidate changes that lower the peak, each planned again, best first."""
+    out, layouts = [], []
+    for label, data, world in _candidates(cfg, world_size, plan):
+        try:
+            alt = plan_memory(build_config(data, source=str(cfg.source_file)), world,
+                              device_type, plan.device_memory)
+        except ValueError:  # the change does not fit this layout (divisibility, ...)
+            continue
+        if alt.peak < plan.peak * 0.995:
+            entry = {"change": label, "peak": alt.peak, "fits": alt.fits}
+            (layouts if label.startswith("pp=") else out).append(entry)
+    # of the other layouts, the best two
+    return sorted(out + sorted(layouts, key=lambda a: a["peak"])[:2], key=lambda a: a["peak"])
+
+
+# -- output --------------------------------------------------------------------------------------
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    deg = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if k != "world_size")
+    lines = [
+        f"hybridtrain plan: {plan.source} on {plan.world_size} ranks ({deg})",
+        f"model {plan.model}: {plan.num_params / 1e9:.3f} B parameters "
+        f"({plan.num_trainable / 1e9:.3f} B trainable) in {'/'.join(plan.param_dtypes)}; "
+        f"compute {plan.compute_dtype}",
+        f"micro-batch {plan.micro_batch} x {plan.seq_len} tokens; activation checkpointing: "
+        f"{plan.activation_checkpointing}",
+        "",
+    ]
+    roles = plan.roles()
+    cats = sorted({k for r in plan.ranks for k in r.activations_per_micro_batch},
+                  key=lambda k: (k in ("loss", "recompute"), k))
+    bufs = sorted({k for r in plan.ranks for k in r.buffers})
+    rows: list[tuple[str, list[str]]] = [
+        ("GiB per rank", [_ranks_label([r.rank for r in g]) for g in roles]),
+        ("pipeline stages", [",".join(map(str, g[0].stages)) for g in roles]),
+        ("parameters", [_gib(g[0].params) for g in roles]),
+        ("gradients", [_gib(g[0].grads) for g in roles]),
+        ("optimizer state", [_gib(g[0].optimizer) for g in roles]),
+        ("activations / micro-batch", [""] * len(roles)),
+    ]
+    rows += [(f"  {k}", [_gib(g[0].activations_per_micro_batch.get(k, 0.0)) for g in roles])
+             for k in cats]
+    rows += [("micro-batches in flight", [f"{g[0].micro_batches_in_flight:g}" for g in roles]),
+             ("activations", [_gib(g[0].activations) for g in roles])]
+    rows += [(k.replace("_", " "), [_gib(g[0].buffers.get(k, 0.0)) for g in roles]) for k in bufs]
+    rows += [("total", [_gib(g[0].total) for g in roles])]
+    if any(r.offloaded for r in plan.ranks):
+        rows += [("on the host (cpu_offload)", [_gib(g[0].host) for g in roles])]
+    w0 = max(len(r[0]) for r in rows) + 2
+    w = max(10, *(len(v) + 2 for _, vals in rows for v in vals))
+    lines += [f"{name:<{w0}}" + "".join(f"{v:>{w}}" for v in vals) for name, vals in rows]
+    lines.append("")
+    peak = f"peak {_gib(plan.peak)} GiB"
+    if plan.device_memory is None:
+        lines.append(peak + " (give --device-memory to check it against a device)")
+    elif plan.fits:
+        lines.append(f"{peak}: fits {_gib(plan.device_memory)} GiB per device "
+                     f"({_gib(plan.device_memory - plan.peak)} GiB left for allocator overhead)")
+    else:
+        lines.append(f"{peak}: does NOT fit {_gib(plan.device_memory)} GiB per device; what "
+                     "lowers it (each planned again):")
+        for a in plan.advice or [{"change": "nothing among pp, ep, checkpointing, micro-batch, "
+                                            "LoRA and more GPUs lowers it", "peak": plan.peak,
+                                  "fits": False}]:
+            lines.append(f"  - {a['change']}: peak {_gib(a['peak'])} GiB"
+                         + (" (fits)" if a["fits"] else ""))
+    return "\n".join(lines)
+
+
+# device memory is quoted in binary units: an "80GB" H100 holds 80 GiB (nvidia-smi: 81559 MiB)
+_UNITS = {"b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def parse_memory(text: str) -> float:
+    """'80GB', '80GiB', '80G', '80' (all 80 * 2^30 bytes), '512MB' ... -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", str(text))
+    unit = (m.group(2).lower() or ("b" if m.group(3) else "g")) if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"--device-memory: cannot read {text!r}; write e.g. 80GB or 79.5GiB")
+    return float(m.group(1)) * _UNITS[unit]
+
+
+def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bool = False,
+        device_type: str = "cuda") -> int:
+    """Print the plan; 1 when it exceeds ``device_memory`` (then with advice), else 0."""
+    from hybridtrain.recipes.finetune import as_config
+
+    cfg = as_config(cfg)
+    limit = parse_memory(device_memory) if device_memory else None
+    plan = plan_memory(cfg, world_size, device_type, limit)
+    if plan.fits is False:
+        plan.advice = advise(cfg, world_size, plan, device_type)
+    sys.stdout.write((json.dumps(plan.to_dict(), indent=1) if as_json else format_plan(plan))
+                     + "\n")
+    return 1 if plan.fits is False else 0

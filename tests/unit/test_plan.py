@@ -1,0 +1,185 @@
+"""``hybridtrain plan``: the meta-device model (no weights read), per-rank parameter / gradient /
+optimizer figures against a real one-process run, the 30B recipes' layouts, LoRA, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridtrain import cli
+from hybridtrain.recipes.plan import meta_model, parse_memory, plan_memory
+from tests.helpers import parity as pu
+from tests.helpers.memory import assert_close_10pct, held_at_optimizer_step, planned_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+NANO = ROOT / "examples" / "configs" / "nemotron3_nano_30b_a3b"
+GiB = 2 ** 30
+
+
+@pytest.fixture
+def nano_dir(monkeypatch):
+    monkeypatch.setenv("NEMOTRON3_NANO_DIR", str(NANO))
+
+
+def test_nano_config_builds_on_meta_with_the_model_cards_size(nano_dir):
+    from hybridtrain.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "nemotron3_nano_squad.yaml")
+    _, model = meta_model(cfg.model)
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok) == (
+        2688, 52, 128, 6)
+    types = c.layers_block_type
+    assert (types.count("linear_attention"), types.count("moe"),
+            types.count("full_attention")) == (23, 23, 6)
+    assert all(p.is_meta for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 31.6e9) < 0.05e9, n  # the model card: 31.6B total parameters
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # model.dtype: float32
+
+
+@pytest.mark.parametrize("packed", [False])
+def test_one_process_figures_match_a_real_step(packed):
+    """Parameters, gradients and AdamW state at a real optimizer step (the recipe's builder and
+    trainer) equal the plan's (the 10 % bound holds exactly here)."""
+    recipe = pu.recipe({}, packed)
+    b, trainer = pu.build({}, 1, packed)
+    got = held_at_optimizer_step(b, trainer)
+    plan = plan_memory(recipe, 1, device_type="cpu")
+    assert_close_10pct(got, planned_bytes(plan, 0), "one process")
+    assert plan.ranks[0].params == got["params"]
+
+
+def test_lora_trains_only_adapters():
+    recipe = pu.recipe({}, False, peft={"dim": 4, "alpha": 8, "match_all_linear": True})
+    b, trainer = pu.build({}, 1, peft={"dim": 4, "alpha": 8, "match_all_linear": True})
+    got = held_at_optimizer_step(b, trainer)
+    plan = plan_memory(recipe, 1, device_type="cpu")
+    assert_close_10pct(got, planned_bytes(plan, 0), "LoRA")
+    assert got["grads"] < 0.5 * got["params"]
+
+
+def test_squad_recipe_layout_partitions_the_model_once(nano_dir):
+    """pp=4 x ep=2 on 8 ranks: the ranks of a pipeline stage hold the same figures, and all
+    ranks together hold every parameter once (experts over ep, the rest over dp_shard)."""
+    plan = plan_memory(ROOT / "examples" / "nemotron3_nano_squad.yaml", 8)
+    assert plan.degrees["pp"] == 4 and plan.degrees["dp_shard"] == 2
+    assert sum(r.params for r in plan.ranks) == plan.num_params * 4  # fp32, no replica
+    assert len(plan.roles()) == 4
+    for r in plan.ranks:
+        assert r.grads == r.params and r.optimizer > 2 * r.params
+    # activation checkpointing on: every stage holds the recomputed block's activations
+    assert all(r.activations_per_micro_batch["recompute"] > 0 for r in plan.ranks)
+    assert plan.ranks[-1].activations_per_micro_batch["loss"] > 0
+    assert "loss" not in plan.ranks[0].activations_per_micro_batch
+
+
+def test_lora_recipe_fits_80gb_and_layout(nano_dir):
+    plan = plan_memory(ROOT / "examples" / "nemotron3_nano_lora_chat.yaml", 8,
+                       device_memory=parse_memory("80GB"))
+    assert plan.fits and plan.degrees["ep"] == 8
+    assert plan.num_trainable < 0.01 * plan.num_params
+    assert len(plan.roles()) == 1
+    r = plan.ranks[0]
+    assert r.grads < 0.02 * r.params
+
+
+def test_activation_checkpointing_and_micro_batch_lower_activations():
+    base = pu.recipe({}, False)
+    a = plan_memory(base, 1, device_type="cpu").ranks[0]
+    ck = plan_memory(pu.recipe({}, False, ac=True), 1, device_type="cpu").ranks[0]
+    assert ck.activations < a.activations
+    assert ck.params == a.params and ck.optimizer == a.optimizer
+
+
+def test_parse_memory():
+    assert parse_memory("80GB") == parse_memory("80GiB") == parse_memory("80") == 80 * GiB
+    assert parse_memory("512MB") == 512 * 2 ** 20
+    with pytest.raises(ValueError, match="device-memory"):
+        parse_memory("lots")
+
+
+def test_cli_plan_json_and_exit_status(nano_dir, capsys):
+    recipe = str(ROOT / "examples" / "nemotron3_nano_squad.yaml")
+    assert cli.main(["plan", "-c", recipe, "--nproc-per-node", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["ranks"]) == 8 and d["fits"] is None
+    rc = cli.main(["plan", "-c", recipe, "--nproc-per-node", "8", "--device-memory", "40GB"])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "does NOT fit" in out and "use LoRA" in out and "--distributed.pp=1" in out
+    tiny = str(ROOT / "examples" / "squad_tiny.yaml")  # activations dominate: batch advice
+    assert cli.main(["plan", "-c", tiny, "--device-memory", "1MB", "--device-type", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "lower micro_batch_size to 1" in out and "activation_checkpointing=true" in out
+
+
+def _from_pretrained_recipe(local_dir):
+    recipe = pu.recipe({}, False)
+    recipe["model"] = {
+        "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
+        "local_dir": str(local_dir)}
+    return recipe
+
+
+def test_plan_reads_no_weights(tmp_path):
+    """A from_pretrained section whose folder holds only config.json plans fine."""
+    (tmp_path / "config.json").write_text((NANO / "config.json").read_text())
+    recipe = _from_pretrained_recipe(tmp_path)
+    plan = plan_memory(recipe, 8, device_type="cuda")
+    assert plan.param_dtypes == ["bfloat16"]  # config.json torch_dtype, no dtype given
+    assert os.listdir(tmp_path) == ["config.json"]
+
+
+def test_missing_config_json_is_a_user_error(tmp_path):
+    recipe = _from_pretrained_recipe(tmp_path)
+    with pytest.raises(ValueError, match="config.json"):
+        plan_memory(recipe, 1)
+
+
+@pytest.mark.parametrize("name", ["nemotron3_nano_squad", "nemotron3_nano_lora_chat"])
+def test_recipe_comments_state_the_current_plan(nano_dir, name):
+    """The 8 x 80 GB figures written in the 30B recipes are what the plan says today."""
+    path = ROOT / "examples" / f"{name}.yaml"
+    plan = plan_memory(path, 8, device_memory=parse_memory("80GB"))
+    text = path.read_text()
+    assert plan.fits
+    for group in plan.roles():
+        r = group[0]
+        for value in (r.params, r.grads, r.optimizer, r.activations, sum(r.buffers.values()),
+                      r.total):
+            assert f"{value / GiB:.2f}" in text, (name, value / GiB)
+
+
+def test_cpu_offload_moves_states_to_the_host(nano_dir):
+    path = ROOT / "examples" / "nemotron3_nano_lora_chat.yaml"
+    from hybridtrain.config import load_config
+
+    on = plan_memory(load_config(path, {"distributed.cpu_offload": True}), 8)
+    off = plan_memory(path, 8)
+    a, b = on.ranks[0], off.ranks[0]
+    assert a.host == b.params + b.grads + b.optimizer
+    assert a.total == pytest.approx(b.total - a.host)
+
+
+def test_shard_arithmetic_follows_torch_chunk_and_the_rank_layout():
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+    from hybridtrain.recipes.plan import _chunk, _coords
+
+    for n in range(0, 12):
+        for parts in range(1, 5):
+            ref = [len(c) for c in torch.chunk(torch.arange(n), parts)] if n else []
+            got = [_chunk(n, parts, i) for i in range(parts)]
+            assert got == ref + [0] * (parts - len(ref)), (n, parts, got, ref)
+    dims = ParallelDims(dp_replicate=2, dp_shard=4, pp=2, ep=2, world_size=16)
+    grid = torch.arange(16).view(2, 2, 4, 1, 1)  # pp, dp_replicate, dp_shard, cp, tp
+    for rank in range(16):
+        c = _coords(rank, dims)
+        assert grid[c["pp"], c["dp_replicate"], c["dp_shard"], c["cp"], c["tp"]] == rank
+        # the expert view (pp, dp_replicate, efsdp, ep, tp) of the same ranks
+        assert torch.arange(16).view(2, 2, 2, 2, 1)[
+            c["pp"], c["dp_replicate"], c["efsdp"], c["ep"], 0] == rank
