@@ -47,6 +47,8 @@ class ModelSpec:
       them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take;
       ``peft_module_prefixes``: {prefix of the transformers implementation's module names:
       ours}, to read adapters PEFT wrote for it.
+    * ``hub_tensors(state_dict) -> iterator of (Hub name, tensor)``: a full state dict in the
+      Hub's names and layout (None: the names are the Hub's already).
     """
 
     name: str
@@ -63,6 +65,7 @@ class ModelSpec:
     expert_modules: tuple[type[nn.Module], ...] = ()
     lora_export_notes: Callable[[list[str]], str | None] | None = None
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
+    hub_tensors: Callable[[Any], Any] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}
