@@ -35,17 +35,17 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom) -> torch.Tensor
     return (values * mask).sum() / (denom + _EPS)
 
 
-def _masks(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token_mask[:, 1:], sample_mask, their product) in fp32."""
-    tm = batch["token_mask"][:, 1:].float()
-    sm = batch["sample_mask"].float()
+def _masks(batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_mask[:, 1:], sample_mask, their product) in ``dtype`` (the log-probs')."""
+    tm = batch["token_mask"][:, 1:].to(dtype)
+    sm = batch["sample_mask"].to(dtype)
     return tm, sm, tm * sm[:, None]
 
 
 def _reduce(values, batch, token_level: bool, gvs, gvt) -> torch.Tensor:
     """Token level: ``Σ ℓ·mask / global_valid_toks``; sequence level: the per-sequence token
     mean, ``Σ sample_mask · mean_t ℓ / global_valid_seqs``."""
-    tm, sm, mask = _masks(batch)
+    tm, sm, mask = _masks(batch, values.dtype)
     if token_level:
         return masked_mean(values, mask, gvt)
     per_seq = (values * tm).sum(-1) / (tm.sum(-1) + _EPS)
@@ -65,7 +65,7 @@ class NLLLoss:
     rows_per_group = 1
 
     def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
-        _, _, mask = _masks(batch)
+        _, _, mask = _masks(batch, logprobs.dtype)
         loss = masked_mean(-logprobs, mask, global_valid_toks)
         return loss, {}
 
@@ -96,10 +96,11 @@ class ClippedPGLoss:
 
     def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
         _require(batch, "advantages", "prev_logprobs", loss="ClippedPGLoss")
-        adv = batch["advantages"][:, 1:].float()
-        prev = batch["prev_logprobs"][:, 1:].float()
+        dt = logprobs.dtype
+        adv = batch["advantages"][:, 1:].to(dt)
+        prev = batch["prev_logprobs"][:, 1:].to(dt)
         gen = batch.get("generation_logprobs")
-        gen = prev if gen is None else gen[:, 1:].float()
+        gen = prev if gen is None else gen[:, 1:].to(dt)
 
         def reduce(v):
             return _reduce(v, batch, self.token_level, global_valid_seqs, global_valid_toks)
@@ -120,14 +121,14 @@ class ClippedPGLoss:
         kl = torch.zeros((), device=logprobs.device)
         if self.beta:
             _require(batch, "reference_policy_logprobs", loss="ClippedPGLoss with a KL penalty")
-            ref = batch["reference_policy_logprobs"][:, 1:].float()
+            ref = batch["reference_policy_logprobs"][:, 1:].to(dt)
             kl = reduce(kl_penalty(logprobs, ref, self.kl_type))
         loss = actor + self.beta * kl
         with torch.no_grad():
             w_gen = torch.exp(logprobs - gen)
             metrics = {
                 "actor_loss": actor.detach(), "kl": kl.detach(), "ratio": reduce(ratio),
-                "clip_fraction": reduce((loss2 > loss1).float()),
+                "clip_fraction": reduce((loss2 > loss1).to(dt)),
                 "entropy": reduce(-torch.where(torch.isfinite(w_gen), w_gen, 0.0) * logprobs),
             }
         return loss, metrics
@@ -168,8 +169,8 @@ class DPOLoss:
         if logprobs.shape[0] % 2:
             raise ValueError(f"DPOLoss: {logprobs.shape[0]} rows; chosen and rejected rows come "
                              "in pairs (even rows chosen, odd rows rejected)")
-        tm, sm, mask = _masks(batch)
-        ref = batch["reference_policy_logprobs"][:, 1:].float()
+        tm, sm, mask = _masks(batch, logprobs.dtype)
+        ref = batch["reference_policy_logprobs"][:, 1:].to(logprobs.dtype)
         r = ((logprobs - ref) * mask).sum(-1)
         if self.average:
             r = r / (mask.sum(-1) + _EPS)
@@ -182,7 +183,7 @@ class DPOLoss:
         loss = self.w_pref * pref + (self.w_sft * sft if self.w_sft else 0.0)
         with torch.no_grad():
             metrics = {
-                "accuracy": masked_mean((rc > rr).float(), sm_c, pairs),
+                "accuracy": masked_mean((rc > rr).to(r.dtype), sm_c, pairs),
                 "reward_margin": masked_mean(margin, sm_c, pairs),
                 "chosen_reward": masked_mean(self.beta * rc, sm_c, pairs),
                 "rejected_reward": masked_mean(self.beta * rr, sm[1::2], pairs),
