@@ -184,6 +184,8 @@ def _add_recipe_options(p: argparse.ArgumentParser) -> set[str]:
 _RECIPE_COMMANDS = {
     "finetune": "fine-tune a model (full SFT or LoRA) from a YAML recipe",
     "benchmark": "measure tokens/s, TFLOPs and MFU of a recipe's training step",
+    "dpo": "Direct Preference Optimization on preference pairs (TRL's JSONL format)",
+    "grpo": "GRPO on a verifiable task: rollouts, group-normalised rewards, clipped loss",
 }
 
 
@@ -239,8 +241,8 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(argv[0], argv)
-    if command == "finetune":
-        run = _load_entry("hybridtrain.recipes.finetune", "run", command)
+    if command in ("finetune", "dpo", "grpo"):
+        run = _load_entry(f"hybridtrain.recipes.{command}", "run", command)
         result = run(cfg)
     else:
         run = _load_entry("hybridtrain.recipes.benchmark", "run", command)

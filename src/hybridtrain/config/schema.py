@@ -272,8 +272,6 @@ DPO = {
     "preference_loss_weight": K(1.0, "weight of the preference term", (float, int)),
     "sft_loss_weight": K(0.0, "weight of the NLL of the chosen responses", (float, int)),
     "preference_average_log_probs": K(False, "average (not sum) the log-probs of a response"),
-    "max_length": K(256, "prompt + response tokens kept per row (longer rows are cut)", (int,),
-                    minimum=2),
 }
 
 GRPO = {
@@ -317,8 +315,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("benchmark", "fixed", "options of `hybridtrain benchmark`; finetune ignores them",
             BENCHMARK, optional=True),
     Section("rl", "fixed", "the RL Policy's batch layout (hybridtrain.rl.Policy)", RL),
-    Section("dpo", "fixed", "options of `hybridtrain dpo`", DPO, optional=True),
-    Section("grpo", "fixed", "options of `hybridtrain grpo`", GRPO, optional=True),
+    Section("dpo", "fixed", "options of `hybridtrain dpo`", DPO),
+    Section("grpo", "fixed", "options of `hybridtrain grpo`", GRPO),
 ]}
 
 # Top-level keys that are not sections.

@@ -90,7 +90,6 @@ class Policy:
 
             self.pipeline = PolicyPipeline(b.plan.pipeline)
         self.step = 0
-        self._checkpointer = None
 
     # -- layout --------------------------------------------------------------------------------
     def _shard(self, batch: dict, micro_batch_size: int | None, rows_per_group: int = 1
@@ -225,21 +224,23 @@ class Policy:
 
         yield from hf_tensors(self.model, self.built.spec, dtype)
 
-    def _ckpt(self, path: str):
+    def checkpointer(self, path: str):
+        """The recipe's :class:`~hybridtrain.training.checkpoint.Checkpointer` of the run folder ``path``."""
         from hybridtrain.recipes.finetune import build_checkpointer
 
         return build_checkpointer(self.built, path)
 
-    def save_checkpoint(self, dir: str) -> str:
+    def save_checkpoint(self, dir: str, export: bool = False) -> str:
         """Writes ``dir/step_{N}`` (the finetune checkpoint format: model, optimizer, LR schedule,
-        RNG) and ``dir/latest``; returns the step folder. Collective."""
-        return self._ckpt(dir).save(self.step, self.model, self.optimizer, self.lr_scheduler,
-                                    tokenizer=self.tokenizer, export=False)
+        RNG; with ``export`` the HF export ``hf/``, or ``adapter/`` for LoRA) and ``dir/latest``;
+        returns the step folder. Collective."""
+        return self.checkpointer(dir).save(self.step, self.model, self.optimizer, self.lr_scheduler,
+                                    tokenizer=self.tokenizer, export=export, final=export)
 
     def load_checkpoint(self, dir: str) -> None:
         """Restores a checkpoint (a ``step_N`` folder, or a run folder: its ``latest``) written by
         :meth:`save_checkpoint` or ``hybridtrain finetune`` under any layout. Collective."""
-        ck = self._ckpt(os.path.dirname(os.path.abspath(dir)))
+        ck = self.checkpointer(dir)
         path = ck.resolve_resume(dir)
         if path is None:
             raise ValueError(f"load_checkpoint: {dir} holds no checkpoint")
