@@ -288,9 +288,12 @@ GRPO = {
     "kl_type": K("k3", "KL estimator", choices=("k1", "k2", "k3")),
     "token_level_loss": K(True, "normalise by tokens (false: by sequences)"),
     "normalize_rewards": K(True, "divide the group-centred rewards by the group's std"),
+    "updates_per_rollout": K(2, "optimizer steps per batch of rollouts (its prompt groups split "
+                                "evenly; after the first the policy is off the sampling one: "
+                                "ratio and clipping at work)", (int,), minimum=1),
     "task": K({}, "the verifiable task: a _target_ mapping building a task object "
-                  "(prompts(n, rng), reward(prompt, completion)); {} -> the built-in digit-copy task",
-              (dict,)),
+                  "(prompts(n, rng), reward(prompt, completion)); {} -> hybridtrain.rl.tasks."
+                  "CountingTask", (dict,)),
 }
 
 SECTIONS: dict[str, Section] = {s.name: s for s in [

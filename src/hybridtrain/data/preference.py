@@ -39,7 +39,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _render(tokenizer, messages: list, generation_prompt: bool) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, tokenize=True,
                                         add_generation_prompt=generation_prompt)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding, or ids
 
 
 def _as_messages(value: Any, role: str) -> list:

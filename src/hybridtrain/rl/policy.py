@@ -224,6 +224,13 @@ class Policy:
 
         yield from hf_tensors(self.model, self.built.spec, dtype)
 
+    def state_dict_full(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in hybridtrain's names (full tensors, LoRA merged): what
+        ``load_state_dict`` of a plain copy of the model takes (e.g. a rollout engine). Collective."""
+        from hybridtrain.rl.weights import full_state_dict
+
+        return full_state_dict(self.model, self.built.spec)
+
     def checkpointer(self, path: str):
         """The recipe's :class:`~hybridtrain.training.checkpoint.Checkpointer` of the run folder ``path``."""
         from hybridtrain.recipes.finetune import build_checkpointer

@@ -12,7 +12,7 @@ from torch import nn
 
 from hybridtrain.distributed.utils import get_rank, get_world_size
 
-__all__ = ["hf_tensors"]
+__all__ = ["hf_tensors", "full_state_dict"]
 
 
 def _local_full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -47,14 +47,21 @@ def _exchange(local: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return out
 
 
-def hf_tensors(model: nn.Module, spec, dtype: torch.dtype | None = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(Hub name, tensor)`` of the whole model, floating-point tensors in ``dtype`` (None: as
-    held). Collective: every rank calls it and consumes the whole iterator."""
+def full_state_dict(model: nn.Module, spec) -> dict[str, torch.Tensor]:
+    """The whole model's state dict in its own names, full tensors, LoRA merged (the state dict
+    of the plain model), on every rank. Collective."""
     sd = _local_full(model)
     if get_world_size() > 1 and not spec.is_complete(model):
         device = next(iter(sd.values())).device if sd else torch.device("cpu")
         sd = _exchange(sd, device)
+    return sd
+
+
+def hf_tensors(model: nn.Module, spec, dtype: torch.dtype | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hub name, tensor)`` of the whole model, floating-point tensors in ``dtype`` (None: as
+    held). Collective: every rank calls it and consumes the whole iterator."""
+    sd = full_state_dict(model, spec)
     items = spec.hub_tensors(sd) if spec.hub_tensors is not None else sd.items()
     for name, t in items:
         yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
