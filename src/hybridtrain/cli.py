@@ -4,6 +4,8 @@ Commands::
 
     hybridtrain finetune  -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain benchmark -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
+    hybridtrain dpo       -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
+    hybridtrain grpo      -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
     hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
 
@@ -12,7 +14,8 @@ then either run in this process (one process, or under an external ``torchrun``)
 ``--nproc-per-node N`` (N > 1), re-launch themselves under
 ``python -m torch.distributed.run --nproc-per-node N --standalone -m hybridtrain ...``.
 The work itself lives in modules imported lazily:
-``hybridtrain.recipes.finetune:run(cfg)``, ``hybridtrain.recipes.benchmark:run(cfg, args)``,
+``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
+``hybridtrain.recipes.benchmark:run(cfg, args)``,
 ``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
 ``hybridtrain.peft.export:merge_cli(argv)``.
 """
