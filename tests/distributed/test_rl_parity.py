@@ -1,4 +1,4 @@
-"""The RL Policy under parallel layouts equals the single process (fp32, gloo, 2 ranks).
+"""The RL Policy under parallel layouts equals the single process (fp32, gloo, 2 and 4 ranks).
 
 Every layout runs the same sequence on the same global batch (every rank passes the whole
 batch): log-probs unpacked and packed, top-k logits, one ``train`` step with each loss (NLL
@@ -21,6 +21,9 @@ LAYOUTS = {
     "ep2": {"ep": 2},
     "pp2_1f1b": {"pp": 2},
     "pp2_zbv": {"pp": 2, "pp_schedule": "zbv"},
+}
+LAYOUTS_4 = {
+    "pp2_fsdp2_ep2": {"pp": 2, "ep": 2},  # 2 stages, each FSDP2 over 2 data-parallel ranks, EP 2
 }
 
 
@@ -46,15 +49,16 @@ def run_sequence(distributed: dict) -> dict:
     return out
 
 
-def _group(rank, world):
-    return {name: run_sequence(layout) for name, layout in LAYOUTS.items()}
+def _group(rank, world, layouts):
+    return {name: run_sequence(layout) for name, layout in layouts.items()}
 
 
 @pytest.fixture(scope="module")
 def results():
     torch.set_num_threads(1)
     ref = run_sequence({})
-    return ref, run_distributed(_group, 2)
+    two, four = run_distributed(_group, 2, LAYOUTS), run_distributed(_group, 4, LAYOUTS_4)
+    return ref, [{**a, **b} for a, b in zip(two + two, four)]
 
 
 def _close(a, b, rel):
@@ -62,7 +66,7 @@ def _close(a, b, rel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(LAYOUTS_4))
 def test_policy_layout_matches_single_process(results, layout):
     ref, per_rank = results
     for rank, res in enumerate(per_rank):
@@ -70,6 +74,12 @@ def test_policy_layout_matches_single_process(results, layout):
         for key in ("lp", "lp_packed", "lp_after"):
             diff = float((got[key] - ref[key]).abs().max())
             assert diff <= 1e-5, (layout, rank, key, diff)
+        if rank == 0:  # the figures (pytest -s)
+            rel = max(abs(s[k] - r[k]) / max(abs(r[k]), 1e-12) for s, r in zip(got["steps"], ref["steps"])
+                      for k in ("loss", "grad_norm"))
+            print(f"\n{layout}: log-probs max |diff| {float((got['lp'] - ref['lp']).abs().max()):.2e} "
+                  f"(after 3 steps {float((got['lp_after'] - ref['lp_after']).abs().max()):.2e}); "
+                  f"train loss / grad norm max rel diff {rel:.2e}")
         assert float((got["topk"][0] - ref["topk"][0]).abs().max()) <= 1e-5
         assert torch.equal(got["topk"][1], ref["topk"][1])
         for i, (s, r) in enumerate(zip(got["steps"], ref["steps"])):

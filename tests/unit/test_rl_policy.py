@@ -152,3 +152,27 @@ def test_batch_mistakes_name_the_key(policy):
         policy.logprobs({**batch, "advantages": torch.zeros(B, S + 1)})
     with pytest.raises(ValueError, match="micro_batch_size"):
         policy.train(batch, DPOLoss(), micro_batch_size=3)
+
+
+def test_lora_policy_trains_adapters_and_streams_merged_weights():
+    """With a peft section only the adapters train; the streamed weights are the merged model,
+    whose plain copy gives the Policy's log-probs."""
+    p = Policy(policy_recipe(peft={"dim": 4, "alpha": 8, "match_all_linear": True}))
+    batch = rl_batch(6)
+    frozen = {n: t.detach().clone() for n, t in p.model.named_parameters() if not t.requires_grad}
+    p.train(batch, NLLLoss())
+    p.train(batch, NLLLoss())  # LoRA B starts at zero: the second step moves the output
+    assert all(torch.equal(t, dict(p.model.named_parameters())[n]) for n, t in frozen.items())
+    full = p.state_dict_full()
+    assert not any("lora" in k for k in full) and not any("lora" in k for k, _ in p.state_dict_hf())
+    from hybridtrain.config import instantiate
+
+    plain = instantiate(p.cfg.model)
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        logits = plain(batch["input_ids"]).float().log_softmax(-1)
+    ref = logits[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    lp = p.logprobs(batch)
+    assert float((lp - ref)[_valid()].abs().max()) <= 1e-5
+    base = Policy(policy_recipe())  # the same base weights, no adapters
+    assert float((lp - base.logprobs(batch)).abs().max()) > 1e-4

@@ -61,7 +61,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from hybridtrain.distributed.init import process_group
 
     with process_group(cfg):
-        r = RLRun(cfg, "dpo", plot_extra=("accuracy",))
+        r = RLRun(cfg, "dpo", plot_extra=("accuracy",), loss_label="DPO loss")
         tok = r.policy.tokenizer
         train_ds = _instantiate_with(cfg.dataset, tokenizer=tok)
         val_ds = _instantiate_with(cfg.validation_dataset, tokenizer=tok)

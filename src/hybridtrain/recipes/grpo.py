@@ -83,7 +83,7 @@ def run(cfg: Any) -> dict[str, Any]:
     cfg = as_config(cfg)
     g, t = cfg.grpo, cfg.training
     with process_group(cfg):
-        r = RLRun(cfg, "grpo", plot_extra=("reward",))
+        r = RLRun(cfg, "grpo", plot_extra=("reward",), loss_label="clipped policy-gradient loss + KL")
         tok = r.policy.tokenizer
         if tok is None:
             raise ValueError(f"the recipe has no tokenizer section ({cfg.source_file}); GRPO "

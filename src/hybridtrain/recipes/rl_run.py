@@ -23,7 +23,8 @@ class RLRun:
     ``checkpoint.dir``. A new run there replaces an earlier one only with
     ``checkpoint.overwrite`` (RL runs do not resume)."""
 
-    def __init__(self, cfg: ConfigNode, name: str, plot_extra: Sequence[str] = ()):
+    def __init__(self, cfg: ConfigNode, name: str, plot_extra: Sequence[str] = (),
+                 loss_label: str = "loss"):
         from hybridtrain.recipes.finetune import _check_run_folder
         from hybridtrain.rl import Policy
 
@@ -39,7 +40,8 @@ class RLRun:
         m = cfg.metrics
         self.metrics = MetricsLogger(self.out_dir, is_main=self.is_main, tensorboard=m.tensorboard,
                                      tensorboard_dir=m.tensorboard_dir, progress=m.progress_bar,
-                                     jsonl=m.jsonl, plot=m.plot, plot_extra=plot_extra)
+                                     jsonl=m.jsonl, plot=m.plot, plot_extra=plot_extra,
+                                     loss_label=loss_label)
         self.metrics.open(0, cfg.training.max_steps)
         if self.is_main:
             os.makedirs(self.out_dir, exist_ok=True)

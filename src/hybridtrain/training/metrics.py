@@ -71,6 +71,7 @@ class MetricsLogger:
         jsonl: bool = True,
         plot: bool = True,
         plot_extra: Sequence[str] = (),
+        loss_label: str = "loss (token-weighted cross-entropy)",
     ):
         self.out_dir = out_dir
         self.is_main = is_main
@@ -82,6 +83,7 @@ class MetricsLogger:
         self.jsonl = jsonl
         self.plot = plot
         self.plot_extra = tuple(plot_extra)
+        self.loss_label = loss_label
         self._tb = None
         self._bar = None
         self._redirect = None
@@ -170,10 +172,11 @@ class MetricsLogger:
             self._tb = None
         if not (self.plot if plot is None else plot):
             return None
-        return plot_losses(self.out_dir, self.plot_extra)
+        return plot_losses(self.out_dir, self.plot_extra, self.loss_label)
 
 
-def plot_losses(out_dir: str, extra: Sequence[str] = ()) -> str | None:
+def plot_losses(out_dir: str, extra: Sequence[str] = (),
+                loss_label: str = "loss (token-weighted cross-entropy)") -> str | None:
     """Writes ``out_dir/loss.png`` (train and val loss against step) with matplotlib; each
     ``extra`` key of ``training.jsonl`` (e.g. a reward) in a panel of its own below, with the
     ``val_<key>`` of ``validation.jsonl`` when there is one."""
@@ -197,7 +200,7 @@ def plot_losses(out_dir: str, extra: Sequence[str] = ()) -> str | None:
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (token-weighted cross-entropy)")
+    ax.set_ylabel(loss_label)
     ax.grid(alpha=0.3)
     ax.legend()
     for key, sub in zip(extra, axes[1:, 0]):
