@@ -16,11 +16,12 @@ __all__ = ["CountingTask", "counting_texts"]
 class CountingTask:
     """``"count: 3 4 5"`` -> the model should go on with ``" 6 7 8 9"`` (digits mod 10).
 
-    Reward: half for writing ``answer_digits`` digits, half for each being the right next one
-    (so a policy first learns to write digits at all, then the right ones)."""
+    Reward: ``format_weight`` for writing ``answer_digits`` digits, the rest for each being the
+    right next one (so a policy first learns to write digits at all, then the right ones)."""
 
-    def __init__(self, prompt_digits: int = 3, answer_digits: int = 4):
+    def __init__(self, prompt_digits: int = 3, answer_digits: int = 4, format_weight: float = 0.5):
         self.prompt_digits, self.answer_digits = prompt_digits, answer_digits
+        self.format_weight = format_weight
 
     def prompts(self, n: int, rng: random.Random) -> list[str]:
         out = []
@@ -37,7 +38,7 @@ class CountingTask:
         digits = re.findall(r"\d", completion)[: self.answer_digits]
         k = self.answer_digits
         right = sum(d == e for d, e in zip(digits, self.expected(prompt)))
-        return 0.5 * len(digits) / k + 0.5 * right / k
+        return self.format_weight * len(digits) / k + (1 - self.format_weight) * right / k
 
     def texts(self, n: int = 500, seed: int = 0) -> list[str]:
         rng = random.Random(seed)
