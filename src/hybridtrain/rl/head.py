@@ -33,8 +33,8 @@ class PolicyHead(LinearCrossEntropy):
             self.k = None
 
     def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        if self.k is None:
-            return self.token_logprobs(hidden, head, labels)
+        if self.k is None:  # (a view of the token values: FSDP2 wants a model output of its own)
+            return self.token_logprobs(hidden, head, labels).clone()
         assert head.weight.shape[0] < 2 ** 24, "vocabulary ids must be exact in fp32"
         values, ids = topk_logits(hidden, head.weight, self.k, self.chunk_size)
         return torch.cat([values, ids.float()], dim=-1)
