@@ -93,8 +93,8 @@ class Policy:
 
     # -- layout --------------------------------------------------------------------------------
     def _shard(self, batch: dict, micro_batch_size: int | None, rows_per_group: int = 1
-               ) -> tuple[dict, list[dict], int]:
-        """(the prepared global batch, this rank's micro-batches of rows, the padded row count)."""
+               ) -> tuple[dict, list[dict]]:
+        """(the prepared global batch, this rank's micro-batches of rows)."""
         mbs = micro_batch_size or self.micro_batch_size
         if mbs % rows_per_group:
             raise ValueError(f"micro_batch_size {mbs} must be a multiple of {rows_per_group} (the "
@@ -105,7 +105,7 @@ class Policy:
         n = padded["input_ids"].shape[0]
         share = n // dp
         mine = rb.take_rows(padded, self.dims.dp_rank * share, (self.dims.dp_rank + 1) * share)
-        return full, [rb.take_rows(mine, i, i + mbs) for i in range(0, share, mbs)], n
+        return full, [rb.take_rows(mine, i, i + mbs) for i in range(0, share, mbs)]
 
     def _inputs(self, rows: dict) -> dict:
         return rb.model_rows(rows, self.packing, self.pad_multiple)
@@ -126,13 +126,14 @@ class Policy:
     @torch.no_grad()
     def _forward(self, batch: dict, trailing: tuple[int, ...]) -> torch.Tensor:
         """The head's per-position outputs ``[B, S, *trailing]`` of the whole batch, every rank."""
-        full, micro, _ = self._shard(batch, None)
+        full, micro = self._shard(batch, None)
         was_training = self.model.training
         self.model.eval()
         try:
             inputs = [self._inputs(mb) for mb in micro]
             if self.pipeline is not None:
-                outs = self.pipeline.forward(inputs, trailing)
+                with autocast_context(self.autocast_dtype, self.device):
+                    outs = self.pipeline.forward(inputs, trailing)
             else:
                 outs = [self._run_model(x).float() for x in inputs]
         finally:
@@ -163,8 +164,7 @@ class Policy:
         (the global loss), ``grad_norm`` (before clipping), ``lr`` (of this step), the loss's
         metrics (global values), ``num_valid_seqs`` / ``num_valid_tokens`` and ``skipped``
         (a non-finite loss or gradient norm: no update, the LR schedule does not move)."""
-        full, micro, n_rows = self._shard(batch, micro_batch_size,
-                                          getattr(loss_fn, "rows_per_group", 1))
+        full, micro = self._shard(batch, micro_batch_size, getattr(loss_fn, "rows_per_group", 1))
         gvs, gvt = rb.global_counts(full)
         sums: dict[str, torch.Tensor] = {}
 
@@ -181,7 +181,8 @@ class Policy:
         self.model.train()
         inputs = [self._inputs(mb) for mb in micro]
         if self.pipeline is not None:
-            self.pipeline.train(inputs, finish)
+            with autocast_context(self.autocast_dtype, self.device):
+                self.pipeline.train(inputs, finish)
         else:
             sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2: once
             for i, x in enumerate(inputs):
@@ -196,7 +197,7 @@ class Policy:
             logger.warning("Policy.train: non-finite loss or gradient norm; skipping the update")
         else:
             self.optimizer.step()
-            self.lr_scheduler.step(n_rows)
+            self.lr_scheduler.step(full["input_ids"].shape[0])
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         return {**metrics, "grad_norm": grad_norm, "lr": lr, "num_valid_seqs": gvs,
