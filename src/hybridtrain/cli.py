@@ -5,6 +5,8 @@ Commands::
     hybridtrain finetune  -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain benchmark -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain plan      -c RECIPE.yaml --nproc-per-node N [--device-memory 80GB] [--json]
+    hybridtrain dpo       -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
+    hybridtrain grpo      -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
     hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
 
@@ -13,7 +15,8 @@ then either run in this process (one process, or under an external ``torchrun``)
 ``--nproc-per-node N`` (N > 1), re-launch themselves under
 ``python -m torch.distributed.run --nproc-per-node N --standalone -m hybridtrain ...``.
 The work itself lives in modules imported lazily:
-``hybridtrain.recipes.finetune:run(cfg)``, ``hybridtrain.recipes.benchmark:run(cfg, args)``,
+``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
+``hybridtrain.recipes.benchmark:run(cfg, args)``,
 ``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
 ``hybridtrain.peft.export:merge_cli(argv)``.
 """
@@ -185,6 +188,8 @@ def _add_recipe_options(p: argparse.ArgumentParser, nproc_help: str | None = Non
 _RECIPE_COMMANDS = {
     "finetune": "fine-tune a model (full SFT or LoRA) from a YAML recipe",
     "benchmark": "measure tokens/s, TFLOPs and MFU of a recipe's training step",
+    "dpo": "Direct Preference Optimization on preference pairs (TRL's JSONL format)",
+    "grpo": "GRPO on a verifiable task: rollouts, group-normalised rewards, clipped loss",
 }
 
 
@@ -260,8 +265,8 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(argv[0], argv)
-    if command == "finetune":
-        run = _load_entry("hybridtrain.recipes.finetune", "run", command)
+    if command in ("finetune", "dpo", "grpo"):
+        run = _load_entry(f"hybridtrain.recipes.{command}", "run", command)
         result = run(cfg)
     else:
         run = _load_entry("hybridtrain.recipes.benchmark", "run", command)

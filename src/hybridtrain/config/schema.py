@@ -273,6 +273,44 @@ BENCHMARK = {
     "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR),
 }
 
+RL = {
+    "sequence_packing": K(False, "Policy: pack each micro-batch's rows into one row of documents "
+                                 "(no padding computed; targets never cross a document)"),
+    "micro_batch_size": K(None, "Policy: rows per forward/backward on one rank; null -> "
+                                "training.micro_batch_size", _OPT_INT, minimum=1),
+    "pad_to_multiple_of": K(1, "Policy: pad each packed row to a multiple of this", (int,),
+                            minimum=1),
+}
+
+DPO = {
+    "reference_policy_kl_penalty": K(0.05, "DPO beta", (float, int)),
+    "preference_loss_weight": K(1.0, "weight of the preference term", (float, int)),
+    "sft_loss_weight": K(0.0, "weight of the NLL of the chosen responses", (float, int)),
+    "preference_average_log_probs": K(False, "average (not sum) the log-probs of a response"),
+}
+
+GRPO = {
+    "num_prompts_per_step": K(8, "prompts per step", (int,), minimum=1),
+    "num_generations_per_prompt": K(8, "samples per prompt (the group of the advantages)",
+                                    (int,), minimum=1),
+    "max_new_tokens": K(8, "generated tokens per sample", (int,), minimum=1),
+    "temperature": K(1.0, "sampling temperature of the rollouts", (float, int)),
+    "ratio_clip_min": K(0.2, "PPO epsilon below 1", (float, int)),
+    "ratio_clip_max": K(0.2, "PPO epsilon above 1", (float, int)),
+    "ratio_clip_c": K(None, "dual-clip constant (> 1); null: off", _OPT_FLOAT),
+    "reference_policy_kl_penalty": K(0.01, "KL coefficient beta to the frozen reference",
+                                     (float, int)),
+    "kl_type": K("k3", "KL estimator", choices=("k1", "k2", "k3")),
+    "token_level_loss": K(True, "normalise by tokens (false: by sequences)"),
+    "normalize_rewards": K(True, "divide the group-centred rewards by the group's std"),
+    "updates_per_rollout": K(2, "optimizer steps per batch of rollouts (its prompt groups split "
+                                "evenly; after the first the policy is off the sampling one: "
+                                "ratio and clipping at work)", (int,), minimum=1),
+    "task": K({}, "the verifiable task: a _target_ mapping building a task object "
+                  "(prompts(n, rng), reward(prompt, completion)); {} -> hybridtrain.rl.tasks."
+                  "CountingTask", (dict,)),
+}
+
 SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("model", "open", "the model: a _target_ mapping"),
     Section("tokenizer", "open", "the tokenizer: a _target_ mapping"),
@@ -295,6 +333,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
     Section("benchmark", "fixed", "options of `hybridtrain benchmark`; finetune ignores them",
             BENCHMARK, optional=True),
+    Section("rl", "fixed", "the RL Policy's batch layout (hybridtrain.rl.Policy)", RL),
+    Section("dpo", "fixed", "options of `hybridtrain dpo`", DPO),
+    Section("grpo", "fixed", "options of `hybridtrain grpo`", GRPO),
 ]}
 
 # Top-level keys that are not sections.

@@ -8,6 +8,7 @@ Builders a YAML ``_target_`` can call (signatures in each module's docstring):
 - ``hybridtrain.data.pack_dataset``                                 (packing.py)
 - ``hybridtrain.data.PaddingCollator`` / ``PackedCollator`` / ``build_collator`` (collate.py)
 - ``hybridtrain.data.write_synthetic_squad``                        (synthetic.py)
+- ``hybridtrain.data.build_preference_dataset`` / ``write_synthetic_preferences`` (preference.py)
 
 The batch every collator returns (keys, ``IGNORE_INDEX``, label convention, token counts) is
 described in ``hybridtrain.data.batch``. The names below are imported on first use.
@@ -27,6 +28,9 @@ _EXPORTS = {
     "MissingFieldError": "io",
     "PackedDataset": "packing", "first_fit_decreasing": "packing", "pack_dataset": "packing",
     "pack_sequences": "packing",
+    "PreferenceDataset": "preference", "build_preference_dataset": "preference",
+    "preference_batch": "preference", "synthetic_preference_texts": "preference",
+    "write_synthetic_preferences": "preference",
     "SquadDataset": "squad", "build_squad_dataset": "squad", "read_squad": "squad",
     "synthetic_squad": "synthetic", "synthetic_texts": "synthetic",
     "write_synthetic_squad": "synthetic",

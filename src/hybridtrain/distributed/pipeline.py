@@ -476,14 +476,22 @@ class PipelineTrainStep:
         return total
 
     def _forward_only(self, batch: dict, n_micro: int, *args) -> torch.Tensor:
+        """This rank's CE sum (the last stage's) of :meth:`forward_outputs`."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for out in self.forward_outputs(batch, n_micro):
+            total = total + out.float()
+        return total
+
+    def forward_outputs(self, batch: dict, n_micro: int) -> list[torch.Tensor]:
         """Forward-only pass without a schedule: micro-batch after micro-batch, every rank walks
         the stages in order, running its own and sending/receiving at rank boundaries (one
-        global order, so no deadlock). Returns this rank's CE sum (the last stage's)."""
+        global order, so no deadlock). Returns the last stage's output of every micro-batch on
+        the rank that runs it, ``[]`` on the others."""
         me = dist.get_rank(self.pp_group)
         owner = [stage_rank(s, self.pp, self.spec.style) for s in range(self.num_stages)]
         module = dict(zip(self.stage_ids, self.stages))
         rows = batch["input_ids"].shape[0] // n_micro
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        outputs = []
         for m in range(n_micro):
             sl = slice(m * rows, (m + 1) * rows)
             kwargs = dict(position_ids=batch["position_ids"][sl], labels=batch["labels"][sl])
@@ -499,12 +507,12 @@ class PipelineTrainStep:
                     dist.recv(x, group=self.pp_group, group_src=owner[s - 1])
                 out = module[s](x, **kwargs)
                 if s == self.num_stages - 1:
-                    total = total + out.float()
+                    outputs.append(out)
                     continue
                 x = out
                 if owner[s + 1] != me:
                     dist.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
-        return total
+        return outputs
 
     def __call__(self, model: nn.Module, micro_batches: Sequence[dict], num_label_tokens: int):
         return self._run(micro_batches, num_label_tokens, train=True)

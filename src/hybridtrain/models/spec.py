@@ -51,6 +51,8 @@ class ModelSpec:
       {"layers": [{"type", "category", "saved", "checkpointed"}, ...], "head": {name: bytes}}``:
       what one micro-batch keeps for backward per layer (with and without activation
       checkpointing) and on the last stage (``hybridtrain plan``; None: no activation estimate).
+    * ``hub_tensors(state_dict) -> iterator of (Hub name, tensor)``: a full state dict in the
+      Hub's names and layout (None: the names are the Hub's already).
     """
 
     name: str
@@ -68,6 +70,7 @@ class ModelSpec:
     lora_export_notes: Callable[[list[str]], str | None] | None = None
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
     activation_bytes: Callable[..., dict] | None = None
+    hub_tensors: Callable[[Any], Any] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

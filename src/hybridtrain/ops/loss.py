@@ -13,6 +13,7 @@ their gradient is zero, so only the label tokens go through the head.
   trainer divides by the label-token count of the global batch).
 * :func:`token_logprobs` -- ``log p(label | position)`` per token (0 at ignored positions),
   differentiable (RL losses).
+* :func:`topk_logits` -- the ``k`` largest logits per token and their vocabulary ids (no gradient).
 
 Precision: the matmul runs in the input dtype (or autocast's); the logits are then taken to fp32
 and every softmax, log-sum-exp and sum is fp32 (fp64 for fp64 inputs, for gradcheck). The weight
@@ -31,7 +32,8 @@ from hybridtrain.data.batch import IGNORE_INDEX
 from hybridtrain.ops.backend import auto_chunk_size, pad_rows, unpad_rows
 from hybridtrain.ops.base2 import LOG2E
 
-__all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_SIZE", "LinearCrossEntropy", "cross_entropy_sum", "token_logprobs"]
+__all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_SIZE", "LinearCrossEntropy", "cross_entropy_sum", "token_logprobs",
+           "topk_logits"]
 
 DEFAULT_CHUNK_SIZE = "auto"
 
@@ -142,6 +144,27 @@ def token_logprobs(
     if idx is not None:  # back to every position (ignored ones 0)
         logp = logp.new_zeros(n).index_copy(0, idx, logp)
     return logp.view(shape)
+
+
+@torch.no_grad()
+def topk_logits(hidden: torch.Tensor, weight: torch.Tensor, k: int,
+                chunk_size: int | str | None = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of ``hidden @ weight.T`` per token, chunked: (fp32 values, int64 ids),
+    each of shape ``hidden.shape[:-1] + (k,)``, largest first."""
+    if not 0 < k <= weight.shape[0]:
+        raise ValueError(f"topk_logits: k must be in 1..{weight.shape[0]} (the vocabulary), got {k}")
+    chunk_size = _resolve(hidden, weight, hidden.new_zeros(hidden.shape[:-1]), chunk_size, "topk_logits")
+    shape = hidden.shape[:-1] + (k,)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    step = chunk_size or max(flat.shape[0], 1)
+    values, ids = [], []
+    for start in range(0, flat.shape[0], step):
+        v, i = (flat[start:start + step] @ weight.t()).to(_acc_dtype(weight.dtype)).topk(k, dim=-1)
+        values.append(v)
+        ids.append(i)
+    if not values:
+        return hidden.new_zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.long)
+    return torch.cat(values).view(shape), torch.cat(ids).view(shape)
 
 
 def _check_chunk_size(chunk_size) -> None:

@@ -171,6 +171,16 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
     return train_ds, val_ds, make_loader
 
 
+def build_lr_scheduler(cfg: ConfigNode, optimizer, max_steps: int | None, global_batch_size: int):
+    """The ``lr_scheduler:`` section over a run of ``max_steps`` steps of ``global_batch_size``
+    samples (the decay length when the section gives none)."""
+    if "_target_" in cfg.lr_scheduler:
+        return instantiate(cfg.lr_scheduler, optimizer)
+    total_samples = max_steps * global_batch_size if max_steps else None
+    return LRScheduler(optimizer, **cfg.lr_scheduler.to_dict(), total_steps=max_steps,
+                       total_samples=total_samples)
+
+
 def _build_optimizer(cfg: ConfigNode, model):
     if "_target_" in cfg.optimizer:
         wd = cfg.optimizer.get("weight_decay", 0.0)
@@ -207,14 +217,16 @@ class Built:
 
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
-          world_size: int = 1, *, data: bool = True, dtype: str | None = None) -> Built:
+          world_size: int = 1, *, data: bool = True, dtype: str | None = None,
+          loss: nn.Module | None = None, tokenizer: bool | None = None) -> Built:
     """Builds a recipe's parts in a fixed order: seeds -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
     layout -> train step -> optimizer.
 
     ``device`` / ``is_main`` / ``world_size``: this process (``init_distributed``'s; default
-    ``training.device``, one process). ``data=False`` builds no tokenizer and no datasets.
-    ``dtype`` replaces ``training.dtype``.
+    ``training.device``, one process). ``data=False`` builds no datasets (and no tokenizer unless ``tokenizer``).
+    ``dtype`` replaces ``training.dtype``. ``loss``: the module ``model(..., labels=)`` returns
+    through (default: the summing chunked cross-entropy of ``training.loss_chunk_size``).
     """
     cfg = as_config(cfg)
     t = cfg.training
@@ -224,7 +236,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         torch.use_deterministic_algorithms(True)
 
     # tokenizer, model
-    tokenizer = _build_tokenizer(cfg, is_main) if data else None
+    tokenizer = _build_tokenizer(cfg, is_main) if (data if tokenizer is None else tokenizer) else None
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
@@ -257,7 +269,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         train_ds, val_ds, make_loader = _build_data(cfg, tokenizer, is_main, device)
 
     # training loss, parallel layout, train step, optimizer
-    set_train_loss(model, LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
+    set_train_loss(model, loss if loss is not None else
+                   LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
     return Built(
@@ -276,6 +289,20 @@ def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: 
     export_peft(model, os.path.join(step_dir, "adapter"), base, tokenizer)
     if final and merged:
         save_merged_hf(model, os.path.join(step_dir, "merged_hf"), tokenizer, dtype=dtype)
+
+
+def build_checkpointer(b: Built, out_dir: str) -> Checkpointer:
+    """The ``checkpoint:`` section's :class:`Checkpointer` of ``out_dir`` for what :func:`build`
+    made (a LoRA run exports its adapter and records its settings)."""
+    ck = b.cfg.checkpoint
+    export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
+    if b.peft is not None:
+        base = b.cfg.model.get("local_dir")
+        state_extra = {"peft": b.peft, "base_model_name_or_path": base}
+        export_fn = functools.partial(_export_lora, base=base, merged=ck.save_merged_hf,
+                                      dtype=b.save_dtype)
+    return Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
+                        export_fn=export_fn, state_extra=state_extra)
 
 
 def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
@@ -357,10 +384,10 @@ def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
 def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str):
     """Builds everything and checks the run folder (earlier run, resume point); writes nothing
     there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
-    t, ck = cfg.training, cfg.checkpoint
+    t = cfg.training
     resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
     b = build(cfg, device, is_main, world_size)
-    train_ds, peft = b.train_ds, b.peft
+    train_ds = b.train_ds
 
     # step scheduler, LR scheduler
     sched = StepScheduler(
@@ -369,23 +396,10 @@ def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int
         val_every_steps=t.val_every_steps, ckpt_every_steps=t.ckpt_every_steps,
         log_every_steps=t.log_every_steps, seed=t.seed, shuffle=cfg.dataloader.shuffle,
         drop_last=cfg.dataloader.drop_last)
-    total_samples = sched.max_steps * sched.global_batch_size
-    if "_target_" in cfg.lr_scheduler:
-        lr_scheduler = instantiate(cfg.lr_scheduler, b.optimizer)
-    else:
-        lr_scheduler = LRScheduler(b.optimizer, **cfg.lr_scheduler.to_dict(),
-                                   total_steps=sched.max_steps, total_samples=total_samples)
+    lr_scheduler = build_lr_scheduler(cfg, b.optimizer, sched.max_steps, sched.global_batch_size)
 
     # checkpoints, metrics, resume
-    export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
-    if peft is not None:
-        base = cfg.model.get("local_dir")
-        state_extra = {"peft": peft, "base_model_name_or_path": base}
-        export_fn = functools.partial(_export_lora, base=base, merged=ck.save_merged_hf,
-                                      dtype=b.save_dtype)
-
-    checkpointer = Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
-                                export_fn=export_fn, state_extra=state_extra)
+    checkpointer = build_checkpointer(b, out_dir)
     metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,

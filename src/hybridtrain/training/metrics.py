@@ -9,6 +9,7 @@ import math
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -69,6 +70,8 @@ class MetricsLogger:
         progress: bool = True,
         jsonl: bool = True,
         plot: bool = True,
+        plot_extra: Sequence[str] = (),
+        loss_label: str = "loss (token-weighted cross-entropy)",
     ):
         self.out_dir = out_dir
         self.is_main = is_main
@@ -79,6 +82,8 @@ class MetricsLogger:
         self.show_progress = progress
         self.jsonl = jsonl
         self.plot = plot
+        self.plot_extra = tuple(plot_extra)
+        self.loss_label = loss_label
         self._tb = None
         self._bar = None
         self._redirect = None
@@ -164,11 +169,16 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        return plot_losses(self.out_dir) if (self.plot if plot is None else plot) else None
+        if not (self.plot if plot is None else plot):
+            return None
+        return plot_losses(self.out_dir, self.plot_extra, self.loss_label)
 
 
-def plot_losses(out_dir: str) -> str | None:
-    """Writes ``out_dir/loss.png`` (train and val loss against step) with matplotlib."""
+def plot_losses(out_dir: str, extra: Sequence[str] = (),
+                loss_label: str = "loss (token-weighted cross-entropy)") -> str | None:
+    """Writes ``out_dir/loss.png`` (train and val loss against step) with matplotlib; each
+    ``extra`` key of ``training.jsonl`` (e.g. a reward) in a panel of its own below, with the
+    ``val_<key>`` of ``validation.jsonl`` when there is one."""
     try:
         import matplotlib
 
@@ -182,15 +192,27 @@ def plot_losses(out_dir: str) -> str | None:
              if r.get("loss") is not None]
     val = [r for r in read_jsonl(os.path.join(out_dir, "validation.jsonl"))
            if r.get("val_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1 + len(extra), 1, figsize=(7, 4.5 + 3 * len(extra)), squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (token-weighted cross-entropy)")
+    ax.set_ylabel(loss_label)
     ax.grid(alpha=0.3)
     ax.legend()
+    for key, sub in zip(extra, axes[1:, 0]):
+        pts = [r for r in train if isinstance(r.get(key), (int, float))]
+        sub.plot([r["step"] for r in pts], [r[key] for r in pts], label="train")
+        vpts = [r for r in val if isinstance(r.get(f"val_{key}"), (int, float))]
+        if vpts:
+            sub.plot([r["step"] for r in vpts], [r[f"val_{key}"] for r in vpts], "o-",
+                     label="validation")
+        sub.set_xlabel("step")
+        sub.set_ylabel(key)
+        sub.grid(alpha=0.3)
+        sub.legend()
     fig.tight_layout()
     path = os.path.join(out_dir, "loss.png")
     fig.savefig(path, dpi=100)

@@ -9,7 +9,7 @@ from hybridtrain.models.spec import ModelSpec, register_model_spec
 
 from . import flops
 from .config import NemotronHConfig
-from .hf_io import save_hf_checkpoint
+from .hf_io import hub_tensors, save_hf_checkpoint
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
@@ -81,4 +81,5 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     lora_export_notes=lora_export_notes,
     peft_module_prefixes={"model.": "backbone."},
     activation_bytes=activation_bytes,
+    hub_tensors=hub_tensors,
 ))

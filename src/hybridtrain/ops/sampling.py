@@ -1,0 +1,100 @@
+"""Token selection and the decoding loop of ``generate``, for any model that offers a prefill and
+a one-token step (the model keeps its own cache).
+
+The arguments mean what they mean in ``transformers``' ``generate``: greedy (argmax) unless
+``do_sample``; when sampling, the logits are divided by ``temperature``, then only the ``top_k``
+largest are kept (0: all), then the smallest set of tokens whose probability reaches ``top_p``
+(1.0: all; at least one token), and the next token is drawn from the softmax. A sequence stops
+at any of ``eos_token_id`` and is padded with the first eos id afterwards; the loop ends when
+every sequence has stopped or after ``max_new_tokens``. ``seed`` seeds a generator of its own
+(None: torch's global one), so a seeded call draws the same tokens as ``torch.manual_seed(seed)``
+before ``transformers``' ``generate`` on the same logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def check_sampling_args(max_new_tokens: int, do_sample: bool, temperature: float, top_k: int,
+                        top_p: float) -> None:
+    """ValueError naming the argument that is out of range."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a number > 0 when sampling, got {temperature!r} "
+                         "(use do_sample=False for greedy decoding)")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filtering), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0.0 <= top_p <= 1.0):
+        raise ValueError(f"top_p must be a number in [0, 1] (1.0: no nucleus filtering), got {top_p!r}")
+
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+                  ) -> torch.Tensor:
+    """Temperature, then top-k, then top-p on logits [b, V] (fp32): filtered entries are -inf."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k > 0:
+        k = min(top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -torch.inf)
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - top_p)
+        drop[..., -1:] = False  # keep at least the most likely token
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -torch.inf)
+    return scores
+
+
+def select_tokens(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row of logits [b, V]: argmax, or a draw from the filtered softmax."""
+    if not do_sample:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def decode(
+    prefill: Callable[[], torch.Tensor],
+    step: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """The decoding loop: ``prefill()`` returns the logits [b, V] after the prompt, ``step(tokens
+    [b])`` feeds one token per row and returns the next logits. Returns the prompt followed by the
+    new tokens, [b, prompt length + n] with n <= max_new_tokens."""
+    check_sampling_args(max_new_tokens, do_sample, temperature, top_k, top_p)
+    out = [input_ids]
+    if max_new_tokens == 0:
+        return input_ids
+    eos = None
+    if eos_token_id is not None:
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos = torch.tensor(ids, dtype=input_ids.dtype, device=input_ids.device)
+    gen = None
+    if seed is not None and do_sample:
+        gen = torch.Generator(device=input_ids.device).manual_seed(int(seed))
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    logits = prefill()
+    for i in range(max_new_tokens):
+        nxt = select_tokens(logits, do_sample, temperature, top_k, top_p, gen).to(input_ids.dtype)
+        if eos is not None:
+            nxt = torch.where(unfinished, nxt, eos[0])
+            unfinished &= ~torch.isin(nxt, eos)
+        out.append(nxt[:, None])
+        if i == max_new_tokens - 1 or not bool(unfinished.any()):
+            break
+        logits = step(nxt)
+    return torch.cat(out, dim=1)

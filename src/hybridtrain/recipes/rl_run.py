@@ -1,0 +1,81 @@
+"""What the RL recipes (``dpo``, ``grpo``) share: the run folder, the trained Policy and its frozen
+reference, the step log (``training.jsonl``, progress bar, ``loss.png`` with the recipe's own
+curves), the final checkpoint with its export, and the summary."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridtrain.config import ConfigNode
+from hybridtrain.fileio import atomic_write
+from hybridtrain.training.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+class RLRun:
+    """``Policy`` + frozen reference (the same recipe: the same initial weights) + metrics in
+    ``checkpoint.dir``. A new run there replaces an earlier one only with
+    ``checkpoint.overwrite`` (RL runs do not resume)."""
+
+    def __init__(self, cfg: ConfigNode, name: str, plot_extra: Sequence[str] = (),
+                 loss_label: str = "loss"):
+        from hybridtrain.recipes.finetune import _check_run_folder
+        from hybridtrain.rl import Policy
+
+        self.cfg, self.name = cfg, name
+        self.out_dir = os.path.abspath(cfg.checkpoint.dir)
+        self.t_start = time.perf_counter()
+        _, clear = _check_run_folder(cfg, self.out_dir)
+        self.policy = Policy(cfg)
+        self.reference = Policy(cfg)  # never trained: the reference policy
+        self.is_main = self.policy.built.is_main
+        if clear:
+            self.policy.checkpointer(self.out_dir).clear()
+        m = cfg.metrics
+        self.metrics = MetricsLogger(self.out_dir, is_main=self.is_main, tensorboard=m.tensorboard,
+                                     tensorboard_dir=m.tensorboard_dir, progress=m.progress_bar,
+                                     jsonl=m.jsonl, plot=m.plot, plot_extra=plot_extra,
+                                     loss_label=loss_label)
+        self.metrics.open(0, cfg.training.max_steps)
+        if self.is_main:
+            os.makedirs(self.out_dir, exist_ok=True)
+            atomic_write(os.path.join(self.out_dir, "config.yaml"), cfg.to_yaml())
+        self.history: list[dict] = []
+        self.val_history: list[dict] = []
+
+    def log_val(self, rec: dict[str, Any]) -> None:
+        self.val_history.append(rec)
+        self.metrics.log_val(rec)
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.history.append(rec)
+        self.metrics.log_train(rec)
+        self.metrics.progress(rec["step"], rec.get("loss"), rec.get("lr", 0.0), None)
+
+    def finish(self, headline: Callable[[list[dict]], str]) -> dict[str, Any]:
+        """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0)."""
+        ckpt = None
+        if self.cfg.checkpoint.enabled:
+            ckpt = self.policy.save_checkpoint(self.out_dir, export=self.cfg.checkpoint.save_hf_at_end)
+        plot = self.metrics.close()
+        losses = [r["loss"] for r in self.history if math.isfinite(r.get("loss", math.nan))]
+        summary = {"steps": len(self.history), "first_loss": losses[0] if losses else None,
+                   "last_loss": losses[-1] if losses else None, "checkpoint": ckpt,
+                   "loss_png": plot, "out_dir": self.out_dir,
+                   "total_time_s": time.perf_counter() - self.t_start}
+        if self.is_main:
+            print(f"hybridtrain {self.name}: {headline(self.history)}\noutputs in "
+                  f"{self.out_dir}/ (training.jsonl, loss.png"
+                  + (f", {os.path.relpath(ckpt, self.out_dir)}/" if ckpt else "") + ")", flush=True)
+        return summary
+
+
+def mean_of(records: Sequence[dict], key: str) -> float | None:
+    vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return sum(vals) / len(vals) if vals else None

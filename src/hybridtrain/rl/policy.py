@@ -1,0 +1,256 @@
+"""``Policy``: a recipe's model as the training backend of an RL loop.
+
+    policy = Policy("recipe.yaml", ["--distributed.pp=2"])   # in one process or under torchrun
+    logp = policy.logprobs(batch)                              # [B, S-1] on every rank
+    metrics = policy.train(batch, ClippedPGLoss(reference_policy_kl_penalty=0.01))
+    for name, tensor in policy.state_dict_hf(torch.bfloat16): ...   # Hub names, full tensors
+
+Built by :func:`hybridtrain.recipes.finetune.build` from the recipe's ``model``, ``tokenizer``
+(optional), ``peft``, ``training`` (dtype, seed, micro_batch_size, grad_clip, loss_chunk_size),
+``optimizer``, ``lr_scheduler``, ``distributed``, ``checkpoint`` and ``rl`` sections; the
+model's ``loss`` slot holds a :class:`~hybridtrain.rl.head.PolicyHead`, so every layout runs the
+model's own forward and the log-probs come from the final hidden states in chunks.
+
+Every method is collective: every rank calls it with the **same global batch** (a dict of NeMo-RL
+keys, see :mod:`hybridtrain.rl.batch`). Each data-parallel rank takes its contiguous share of the
+rows (the batch is padded with dummy rows, ``sample_mask`` 0, to a multiple of ``dp ×
+micro_batch_size``), runs it in micro-batches (with ``rl.sequence_packing``, each micro-batch's
+rows packed into one row), and the results are gathered so that every rank returns the whole
+batch's. Under pipeline parallelism the last stage computes and broadcasts. The loss
+normalisation uses the global batch's counts, computed from the global batch every rank holds,
+so one process and any layout give the same step. (Context parallelism will shard each
+micro-batch's sequence after the targets are shifted and sum the loss shares over ``cp`` as
+over ``dp``; tensor parallelism reaches the log-probs through the head's vocabulary-parallel
+``token_logprobs``.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
+from hybridtrain.rl import batch as rb
+from hybridtrain.rl.head import PolicyHead
+from hybridtrain.training.precision import autocast_context
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Policy"]
+
+LossFn = Callable[[torch.Tensor, dict, float, float], tuple[torch.Tensor, dict]]
+
+
+def _load(recipe: Any, overrides) -> ConfigNode:
+    ov = parse_overrides(overrides or ())
+    if isinstance(recipe, ConfigNode):
+        return build_config(recipe.to_dict(), ov, source=recipe.source_file or "<config>")
+    if isinstance(recipe, (str, os.PathLike)):
+        return load_config(recipe, ov)
+    if isinstance(recipe, Mapping):
+        return build_config(dict(recipe), ov)
+    raise ValueError(f"Policy: expected a recipe path, a loaded config or a dict, got {type(recipe)}")
+
+
+class Policy:
+    """A recipe's model, optimizer and LR schedule with RL entry points (see module docstring).
+
+    ``recipe``: a YAML path, a dict or a loaded config; ``overrides``: ``["--a.b=c", ...]`` or
+    ``{"a.b": c}``. Starts the process group when launched with several ranks (torchrun) and
+    none is running."""
+
+    def __init__(self, recipe: Any, overrides: Sequence[str] | Mapping[str, Any] | None = None):
+        from hybridtrain.distributed.init import init_distributed
+        from hybridtrain.recipes.finetune import build, build_lr_scheduler
+
+        cfg = _load(recipe, overrides)
+        t = cfg.training
+        backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
+        info = init_distributed(None if t.device == "auto" else t.device, backend,
+                                cfg.distributed.timeout_seconds / 60)
+        self.cfg = cfg
+        self.head = PolicyHead(chunk_size=t.loss_chunk_size)
+        self.built = b = build(cfg, info.device, info.is_main, info.world_size, data=False,
+                               loss=self.head, tokenizer=True)
+        self.model, self.optimizer, self.device = b.model, b.optimizer, b.device
+        self.tokenizer, self.dims = b.tokenizer, b.plan.dims
+        self.lr_scheduler = build_lr_scheduler(cfg, b.optimizer, t.max_steps, t.global_batch_size)
+        self.micro_batch_size = cfg.rl.micro_batch_size or t.micro_batch_size
+        self.packing, self.pad_multiple = cfg.rl.sequence_packing, cfg.rl.pad_to_multiple_of
+        self.autocast_dtype = b.train_step.autocast_dtype
+        self.pipeline = None
+        if b.plan.pipeline is not None:
+            from hybridtrain.rl.pipeline import PolicyPipeline
+
+            self.pipeline = PolicyPipeline(b.plan.pipeline)
+        self.step = 0
+
+    # -- layout --------------------------------------------------------------------------------
+    def _shard(self, batch: dict, micro_batch_size: int | None, rows_per_group: int = 1
+               ) -> tuple[dict, list[dict]]:
+        """(the prepared global batch, this rank's micro-batches of rows)."""
+        mbs = micro_batch_size or self.micro_batch_size
+        if mbs % rows_per_group:
+            raise ValueError(f"micro_batch_size {mbs} must be a multiple of {rows_per_group} (the "
+                             "loss's rows per group, e.g. a DPO chosen/rejected pair)")
+        full = rb.prepare(batch, self.device)
+        dp = self.dims.dp
+        padded = rb.pad_rows(full, dp * mbs)
+        n = padded["input_ids"].shape[0]
+        share = n // dp
+        mine = rb.take_rows(padded, self.dims.dp_rank * share, (self.dims.dp_rank + 1) * share)
+        return full, [rb.take_rows(mine, i, i + mbs) for i in range(0, share, mbs)]
+
+    def _inputs(self, rows: dict) -> dict:
+        return rb.model_rows(rows, self.packing, self.pad_multiple)
+
+    def _run_model(self, inputs: dict) -> torch.Tensor:
+        kw = {"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {}
+        with autocast_context(self.autocast_dtype, self.device):
+            return self.model(inputs["input_ids"], labels=inputs["labels"], **kw)
+
+    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's rows -> every rank's, in rank order."""
+        if self.dims.dp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.dims.dp)]
+        dist.all_gather(parts, local.contiguous(), group=self.dims.dp_group)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def _forward(self, batch: dict, trailing: tuple[int, ...]) -> torch.Tensor:
+        """The head's per-position outputs ``[B, S, *trailing]`` of the whole batch, every rank."""
+        full, micro = self._shard(batch, None)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            inputs = [self._inputs(mb) for mb in micro]
+            if self.pipeline is not None:
+                with autocast_context(self.autocast_dtype, self.device):
+                    outs = self.pipeline.forward(inputs, trailing)
+            else:
+                outs = [self._run_model(x).float() for x in inputs]
+        finally:
+            self.model.train(was_training)
+        local = torch.cat([rb.unpack(o, mb, self.packing) for o, mb in zip(outs, micro)])
+        return self._gather_dp(local)[: full["input_ids"].shape[0]]
+
+    # -- the API -------------------------------------------------------------------------------
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        """``[B, S-1]`` fp32: ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``, 0 from each row's
+        ``input_lengths - 1`` on. Collective; every rank returns the whole batch's."""
+        return self._forward(batch, ())[:, :-1].contiguous()
+
+    def topk_logits(self, batch: dict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values [B, S, k] fp32, indices [B, S, k] int64)``: the ``k`` largest logits at every
+        position (0 past each row's length), largest first. Collective."""
+        vocab = self.built.model_config.vocab_size
+        if not 0 < k <= vocab:
+            raise ValueError(f"topk_logits: k must be in 1..{vocab} (the vocabulary), got {k}")
+        with self.head.top_k(k):
+            out = self._forward(batch, (2 * k,))
+        return out[..., :k].contiguous(), out[..., k:].round().long()
+
+    def train(self, batch: dict, loss_fn: LossFn, micro_batch_size: int | None = None
+              ) -> dict[str, float]:
+        """One optimizer step over the whole batch with ``loss_fn`` (see
+        :mod:`hybridtrain.rl.losses`), normalised by the global batch's counts. Returns ``loss``
+        (the global loss), ``grad_norm`` (before clipping), ``lr`` (of this step), the loss's
+        metrics (global values), ``num_valid_seqs`` / ``num_valid_tokens`` and ``skipped``
+        (a non-finite loss or gradient norm: no update, the LR schedule does not move)."""
+        full, micro = self._shard(batch, micro_batch_size, getattr(loss_fn, "rows_per_group", 1))
+        gvs, gvt = rb.global_counts(full)
+        sums: dict[str, torch.Tensor] = {}
+
+        def finish(i: int, out: torch.Tensor) -> torch.Tensor:
+            rows = micro[i]
+            logp = rb.unpack(out.float(), rows, self.packing)[:, :-1]
+            loss, metrics = loss_fn(logp, rows, gvs, gvt)
+            for k, v in {"loss": loss, **metrics}.items():
+                v = torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
+                sums[k] = sums[k] + v if k in sums else v
+            return loss
+
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.model.train()
+        inputs = [self._inputs(mb) for mb in micro]
+        if self.pipeline is not None:
+            with autocast_context(self.autocast_dtype, self.device):
+                self.pipeline.train(inputs, finish)
+        else:
+            sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2: once
+            for i, x in enumerate(inputs):
+                if sync is not None:
+                    sync(i == len(inputs) - 1)
+                finish(i, self._run_model(x)).backward()
+        metrics = self._reduce_metrics(sums)
+        grad_norm = float(self.built.plan.clip_grad_norm(
+            [p for p in self.model.parameters() if p.requires_grad], self.cfg.training.grad_clip))
+        skipped = not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))
+        if skipped:
+            logger.warning("Policy.train: non-finite loss or gradient norm; skipping the update")
+        else:
+            self.optimizer.step()
+            self.lr_scheduler.step(full["input_ids"].shape[0])
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**metrics, "grad_norm": grad_norm, "lr": lr, "num_valid_seqs": gvs,
+                "num_valid_tokens": gvt, "skipped": skipped}
+
+    def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Loss shares summed over micro-batches (done), pipeline (the last stage's, broadcast)
+        and data-parallel ranks."""
+        if self.pipeline is not None:
+            obj = [{k: float(v) for k, v in sums.items()} if self.pipeline.is_last else None]
+            dist.broadcast_object_list(obj, group=self.pipeline.pp_group,
+                                       group_src=self.pipeline.last_rank)
+            sums = {k: torch.tensor(v, dtype=torch.float64, device=self.device)
+                    for k, v in obj[0].items()}
+        keys = sorted(sums)
+        vec = torch.stack([sums[k] for k in keys]) if keys else torch.zeros(0, dtype=torch.float64)
+        self.dims.all_reduce_dp(vec)
+        return {k: float(v) for k, v in zip(keys, vec)}
+
+    # -- weights -------------------------------------------------------------------------------
+    def state_dict_hf(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hub_name, full tensor)`` of every weight, LoRA merged in, in ``dtype`` (None: as
+        held); the same on every rank. Collective: every rank must consume the whole iterator."""
+        from hybridtrain.rl.weights import hf_tensors
+
+        yield from hf_tensors(self.model, self.built.spec, dtype)
+
+    def state_dict_full(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in hybridtrain's names (full tensors, LoRA merged): what
+        ``load_state_dict`` of a plain copy of the model takes (e.g. a rollout engine). Collective."""
+        from hybridtrain.rl.weights import full_state_dict
+
+        return full_state_dict(self.model, self.built.spec)
+
+    def checkpointer(self, path: str):
+        """The recipe's :class:`~hybridtrain.training.checkpoint.Checkpointer` of the run folder ``path``."""
+        from hybridtrain.recipes.finetune import build_checkpointer
+
+        return build_checkpointer(self.built, path)
+
+    def save_checkpoint(self, dir: str, export: bool = False) -> str:
+        """Writes ``dir/step_{N}`` (the finetune checkpoint format: model, optimizer, LR schedule,
+        RNG; with ``export`` the HF export ``hf/``, or ``adapter/`` for LoRA) and ``dir/latest``;
+        returns the step folder. Collective."""
+        return self.checkpointer(dir).save(self.step, self.model, self.optimizer, self.lr_scheduler,
+                                    tokenizer=self.tokenizer, export=export, final=export)
+
+    def load_checkpoint(self, dir: str) -> None:
+        """Restores a checkpoint (a ``step_N`` folder, or a run folder: its ``latest``) written by
+        :meth:`save_checkpoint` or ``hybridtrain finetune`` under any layout. Collective."""
+        ck = self.checkpointer(dir)
+        path = ck.resolve_resume(dir)
+        if path is None:
+            raise ValueError(f"load_checkpoint: {dir} holds no checkpoint")
+        state = ck.load(path, self.model, self.optimizer, self.lr_scheduler)
+        self.step = int(state.get("step", 0))
