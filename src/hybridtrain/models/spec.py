@@ -47,6 +47,12 @@ class ModelSpec:
       them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take;
       ``peft_module_prefixes``: {prefix of the transformers implementation's module names:
       ours}, to read adapters PEFT wrote for it.
+    * ``hub_layout(name, tensor, config, to_hub) -> tensor``: our tensor ``name`` (a parameter
+      or a LoRA ``<module>.lora_A``/``lora_B``) in the Hugging Face layout (``to_hub``) or a
+      Hugging Face tensor in ours, where the two order rows differently (None: the same).
+    * ``state_format(model) -> str | None``: a marker of how the model holds its parameters,
+      stored with each checkpoint; a checkpoint whose marker differs is refused (None: the
+      plain layout, also that of checkpoints written without a marker).
     """
 
     name: str
@@ -63,6 +69,8 @@ class ModelSpec:
     expert_modules: tuple[type[nn.Module], ...] = ()
     lora_export_notes: Callable[[list[str]], str | None] | None = None
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
+    hub_layout: Callable[[str, Any, Any, bool], Any] | None = None
+    state_format: Callable[[nn.Module], str | None] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}
