@@ -82,3 +82,90 @@ def test_vocab_parallel_cross_entropy_and_logprobs(world):
         if name == "ce":
             for res in results:
                 torch.testing.assert_close(res["ce_no_grad"], y.detach(), rtol=1e-12, atol=1e-12)
+
+
+# -- the parity matrix: tensor parallelism through the recipe's builder and trainer ---------------
+# (one spawned group per fixture, each under a minute; the single-process references once)
+from tests.helpers import parity as pu  # noqa: E402
+
+SAVE_AT = 3
+ONE_KV_HEAD = {"model": {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
+                         "config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config",
+                                    "kind": "mixed", "num_key_value_heads": 1}}}
+LAYOUTS = {"tp2": ({"tp": 2}, 2), "tp2_pp2": ({"tp": 2, "pp": 2}, 4), "tp2_ep2": ({"tp": 2, "ep": 2}, 4)}
+
+
+def _layout_group(rank, world, layout, sections):
+    return {packed: pu.run_layout(layout, world, packed, **sections) for packed in (False, True)}
+
+
+def _one_kv_group(rank, world):
+    return pu.run_layout({"tp": 2}, world, False, **ONE_KV_HEAD)
+
+
+def _ckpt_group(rank, world, ckpt):
+    return {"save_tp2": pu.train_and_save({"tp": 2}, world, f"{ckpt}/tp2", SAVE_AT),
+            "single->tp2": pu.resume_and_train({"tp": 2}, world, f"{ckpt}/single")}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.set_num_threads(1)
+    return {packed: pu.reference(packed) for packed in (False, True)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout_runs(request):
+    torch.set_num_threads(1)
+    layout, world = LAYOUTS[request.param]
+    return request.param, run_distributed(_layout_group, world, layout, {})[0]
+
+
+def _max_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _check(name, got, ref):
+    """Per-step losses and gradient norms, validation loss within 1e-5 relative; final weights
+    within 1e-5 relative (norm of the difference per tensor: Adam turns last-bit differences of
+    near-zero gradient entries into whole lr-sized steps, so single entries can differ by ~1e-5)."""
+    losses, w, val, norms = got
+    ref_losses, ref_w, ref_val, ref_norms = ref
+    rel, rel_norm = _max_rel(losses, ref_losses), _max_rel(norms, ref_norms)
+    assert set(w) == set(ref_w)
+    dw = max(float((w[k] - ref_w[k]).norm() / ref_w[k].norm()) for k in ref_w)
+    print(f"{name:22s} loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights rel {dw:.2e} "
+          f"val rel {abs(val - ref_val) / ref_val:.2e}")
+    assert rel <= 1e-5, (losses, ref_losses)
+    assert rel_norm <= 1e-5, (norms, ref_norms)
+    assert dw <= 1e-5
+    assert abs(val - ref_val) <= 1e-5 * ref_val
+
+
+@pytest.mark.distributed
+def test_tp_layout_matches_single_process(reference, layout_runs):
+    name, runs = layout_runs
+    for packed in (False, True):
+        _check(f"{name} {'packed' if packed else 'unpacked'}", runs[packed], reference[packed])
+
+
+@pytest.mark.distributed
+def test_tp2_with_fewer_kv_heads_than_ranks():
+    torch.set_num_threads(1)
+    ref = pu.run_layout({}, 1, False, **ONE_KV_HEAD)
+    _check("tp2, 1 kv head", run_distributed(_one_kv_group, 2)[0], ref)
+
+
+@pytest.mark.distributed
+def test_checkpoint_resumes_across_tp_layouts(reference, tmp_path):
+    """TP=2 -> one process and one process -> TP=2 (checkpoints hold full tensors)."""
+    torch.set_num_threads(1)
+    ckpt = str(tmp_path)
+    ref_losses = reference[False][0]
+    saved_single = pu.train_and_save({}, 1, f"{ckpt}/single", SAVE_AT)
+    res = run_distributed(_ckpt_group, 2, ckpt)[0]
+    res["tp2->single"] = pu.resume_and_train({}, 1, f"{ckpt}/tp2")
+    assert _max_rel(saved_single, ref_losses[:SAVE_AT]) <= 1e-5
+    assert _max_rel(res["save_tp2"], ref_losses[:SAVE_AT]) <= 1e-5
+    for flow in ("tp2->single", "single->tp2"):
+        assert _max_rel(res[flow], ref_losses[SAVE_AT:]) <= 1e-5, (flow, res[flow], ref_losses[SAVE_AT:])
