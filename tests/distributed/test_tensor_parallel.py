@@ -169,3 +169,46 @@ def test_checkpoint_resumes_across_tp_layouts(reference, tmp_path):
     assert _max_rel(res["save_tp2"], ref_losses[:SAVE_AT]) <= 1e-5
     for flow in ("tp2->single", "single->tp2"):
         assert _max_rel(res[flow], ref_losses[SAVE_AT:]) <= 1e-5, (flow, res[flow], ref_losses[SAVE_AT:])
+
+
+@pytest.mark.distributed
+def test_cli_tp2_trains_and_exports_like_one_process(tmp_path):
+    """`hybridtrain finetune --nproc-per-node 2 --distributed.tp=2`: per-step losses as one
+    process, and the HF export (full tensors, Hub row order) equal to one process's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from safetensors.torch import load_file
+
+    from hybridtrain.cli import main
+    from tests.helpers.recipes import run_overrides, tiny_recipe
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(training={"max_steps": 3})))
+    args = ["finetune", "-c", str(recipe)]
+    assert main(args + run_overrides(tmp_path / "single", 3)) == 0
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    p = subprocess.run([sys.executable, "-m", "hybridtrain", *args, "--nproc-per-node", "2",
+                        "--distributed.tp=2", *run_overrides(tmp_path / "tp2", 3)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+    def records(run):
+        return [json.loads(line) for line in open(tmp_path / run / "training.jsonl")]
+
+    ref, got = records("single"), records("tp2")
+    assert len(got) == len(ref) == 3
+    for a, b in zip(got, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (got, ref)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (got, ref)
+    w_ref = load_file(tmp_path / "single" / "final" / "hf" / "model.safetensors")
+    w_tp = load_file(tmp_path / "tp2" / "final" / "hf" / "model.safetensors")
+    assert set(w_ref) == set(w_tp)
+    for k in w_ref:
+        assert (w_tp[k] - w_ref[k]).norm() <= 1e-5 * w_ref[k].norm(), k
