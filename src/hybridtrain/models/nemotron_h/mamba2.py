@@ -55,7 +55,7 @@ class Mamba2Mixer(nn.Module):
         self.group_inner = self.intermediate_size // self.n_groups
         self.group_heads = self.num_heads // self.n_groups
 
-        # in_proj -> [z (gate) | xBC (conv input) | dt]
+        # in_proj -> per group [z_g (gate) | x_g B_g C_g (conv input) | dt_g]
         self.in_proj = nn.Linear(
             self.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.use_bias
         )
@@ -78,7 +78,7 @@ class Mamba2Mixer(nn.Module):
         std = cfg.initializer_range
         for lin, conv in ((self.in_proj, False), (self.conv1d, True)):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
-            # drawn in the Hub's row order, held in ours (a seed gives the same model as before)
+            # drawn in the Hub's row order, then held in ours: a seed gives the same model
             lin.weight.copy_(lin.weight[group_major_rows(cfg, conv).to(lin.weight.device)])
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
