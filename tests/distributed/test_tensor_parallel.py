@@ -105,7 +105,8 @@ def _one_kv_group(rank, world):
 
 def _ckpt_group(rank, world, ckpt):
     return {"save_tp2": pu.train_and_save({"tp": 2}, world, f"{ckpt}/tp2", SAVE_AT),
-            "single->tp2": pu.resume_and_train({"tp": 2}, world, f"{ckpt}/single")}
+            "single->tp2": pu.resume_and_train({"tp": 2}, world, f"{ckpt}/single"),
+            "tp2_ac": pu.run_layout({"tp": 2}, world, False, ac=True)[0]}
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,8 @@ def test_tp2_with_fewer_kv_heads_than_ranks():
 
 @pytest.mark.distributed
 def test_checkpoint_resumes_across_tp_layouts(reference, tmp_path):
-    """TP=2 -> one process and one process -> TP=2 (checkpoints hold full tensors)."""
+    """TP=2 -> one process and one process -> TP=2 (checkpoints hold full tensors); TP=2 with
+    activation checkpointing."""
     torch.set_num_threads(1)
     ckpt = str(tmp_path)
     ref_losses = reference[False][0]
@@ -169,6 +171,7 @@ def test_checkpoint_resumes_across_tp_layouts(reference, tmp_path):
     assert _max_rel(res["save_tp2"], ref_losses[:SAVE_AT]) <= 1e-5
     for flow in ("tp2->single", "single->tp2"):
         assert _max_rel(res[flow], ref_losses[SAVE_AT:]) <= 1e-5, (flow, res[flow], ref_losses[SAVE_AT:])
+    assert _max_rel(res["tp2_ac"], ref_losses) <= 1e-5
 
 
 @pytest.mark.distributed
