@@ -13,11 +13,11 @@ from tests.helpers.distributed import run_distributed
 
 def _head_inputs(dtype=torch.float64):
     g = torch.Generator().manual_seed(0)
-    n, h, v = 11, 6, 10  # an odd vocabulary: shards of 5 and 5 over 2 ranks... and 4/3/3 over 3
+    n, h, v = 7, 3, 10  # shards of 5 + 5 rows over 2 ranks, 4 + 4 + 2 over 3 (torch.chunk)
     hidden = torch.randn(n, h, generator=g, dtype=dtype)
     weight = torch.randn(v, h, generator=g, dtype=dtype)
     labels = torch.randint(0, v, (n,), generator=g)
-    labels[[1, 4, 5]] = -100
+    labels[[1, 4]] = -100
     return hidden, weight, labels
 
 
@@ -45,7 +45,8 @@ def _vocab_parallel_worker(rank, world):
         gy = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(y.shape) if y.dim() else torch.ones(())
         gh, gw = torch.autograd.grad(y, (h, w), gy)
         out[name] = (y.detach(), gh, gw)
-        if name in ("ce_recompute", "logprobs"):  # (recompute=False: one backward only)
+        # finite differences on 2 ranks (recompute=False gives its gradients to one backward only)
+        if world == 2 and name in ("ce_recompute", "logprobs"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out[name + "_gradcheck"] = torch.autograd.gradcheck(
