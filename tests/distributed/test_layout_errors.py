@@ -92,9 +92,17 @@ def test_unsupported_degrees_and_ep_errors():
 
     model = NemotronHForCausalLM(tiny_config("mixed"))
     sections = (config_section("distributed"), config_section("training"))
-    with pytest.raises(ValueError, match="distributed.tp=2: tensor parallelism is not implemented"):
-        parallelize_nemotron_h(model, ParallelDims(world_size=2, tp=2), *sections, device="cpu",
-                               autocast_dtype=None)
+    from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.models.nemotron_h.parallelize import check_tp
+
+    check_tp(model.config, 2)  # 4 heads, 2 kv heads, 2 Mamba groups
+    check_tp(tiny_config("mixed", n_groups=4), 4)  # 4 > 2 kv heads: one each (replicated k/v)
+    with pytest.raises(ValueError, match=r"distributed.tp=3 does not divide num_attention_heads = 4"):
+        check_tp(model.config, 3)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide n_groups \(Mamba2 B/C groups\) = 2"):
+        check_tp(tiny_config("dense", hybrid_override_pattern="M-M"), 4)
+    with pytest.raises(ValueError, match="sequence_parallel: true is not implemented"):
+        parallel_dims_from_config({"tp": 2, "sequence_parallel": True}, 2, build_mesh=False)
     with pytest.raises(ValueError, match="distributed.cp=2: context parallelism is not implemented"):
         parallelize_nemotron_h(model, ParallelDims(world_size=2, cp=2), *sections, device="cpu",
                                autocast_dtype=None)

@@ -225,7 +225,8 @@ DISTRIBUTED = {
                                   "micro-batches (same micro-batching as one process)", _OPT_INT),
     "pp_split_points": K(None, "manual split: first layer index of every stage after the first; "
                                "null -> balanced by per-layer FLOPs", (list, type(None))),
-    "sequence_parallel": K(True, "with tp > 1, shard norms/activations along the sequence"),
+    "sequence_parallel": K(False, "with tp > 1, shard norms/activations along the sequence "
+                                  "(not implemented yet: true is refused)"),
     "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy",
                                     choices=("default", "always", "never")),
     "fsdp_param_dtype": K("auto", "FSDP2 all-gather/compute dtype; auto -> training dtype",

@@ -51,8 +51,14 @@ class ModelSpec:
       {"layers": [{"type", "category", "saved", "checkpointed"}, ...], "head": {name: bytes}}``:
       what one micro-batch keeps for backward per layer (with and without activation
       checkpointing) and on the last stage (``hybridtrain plan``; None: no activation estimate).
-    * ``hub_tensors(state_dict) -> iterator of (Hub name, tensor)``: a full state dict in the
-      Hub's names and layout (None: the names are the Hub's already).
+    * ``hub_tensors(state_dict, config) -> iterator of (Hub name, tensor)``: a full state dict
+      in the Hub's names and layout (None: the names and layout are the Hub's already).
+    * ``hub_layout(name, tensor, config, to_hub) -> tensor``: our tensor ``name`` (a parameter
+      or a LoRA ``<module>.lora_A``/``lora_B``) in the Hugging Face layout (``to_hub``) or a
+      Hugging Face tensor in ours, where the two order rows differently (None: the same).
+    * ``state_format(model) -> str | None``: a marker of how the model holds its parameters,
+      stored with each checkpoint; a checkpoint whose marker differs is refused (None: the
+      plain layout, also that of checkpoints written without a marker).
     """
 
     name: str
@@ -71,6 +77,8 @@ class ModelSpec:
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
     activation_bytes: Callable[..., dict] | None = None
     hub_tensors: Callable[[Any], Any] | None = None
+    hub_layout: Callable[[str, Any, Any, bool], Any] | None = None
+    state_format: Callable[[nn.Module], str | None] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -20,11 +20,20 @@ and every softmax, log-sum-exp and sum is fp32 (fp64 for fp64 inputs, for gradch
 gradient is accumulated over chunks in fp32 and returned in the weight's dtype.
 
 Labels are aligned with ``hidden`` (the caller shifts them for next-token prediction).
+
+Vocab-parallel head: when the weight is a DTensor sharded over the vocabulary (``Shard(0)`` on a
+1-D tensor-parallel mesh), each rank forms only its vocabulary slice of every chunk's logits; the
+row maximum and then the sum of exponentials and the label's logit are all-reduced over the
+mesh's group (two all-reduces per chunk), so no rank ever holds full logits. The hidden-state
+gradient is summed over the group once; the weight gradient stays with the rank's shard.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -33,7 +42,7 @@ from hybridtrain.ops.backend import auto_chunk_size, pad_rows, unpad_rows
 from hybridtrain.ops.base2 import LOG2E
 
 __all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_SIZE", "LinearCrossEntropy", "cross_entropy_sum", "token_logprobs",
-           "topk_logits"]
+           "topk_logits", "vocab_shard"]
 
 DEFAULT_CHUNK_SIZE = "auto"
 
@@ -104,16 +113,19 @@ def cross_entropy_sum(
       pipeline schedule, and for more than one backward).
     """
     chunk_size = _resolve(hidden, weight, labels, chunk_size, "cross_entropy_sum")
+    weight, tp = vocab_shard(weight)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    if chunk_size is None:
+    if chunk_size is None and tp is None:
         logits = (hidden @ weight.t()).to(_acc_dtype(weight.dtype))
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     hidden, labels, _ = _label_rows(hidden, labels, ignore_index)
+    chunk_size = chunk_size or max(hidden.shape[0], 1)  # a vocab-parallel head: one chunk
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.no_grad():
-            return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight))[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, recompute)
+            return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight),
+                            tp=tp)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, recompute, tp)
 
 
 def token_logprobs(
@@ -129,17 +141,19 @@ def token_logprobs(
     chunk's logits (as ``cross_entropy_sum(recompute=True)``). Shapes and ``chunk_size`` as
     :func:`cross_entropy_sum`."""
     chunk_size = _resolve(hidden, weight, labels, chunk_size, "token_logprobs")
+    weight, tp = vocab_shard(weight)
     shape = labels.shape
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    if chunk_size is None:
+    if chunk_size is None and tp is None:
         valid = labels != ignore_index
         logp = (hidden @ weight.t()).to(_acc_dtype(weight.dtype)).log_softmax(-1)
         picked = logp.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
         return torch.where(valid, picked, 0.0).view(shape)
     n = labels.shape[0]
     rows, row_labels, idx = _label_rows(hidden, labels, ignore_index)
-    logp = _ChunkedTokenLogprobs.apply(rows, weight, row_labels, chunk_size, ignore_index)
+    chunk_size = chunk_size or max(rows.shape[0], 1)
+    logp = _ChunkedTokenLogprobs.apply(rows, weight, row_labels, chunk_size, ignore_index, tp)
     logp = unpad_rows(logp, n if idx is None else idx.shape[0])
     if idx is not None:  # back to every position (ignored ones 0)
         logp = logp.new_zeros(n).index_copy(0, idx, logp)
@@ -165,6 +179,27 @@ def topk_logits(hidden: torch.Tensor, weight: torch.Tensor, k: int,
     if not values:
         return hidden.new_zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.long)
     return torch.cat(values).view(shape), torch.cat(ids).view(shape)
+def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """``(tensor to compute with, tp)``: a head weight that is a DTensor sharded over the
+    vocabulary (``Shard(0)`` on a 1-D mesh) gives its local rows (differentiable) and ``tp =
+    (process group, first vocabulary id of the local rows)``; a replicated DTensor its local
+    copy and None; any other tensor itself and None."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(weight, DTensor):
+        return weight, None
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return weight.to_local(), None
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(f"the LM head weight is a DTensor placed {placements} on a {mesh.ndim}-D mesh; "
+                         "the linear cross-entropy takes a head sharded over the vocabulary "
+                         "(Shard(0) on the tensor-parallel mesh) or a replicated one")
+    vocab, n = weight.shape[0], mesh.size()
+    offset = min(mesh.get_local_rank() * math.ceil(vocab / n), vocab)  # torch.chunk's split
+    local = weight.to_local()
+    assert local.shape[0] == min(math.ceil(vocab / n), vocab - offset), (local.shape, vocab, n)
+    return local, (mesh.get_group(), offset)
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -223,7 +258,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # -- the fused pass -------------------------------------------------------------------------------
 def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, grad_hidden=None, weight_grad=False,
-             scale=None, token_out=None):
+             scale=None, token_out=None, tp=None):
     """One pass over the chunks, with autocast off and the matmuls in ``dtype``; the loop of both
     autograd functions below.
 
@@ -236,11 +271,19 @@ def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, 
 
     Softmax in base 2 (see ``ops.base2``): ``exp(x - m) = 2^(x log2(e) - m log2(e))``, one fused
     pass from the matmul output to the fp32 exponent, then exp2.
+
+    ``tp = (group, offset)``: ``weight`` holds the vocabulary rows ``offset ..`` of a head sharded
+    over ``group`` (see :func:`vocab_shard`); the reductions over the vocabulary are all-reduced.
     """
     n = hidden.shape[0]
     acc = _acc_dtype(dtype)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # 0 stands in; masked below
+    own = valid  # labels whose logit this rank forms
+    if tp is not None:
+        shifted = labels - tp[1]
+        own = valid & (shifted >= 0) & (shifted < weight.shape[0])
+        safe_labels = torch.where(own, shifted, torch.zeros_like(labels))
     total = torch.zeros((), dtype=acc, device=hidden.device)
     out_lse = lse if lse is not None else torch.empty(n, dtype=acc, device=hidden.device)
     want_grads = grad_hidden is not None or weight_grad
@@ -257,16 +300,24 @@ def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, 
                 weight_rows = torch.where(ok, scale if scale.dim() == 0 else scale[start:end], 0.0)
             if lse is None:
                 target = logits[rows, y].to(acc)
-                if not want_grads:
+                if not want_grads and tp is None:
                     chunk_lse = torch.logsumexp(logits.to(acc), dim=-1)
                 else:
                     # e = exp(logits - max) in fp32 (the buffer becomes the gradient),
                     # lse = max + log(sum e), softmax = e / sum e
                     m = logits.amax(dim=-1, keepdim=True).to(acc)
+                    if tp is not None:
+                        target = torch.where(own[start:end], target, 0.0)
+                        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp[0])
                     e = _exp_shifted(logits, m)
                     s = e.sum(dim=-1, keepdim=True)
+                    if tp is not None:  # one all-reduce for the exp sums and the label logits
+                        both = torch.cat([s, target[:, None]], dim=1)
+                        dist.all_reduce(both, group=tp[0])
+                        s, target = both[:, :1], both[:, 1]
                     chunk_lse = (m + s.log()).squeeze(1)
-                    g = e.mul_(weight_rows[:, None] / s)
+                    if want_grads:
+                        g = e.mul_(weight_rows[:, None] / s)
                 out_lse[start:end] = chunk_lse
                 total += torch.where(ok, chunk_lse - target, 0.0).sum()
                 if token_out is not None:
@@ -276,7 +327,8 @@ def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, 
             if not want_grads:
                 continue
             # d(lse - logit[label]) / d logits = softmax - onehot(label); zero on ignored rows.
-            g[rows, y] -= weight_rows
+            # (under a vocab-parallel head only the label's owner holds its logit)
+            g[rows, y] -= weight_rows if tp is None else torch.where(own[start:end], weight_rows, 0.0)
             g = g.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = g @ w
@@ -290,6 +342,8 @@ def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, 
             del g, logits
     if weight_grad and grad_weight is None:  # no rows at all
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    if tp is not None and grad_hidden is not None and n:  # every rank's vocabulary slice
+        dist.all_reduce(grad_hidden, group=tp[0])
     return total, out_lse, grad_weight
 
 
@@ -307,29 +361,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     active) are bit-identical to forward's. The softmax runs in base 2 (``_exp_shifted``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, recompute):
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, recompute, tp=None):
         dtype = _compute_dtype(hidden, weight)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.args = (chunk_size, ignore_index, dtype)
+        ctx.args = (chunk_size, ignore_index, dtype, tp)
         ctx.recompute = recompute
         if recompute:
-            total, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype)
+            total, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, tp=tp)
             ctx.save_for_backward(hidden, weight, labels, lse)
             return total
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         one = torch.ones((), dtype=_acc_dtype(dtype), device=hidden.device)
         total, _, grad_weight = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype,
-                                         grad_hidden=grad_hidden, weight_grad=need_weight, scale=one)
+                                         grad_hidden=grad_hidden, weight_grad=need_weight, scale=one, tp=tp)
         ctx.grads = [grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)]
         return total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        chunk_size, ignore_index, dtype = ctx.args
+        dtype = ctx.args[2]
         scale = grad_total.to(_acc_dtype(dtype))
         if ctx.recompute:
-            return _recomputed_grads(ctx, scale) + (None,) * 4
+            return _recomputed_grads(ctx, scale) + (None,) * 5
         if ctx.grads is None:
             raise RuntimeError(
                 "cross_entropy_sum(recompute=False) gives its gradients to one backward only; "
@@ -337,7 +391,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
         grads, ctx.grads = ctx.grads, None
         # scaled in place (by the fp32 scalar): these buffers were made for this backward
-        return tuple(g.mul_(scale) if g is not None else None for g in grads) + (None,) * 4
+        return tuple(g.mul_(scale) if g is not None else None for g in grads) + (None,) * 5
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -345,30 +399,30 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     cross-entropy's recompute pass with one scale per token, ``-grad`` (``logp = -(lse - logit)``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, tp=None):
         dtype = _compute_dtype(hidden, weight)
         logp = torch.empty(hidden.shape[0], dtype=_acc_dtype(dtype), device=hidden.device)
-        _, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, token_out=logp)
-        ctx.args = (chunk_size, ignore_index, dtype)
+        _, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, token_out=logp, tp=tp)
+        ctx.args = (chunk_size, ignore_index, dtype, tp)
         ctx.save_for_backward(hidden, weight, labels, lse)
         return logp
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp):
-        return _recomputed_grads(ctx, -grad_logp.to(_acc_dtype(ctx.args[2]))) + (None,) * 3
+        return _recomputed_grads(ctx, -grad_logp.to(_acc_dtype(ctx.args[2]))) + (None,) * 4
 
 
 def _recomputed_grads(ctx, scale):
     """(grad hidden, grad weight) of ``sum_t scale_t (lse_t - logit_t[label_t])`` from the saved
     inputs and log-sum-exp, the chunk logits recomputed."""
-    chunk_size, ignore_index, dtype = ctx.args
+    chunk_size, ignore_index, dtype, tp = ctx.args
     hidden, weight, labels, lse = ctx.saved_tensors
     need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     # the weight gradient is summed over chunks in fp32 (bf16 partial sums would lose bits)
     _, _, grad_weight = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=lse,
-                                 grad_hidden=grad_hidden, weight_grad=need_weight, scale=scale)
+                                 grad_hidden=grad_hidden, weight_grad=need_weight, scale=scale, tp=tp)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight

@@ -168,6 +168,7 @@ def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None,
 def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Adapter tensors under PEFT key names (full CPU tensors; collective under FSDP/EP)."""
     out: dict[str, torch.Tensor] = {}
+    to_hub = _hub_layout(model, to_hub=True)
     for name, mod in lora_modules(model):
         if isinstance(mod, LoRAExperts):
             for p in mod.lora_projs:
@@ -176,9 +177,21 @@ def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                     out[f"{PEFT_PREFIX}{name}.{j}.{p}.lora_A.weight"] = A[j].clone()
                     out[f"{PEFT_PREFIX}{name}.{j}.{p}.lora_B.weight"] = B[j].clone()
         else:
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = _full(mod.lora_A).contiguous()
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = _full(mod.lora_B).contiguous()
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = to_hub(f"{name}.lora_A", _full(mod.lora_A)).contiguous()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = to_hub(f"{name}.lora_B", _full(mod.lora_B)).contiguous()
     return out
+
+
+def _hub_layout(model: nn.Module, to_hub: bool):
+    """``(our name, tensor) -> tensor`` in the Hugging Face layout (``to_hub``) or back (the
+    spec's ``hub_layout``; the identity for a model without one)."""
+    try:
+        fn = model_spec_for(model).hub_layout
+    except ValueError:  # not a registered model (a test stand-in)
+        fn = None
+    if fn is None:
+        return lambda name, t: t
+    return lambda name, t: fn(name, t, model.config, to_hub)
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -328,6 +341,7 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
     """PEFT keys -> (our LoRA state dict, adapted names)."""
     linear: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    to_ours = _hub_layout(model, to_hub=False)
     for key, t in tensors.items():
         m = _KEY.match(key)
         if not m:
@@ -341,7 +355,7 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
         if e:
             experts.setdefault((e.group(1), e.group(3), ab), {})[int(e.group(2))] = t
         else:
-            linear[f"{mod}.lora_{ab}"] = t
+            linear[f"{mod}.lora_{ab}"] = to_ours(f"{mod}.lora_{ab}", t)
     sd = dict(linear)
     names = sorted({k.rsplit(".", 1)[0] for k in linear})
     for (mod, proj, ab), per in sorted(experts.items()):

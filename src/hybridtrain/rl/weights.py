@@ -62,6 +62,6 @@ def hf_tensors(model: nn.Module, spec, dtype: torch.dtype | None = None
     """``(Hub name, tensor)`` of the whole model, floating-point tensors in ``dtype`` (None: as
     held). Collective: every rank calls it and consumes the whole iterator."""
     sd = full_state_dict(model, spec)
-    items = spec.hub_tensors(sd) if spec.hub_tensors is not None else sd.items()
+    items = spec.hub_tensors(sd, model.config) if spec.hub_tensors is not None else sd.items()
     for name, t in items:
         yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t

@@ -183,6 +183,26 @@ def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | 
         model_spec_for(model).save_hf(state_dict, model.config, out_dir, dtype=dtype)
 
 
+def _state_format(model: torch.nn.Module) -> str | None:
+    """The model spec's marker of how the model holds its parameters (None: the plain one)."""
+    try:
+        fn = model_spec_for(model).state_format
+    except ValueError:  # not a registered model (e.g. a test stand-in)
+        return None
+    return fn(model) if fn is not None else None
+
+
+def _check_state_format(path: str, state: dict, model: torch.nn.Module) -> None:
+    saved, current = state.get("state_format"), _state_format(model)
+    if saved != current:
+        raise ValueError(
+            f"refusing to load {path}: its parameters are laid out as "
+            f"{saved or 'before layout markers (plain)'!r}, this version of hybridtrain holds "
+            f"them as {current or 'plain'!r}; the tensors would load silently wrong. Export the "
+            "checkpoint with the hybridtrain version that wrote it (`hybridtrain convert`) and "
+            "start from that Hugging Face folder (model.local_dir)")
+
+
 def _is_partial(model: torch.nn.Module) -> bool:
     """True for a pipeline stage's share of a model (layers or embeddings/head missing)."""
     try:
@@ -376,6 +396,7 @@ class Checkpointer:
                     for g in optim_sd.get("param_groups", [])
                 ],
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                "state_format": _state_format(model),
                 **self.state_extra,
                 "extra": extra or {},
             }
@@ -486,6 +507,7 @@ class Checkpointer:
                     f"refusing to resume from {path}: its peft settings differ from this run's "
                     f"peft section:\n  " + "\n  ".join(peft_diff) + "\nUse the same peft "
                     "settings, a new checkpoint.dir, or checkpoint.resume: null to start over")
+        _check_state_format(path, state, model)
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
         else:
@@ -548,6 +570,7 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
         from hybridtrain.peft.lora import apply_lora
 
         apply_lora(model, **peft)
+    _check_state_format(path, state, model)
     model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
     tensors: dict[str, torch.Tensor] = {}
     _tensors(model_sd, "model", tensors)

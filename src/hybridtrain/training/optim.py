@@ -27,20 +27,20 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups over the trainable parameters: with and without weight decay."""
-    decay, no_decay = [], []
+    """Groups over the trainable parameters: with and without weight decay, each split into
+    plain tensors and DTensors when a model holds both (tensor parallelism without FSDP: the
+    fused / foreach kernels take one kind per call)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if is_no_decay(name, p) else decay).append(p)
-    if not decay and not no_decay:
+        groups.setdefault((is_no_decay(name, p), isinstance(p, DTensor)), []).append(p)
+    if not groups:
         raise ValueError("the model has no trainable parameters (all requires_grad=False)")
-    groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": float(weight_decay)})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    return [{"params": groups[k], "weight_decay": 0.0 if k[0] else float(weight_decay)}
+            for k in sorted(groups)]
 
 
 def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
@@ -87,7 +87,7 @@ def build_optimizer(
     else:
         kwargs["foreach"] = False
     opt = torch.optim.AdamW(groups, **kwargs)
-    n_decay = sum(p.numel() for p in groups[0]["params"]) if groups[0]["weight_decay"] else 0
+    n_decay = sum(p.numel() for g in groups if g["weight_decay"] for p in g["params"])
     logger.info(
         "AdamW (%s): %d params with weight decay %.3g, %d without",
         implementation, n_decay, weight_decay, sum(p.numel() for p in params) - n_decay,

@@ -30,6 +30,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # tensor parallelism with fewer kv heads than ranks: k/v are computed whole (replicated
+        # weights) and this callable takes the kv heads of this rank's query heads
+        self.local_kv_heads = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -42,13 +45,16 @@ class Attention(nn.Module):
         """``attn_mask``: None for plain causal attention, or the boolean [b, 1, L, L] mask of
         :func:`document_causal_mask` for packed documents (built once per forward by the model)."""
         b, L, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, L, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(b, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(b, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # (head counts from the projections: this rank's heads under tensor parallelism)
+        q = self.q_proj(hidden_states).view(b, L, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, L, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, L, -1, self.head_dim).transpose(1, 2)
+        if self.local_kv_heads is not None:
+            k, v = self.local_kv_heads(k), self.local_kv_heads(v)
         dropout = self.config.attention_dropout if self.training else 0.0
-        gqa = self.num_kv_heads != self.num_heads
+        gqa = k.shape[1] != q.shape[1]
         if attn_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, L, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, L, -1))

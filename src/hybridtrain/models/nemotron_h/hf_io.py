@@ -3,6 +3,8 @@
 Our parameter names are the Hub's except for the MoE experts, which we hold stacked:
 ``backbone.layers.{i}.mixer.experts.up_proj [E, I, H]`` <->
 ``backbone.layers.{i}.mixer.experts.{j}.up_proj.weight [I, H]`` (same for ``down_proj``).
+The Mamba ``in_proj`` / ``conv1d`` rows are held group by group (see ``mamba2``):
+:func:`hub_layout` reorders them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
 from hybridtrain.fileio import apply_umask, open_safetensors
 
 from .config import NemotronHConfig
+from .mamba2 import group_major_rows
 
 # the model class (model.py imports this module, never the other way round)
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -36,6 +39,8 @@ CONFIG_FILE = "config.json"
 IGNORED_ON_LOAD = re.compile(r"^mtp\.")
 _EXPERT_HUB = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _EXPERT_OURS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
+# tensors whose rows follow the Mamba in_proj output / conv1d channels (a LoRA B included)
+_MAMBA_ROWS = re.compile(r"\.mixer\.(in_proj|conv1d)\.(weight|bias|lora_B)$")
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 # parameters kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules_strict)
@@ -75,15 +80,30 @@ def hub_name_to_ours(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def hub_tensors(state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our state dict -> (Hub name, tensor) pairs, experts unstacked (views, no copies)."""
+def hub_layout(name: str, t: torch.Tensor, config: NemotronHConfig, to_hub: bool) -> torch.Tensor:
+    """``t`` (our tensor ``name``) with its rows in the Hub's order (``to_hub``), or a Hub
+    tensor's rows in ours: the Mamba ``in_proj`` / ``conv1d`` rows (and an in_proj LoRA B) are
+    group-major here, ``[z | x | B | C | dt]`` on the Hub; every other tensor as it is."""
+    m = _MAMBA_ROWS.search(name)
+    if m is None or config.n_groups == 1:
+        return t
+    rows = group_major_rows(config, conv=m.group(1) == "conv1d").to(t.device)
+    if not to_hub:
+        return t.index_select(0, rows)
+    return t.index_select(0, torch.argsort(rows))
+
+
+def hub_tensors(state_dict: Mapping[str, torch.Tensor], config: NemotronHConfig | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict -> (Hub name, tensor) pairs, experts unstacked (views, no copies); with
+    ``config``, rows in the Hub's order (:func:`hub_layout`; shapes are the same either way)."""
     for name, t in state_dict.items():
         m = _EXPERT_OURS.match(name)
         if m:
             for j in range(t.shape[0]):
                 yield f"{m.group(1)}.{j}.{m.group(2)}.weight", t[j]
         else:
-            yield name, t
+            yield name, t if config is None else hub_layout(name, t, config, to_hub=True)
 
 
 def expected_hub_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -190,7 +210,7 @@ def load_pretrained(
                     target = state[ours]
                     if expert is not None:
                         target = target[expert]
-                    target.copy_(f.get_tensor(k))
+                    target.copy_(hub_layout(ours, f.get_tensor(k), config, to_hub=False))
     model.eval()
     # what `checkpoint.save_dtype: auto` writes back (a bf16 Hub checkpoint trained in fp32
     # is exported as bf16 again)
@@ -218,7 +238,7 @@ def save_hf_checkpoint(
     """
     save_dir = os.path.abspath(os.fspath(save_dir))
     limit = parse_size(max_shard_size)
-    items = list(hub_tensors(state_dict))
+    items = list(hub_tensors(state_dict, config))
     dtype = parse_dtype(dtype)
 
     def out_dtype(name: str, t: torch.Tensor) -> torch.dtype:  # each tensor is cast as it is written

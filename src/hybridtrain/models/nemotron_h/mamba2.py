@@ -1,5 +1,13 @@
 """Mamba2 mixer of Nemotron-H (parameter names as on the Hub: in_proj, conv1d, dt_bias, A_log, D,
-norm, out_proj)."""
+norm, out_proj).
+
+Row order: the Hub holds ``in_proj``'s output rows as ``[z | x | B | C | dt]`` and ``conv1d``'s
+channels as ``[x | B | C]``. We hold both group by group (``[z_g | x_g | B_g | C_g | dt_g]`` and
+``[x_g | B_g | C_g]`` for each B/C group ``g``; :func:`group_major_rows`), so that splitting them
+into equal row blocks gives whole groups with their heads (tensor parallelism); ``hf_io`` maps
+to and from the Hub's order. With ``n_groups = 1`` the two orders are the same. ``dt_bias``,
+``A_log``, ``D``, the gated norm and ``out_proj``'s columns are group-major in both.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,24 @@ import math
 import torch
 from torch import nn
 
+from hybridtrain.distributed.expert_parallel import local_tensor
+
 from . import kernels
 from .config import NemotronHConfig
 from .norms import RMSNormGated
+
+
+def group_major_rows(config: NemotronHConfig, conv: bool = False) -> torch.Tensor:
+    """For each of our rows of ``in_proj`` (``conv``: of ``conv1d``), its row in the Hub's order."""
+    G, N = config.n_groups, config.ssm_state_size
+    inner, heads = config.mamba_intermediate_size, config.mamba_num_heads
+    # (first Hub row of the part, rows per group) for z, x, B, C, dt (conv1d: x, B, C)
+    parts = [(0, inner // G), (inner, inner // G), (2 * inner, N), (2 * inner + G * N, N),
+             (2 * inner + 2 * G * N, heads // G)]
+    if conv:
+        parts = [(start - inner, width) for start, width in parts[1:4]]
+    return torch.cat([torch.arange(start + g * width, start + (g + 1) * width)
+                      for g in range(G) for start, width in parts])
 
 
 class Mamba2Mixer(nn.Module):
@@ -27,8 +50,12 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = config.mamba_conv_dim
         self.chunk_size = config.chunk_size
         self.dt_limit = config.dt_limit
+        # per B/C group: channels of z (and of x), heads (the local group count follows from the
+        # local in_proj under tensor parallelism)
+        self.group_inner = self.intermediate_size // self.n_groups
+        self.group_heads = self.num_heads // self.n_groups
 
-        # in_proj -> [z (gate) | xBC (conv input) | dt]
+        # in_proj -> per group [z_g (gate) | x_g B_g C_g (conv input) | dt_g]
         self.in_proj = nn.Linear(
             self.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.use_bias
         )
@@ -49,8 +76,10 @@ class Mamba2Mixer(nn.Module):
         """The reference initialisation (transformers' ``NemotronHPreTrainedModel._init_weights``)."""
         cfg = self.config
         std = cfg.initializer_range
-        for lin in (self.in_proj, self.conv1d):
+        for lin, conv in ((self.in_proj, False), (self.conv1d, True)):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
+            # drawn in the Hub's row order, then held in ours: a seed gives the same model
+            lin.weight.copy_(lin.weight[group_major_rows(cfg, conv).to(lin.weight.device)])
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
         self.A_log.copy_(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
@@ -75,27 +104,28 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         b, L, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        zxbcdt = self.in_proj(hidden_states)
-        z, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        gi, n = self.group_inner, self.ssm_state_size
+        # [b, L, groups, z_g | x_g B_g C_g | dt_g] (the groups this rank holds)
+        zxbcdt = self.in_proj(hidden_states).view(b, L, -1, 2 * gi + 2 * n + self.group_heads)
+        z, xBC, dt = zxbcdt.split([gi, gi + 2 * n, self.group_heads], dim=-1)
 
         xBC = kernels.causal_conv1d(
-            xBC.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx
+            xBC.reshape(b, L, -1).transpose(1, 2), local_tensor(self.conv1d.weight).squeeze(1),
+            local_tensor(self.conv1d.bias), seq_idx
         ).transpose(1, 2)
-        x, B, C = xBC.split(
-            [self.intermediate_size, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1
-        )
-        A = -torch.exp(self.A_log.float())
+        x, B, C = xBC.view(b, L, -1, gi + 2 * n).split([gi, n, n], dim=-1)
+        A = -torch.exp(local_tensor(self.A_log).float())
         y = kernels.ssd_scan(
-            x.reshape(b, L, self.num_heads, self.head_dim),
-            dt,
+            x.reshape(b, L, -1, self.head_dim),
+            dt.reshape(b, L, -1),
             A,
-            B.reshape(b, L, self.n_groups, self.ssm_state_size),
-            C.reshape(b, L, self.n_groups, self.ssm_state_size),
+            B,
+            C,
             chunk_size=self.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
+            D=local_tensor(self.D),
+            dt_bias=local_tensor(self.dt_bias),
             dt_limit=self.dt_limit,
             seq_idx=seq_idx,
         )
-        y = self.norm(y.reshape(b, L, self.intermediate_size), z)
+        y = self.norm(y.reshape(b, L, -1), z.reshape(b, L, -1))
         return self.out_proj(y.to(dtype))

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.distributed.expert_parallel import local_tensor
+
 from .numerics import silu_grad
 
 
@@ -91,4 +93,5 @@ class RMSNormGated(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, gate, self.weight, self.group_size, self.eps)
+        # (tensor parallelism: the weight is sharded into whole groups, as x and gate)
+        return _RMSNormFunction.apply(x, gate, local_tensor(self.weight), self.group_size, self.eps)

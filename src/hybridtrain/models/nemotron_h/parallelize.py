@@ -1,11 +1,19 @@
 """How Nemotron-H parallelizes one (stage) model, in a fixed order (as torchtitan):
 
-    TP (not yet) -> EP -> activation checkpointing -> compile -> FSDP2
+    TP -> EP -> activation checkpointing -> compile -> FSDP2
 
 The pipeline split comes before, in :func:`hybridtrain.distributed.plan.parallelize`, through
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
 FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit on
 the expert mesh when ``ep > 1``) and the (stage) model as root, holding ``norm_f`` + ``lm_head``.
+
+Tensor parallelism (:func:`apply_tp`) splits every mixer by heads: attention's q/k/v by heads
+(k/v computed whole when there are fewer kv heads than ranks), o_proj by rows; the MLP and the
+MoE's shared expert up by columns, down by rows; Mamba2 by B/C groups (whole groups with their
+heads: in_proj's rows, which we hold group by group, the conv channels, ``dt_bias``/``A_log``/
+``D``, the gated norm's groups; out_proj by rows); the embeddings and the LM head over the
+vocabulary. Norms, the router and the routed experts (split by ``ep`` instead) are replicated
+over the tp ranks.
 """
 
 from __future__ import annotations
@@ -18,18 +26,79 @@ from hybridtrain.distributed.compile import apply_compile
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.tensor_parallel import (
+    LocalSlice,
+    apply_tensor_parallel,
+    check_divisible,
+    column_parallel,
+    row_parallel,
+    shard_parameters,
+    tp_mesh,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
+
+
+def check_tp(config, tp: int) -> None:
+    """``ValueError`` naming the config field that does not split over ``tp`` ranks."""
+    types = set(config.layers_block_type)
+    if "full_attention" in types:
+        check_divisible("num_attention_heads", config.num_attention_heads, tp)
+        kv = config.num_key_value_heads
+        if kv >= tp:
+            check_divisible("num_key_value_heads", kv, tp)
+        elif tp % kv:
+            raise ValueError(f"distributed.tp={tp} is more than num_key_value_heads = {kv} and not a "
+                             "multiple of it: with fewer kv heads than ranks each rank takes one kv "
+                             f"head; choose a tp that divides {kv} or a multiple of it")
+    if "linear_attention" in types:
+        check_divisible("n_groups (Mamba2 B/C groups)", config.n_groups, tp,
+                        ": each rank holds whole groups with their heads")
+    if "mlp" in types:
+        check_divisible("intermediate_size", config.intermediate_size, tp)
+    if "moe" in types:
+        check_divisible("moe_shared_expert_intermediate_size",
+                        config.moe_shared_expert_intermediate_size, tp)
+
+
+def apply_tp(model: nn.Module, mesh) -> None:
+    """Tensor parallelism of a (stage) model over the 1-D ``mesh`` (see the module docstring)."""
+    config, tp = model.config, mesh.size()
+    check_tp(config, tp)
+    apply_tensor_parallel(model, mesh, {"backbone.embeddings": vocab_parallel_embedding(),
+                                        "lm_head": vocab_parallel_head()})
+    for block in model.backbone.layers.values():
+        mixer = block.mixer
+        if block.block_type == "linear_attention":
+            apply_tensor_parallel(mixer, mesh, {"in_proj": column_parallel(), "out_proj": row_parallel()})
+            shard_parameters(mixer.conv1d, ["weight", "bias"], mesh)
+            shard_parameters(mixer, ["dt_bias", "A_log", "D"], mesh)
+            shard_parameters(mixer.norm, ["weight"], mesh)
+        elif block.block_type == "full_attention":
+            plan = {"q_proj": column_parallel(), "o_proj": row_parallel()}
+            kv = config.num_key_value_heads
+            if kv >= tp:
+                plan.update(k_proj=column_parallel(), v_proj=column_parallel())
+            else:  # k/v whole on every rank; each takes the kv head of its query heads
+                mixer.local_kv_heads = LocalSlice(mesh, dim=1, start=mesh.get_local_rank() * kv // tp,
+                                                  length=1)
+            apply_tensor_parallel(mixer, mesh, plan)
+        elif block.block_type == "mlp":
+            apply_tensor_parallel(mixer, mesh, {"up_proj": column_parallel(), "down_proj": row_parallel()})
+        elif block.block_type == "moe":
+            apply_tensor_parallel(mixer, mesh, {"shared_experts.up_proj": column_parallel(),
+                                                "shared_experts.down_proj": row_parallel()})
 
 
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, training, *,
                            device: torch.device, autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
-    if dims.tp > 1 or dims.cp > 1:
-        name = "tp" if dims.tp > 1 else "cp"
+    if dims.cp > 1:
         raise ValueError(
-            f"distributed.{name}={getattr(dims, name)}: "
-            f"{'tensor' if name == 'tp' else 'context'} parallelism is not implemented for "
-            f"Nemotron-H yet; use {name}: 1 (FSDP2, pipeline and expert parallelism cover the "
-            "supported layouts)")
+            f"distributed.cp={dims.cp}: context parallelism is not implemented for Nemotron-H yet; "
+            "use cp: 1 (FSDP2, tensor, pipeline and expert parallelism cover the supported layouts)")
+    if dims.tp > 1:
+        apply_tp(model, tp_mesh(dims))
     layers = model.backbone.layers
     moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
     if dims.ep > 1:

@@ -9,7 +9,7 @@ from hybridtrain.models.spec import ModelSpec, register_model_spec
 
 from . import flops
 from .config import NemotronHConfig
-from .hf_io import hub_tensors, save_hf_checkpoint
+from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
@@ -50,6 +50,15 @@ def batch_flops(config: NemotronHConfig, batch: dict, head_on_label_tokens_only:
     return float(flops.model_flops(config, rows, training=True)) if rows else 0.0
 
 
+def state_format(model: nn.Module) -> str | None:
+    """Mamba in_proj / conv1d rows are held group by group (see ``mamba2``); with one group, or
+    without Mamba layers, that is the Hub's (plain) order."""
+    cfg = model.config
+    if cfg.n_groups > 1 and "linear_attention" in cfg.layers_block_type:
+        return "mamba_rows_group_major"
+    return None
+
+
 def lora_export_notes(adapted: list[str]) -> str | None:
     """Which adapters PEFT's ``PeftModel`` on transformers' Nemotron-H cannot take."""
     parts = []
@@ -82,4 +91,6 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     peft_module_prefixes={"model.": "backbone."},
     activation_bytes=activation_bytes,
     hub_tensors=hub_tensors,
+    hub_layout=hub_layout,
+    state_format=state_format,
 ))
