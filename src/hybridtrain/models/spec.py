@@ -47,6 +47,12 @@ class ModelSpec:
       them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take;
       ``peft_module_prefixes``: {prefix of the transformers implementation's module names:
       ours}, to read adapters PEFT wrote for it.
+    * ``init_units(model) -> [(submodule name, init function)]``: the random initialisation in
+      independent parts (each seeded on its own when materialising a meta-device model).
+    * ``hf_slice_reader(local_dir) -> read(name, region)``: reads ``region`` (a tuple of slices)
+      of parameter ``name`` from the Hugging Face checkpoint in ``local_dir``, touching only
+      the checkpoint tensors it needs (the Hub <-> our name and layout mapping). A model that
+      ``from_pretrained(dir, device="meta")`` builds records ``dir`` as ``name_or_path``.
     """
 
     name: str
@@ -63,6 +69,8 @@ class ModelSpec:
     expert_modules: tuple[type[nn.Module], ...] = ()
     lora_export_notes: Callable[[list[str]], str | None] | None = None
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
+    init_units: Callable[[nn.Module], list[tuple[str, Callable[[nn.Module], None]]]] | None = None
+    hf_slice_reader: Callable[[str], Callable[[str, tuple[slice, ...]], Any]] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

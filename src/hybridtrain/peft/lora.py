@@ -31,7 +31,7 @@ import fnmatch
 import logging
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -439,6 +439,27 @@ def init_lora_weights(model: nn.Module) -> None:
     built on the meta device."""
     for _, m in lora_modules(model):
         m.reset_lora_parameters()
+
+
+def adapter_init_units(model: nn.Module) -> list[tuple[str, tuple[str, str], Callable]]:
+    """The adapters' initialisation one pair at a time, for a model built on the meta device:
+    ``(key, (A name, B name), make)`` where ``make()`` returns the pair's full CPU tensors
+    (:func:`_init_pair` on the global RNG, which the caller seeds from ``key``)."""
+    units = []
+    for name, m in lora_modules(model):
+        pre = f"{name}." if name else ""
+        pairs = ([(f"{p}_lora_A", f"{p}_lora_B") for p in m.lora_projs]
+                 if isinstance(m, LoRAExperts) else [("lora_A", "lora_B")])
+        for a, b in pairs:
+            A, B = getattr(m, a), getattr(m, b)
+
+            def make(a=pre + a, b=pre + b, A=A, B=B):
+                out = {a: torch.empty(A.shape, dtype=A.dtype), b: torch.empty(B.shape, dtype=B.dtype)}
+                _init_pair(out[a], out[b])
+                return out
+
+            units.append((pre + a, (pre + a, pre + b), make))
+    return units
 
 
 # ---------------------------------------------------------------------------------- state dicts

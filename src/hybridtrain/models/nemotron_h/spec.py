@@ -9,7 +9,7 @@ from hybridtrain.models.spec import ModelSpec, register_model_spec
 
 from . import flops
 from .config import NemotronHConfig
-from .hf_io import save_hf_checkpoint
+from .hf_io import save_hf_checkpoint, slice_reader
 from .model import NemotronHForCausalLM
 from .moe import Experts
 from .parallelize import parallelize_nemotron_h
@@ -79,4 +79,6 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     expert_modules=(Experts,),
     lora_export_notes=lora_export_notes,
     peft_module_prefixes={"model.": "backbone."},
+    init_units=NemotronHForCausalLM.init_units,
+    hf_slice_reader=slice_reader,
 ))
