@@ -511,6 +511,26 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def adapter_pairs(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """{base weight name: (A name, B name)} of the adapters among state-dict ``names``
+    (``X.weight`` <- ``X.lora_A``/``X.lora_B``; stacked ``X.up_proj`` <- ``X.up_proj_lora_A``...)."""
+    have, out = set(names), {}
+    for n in names:
+        if n.endswith("lora_A") and n[:-1] + "B" in have:
+            base = n[:-len(".lora_A")] + ".weight" if n.endswith(".lora_A") else n[:-len("_lora_A")]
+            out[base] = (n, n[:-1] + "B")
+    return out
+
+
+@torch.no_grad()
+def merge_weight(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """``w + scale * B @ A`` computed in fp32 (per expert for stacked [E, ...] tensors), in
+    ``w``'s dtype."""
+    A, B = A.float(), B.float()
+    delta = torch.bmm(B, A) if A.dim() == 3 else B @ A
+    return (w.float() + delta.to(w.device) * scale).to(w.dtype)
+
+
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
                       ) -> dict[str, torch.Tensor]:
@@ -524,10 +544,7 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
         for p in projs:
             w_key = f"{pre}{p}" if p else f"{pre}weight"
             a_key, b_key = (f"{pre}{p}_lora_{x}" if p else f"{pre}lora_{x}" for x in "AB")
-            A, B = sd.pop(a_key).float(), sd.pop(b_key).float()
-            w = sd[w_key]
-            delta = torch.bmm(B, A) if p else B @ A
-            sd[w_key] = (w.float() + delta.to(w.device) * mod.scale).to(w.dtype)
+            sd[w_key] = merge_weight(sd[w_key], sd.pop(a_key), sd.pop(b_key), mod.scale)
     leftover = [k for k in sd if is_lora_param(k)]
     assert not leftover, leftover
     return sd

@@ -147,35 +147,36 @@ def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | 
         model_spec_for(model).save_hf(state_dict, model.config, out_dir, dtype=dtype)
 
 
-def _is_partial(model: torch.nn.Module) -> bool:
-    """True for a pipeline stage's share of a model (layers or embeddings/head missing)."""
-    try:
-        spec = model_spec_for(model)
-    except ValueError:  # not a registered model (e.g. a test stand-in): whole by definition
-        return False
-    return not spec.is_complete(model)
-
-
 def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
               dtype: torch.dtype | None = None) -> None:
-    """Consolidated Hugging Face export: full tensors gathered to rank 0, which writes
-    ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
-    if _is_partial(model):  # under pipeline parallelism every rank holds a part
-        if get_rank() == 0:
-            logger.warning("the model is split into pipeline stages: not writing %s; export the "
-                           "checkpoint with `hybridtrain convert STEP_DIR OUT_DIR`", out_dir)
-        return
+    """Consolidated Hugging Face export: rank 0 writes ``config.json``, safetensors and the
+    tokenizer. A sharded model (FSDP, expert slices, pipeline stages) is streamed tensor by
+    tensor: the ranks holding each tensor gather it in turn (another stage's rank sends it to
+    rank 0), and rank 0 holds at most one output file's tensors, never the model. Collective:
+    call on every rank."""
+    try:
+        spec = model_spec_for(model)
+    except ValueError:  # not a registered model (e.g. a test stand-in)
+        spec = None
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-    sd = None
-    if sharded:
-        sd = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-    if get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _save_pretrained(model, out_dir, sd, dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
+    if spec is not None and (sharded or not spec.is_complete(model)):
+        from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
+
+        layout = global_layout(model)
+        stream = stream_full_tensors(model, layout)
+        if get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            spec.save_hf(layout, model.config, out_dir, dtype=dtype, tensors=stream)
+        for _ in stream:  # the other ranks' part (and the end of rank 0's)
+            pass
+    else:
+        sd = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True)) if sharded else None
+        if get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            _save_pretrained(model, out_dir, sd, dtype)
+    if get_rank() == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     barrier()
 
 
