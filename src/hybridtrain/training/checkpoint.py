@@ -481,13 +481,26 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
     cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
     config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
-    model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
     peft = state.get("peft")
-    if peft:  # a LoRA checkpoint holds the adapters only: export them in PEFT format
-        from hybridtrain.peft.export import export_peft
-        from hybridtrain.peft.lora import apply_lora
+    if not peft:  # the HF export, read and written one tensor at a time
+        with torch.device("meta"):
+            model = cls(config)
+        from hybridtrain.training.precision import resolve_save_dtype
 
-        apply_lora(model, **peft)
+        os.makedirs(out_hf_dir, exist_ok=True)
+        model_spec_for(cls).save_hf(model.state_dict(), config, out_hf_dir,
+                                    dtype=resolve_save_dtype(dtype, model),
+                                    tensors=_dcp_tensors(model.state_dict(),
+                                                         os.path.join(path, "dcp")))
+        _copy_tokenizer(path, out_hf_dir)
+        logger.info("exported %s to %s", path, out_hf_dir)
+        return out_hf_dir
+    # a LoRA checkpoint holds the adapters only: export them in PEFT format
+    from hybridtrain.peft.export import export_peft
+    from hybridtrain.peft.lora import apply_lora
+
+    model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
+    apply_lora(model, **peft)
     model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
     tensors: dict[str, torch.Tensor] = {}
     _tensors(model_sd, "model", tensors)
@@ -496,15 +509,23 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
 
     set_model_state_dict(model, model_sd, options=_LOAD_OPTIONS)
     os.makedirs(out_hf_dir, exist_ok=True)
-    tok_dir = os.path.join(path, "tokenizer")
-    if peft:
-        export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
-    else:
-        from hybridtrain.training.precision import resolve_save_dtype
-
-        _save_pretrained(model, out_hf_dir, None, resolve_save_dtype(dtype, model))
-    if os.path.isdir(tok_dir):
-        for f in os.listdir(tok_dir):
-            shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_hf_dir, f))
+    export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
+    _copy_tokenizer(path, out_hf_dir)
     logger.info("exported %s to %s", path, out_hf_dir)
     return out_hf_dir
+
+
+def _dcp_tensors(layout: dict[str, torch.Tensor], dcp_dir: str):
+    """``(name, tensor)`` of each of ``layout``'s names (meta tensors give shape and dtype)
+    read from the checkpoint's ``dcp/`` one at a time."""
+    for name, meta in layout.items():
+        t = torch.empty(meta.shape, dtype=meta.dtype)
+        _dcp_load({f"model.{name}": t}, dcp_dir)
+        yield name, t
+
+
+def _copy_tokenizer(step_dir: str, out_dir: str) -> None:
+    tok_dir = os.path.join(step_dir, "tokenizer")
+    if os.path.isdir(tok_dir):
+        for f in os.listdir(tok_dir):
+            shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_dir, f))
