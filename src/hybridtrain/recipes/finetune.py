@@ -292,8 +292,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     set_train_loss(model, LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
-    if source is not None:
-        _materialize(spec, model, device, source)
+    if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
+        _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
     return Built(
         cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
