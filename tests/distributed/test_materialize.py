@@ -3,6 +3,8 @@ the same weights under every layout (the same seed), and loading a sharded bf16 
 (per-expert tensors, an index) gives exactly the tensors one-process ``from_pretrained`` gives,
 into fp32 masters or a bf16 frozen base under LoRA (FSDP2, expert slices, pipeline stages)."""
 
+import os
+
 import pytest
 import torch
 
@@ -14,12 +16,12 @@ MOE = {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed"}
 LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
 
 
-def _build(layout, world, model, peft=None):
+def _build(layout, world, model, peft=None, seed=0):
     import torch.distributed as dist
 
     from hybridtrain.recipes.finetune import build
 
-    recipe = pu.recipe(layout, packed=False)
+    recipe = pu.recipe(layout, packed=False, training={"seed": seed})
     recipe["model"] = model
     if peft:
         recipe["peft"] = peft
@@ -74,7 +76,6 @@ def hub_dir(tmp_path_factory):
 def test_random_init_and_loading_equal_under_layouts(hub_dir):
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
 
-    import os
     assert os.path.isfile(os.path.join(hub_dir, "model.safetensors.index.json"))
     models = [(_random_model(), None), (_pretrained(hub_dir, "float32"), None),
               (_pretrained(hub_dir, "bfloat16"), LORA)]
@@ -96,4 +97,6 @@ def test_random_init_depends_on_seed_only():
     """The meta path's init: same seed -> same weights; another seed -> other weights."""
     a, _ = _build({}, 1, _random_model())
     b, _ = _build({}, 1, _random_model())
+    c, _ = _build({}, 1, _random_model(), seed=1)
     assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
