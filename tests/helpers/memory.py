@@ -1,7 +1,12 @@
-"""Bytes a rank really holds: local shards of parameters, gradients and optimizer state (what
-``hybridtrain plan`` predicts)."""
+"""Memory of a rank: bytes it really holds in local shards of parameters, gradients and
+optimizer state (what ``hybridtrain plan`` predicts); host-memory measurements
+(``/proc/self/status``) and the random bf16 Hub checkpoints they load: the layer pattern of a
+hybrid MoE model at a chosen width, written one tensor at a time (the writer never holds the
+model)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -50,3 +55,70 @@ def held_at_optimizer_step(b, trainer, steps: int = 2) -> dict[str, int]:
     finally:
         handle.remove()
     return seen[-1]
+
+
+PATTERN = "MEE" * 8 + "*EE" * 2  # 30 layers: 8 Mamba, 2 attention, 20 MoE of 16 experts
+
+
+def status(key: str) -> int:
+    """``VmHWM`` (peak resident), ``VmRSS`` ... of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> None:
+    """``VmHWM`` := ``VmRSS`` (Linux ``clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def config(hidden: int | None, pattern: str = PATTERN, vocab: int = 32000):
+    """The pattern at width ``hidden`` (1024: ~1.7 GB in bf16, 512: ~0.45 GB; None: tiny)."""
+    from hybridtrain.models.nemotron_h import tiny_config
+
+    if hidden is None:
+        return tiny_config("moe", hybrid_override_pattern=pattern, n_routed_experts=16)
+    return tiny_config("moe", hybrid_override_pattern=pattern, vocab_size=vocab,
+                       hidden_size=hidden, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=hidden // 8, intermediate_size=2 * hidden,
+                       mamba_num_heads=hidden // 32, mamba_head_dim=64, n_groups=2,
+                       ssm_state_size=64, chunk_size=16, n_routed_experts=16,
+                       moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden)
+
+
+def checkpoint_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f.endswith(".safetensors"))
+
+
+def write_checkpoint(out: str, cfg, max_shard_size: str = "200MB") -> int:
+    """A random bf16 Hub checkpoint of ``cfg`` in ``out`` (several files and an index),
+    written one tensor at a time; returns its size in bytes."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+    from hybridtrain.models.spec import model_spec_for
+
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(cfg)
+    layout = model.state_dict()
+    g = torch.Generator().manual_seed(0)
+    tensors = ((n, (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16))
+               for n, t in layout.items())
+    model_spec_for(model).save_hf(layout, cfg, out, max_shard_size=max_shard_size,
+                                  dtype=torch.bfloat16, tensors=tensors)
+    return checkpoint_bytes(out)
+
+
+def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) -> dict:
+    """The parity recipe (tests.helpers.parity) with LoRA on all linear layers and experts over
+    the bf16 Hub checkpoint ``ckpt`` as a bf16 frozen base, computing in bf16."""
+    from tests.helpers import parity as pu
+
+    recipe = pu.recipe(layout, packed=False, peft={"dim": 8, "alpha": 16, "match_all_linear": True},
+                       training={"dtype": "bfloat16", "cpu_allocator": allocator, **training})
+    recipe["model"] = {
+        "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
+        "local_dir": ckpt, "dtype": "bfloat16"}
+    return recipe

@@ -59,6 +59,12 @@ class ModelSpec:
     * ``state_format(model) -> str | None``: a marker of how the model holds its parameters,
       stored with each checkpoint; a checkpoint whose marker differs is refused (None: the
       plain layout, also that of checkpoints written without a marker).
+    * ``init_units(model) -> [(submodule name, init function)]``: the random initialisation in
+      independent parts (each seeded on its own when materialising a meta-device model).
+    * ``hf_slice_reader(local_dir) -> read(name, region)``: reads ``region`` (a tuple of slices)
+      of parameter ``name`` from the Hugging Face checkpoint in ``local_dir``, touching only
+      the checkpoint tensors it needs (the Hub <-> our name and layout mapping). A model that
+      ``from_pretrained(dir, device="meta")`` builds records ``dir`` as ``name_or_path``.
     """
 
     name: str
@@ -79,6 +85,8 @@ class ModelSpec:
     hub_tensors: Callable[[Any], Any] | None = None
     hub_layout: Callable[[str, Any, Any, bool], Any] | None = None
     state_format: Callable[[nn.Module], str | None] | None = None
+    init_units: Callable[[nn.Module], list[tuple[str, Callable[[nn.Module], None]]]] | None = None
+    hf_slice_reader: Callable[[str], Callable[[str, tuple[slice, ...]], Any]] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -47,7 +47,8 @@ from .lora import (
     lora_modules,
     lora_settings,
     merge_lora,
-    merged_state_dict,
+    adapter_pairs,
+    merge_weight,
 )
 
 __all__ = [
@@ -284,23 +285,32 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
                    max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> str:
     """A plain Hugging Face checkpoint with the adapters folded in; the model keeps its adapters.
     ``dtype``: the dtype to write (``checkpoint.save_dtype``, as for ``hf/``; None: as held).
-    Collective under torch.distributed (full state dict gathered, rank 0 writes)."""
-    spec = model_spec_for(model)
-    if not spec.is_complete(model):
-        raise ValueError("save_merged_hf needs the whole model on every rank (not pipeline stages); "
-                         "export the adapter (export_peft) and run `hybridtrain merge --base BASE "
-                         "--adapter ADAPTER --out OUT` instead")
-    if any(hasattr(p, "full_tensor") for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    Collective under torch.distributed: each weight (and its adapters) is gathered in turn to
+    rank 0, which folds and writes it, holding at most one output file's tensors (FSDP, expert
+    slices and pipeline stages alike)."""
+    from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        sd = model.state_dict()
+    spec = model_spec_for(model)
+    layout = global_layout(model)
+    pairs = adapter_pairs(list(layout))
+    metas = [_adapter_meta(model)]
+    if get_world_size() > 1:
+        metas = [None] * get_world_size()
+        dist.all_gather_object(metas, _adapter_meta(model))
+    settings = _combine_meta(metas)["settings"]
+    scale = settings["alpha"] / settings["dim"]
+    adapters = {n for ab in pairs.values() for n in ab}
+    items = [(n, (n, *pairs[n]), lambda w, a, b: merge_weight(w, a, b, scale)) if n in pairs
+             else (n, (n,), lambda t: t) for n in layout if n not in adapters]
+    stream = stream_full_tensors(model, layout, items)
     if get_rank() == 0:
-        spec.save_hf(merged_state_dict(model, sd), model.config, out_dir, max_shard_size=max_shard_size,
-                      dtype=dtype)
+        plain = {n: layout[n] for n, _, _ in items}
+        spec.save_hf(plain, model.config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+                     tensors=stream)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
+    for _ in stream:  # the other ranks' part (and the end of rank 0's)
+        pass
     barrier()
     return os.path.abspath(out_dir)
 

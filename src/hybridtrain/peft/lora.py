@@ -32,7 +32,7 @@ import fnmatch
 import logging
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -442,6 +442,27 @@ def init_lora_weights(model: nn.Module) -> None:
         m.reset_lora_parameters()
 
 
+def adapter_init_units(model: nn.Module) -> list[tuple[str, tuple[str, str], Callable]]:
+    """The adapters' initialisation one pair at a time, for a model built on the meta device:
+    ``(key, (A name, B name), make)`` where ``make()`` returns the pair's full CPU tensors
+    (:func:`_init_pair` on the global RNG, which the caller seeds from ``key``)."""
+    units = []
+    for name, m in lora_modules(model):
+        pre = f"{name}." if name else ""
+        pairs = ([(f"{p}_lora_A", f"{p}_lora_B") for p in m.lora_projs]
+                 if isinstance(m, LoRAExperts) else [("lora_A", "lora_B")])
+        for a, b in pairs:
+            A, B = getattr(m, a), getattr(m, b)
+
+            def make(a=pre + a, b=pre + b, A=A, B=B):
+                out = {a: torch.empty(A.shape, dtype=A.dtype), b: torch.empty(B.shape, dtype=B.dtype)}
+                _init_pair(out[a], out[b])
+                return out
+
+            units.append((pre + a, (pre + a, pre + b), make))
+    return units
+
+
 # ---------------------------------------------------------------------------------- state dicts
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only, under the model's parameter names (``...q_proj.lora_A``,
@@ -491,6 +512,26 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def adapter_pairs(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """{base weight name: (A name, B name)} of the adapters among state-dict ``names``
+    (``X.weight`` <- ``X.lora_A``/``X.lora_B``; stacked ``X.up_proj`` <- ``X.up_proj_lora_A``...)."""
+    have, out = set(names), {}
+    for n in names:
+        if n.endswith("lora_A") and n[:-1] + "B" in have:
+            base = n[:-len(".lora_A")] + ".weight" if n.endswith(".lora_A") else n[:-len("_lora_A")]
+            out[base] = (n, n[:-1] + "B")
+    return out
+
+
+@torch.no_grad()
+def merge_weight(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """``w + scale * B @ A`` computed in fp32 (per expert for stacked [E, ...] tensors), in
+    ``w``'s dtype."""
+    A, B = A.float(), B.float()
+    delta = torch.bmm(B, A) if A.dim() == 3 else B @ A
+    return (w.float() + delta.to(w.device) * scale).to(w.dtype)
+
+
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
                       ) -> dict[str, torch.Tensor]:
@@ -504,10 +545,7 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
         for p in projs:
             w_key = f"{pre}{p}" if p else f"{pre}weight"
             a_key, b_key = (f"{pre}{p}_lora_{x}" if p else f"{pre}lora_{x}" for x in "AB")
-            A, B = sd.pop(a_key).float(), sd.pop(b_key).float()
-            w = sd[w_key]
-            delta = torch.bmm(B, A) if p else B @ A
-            sd[w_key] = (w.float() + delta.to(w.device) * mod.scale).to(w.dtype)
+            sd[w_key] = merge_weight(sd[w_key], sd.pop(a_key), sd.pop(b_key), mod.scale)
     leftover = [k for k in sd if is_lora_param(k)]
     assert not leftover, leftover
     return sd

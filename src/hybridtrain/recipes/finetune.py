@@ -15,6 +15,7 @@ summary. ``hybridtrain benchmark`` uses the same :func:`build`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -125,6 +126,36 @@ def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.de
     seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
     return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
                        autocast_dtype=autocast_dtype, seq_len=seq_len)
+
+
+def _weight_source(model: nn.Module, seed: int) -> dict:
+    """Where a meta-device model's weights come from: its checkpoint (``from_pretrained``
+    records ``name_or_path``), else a seeded random initialisation of an untouched copy."""
+    src = getattr(model, "name_or_path", None)
+    return {"checkpoint": src, "names": set(model.state_dict()), "seed": seed,
+            "twin": None if src else copy.deepcopy(model)}
+
+
+def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> None:
+    """Allocate and fill this rank's shards of the laid-out meta-device ``model``."""
+    from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
+    from hybridtrain.peft.lora import adapter_init_units
+
+    units = [InitUnit(*u) for u in adapter_init_units(model)]
+    read = None
+    if source["checkpoint"]:
+        assert spec.hf_slice_reader is not None, f"model spec {spec.name} has no hf_slice_reader"
+        read = spec.hf_slice_reader(source["checkpoint"])
+    else:
+        assert spec.init_units is not None, f"model spec {spec.name} has no init_units"
+        twin = source["twin"]
+        units += module_init_units(twin, spec.init_units(twin))
+    t0 = time.perf_counter()
+    materialize(model, device, read=read, read_names=source["names"], units=units,
+                seed=source["seed"])
+    logger.info("materialised this rank's weights (%s) in %.1fs",
+                source["checkpoint"] or f"random init, seed {source['seed']}",
+                time.perf_counter() - t0)
 
 
 def make_train_step(plan, autocast_dtype: torch.dtype | None) -> TrainStep:
@@ -240,7 +271,9 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
-    model = instantiate(cfg.model)
+    with torch.device("meta"):  # built on the meta device, materialised after the layout
+        model = _instantiate_with(cfg.model, device="meta")
+    on_meta = all(p.is_meta for p in model.parameters())
     spec = model_spec_for(model)
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
@@ -252,6 +285,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
             f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
             f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
             "use a smaller tokenizer")
+    source = _weight_source(model, t.seed) if on_meta else None
     peft = None
     if cfg.peft is not None:
         from hybridtrain.peft.lora import apply_lora
@@ -264,7 +298,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
 
         peft = cfg.peft.to_dict()
         apply_lora(model, **peft)
-    model.to(device)
+    if not on_meta:  # a model target that ignored the meta device: built in full already
+        model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("model %s: %s parameters (%s trainable) on %s", type(model).__name__,
@@ -279,6 +314,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
+    if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
+        _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
     return Built(
         cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,

@@ -203,35 +203,36 @@ def _check_state_format(path: str, state: dict, model: torch.nn.Module) -> None:
             "start from that Hugging Face folder (model.local_dir)")
 
 
-def _is_partial(model: torch.nn.Module) -> bool:
-    """True for a pipeline stage's share of a model (layers or embeddings/head missing)."""
-    try:
-        spec = model_spec_for(model)
-    except ValueError:  # not a registered model (e.g. a test stand-in): whole by definition
-        return False
-    return not spec.is_complete(model)
-
-
 def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
               dtype: torch.dtype | None = None) -> None:
-    """Consolidated Hugging Face export: full tensors gathered to rank 0, which writes
-    ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
-    if _is_partial(model):  # under pipeline parallelism every rank holds a part
-        if get_rank() == 0:
-            logger.warning("the model is split into pipeline stages: not writing %s; export the "
-                           "checkpoint with `hybridtrain convert STEP_DIR OUT_DIR`", out_dir)
-        return
+    """Consolidated Hugging Face export: rank 0 writes ``config.json``, safetensors and the
+    tokenizer. A sharded model (FSDP, expert slices, pipeline stages) is streamed tensor by
+    tensor: the ranks holding each tensor gather it in turn (another stage's rank sends it to
+    rank 0), and rank 0 holds at most one output file's tensors, never the model. Collective:
+    call on every rank."""
+    try:
+        spec = model_spec_for(model)
+    except ValueError:  # not a registered model (e.g. a test stand-in)
+        spec = None
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-    sd = None
-    if sharded:
-        sd = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-    if get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _save_pretrained(model, out_dir, sd, dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
+    if spec is not None and (sharded or not spec.is_complete(model)):
+        from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
+
+        layout = global_layout(model)
+        stream = stream_full_tensors(model, layout)
+        if get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            spec.save_hf(layout, model.config, out_dir, dtype=dtype, tensors=stream)
+        for _ in stream:  # the other ranks' part (and the end of rank 0's)
+            pass
+    else:
+        sd = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True)) if sharded else None
+        if get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            _save_pretrained(model, out_dir, sd, dtype)
+    if get_rank() == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     barrier()
 
 
@@ -563,13 +564,27 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
     cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
     config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
-    model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
     peft = state.get("peft")
-    if peft:  # a LoRA checkpoint holds the adapters only: export them in PEFT format
-        from hybridtrain.peft.export import export_peft
-        from hybridtrain.peft.lora import apply_lora
+    if not peft:  # the HF export, read and written one tensor at a time
+        with torch.device("meta"):
+            model = cls(config)
+        from hybridtrain.training.precision import resolve_save_dtype
 
-        apply_lora(model, **peft)
+        _check_state_format(path, state, model)
+        os.makedirs(out_hf_dir, exist_ok=True)
+        model_spec_for(cls).save_hf(model.state_dict(), config, out_hf_dir,
+                                    dtype=resolve_save_dtype(dtype, model),
+                                    tensors=_dcp_tensors(model.state_dict(),
+                                                         os.path.join(path, "dcp")))
+        _copy_tokenizer(path, out_hf_dir)
+        logger.info("exported %s to %s", path, out_hf_dir)
+        return out_hf_dir
+    # a LoRA checkpoint holds the adapters only: export them in PEFT format
+    from hybridtrain.peft.export import export_peft
+    from hybridtrain.peft.lora import apply_lora
+
+    model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
+    apply_lora(model, **peft)
     _check_state_format(path, state, model)
     model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
     tensors: dict[str, torch.Tensor] = {}
@@ -579,15 +594,23 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
 
     set_model_state_dict(model, model_sd, options=_LOAD_OPTIONS)
     os.makedirs(out_hf_dir, exist_ok=True)
-    tok_dir = os.path.join(path, "tokenizer")
-    if peft:
-        export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
-    else:
-        from hybridtrain.training.precision import resolve_save_dtype
-
-        _save_pretrained(model, out_hf_dir, None, resolve_save_dtype(dtype, model))
-    if os.path.isdir(tok_dir):
-        for f in os.listdir(tok_dir):
-            shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_hf_dir, f))
+    export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
+    _copy_tokenizer(path, out_hf_dir)
     logger.info("exported %s to %s", path, out_hf_dir)
     return out_hf_dir
+
+
+def _dcp_tensors(layout: dict[str, torch.Tensor], dcp_dir: str):
+    """``(name, tensor)`` of each of ``layout``'s names (meta tensors give shape and dtype)
+    read from the checkpoint's ``dcp/`` one at a time."""
+    for name, meta in layout.items():
+        t = torch.empty(meta.shape, dtype=meta.dtype)
+        _dcp_load({f"model.{name}": t}, dcp_dir)
+        yield name, t
+
+
+def _copy_tokenizer(step_dir: str, out_dir: str) -> None:
+    tok_dir = os.path.join(step_dir, "tokenizer")
+    if os.path.isdir(tok_dir):
+        for f in os.listdir(tok_dir):
+            shutil.copy2(os.path.join(tok_dir, f), os.path.join(out_dir, f))

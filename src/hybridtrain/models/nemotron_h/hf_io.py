@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 import torch
@@ -104,6 +104,34 @@ def hub_tensors(state_dict: Mapping[str, torch.Tensor], config: NemotronHConfig 
                 yield f"{m.group(1)}.{j}.{m.group(2)}.weight", t[j]
         else:
             yield name, t if config is None else hub_layout(name, t, config, to_hub=True)
+
+
+def hub_slice(name: str, region: tuple[slice, ...],
+              read: Callable[[str, tuple[slice, ...]], torch.Tensor],
+              config: NemotronHConfig | None = None) -> torch.Tensor:
+    """``region`` of our tensor ``name`` assembled from Hub tensors, ``read(hub_name, region)``
+    reading a region of one Hub tensor: a stacked experts slice reads only its experts' tensors,
+    one at a time. Tensors whose rows are ordered differently here (:func:`hub_layout`, given
+    ``config``) are read whole, reordered, then cut: one Hub tensor at a time."""
+    m = _EXPERT_OURS.match(name)
+    if m:
+        first, stop = region[0].start, region[0].stop
+        return torch.stack([read(f"{m.group(1)}.{j}.{m.group(2)}.weight", region[1:])
+                            for j in range(first, stop)])
+    if config is not None and config.n_groups > 1 and _MAMBA_ROWS.search(name):
+        whole = read(name, (slice(None),))
+        return hub_layout(name, whole, config, to_hub=False)[region]
+    return read(name, region)
+
+
+def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
+    """``read(name, region)``: a region of our tensor ``name`` read from the checkpoint in
+    ``local_dir`` (only the bytes it needs; see :func:`hub_slice`)."""
+    from hybridtrain.distributed.materialize import SafetensorsReader
+
+    reader = SafetensorsReader(checkpoint_files(local_dir))
+    config = NemotronHConfig.from_pretrained(local_dir)
+    return lambda name, region: hub_slice(name, region, reader.read, config)
 
 
 def expected_hub_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -196,6 +224,12 @@ def load_pretrained(
     dtype = parse_dtype(dtype) or stored
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(dtype=dtype)  # (the router keeps e_score_correction_bias in fp32 itself)
+    # what `checkpoint.save_dtype: auto` writes back (a bf16 Hub checkpoint trained in fp32
+    # is exported as bf16 again); where the weights come from (a meta model is filled later)
+    model.checkpoint_dtype = stored
+    model.name_or_path = local_dir
+    if device.type == "meta":  # checked, not read: hybridtrain.distributed.materialize fills it
+        return model.eval()
     model.to_empty(device=device)
 
     state = model.state_dict(keep_vars=True)
@@ -211,11 +245,7 @@ def load_pretrained(
                     if expert is not None:
                         target = target[expert]
                     target.copy_(hub_layout(ours, f.get_tensor(k), config, to_hub=False))
-    model.eval()
-    # what `checkpoint.save_dtype: auto` writes back (a bf16 Hub checkpoint trained in fp32
-    # is exported as bf16 again)
-    model.checkpoint_dtype = stored
-    return model
+    return model.eval()
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -225,9 +255,15 @@ def save_hf_checkpoint(
     save_dir: str | os.PathLike,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | str | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
     """Write our (full, unsharded) state dict as a Hub checkpoint: safetensors shards of at most
     ``max_shard_size`` (+ index when more than one), and config.json.
+
+    ``tensors``: the full tensors as ``(name, tensor)`` pairs in ``state_dict``'s order, made
+    one at a time while the files are written (e.g. gathered from shards); ``state_dict`` then
+    only gives names, shapes and dtypes (meta tensors will do) and at most one output file's
+    tensors are held at a time.
 
     ``dtype``: write the floating-point tensors in this dtype (None: as they are); the tensors
     transformers keeps in fp32 (``e_score_correction_bias``) stay fp32 either way.
@@ -267,15 +303,20 @@ def save_hf_checkpoint(
     try:
         weight_map = {}
         total = 0
+        source = iter(items) if tensors is None else (
+            x for n, t in tensors for x in hub_tensors({n: t}, config))
         for fname, shard in zip(names, shards):
-            tensors = {}
-            for name, t in shard:
+            out = {}
+            for name, _ in shard:
+                got, t = next(source)
+                assert got == name, f"tensors out of order: {got} where {name} was expected"
                 # a fresh contiguous CPU tensor per entry (expert slices share storage otherwise)
-                tensors[name] = t.detach().to("cpu", dtype=out_dtype(name, t), copy=True).contiguous()
+                out[name] = t.detach().to("cpu", dtype=out_dtype(name, t), copy=True).contiguous()
+                del t
                 weight_map[name] = fname
-                total += tensors[name].nbytes
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-            del tensors
+                total += out[name].nbytes
+            save_file(out, os.path.join(tmp, fname), metadata={"format": "pt"})
+            del out
         if n > 1:
             with open(os.path.join(tmp, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

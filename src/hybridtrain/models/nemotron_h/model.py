@@ -13,7 +13,7 @@ document, attention never crosses one.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -166,16 +166,27 @@ class NemotronHForCausalLM(nn.Module):
         norms at one, Mamba ``A_log = log(1..H)``, ``D = 1``, ``dt_bias = softplus^-1(dt)`` with
         dt log-uniform in [time_step_min, time_step_max] floored at time_step_floor, and Mamba
         ``out_proj`` scaled by 1/sqrt(num_layers) when ``rescale_prenorm_residual``."""
+        for name, init in self.init_units():
+            init(self.get_submodule(name))
+
+    def init_units(self) -> list[tuple[str, Callable[[nn.Module], None]]]:
+        """The initialisation in independent parts, in order: (submodule name, function that
+        initialises that submodule in place). :meth:`init_weights` runs them on one RNG stream;
+        a model built on the meta device runs each on its own seeded stream
+        (``hybridtrain.distributed.materialize``)."""
         std = self.config.initializer_range
+
+        def normal(m: nn.Module) -> None:
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+
         bb = self.backbone
-        if bb.embeddings is not None:
-            nn.init.normal_(bb.embeddings.weight, mean=0.0, std=std)
-        for block in bb.layers.values():
-            block.reset_parameters()
+        units = [("backbone.embeddings", normal)] if bb.embeddings is not None else []
+        units += [(f"backbone.layers.{k}", Block.reset_parameters) for k in bb.layers]
         if bb.norm_f is not None:
-            bb.norm_f.reset_parameters()
+            units.append(("backbone.norm_f", RMSNorm.reset_parameters))
         if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+            units.append(("lm_head", normal))
+        return units
 
     # ------------------------------------------------------------------ forward
     def sequence_info(

@@ -9,7 +9,7 @@ from hybridtrain.models.spec import ModelSpec, register_model_spec
 
 from . import flops
 from .config import NemotronHConfig
-from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint
+from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
@@ -93,4 +93,6 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     hub_tensors=hub_tensors,
     hub_layout=hub_layout,
     state_format=state_format,
+    init_units=NemotronHForCausalLM.init_units,
+    hf_slice_reader=slice_reader,
 ))

@@ -1,0 +1,67 @@
+"""Per-rank peak host memory (VmHWM) while loading LoRA on a bf16 Hub checkpoint (~0.31 GB,
+several files) on 4 gloo ranks, above the same build of a tiny checkpoint: a rank reads and
+holds its share, not the model (FSDP2 x4: a quarter of it; PP=2 x EP=2: its stage's half of
+the dense weights and a quarter of the experts); rank 0's peak during the merged HF export is
+one output file plus a few full tensors, not the model. (Training: benchmarks/load_memory.py.)
+
+The ranks run with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``) and
+``training.cpu_allocator: system``, so freed blocks go back to the system and the peak
+resident memory is what was in use."""
+
+import os
+
+import pytest
+
+from tests.helpers import memory as mem
+from tests.helpers.distributed import run_distributed
+
+SHARD = 50 * 10**6
+PATTERN = "MEE" * 3 + "*EE"  # 12 layers, 8 of them MoE of 16 experts
+
+
+def _peaks(layout, world, tiny, big, out):
+    """(load peak above the tiny build, export peak above the RSS before it) of this rank."""
+    import gc
+
+    from hybridtrain.distributed.full_tensors import global_layout
+    from hybridtrain.peft.export import save_merged_hf
+    from hybridtrain.recipes.finetune import build
+
+    rank = int(os.environ.get("RANK", 0))
+    gc.collect()  # the previous layout's model
+    mem.reset_peak()
+    b = build(mem.lora_recipe(layout, tiny), "cpu", is_main=rank == 0, world_size=world,
+              data=False)
+    base = mem.status("VmHWM")
+    del b
+    gc.collect()
+    b = build(mem.lora_recipe(layout, big), "cpu", is_main=rank == 0, world_size=world,
+              data=False)
+    load = mem.status("VmHWM") - base
+    largest = max(t.numel() * 4 for t in global_layout(b.model).values())
+    mem.reset_peak()
+    before = mem.status("VmRSS")
+    save_merged_hf(b.model, out, max_shard_size=SHARD)
+    return load, mem.status("VmHWM") - before, largest
+
+
+def _worker(rank, world, tiny, big, out):
+    return [_peaks({"dp_shard": 4}, world, tiny, big, os.path.join(out, "fsdp")),
+            _peaks({"pp": 2, "ep": 2}, world, tiny, big, os.path.join(out, "ppep"))]
+
+
+@pytest.mark.distributed
+def test_each_rank_loads_and_exports_its_share(tmp_path, monkeypatch):
+    tiny, big = str(tmp_path / "tiny"), str(tmp_path / "big")
+    mem.write_checkpoint(tiny, mem.config(None, PATTERN))
+    size = mem.write_checkpoint(big, mem.config(640, PATTERN), max_shard_size="100MB")
+    assert 0.25e9 < size < 0.4e9 and len(os.listdir(big)) > 3  # several files + index
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks' glibc reads it at start
+    res = run_distributed(_worker, 4, tiny, big, str(tmp_path / "out"), timeout=600)
+    for rank, layouts in enumerate(res):
+        for (load, export, largest), name in zip(layouts, ("fsdp2x4", "pp2xep2")):
+            assert load <= 0.4 * size, (name, rank, load / size)
+            if rank == 0:  # one output file, the weight in flight and its fp32 merge
+                assert export <= SHARD + 4 * largest, (name, export, largest)
+    print({n: [round(r[i][0] / size, 3) for r in res] for i, n in enumerate(("fsdp", "ppep"))},
+          [round(r[i][1] / 1e6) for r in res[:1] for i in range(2)])
