@@ -67,7 +67,8 @@ class ModelSpec:
 
 _SPECS: dict[str, ModelSpec] = {}
 # model packages that register a spec when imported (imported on first lookup)
-_BUILTIN = {"nemotron_h": "hybridtrain.models.nemotron_h.spec"}
+_BUILTIN = {"nemotron_h": "hybridtrain.models.nemotron_h.spec",
+            "nemotron_h_vlm": "hybridtrain.models.nemotron_vlm.spec"}
 
 
 def register_model_spec(spec: ModelSpec) -> ModelSpec:
@@ -104,6 +105,10 @@ def model_spec_for(model: nn.Module | type) -> ModelSpec:
 
 
 def set_train_loss(model: nn.Module, loss: nn.Module) -> None:
-    """Install the loss ``model.forward(labels=...)`` returns (the model contract's ``loss``)."""
+    """Install the loss ``model.forward(labels=...)`` returns (the model contract's ``loss``);
+    a model whose loss lives in a sub-model installs it with its own ``set_train_loss``."""
+    if hasattr(model, "set_train_loss"):
+        model.set_train_loss(loss)
+        return
     assert hasattr(model, "loss"), f"{type(model).__name__} has no loss module"
     model.loss = loss
