@@ -66,10 +66,11 @@ def build(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = F
 
 
 def run(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = False, freeze=()):
-    """(per-step losses, full weights on rank 0, validation loss) of the tiny VLM recipe."""
+    """(per-step losses, full weights on rank 0, validation loss, per-step gradient norms) of
+    the tiny VLM recipe."""
     b, trainer = build(tmp, layout, world, packed, freeze)
-    losses, _ = parity.train(b, trainer)
+    losses, norms = parity.train(b, trainer)
     state = parity.gather_state(b.model)
     val = trainer.validate()["val_loss"]
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return losses, state if rank == 0 else None, val
+    return losses, state if rank == 0 else None, val, norms

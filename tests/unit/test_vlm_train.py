@@ -56,7 +56,7 @@ def test_freeze_stages(data_dir, tmp_path, freeze, trained):
 
 
 def test_resume_matches_uninterrupted(data_dir, tmp_path):
-    ref, _, _ = vlm.run(data_dir)
+    ref = vlm.run(data_dir)[0]
     b, trainer = vlm.build(data_dir, checkpoint_dir=str(tmp_path / "ck"))
     first, _ = parity.train(b, trainer, steps=2)
     trainer.save_checkpoint()
