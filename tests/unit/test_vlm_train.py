@@ -64,3 +64,14 @@ def test_resume_matches_uninterrupted(data_dir, tmp_path):
     trainer.resume(trainer.checkpointer.latest())
     rest, _ = parity.train(b, trainer, start=2, steps=parity.STEPS - 2)
     assert first + rest == ref
+
+
+def test_validation_reports_answer_accuracy(data_dir):
+    from hybridtrain.recipes.finetune import build, make_trainer
+
+    recipe = vlm.vlm_recipe(data_dir, training={"val_accuracy": True})
+    b = build(recipe, "cpu")
+    trainer = make_trainer(b, vlm.build(data_dir)[1].sched, None)
+    rec = trainer.validate()
+    assert 0.0 <= rec["answer_accuracy"] <= 1.0 and 0.0 <= rec["token_accuracy"] <= 1.0
+    assert "answer_accuracy" not in vlm.build(data_dir)[1].validate()

@@ -79,6 +79,8 @@ TRAINING = {
                        _OPT_INT),
     "val_micro_batch_size": K(None, "validation batch per rank; null -> micro_batch_size",
                               _OPT_INT),
+    "val_accuracy": K(False, "also report teacher-forced answer_accuracy / token_accuracy at "
+                             "validation (one more forward per batch, full logits)"),
     "ckpt_every_steps": K(None, "checkpoint every N steps; null or 0 -> only at the end",
                           _OPT_INT),
     "log_every_steps": K(1, "write training.jsonl / progress every N steps", (int,)),
