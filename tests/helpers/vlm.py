@@ -74,3 +74,120 @@ def run(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = Fal
     val = trainer.validate()["val_loss"]
     rank = dist.get_rank() if dist.is_initialized() else 0
     return losses, state if rank == 0 else None, val, norms
+
+
+# -- the heterogeneous layout: a hand-written loop of the trainer's step ----------------------
+def hetero_data(tmp: str):
+    """(tokenizer-built dataset, collator) of the tiny VLM recipe's training data."""
+    from hybridtrain.data import build_bpe_tokenizer, build_collator, build_vision_chat_dataset
+    from hybridtrain.data import load_tokenizer, shapes_texts, write_synthetic_shapes
+
+    import os
+
+    if not os.path.isdir(f"{tmp}/tokenizer"):
+        build_bpe_tokenizer(shapes_texts(), f"{tmp}/tokenizer", vocab_size=300,
+                            extra_special_tokens=["<image>"])
+    if not os.path.exists(f"{tmp}/data/data.jsonl"):
+        write_synthetic_shapes(f"{tmp}/data", 64, seed=0, text_only=0.3)
+    ds = build_vision_chat_dataset(f"{tmp}/data/data.jsonl", load_tokenizer(f"{tmp}/tokenizer"),
+                                   patch_size=4, min_patches=16, max_patches=64)
+    return ds, build_collator(ds)
+
+
+def hetero_model(freeze=()):
+    import torch
+
+    from hybridtrain.models.nemotron_vlm import build_vlm, tiny_vlm_config
+    from hybridtrain.models.spec import set_train_loss
+    from hybridtrain.ops.loss import LinearCrossEntropy
+
+    torch.manual_seed(0)
+    model = build_vlm(tiny_vlm_config(image_token_id=IMAGE_TOKEN_ID, text={"vocab_size": 320}),
+                      freeze=freeze)
+    set_train_loss(model, LinearCrossEntropy(reduction="sum"))
+    return model.train()
+
+
+def lane_batches(ds, collate, step: int, lanes: int, lane: int) -> list[dict]:
+    """Lane ``lane``'s micro-batches of global batch ``step`` (as the step scheduler splits)."""
+    G, M = parity.GBS, parity.MBS
+    first = step * G
+    return [collate([ds[first + i * lanes * M + lane * M + j] for j in range(M)])
+            for i in range(G // (M * lanes))]
+
+
+def _adamw(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1) if params else None
+
+
+def reference_run(tmp: str, freeze=(), steps: int = parity.STEPS):
+    """One process: (losses, grad norms, final weights)."""
+    import torch
+
+    from hybridtrain.data.batch import count_label_tokens, model_inputs
+    from hybridtrain.training.optim import clip_grad_norm
+
+    ds, collate = hetero_data(tmp)
+    model = hetero_model(freeze)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _adamw(params)
+    losses, norms = [], []
+    for s in range(steps):
+        mbs = lane_batches(ds, collate, s, 1, 0)
+        n = sum(count_label_tokens(mb) for mb in mbs)
+        total = 0.0
+        for mb in mbs:
+            ce = model(mb["input_ids"], labels=mb["labels"], **model_inputs(mb))
+            (ce / n).backward()
+            total += float(ce.detach())
+        norm = clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / n)
+        norms.append(float(norm))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def hetero_run(rank: int, world: int, tmp: str, encoders: int, freeze=(),
+               steps: int = parity.STEPS):
+    """One rank of the heterogeneous layout: (losses, grad norms, owned weights, bytes sent
+    per step)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from hybridtrain.data.batch import count_label_tokens
+    from hybridtrain.distributed.bridge import BridgeLayout
+    from hybridtrain.models.nemotron_vlm.hetero import HeteroVLMStep
+
+    enc = list(range(encoders))
+    llm = list(range(encoders, world))
+    groups = {"enc": dist.new_group(enc), "llm": dist.new_group(llm)}
+    step = HeteroVLMStep(BridgeLayout(enc, llm), groups["enc"], groups["llm"])
+    ds, collate = hetero_data(tmp)
+    model = hetero_model(freeze)
+    opt = _adamw([p for p in step.owned_parameters(model) if p.requires_grad])
+    lanes = len(llm)
+    lane = llm.index(rank) if rank in llm else 0
+    losses, norms = [], []
+    for s in range(steps):
+        mbs = lane_batches(ds, collate, s, lanes, lane)
+        counts = torch.tensor([float(sum(count_label_tokens(mb) for mb in mbs))],
+                              dtype=torch.float64)
+        n = int(step.all_reduce_lanes(counts)[0])
+        ce = step(model, mbs, n)
+        loss = float(step.all_reduce_lanes(ce.double().reshape(1))[0]) / n
+        norm = step.clip_grad_norm(model, 1.0)
+        if opt is not None and math.isfinite(loss) and math.isfinite(float(norm)):
+            opt.step()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+        norms.append(float(norm))
+    owned = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if k.split(".")[0] in ({"vision_model", "projector"} if step.is_encoder
+                                    else {"language_model"})}
+    return losses, norms, owned, step.bytes_sent / steps

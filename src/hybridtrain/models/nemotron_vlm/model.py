@@ -95,18 +95,27 @@ class NemotronVLMForConditionalGeneration(nn.Module):
                 f"the batch has {len(per_image)} images but its placeholders take only {k}; "
                 f"images {k}..{len(per_image) - 1} have no placeholder tokens")
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-              image_grid: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings [B, L, H] with the image embeddings in the placeholder positions.
-        In training a batch without images still runs the vision path once (on a blank image,
-        added times zero) so that every data-parallel rank runs the same modules."""
+    def merge_embeddings(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+                         image_grid: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings [B, L, H] with ``image_embeds`` (of the images of ``image_grid``,
+        in order) in the placeholder positions; the counts are checked row by row."""
         h = self.language_model.backbone.embeddings(input_ids)
         placeholders = input_ids == self.config.image_token_id
         has_images = image_grid is not None and image_grid.shape[0] > 0
         self._check_counts(placeholders, image_grid if has_images else None)
-        if has_images:
-            img = self.image_embeddings(pixel_values, image_grid).to(h.dtype)
-            return h.masked_scatter(placeholders.unsqueeze(-1), img)
+        if not has_images:
+            return h
+        return h.masked_scatter(placeholders.unsqueeze(-1), image_embeds.to(h.dtype))
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+              image_grid: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. In training a
+        batch without images still runs the vision path once (on a blank image, added times
+        zero) so that every data-parallel rank runs the same modules."""
+        if image_grid is not None and image_grid.shape[0] > 0:
+            return self.merge_embeddings(input_ids, self.image_embeddings(pixel_values, image_grid),
+                                         image_grid)
+        h = self.merge_embeddings(input_ids, None, None)
         if self.training and torch.is_grad_enabled():
             m = self.config.merge
             grid = torch.tensor([[m, m]], device=input_ids.device)
