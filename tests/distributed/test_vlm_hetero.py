@@ -12,6 +12,9 @@ import torch
 from tests.helpers import vlm
 from tests.helpers.distributed import run_distributed
 
+# several spawned groups of 3-4 ranks in one fixture: above the suite's 300 s on a loaded box
+pytestmark = pytest.mark.timeout(1200)
+
 LAYOUTS = {"2+2": (2, 4), "1+2": (1, 3), "2+1": (2, 3)}
 
 

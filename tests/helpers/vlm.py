@@ -124,8 +124,6 @@ def _adamw(params):
 
 def reference_run(tmp: str, freeze=(), steps: int = parity.STEPS):
     """One process: (losses, grad norms, final weights)."""
-    import torch
-
     from hybridtrain.data.batch import count_label_tokens, model_inputs
     from hybridtrain.training.optim import clip_grad_norm
 
@@ -157,37 +155,58 @@ def hetero_run(rank: int, world: int, tmp: str, encoders: int, freeze=(),
     import math
 
     import torch
-    import torch.distributed as dist
 
     from hybridtrain.data.batch import count_label_tokens
-    from hybridtrain.distributed.bridge import BridgeLayout
-    from hybridtrain.models.nemotron_vlm.hetero import HeteroVLMStep
+    from hybridtrain.models.nemotron_vlm.hetero import hetero_plan
 
-    enc = list(range(encoders))
-    llm = list(range(encoders, world))
-    groups = {"enc": dist.new_group(enc), "llm": dist.new_group(llm)}
-    step = HeteroVLMStep(BridgeLayout(enc, llm), groups["enc"], groups["llm"])
+    from hybridtrain.config import build_config
+
     ds, collate = hetero_data(tmp)
     model = hetero_model(freeze)
-    opt = _adamw([p for p in step.owned_parameters(model) if p.requires_grad])
-    lanes = len(llm)
-    lane = llm.index(rank) if rank in llm else 0
+    section = build_config({"distributed": {"encoder_ranks": encoders}})["distributed"]
+    plan = hetero_plan(model, section, world)
+    step, model = plan.pipeline, plan.model
+    opt = _adamw([p for p in model.parameters() if p.requires_grad])
+    lanes, lane = plan.dims.dp, plan.dims.dp_rank
     losses, norms = [], []
     for s in range(steps):
         mbs = lane_batches(ds, collate, s, lanes, lane)
         counts = torch.tensor([float(sum(count_label_tokens(mb) for mb in mbs))],
                               dtype=torch.float64)
-        n = int(step.all_reduce_lanes(counts)[0])
+        n = int(plan.dims.all_reduce_dp(counts)[0])
         ce = step(model, mbs, n)
-        loss = float(step.all_reduce_lanes(ce.double().reshape(1))[0]) / n
-        norm = step.clip_grad_norm(model, 1.0)
+        loss = float(plan.dims.all_reduce_dp(ce.double().reshape(1))[0]) / n
+        norm = plan.clip_grad_norm(model.parameters(), 1.0)
         if opt is not None and math.isfinite(loss) and math.isfinite(float(norm)):
             opt.step()
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         losses.append(loss)
         norms.append(float(norm))
-    owned = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if k.split(".")[0] in ({"vision_model", "projector"} if step.is_encoder
-                                    else {"language_model"})}
+    owned = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, norms, owned, step.bytes_sent / steps
+
+
+def train_and_save(tmp: str, layout: dict | None, world: int, path: str, steps: int):
+    """Train ``steps`` steps of the recipe under ``layout`` and save the trainer's checkpoint."""
+    b, trainer = build(tmp, layout, world, checkpoint_dir=path)
+    losses, _ = parity.train(b, trainer, steps=steps)
+    trainer.save_checkpoint()
+    return losses
+
+
+def resume_and_train(tmp: str, layout: dict | None, world: int, path: str):
+    """Resume the trainer from ``path`` (any layout's checkpoint); train the remaining steps."""
+    b, trainer = build(tmp, layout, world, checkpoint_dir=path)
+    trainer.resume(trainer.checkpointer.latest())
+    start = trainer.sched.step
+    return parity.train(b, trainer, start=start, steps=parity.STEPS - start)[0]
+
+
+def hetero_group(rank: int, world: int, tmp: str, encoders: int, ckpt: str):
+    """The recipe's trainer under ``distributed.encoder_ranks``: a 5-step run, a run saved at
+    step 3 and a run resumed from the colocated checkpoint in ``ckpt/colocated``."""
+    layout = {"encoder_ranks": encoders}
+    return {"run": run(tmp, layout, world),
+            "save": train_and_save(tmp, layout, world, f"{ckpt}/hetero{encoders}", 3),
+            "resume": resume_and_train(tmp, layout, world, f"{ckpt}/colocated")}

@@ -202,6 +202,9 @@ DISTRIBUTED = {
     "tp": K(1, "tensor-parallel degree", (int,)),
     "pp": K(1, "pipeline-parallel degree", (int,)),
     "ep": K(1, "expert-parallel degree (borrowed from dp_shard*cp)", (int,)),
+    "encoder_ranks": K(0, "heterogeneous layout: the model's encoder (vision + projector) on "
+                          "ranks 0..E-1, the rest on the others; 0 -> every module on every "
+                          "rank", (int,), minimum=0),
     "ep_backend": K("alltoall", "expert token dispatch: torch all-to-all, or DeepEP (CUDA)",
                     choices=("alltoall", "deepep")),
     "pp_schedule": K("1f1b", "pipeline schedule: 1f1b, gpipe, interleaved1f1b, loopedbfs, "

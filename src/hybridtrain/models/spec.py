@@ -47,6 +47,9 @@ class ModelSpec:
       them per expert); ``lora_export_notes(targets) -> str | None``: what PEFT cannot take;
       ``peft_module_prefixes``: {prefix of the transformers implementation's module names:
       ours}, to read adapters PEFT wrote for it.
+    * ``hetero_plan(model, distributed, world_size)``: the plan of ``distributed.encoder_ranks``
+      (the model's encoder on its own ranks; see :mod:`hybridtrain.distributed.hetero`), None
+      when the model has no such split.
     """
 
     name: str
@@ -63,6 +66,7 @@ class ModelSpec:
     expert_modules: tuple[type[nn.Module], ...] = ()
     lora_export_notes: Callable[[list[str]], str | None] | None = None
     peft_module_prefixes: dict[str, str] = field(default_factory=dict)
+    hetero_plan: Callable[..., Any] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -255,7 +255,14 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
 
     # training loss, parallel layout, train step, optimizer
     set_train_loss(model, LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
-    plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
+    if cfg.distributed.encoder_ranks:
+        if spec.hetero_plan is None:
+            raise ValueError(f"distributed.encoder_ranks={cfg.distributed.encoder_ranks}: "
+                             f"{type(model).__name__} has no encoder to place on its own ranks; "
+                             "set it to 0")
+        plan = spec.hetero_plan(model, cfg.distributed, world_size)
+    else:
+        plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
     return Built(
         cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,

@@ -95,6 +95,14 @@ class TrainStep:
         return total
 
     @torch.no_grad()
+    def eval_logits(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        """Logits of a validation batch (None on a rank that computes none)."""
+        with autocast_context(self.autocast_dtype, batch["input_ids"].device):
+            if self.pipeline is not None:
+                return self.pipeline.eval_logits(model, batch)
+            return model(batch["input_ids"], **model_inputs(batch))
+
+    @torch.no_grad()
     def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
@@ -171,7 +179,8 @@ class Trainer:
         self.gc_every_steps = gc_every_steps
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
         self.val_accuracy = val_accuracy
-        if val_accuracy and self.train_step.pipeline is not None:
+        if val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
+                                        "eval_logits"):
             raise ValueError("training.val_accuracy is not available under pipeline "
                              "parallelism (distributed.pp > 1); set it to false")
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
@@ -272,9 +281,9 @@ class Trainer:
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
             if self.val_accuracy:
-                with autocast_context(self.train_step.autocast_dtype, self.device):
-                    logits = self.model(batch["input_ids"], **model_inputs(batch))
-                acc += answer_counts(logits, batch).to(self.device)
+                logits = self.train_step.eval_logits(self.model, batch)
+                if logits is not None:
+                    acc += answer_counts(logits, batch).to(self.device)
         self.dims.all_reduce_dp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None

@@ -13,8 +13,6 @@ modules hold exactly the one-process gradient of the per-token mean loss.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -25,10 +23,6 @@ from hybridtrain.distributed.bridge import (
     send_2d,
     split_shares,
 )
-
-ENCODER_MODULES = ("vision_model", "projector")
-LANGUAGE_MODULES = ("language_model",)
-
 
 class HeteroVLMStep:
     """The trainer's step (``__call__(model, micro_batches, num_label_tokens)`` and
@@ -41,13 +35,6 @@ class HeteroVLMStep:
         self.is_encoder = self.rank in layout.senders
         self.group = encoder_group if self.is_encoder else language_group
         self.bytes_sent = 0
-
-    def owned(self, model) -> list[torch.nn.Module]:
-        names = ENCODER_MODULES if self.is_encoder else LANGUAGE_MODULES
-        return [getattr(model, n) for n in names]
-
-    def owned_parameters(self, model) -> list[torch.nn.Parameter]:
-        return [p for m in self.owned(model) for p in m.parameters()]
 
     # ------------------------------------------------------------------ encoder side
     def _serve(self, model, train: bool) -> None:
@@ -72,7 +59,8 @@ class HeteroVLMStep:
                     emb.backward(grad)
 
     # ------------------------------------------------------------------ language side
-    def _lane(self, model, mb: dict, num_label_tokens: int | None) -> torch.Tensor:
+    def _lane(self, model, mb: dict, num_label_tokens: int | None,
+              logits: bool = False) -> torch.Tensor:
         grid = mb.get("image_grid")
         pixels = mb.get("pixel_values")
         if grid is None:
@@ -91,10 +79,13 @@ class HeteroVLMStep:
         img = torch.cat(pieces).requires_grad_(train)
         h = model.merge_embeddings(mb["input_ids"], img, grid)
         ce = model.language_model(None, position_ids=mb.get("position_ids"),
-                                  cu_seqlens=mb.get("cu_seqlens"), labels=mb["labels"],
-                                  inputs_embeds=h)
+                                  cu_seqlens=mb.get("cu_seqlens"),
+                                  labels=None if logits else mb["labels"], inputs_embeds=h)
+        if logits:
+            return ce
         if train:
-            (ce / num_label_tokens).backward()
+            if ce.requires_grad:  # not when nothing upstream of this loss trains (stage 1, no image)
+                (ce / num_label_tokens).backward()
             grad = img.grad if img.grad is not None else torch.zeros_like(img)
             start = 0
             for src, piece in zip(sources, pieces):
@@ -110,7 +101,7 @@ class HeteroVLMStep:
                 self._serve(model, train=True)
             else:
                 total = total + self._lane(model, mb, num_label_tokens)
-        all_reduce_grads(self.owned_parameters(model), self.group)
+        all_reduce_grads(model.parameters(), self.group)  # this rank's modules only
         return total
 
     @torch.no_grad()
@@ -120,25 +111,38 @@ class HeteroVLMStep:
             return torch.zeros((), dtype=torch.float32)
         return self._lane(model, batch, None)
 
-    # ------------------------------------------------------------------ reductions
-    def all_reduce_lanes(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the language lanes, result on every rank (encoder ranks hold no
-        data stream: their contribution is zero; they learn the global label count this way)."""
+    @torch.no_grad()
+    def eval_logits(self, model, batch: dict) -> torch.Tensor | None:
+        """Logits of a validation batch on a language lane (None on encoder ranks)."""
         if self.is_encoder:
-            t.zero_()
-        dist.all_reduce(t)
-        return t
+            self._serve(model, train=False)
+            return None
+        return self._lane(model, batch, None, logits=True)
 
-    def clip_grad_norm(self, model, max_norm: float | None) -> torch.Tensor:
-        """Global gradient norm over both modules (each module's squared norm counted once:
-        by the first rank of its set, its gradients being replicated there), clipped."""
-        params = [p for p in self.owned_parameters(model) if p.grad is not None]
-        leader = self.rank == (self.layout.senders[0] if self.is_encoder else self.layout.receivers[0])
-        sq = torch.zeros((), dtype=torch.float64)
-        if leader and params:
-            sq += sum(p.grad.double().pow(2).sum() for p in params)
-        dist.all_reduce(sq)
-        norm = sq.sqrt().float()
-        if max_norm and params and math.isfinite(float(norm)):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        return norm
+
+def hetero_plan(model, distributed, world_size: int):
+    """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
+    ``0..E-1``, the language model on the rest (one data lane per rank, gradients summed over
+    the lanes); each rank keeps only its modules."""
+    from hybridtrain.distributed.hetero import HeteroPlan, LaneDims
+
+    E = distributed.encoder_ranks
+    if not 0 < E < world_size:
+        raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
+                         f"model: between 1 and {world_size - 1} with {world_size} ranks")
+    others = {k: distributed[k] for k in ("dp_replicate", "cp", "tp", "pp", "ep")
+              if distributed[k] != 1}
+    if others or distributed.dp_shard not in (-1, world_size - E):
+        raise ValueError(
+            f"distributed.encoder_ranks={E}: the language model's own layout is data-parallel "
+            f"lanes only so far; remove {others or {'dp_shard': distributed.dp_shard}}")
+    layout = BridgeLayout(range(E), range(E, world_size))
+    groups = (dist.new_group(list(layout.senders)), dist.new_group(list(layout.receivers)))
+    step = HeteroVLMStep(layout, *groups)
+    if step.is_encoder:
+        model.language_model = None
+    else:
+        model.vision_model = None
+        model.projector = None
+    return HeteroPlan(model=model, dims=LaneDims(layout, step.rank, world_size), pipeline=step,
+                      stages=[model])

@@ -15,6 +15,7 @@ from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
 from hybridtrain.models.spec import ModelSpec, register_model_spec
 
 from .config import NemotronVLMConfig
+from .hetero import hetero_plan
 from .model import NemotronVLMForConditionalGeneration
 
 
@@ -40,7 +41,9 @@ def pipeline_layers(model: nn.Module) -> list[str]:
 
 
 def is_complete(model: nn.Module) -> bool:
-    return lm_spec.is_complete(model.language_model)
+    """False for a rank of the heterogeneous layout (it holds only some modules)."""
+    return (model.vision_model is not None and model.projector is not None
+            and model.language_model is not None and lm_spec.is_complete(model.language_model))
 
 
 def pipeline_stage(model, layers, is_first, is_last):
@@ -98,4 +101,5 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     batch_flops=batch_flops,
     save_hf=save_hf,
     expert_modules=(Experts,),
+    hetero_plan=hetero_plan,
 ))
