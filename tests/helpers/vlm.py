@@ -164,7 +164,7 @@ def hetero_run(rank: int, world: int, tmp: str, encoders: int, freeze=(),
     ds, collate = hetero_data(tmp)
     model = hetero_model(freeze)
     section = build_config({"distributed": {"encoder_ranks": encoders}})["distributed"]
-    plan = hetero_plan(model, section, world)
+    plan = hetero_plan(model, section, world, require_trainable=False)  # no optimizer: None
     step, model = plan.pipeline, plan.model
     opt = _adamw([p for p in model.parameters() if p.requires_grad])
     lanes, lane = plan.dims.dp, plan.dims.dp_rank

@@ -75,3 +75,21 @@ def test_validation_reports_answer_accuracy(data_dir):
     rec = trainer.validate()
     assert 0.0 <= rec["answer_accuracy"] <= 1.0 and 0.0 <= rec["token_accuracy"] <= 1.0
     assert "answer_accuracy" not in vlm.build(data_dir)[1].validate()
+
+
+def test_encoder_ranks_refuses_what_it_cannot_place(data_dir):
+    from hybridtrain.config import build_config
+    from hybridtrain.models.nemotron_vlm.hetero import hetero_plan
+
+    section = build_config({"distributed": {"encoder_ranks": 2, "pp": 2}})["distributed"]
+    with pytest.raises(ValueError, match="data-parallel lanes only"):
+        hetero_plan(vlm.hetero_model(), section, 4)
+    section = build_config({"distributed": {"encoder_ranks": 4}})["distributed"]
+    with pytest.raises(ValueError, match="between 1 and 3"):
+        hetero_plan(vlm.hetero_model(), section, 4)
+    section = build_config({"distributed": {"encoder_ranks": 2}})["distributed"]
+    with pytest.raises(ValueError, match="language model is frozen"):
+        hetero_plan(vlm.hetero_model(("vision", "language")), section, 4)
+    with pytest.raises(ValueError, match="one count must divide the other"):
+        from hybridtrain.distributed.bridge import BridgeLayout
+        BridgeLayout([0, 1], [2, 3, 4])

@@ -47,7 +47,9 @@ def _draw(path: Path, size, colour, shape, position, rng: random.Random) -> None
         d.ellipse(box, fill=fill)
     else:
         d.polygon([(x0 + s / 2, y0), (x0, y0 + s), (x0 + s, y0 + s)], fill=fill)
-    im.save(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    im.save(tmp, format="PNG")
+    os.replace(tmp, path)  # readers (other ranks already training) never see a partial file
 
 
 def shapes_texts(n: int = 200, seed: int = 0) -> list[str]:
