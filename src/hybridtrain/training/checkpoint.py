@@ -162,8 +162,9 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
     ``config.json``, safetensors and the tokenizer. Collective: call on every rank."""
     if _is_partial(model):  # under pipeline parallelism every rank holds a part
         if get_rank() == 0:
-            logger.warning("the model is split into pipeline stages: not writing %s; export the "
-                           "checkpoint with `hybridtrain convert STEP_DIR OUT_DIR`", out_dir)
+            logger.warning("the model is split over ranks (pipeline stages, or modules on their "
+                           "own ranks): not writing %s; export the checkpoint with "
+                           "`hybridtrain convert STEP_DIR OUT_DIR`", out_dir)
         return
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
     sd = None
