@@ -34,10 +34,18 @@ def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("vlm"))
     ref = {name: vlm.run(tmp, {}, 1, packed, freeze)
            for name, (_, packed, freeze) in CASES.items()}
-    return ref, run_distributed(_group, 2, tmp, timeout=400)[0]
+    got = run_distributed(_group, 2, tmp, timeout=600)[0]
+    # four ranks: one micro-batch each, so some ranks hold no image in a step while others do
+    got["fsdp4"] = run_distributed(_four, 4, tmp, timeout=600)[0]
+    ref["fsdp4"] = ref["fsdp2"]
+    return ref, got
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _four(rank, world, tmp):
+    return vlm.run(tmp, {}, world)
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["fsdp4"])
 def test_colocated_parity(results, name):
     ref, got = results[0][name], results[1][name]
     rel = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))

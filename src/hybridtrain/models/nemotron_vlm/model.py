@@ -111,17 +111,20 @@ class NemotronVLMForConditionalGeneration(nn.Module):
               image_grid: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. In training a
         batch without images still runs the vision path once (on a blank image, added times
-        zero) so that every data-parallel rank runs the same modules."""
-        if image_grid is not None and image_grid.shape[0] > 0:
-            return self.merge_embeddings(input_ids, self.image_embeddings(pixel_values, image_grid),
-                                         image_grid)
-        h = self.merge_embeddings(input_ids, None, None)
-        if self.training and torch.is_grad_enabled():
+        zero), and always before the token embeddings, so that every data-parallel rank runs
+        the same modules in the same order (FSDP's collectives)."""
+        has_images = image_grid is not None and image_grid.shape[0] > 0
+        blank = None
+        if has_images:
+            img = self.image_embeddings(pixel_values, image_grid)
+        elif self.training and torch.is_grad_enabled():
             m = self.config.merge
             grid = torch.tensor([[m, m]], device=input_ids.device)
-            blank = h.new_zeros(m * m, self.config.vision_config.patch_dim)
-            return h + 0.0 * self.image_embeddings(blank, grid).sum()
-        return h
+            pixels = torch.zeros(m * m, self.config.vision_config.patch_dim, device=input_ids.device)
+            blank = self.image_embeddings(pixels, grid)
+        h = self.merge_embeddings(input_ids, img if has_images else None,
+                                  image_grid if has_images else None)
+        return h if blank is None else h + 0.0 * blank.sum()
 
     def forward(
         self,
