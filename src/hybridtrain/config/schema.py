@@ -83,6 +83,8 @@ TRAINING = {
                        _OPT_INT),
     "val_micro_batch_size": K(None, "validation batch per rank; null -> micro_batch_size",
                               _OPT_INT),
+    "val_accuracy": K(False, "also report teacher-forced answer_accuracy / token_accuracy at "
+                             "validation (one more forward per batch, full logits)"),
     "ckpt_every_steps": K(None, "checkpoint every N steps; null or 0 -> only at the end",
                           _OPT_INT),
     "log_every_steps": K(1, "write training.jsonl / progress every N steps", (int,)),
@@ -215,6 +217,9 @@ DISTRIBUTED = {
     "tp": K(1, "tensor-parallel degree", (int,)),
     "pp": K(1, "pipeline-parallel degree", (int,)),
     "ep": K(1, "expert-parallel degree (borrowed from dp_shard*cp)", (int,)),
+    "encoder_ranks": K(0, "heterogeneous layout: the model's encoder (vision + projector) on "
+                          "ranks 0..E-1, the rest on the others; 0 -> every module on every "
+                          "rank", (int,), minimum=0),
     "ep_backend": K("alltoall", "expert token dispatch: torch all-to-all, or DeepEP (CUDA)",
                     choices=("alltoall", "deepep")),
     "pp_schedule": K("1f1b", "pipeline schedule: 1f1b, gpipe, interleaved1f1b, loopedbfs, "

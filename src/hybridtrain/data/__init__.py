@@ -9,6 +9,8 @@ Builders a YAML ``_target_`` can call (signatures in each module's docstring):
 - ``hybridtrain.data.PaddingCollator`` / ``PackedCollator`` / ``build_collator`` (collate.py)
 - ``hybridtrain.data.write_synthetic_squad``                        (synthetic.py)
 - ``hybridtrain.data.build_preference_dataset`` / ``write_synthetic_preferences`` (preference.py)
+- ``hybridtrain.data.build_vision_chat_dataset`` (images + chat)     (vision_chat.py, images.py)
+- ``hybridtrain.data.write_synthetic_shapes`` / ``shapes_texts``    (synthetic_shapes.py)
 
 The batch every collator returns (keys, ``IGNORE_INDEX``, label convention, token counts) is
 described in ``hybridtrain.data.batch``. The names below are imported on first use.
@@ -37,6 +39,8 @@ _EXPORTS = {
     "CHATML_TEMPLATE": "tokenizer", "CHATML_TEMPLATE_NO_GENERATION": "tokenizer",
     "build_bpe_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
     "tokenizer_fingerprint": "tokenizer",
+    "VisionChatDataset": "vision_chat", "build_vision_chat_dataset": "vision_chat",
+    "shapes_texts": "synthetic_shapes", "write_synthetic_shapes": "synthetic_shapes",
 }
 
 

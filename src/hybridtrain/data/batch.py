@@ -3,7 +3,7 @@
 ::
 
     IGNORE_INDEX = -100                  # a label that is not trained on
-    MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
+    MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens", "pixel_values", "image_grid")
     Batch                                # the keys, as a TypedDict
     model_inputs(batch) -> dict          # the keyword arguments of the model's forward
     count_label_tokens(batch) -> int     # labels that are not IGNORE_INDEX
@@ -29,7 +29,7 @@ __all__ = ["IGNORE_INDEX", "MODEL_INPUT_KEYS", "Batch", "model_inputs", "count_l
 IGNORE_INDEX = -100
 # Batch keys the model's forward takes besides ``input_ids``; the others (labels, attention_mask,
 # counts) stay with the trainer.
-MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens")
+MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens", "pixel_values", "image_grid")
 
 
 class Batch(TypedDict, total=False):
@@ -43,6 +43,8 @@ class Batch(TypedDict, total=False):
     attention_mask: Tensor     # [B, L] 1 on tokens, 0 on padding
     num_label_tokens: Tensor   # scalar: labels that are not IGNORE_INDEX
     num_tokens: Tensor         # scalar: tokens that are not padding
+    pixel_values: Tensor       # images: [patches, C * p * p], every image's patches in order
+    image_grid: Tensor         # images: [images, 2] patch rows, patch columns of each image
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

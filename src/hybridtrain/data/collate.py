@@ -103,7 +103,10 @@ class PackedCollator:
 
 
 def build_collator(dataset, pad_to_multiple_of: int = 1, pad_token_id: int | None = None):
-    """``PackedCollator`` for a ``PackedDataset``, else a ``PaddingCollator``."""
+    """The dataset's own ``collator()`` when it has one, ``PackedCollator`` for a
+    ``PackedDataset``, else a ``PaddingCollator``."""
+    if hasattr(dataset, "collator"):
+        return dataset.collator()
     from .packing import PackedDataset
 
     if isinstance(dataset, PackedDataset):

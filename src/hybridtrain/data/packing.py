@@ -218,5 +218,9 @@ class PackedDataset(torch.utils.data.Dataset):
 
 def pack_dataset(dataset, pack_size: int, pad_token_id: int | None = None,
                  pad_to_multiple_of: int = 1) -> PackedDataset:
-    """``PackedDataset(dataset, pack_size, pad_token_id, pad_to_multiple_of)``."""
+    """``PackedDataset(dataset, pack_size, pad_token_id, pad_to_multiple_of)``, or the
+    dataset's own ``pack(pack_size, pad_to_multiple_of)`` when it has one (rows that carry more
+    than tokens, e.g. images)."""
+    if hasattr(dataset, "pack"):
+        return dataset.pack(pack_size, pad_to_multiple_of)
     return PackedDataset(dataset, pack_size, pad_token_id, pad_to_multiple_of)

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hybridtrain.fileio import publish_files
@@ -134,8 +134,10 @@ def build_bpe_tokenizer(
     min_frequency: int = 2,
     chat_template: str | None = CHATML_TEMPLATE,
     model_max_length: int = 1 << 20,
+    extra_special_tokens: Sequence[str] = (),
 ):
-    """Train a byte-level BPE on ``texts``, save it to ``out_dir`` as an HF tokenizer, load it back."""
+    """Train a byte-level BPE on ``texts``, save it to ``out_dir`` as an HF tokenizer, load it back.
+    ``extra_special_tokens`` (e.g. ``["<image>"]``) are single tokens after the chat ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -151,7 +153,7 @@ def build_bpe_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -160,7 +162,7 @@ def build_bpe_tokenizer(
         tokenizer_object=bpe,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
-        extra_special_tokens=[IM_START, IM_END],
+        extra_special_tokens=[IM_START, IM_END, *extra_special_tokens],
         chat_template=chat_template,
         model_max_length=model_max_length,
     )

@@ -65,6 +65,9 @@ class ModelSpec:
       of parameter ``name`` from the Hugging Face checkpoint in ``local_dir``, touching only
       the checkpoint tensors it needs (the Hub <-> our name and layout mapping). A model that
       ``from_pretrained(dir, device="meta")`` builds records ``dir`` as ``name_or_path``.
+    * ``hetero_plan(model, distributed, world_size)``: the plan of ``distributed.encoder_ranks``
+      (the model's encoder on its own ranks; see :mod:`hybridtrain.distributed.hetero`), None
+      when the model has no such split.
     """
 
     name: str
@@ -87,11 +90,13 @@ class ModelSpec:
     state_format: Callable[[nn.Module], str | None] | None = None
     init_units: Callable[[nn.Module], list[tuple[str, Callable[[nn.Module], None]]]] | None = None
     hf_slice_reader: Callable[[str], Callable[[str, tuple[slice, ...]], Any]] | None = None
+    hetero_plan: Callable[..., Any] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}
 # model packages that register a spec when imported (imported on first lookup)
-_BUILTIN = {"nemotron_h": "hybridtrain.models.nemotron_h.spec"}
+_BUILTIN = {"nemotron_h": "hybridtrain.models.nemotron_h.spec",
+            "nemotron_h_vlm": "hybridtrain.models.nemotron_vlm.spec"}
 
 
 def register_model_spec(spec: ModelSpec) -> ModelSpec:
@@ -128,6 +133,10 @@ def model_spec_for(model: nn.Module | type) -> ModelSpec:
 
 
 def set_train_loss(model: nn.Module, loss: nn.Module) -> None:
-    """Install the loss ``model.forward(labels=...)`` returns (the model contract's ``loss``)."""
+    """Install the loss ``model.forward(labels=...)`` returns (the model contract's ``loss``);
+    a model whose loss lives in a sub-model installs it with its own ``set_train_loss``."""
+    if hasattr(model, "set_train_loss"):
+        model.set_train_loss(loss)
+        return
     assert hasattr(model, "loss"), f"{type(model).__name__} has no loss module"
     model.loss = loss

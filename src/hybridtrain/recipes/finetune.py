@@ -312,7 +312,14 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     # training loss, parallel layout, train step, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
-    plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
+    if cfg.distributed.encoder_ranks:
+        if spec.hetero_plan is None:
+            raise ValueError(f"distributed.encoder_ranks={cfg.distributed.encoder_ranks}: "
+                             f"{type(model).__name__} has no encoder to place on its own ranks; "
+                             "set it to 0")
+        plan = spec.hetero_plan(model, cfg.distributed, world_size)
+    else:
+        plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
     if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
         _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
@@ -360,6 +367,7 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
         device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
         max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
+        val_accuracy=t.val_accuracy,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
         save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
         gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,

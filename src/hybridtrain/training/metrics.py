@@ -140,6 +140,8 @@ class MetricsLogger:
             return
         record = self._write(self.val_path, "val", record)
         msg = f"step {record['step']}: val_loss {record.get('val_loss')}"
+        if record.get("answer_accuracy") is not None:
+            msg += f", answer_accuracy {record['answer_accuracy']:.3f}"
         if self._bar is not None:
             self._bar.write(msg)
         else:

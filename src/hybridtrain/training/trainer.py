@@ -41,6 +41,7 @@ from torch import nn
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.runfolder import TrainingStopped
+from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.optim import clip_grad_norm
 from hybridtrain.training.precision import autocast_context
@@ -94,6 +95,14 @@ class TrainStep:
         return total
 
     @torch.no_grad()
+    def eval_logits(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        """Logits of a validation batch (None on a rank that computes none)."""
+        with autocast_context(self.autocast_dtype, batch["input_ids"].device):
+            if self.pipeline is not None:
+                return self.pipeline.eval_logits(model, batch)
+            return model(batch["input_ids"], **model_inputs(batch))
+
+    @torch.no_grad()
     def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
@@ -144,6 +153,7 @@ class Trainer:
         save_ckpt: bool = True,
         gc_every_steps: int | None = None,
         max_consecutive_skipped_steps: int | None = None,
+        val_accuracy: bool = False,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -168,6 +178,11 @@ class Trainer:
         self.save_ckpt = save_ckpt
         self.gc_every_steps = gc_every_steps
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self.val_accuracy = val_accuracy
+        if val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
+                                        "eval_logits"):
+            raise ValueError("training.val_accuracy is not available under pipeline "
+                             "parallelism (distributed.pp > 1); set it to false")
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
@@ -253,6 +268,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
+        acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see answer_counts
         for i, batch in enumerate(self.make_loader(self.val_dataset, sampler)):
             if self.max_val_steps and i >= self.max_val_steps:
                 break
@@ -264,6 +280,10 @@ class Trainer:
             ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
+            if self.val_accuracy:
+                logits = self.train_step.eval_logits(self.model, batch)
+                if logits is not None:
+                    acc += answer_counts(logits, batch).to(self.device)
         self.dims.all_reduce_dp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
@@ -273,8 +293,17 @@ class Trainer:
             "val_ppl": math.exp(val_loss) if val_loss is not None and val_loss < 50 else None,
             "num_label_tokens": int(sums[1]),
             "num_samples": int(sums[2]),
+            **self._accuracy(acc),
             "time_s": time.perf_counter() - t0,
         }
+
+    def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
+        """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
+        if not self.val_accuracy:
+            return {}
+        self.dims.all_reduce_dp(acc)
+        return {"answer_accuracy": float(acc[0] / acc[1]) if acc[1] else None,
+                "token_accuracy": float(acc[2] / acc[3]) if acc[3] else None}
 
     def _validate_and_log(self) -> None:
         val = self.validate()

@@ -256,6 +256,7 @@ def save_hf_checkpoint(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | str | None = None,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    layout_config: NemotronHConfig | None = None,
 ) -> None:
     """Write our (full, unsharded) state dict as a Hub checkpoint: safetensors shards of at most
     ``max_shard_size`` (+ index when more than one), and config.json.
@@ -264,6 +265,9 @@ def save_hf_checkpoint(
     one at a time while the files are written (e.g. gathered from shards); ``state_dict`` then
     only gives names, shapes and dtypes (meta tensors will do) and at most one output file's
     tensors are held at a time.
+
+    ``layout_config``: the Nemotron-H config whose Mamba rows :func:`hub_layout` reorders
+    (default ``config``; a model holding a Nemotron-H inside passes its language config).
 
     ``dtype``: write the floating-point tensors in this dtype (None: as they are); the tensors
     transformers keeps in fp32 (``e_score_correction_bias``) stay fp32 either way.
@@ -274,7 +278,8 @@ def save_hf_checkpoint(
     """
     save_dir = os.path.abspath(os.fspath(save_dir))
     limit = parse_size(max_shard_size)
-    items = list(hub_tensors(state_dict, config))
+    layout_config = config if layout_config is None else layout_config
+    items = list(hub_tensors(state_dict, layout_config))
     dtype = parse_dtype(dtype)
 
     def out_dtype(name: str, t: torch.Tensor) -> torch.dtype:  # each tensor is cast as it is written
@@ -304,7 +309,7 @@ def save_hf_checkpoint(
         weight_map = {}
         total = 0
         source = iter(items) if tensors is None else (
-            x for n, t in tensors for x in hub_tensors({n: t}, config))
+            x for n, t in tensors for x in hub_tensors({n: t}, layout_config))
         for fname, shard in zip(names, shards):
             out = {}
             for name, _ in shard:

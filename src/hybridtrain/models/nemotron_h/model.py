@@ -122,7 +122,8 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(nn.Module):
-    """The model. ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None)`` returns
+    """The model. ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None,
+    inputs_embeds=None)`` (``inputs_embeds`` [B, L, H] replaces the embedded ``input_ids``) returns
     fp32 logits [B, L, V], or with ``labels`` (aligned with the inputs, i.e. already shifted;
     -100 = no loss) the loss of ``self.loss`` (the chunked linear cross-entropy: the mean over
     label tokens by default; training installs a summing one). ``hidden_states(...)`` returns the
@@ -243,8 +244,10 @@ class NemotronHForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        h = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                               inputs_embeds=inputs_embeds)
         if self.lm_head is None:  # a pipeline stage before the last
             return h
         if labels is None:

@@ -50,13 +50,16 @@ def batch_flops(config: NemotronHConfig, batch: dict, head_on_label_tokens_only:
     return float(flops.model_flops(config, rows, training=True)) if rows else 0.0
 
 
-def state_format(model: nn.Module) -> str | None:
+def config_state_format(cfg: NemotronHConfig) -> str | None:
     """Mamba in_proj / conv1d rows are held group by group (see ``mamba2``); with one group, or
     without Mamba layers, that is the Hub's (plain) order."""
-    cfg = model.config
     if cfg.n_groups > 1 and "linear_attention" in cfg.layers_block_type:
         return "mamba_rows_group_major"
     return None
+
+
+def state_format(model: nn.Module) -> str | None:
+    return config_state_format(model.config)
 
 
 def lora_export_notes(adapted: list[str]) -> str | None:

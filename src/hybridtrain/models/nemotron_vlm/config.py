@@ -1,0 +1,116 @@
+"""Configuration of the Nemotron-H vision-language model: a RADIO-style ViT, a pixel-shuffle +
+MLP projector and a Nemotron-H language model (``text_config``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridtrain.models.nemotron_h.config import NemotronHConfig
+
+MODEL_TYPE = "nemotron_h_vlm"
+
+
+@dataclass
+class VisionConfig:
+    """The ViT: ``patch_size`` pixels square patches, learned position embeddings on a
+    ``pos_grid`` x ``pos_grid`` grid (interpolated to each image's grid), ``class_token_len``
+    class tokens per image, pre-norm blocks (LayerNorm, bidirectional attention, GELU MLP)."""
+
+    hidden_size: int = 1280
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    intermediate_size: int = 5120
+    patch_size: int = 16
+    num_channels: int = 3
+    pos_grid: int = 128
+    class_token_len: int = 8
+    layer_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"vision_config: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch (channels x patch_size^2)."""
+        return self.num_channels * self.patch_size ** 2
+
+
+@dataclass
+class NemotronVLMConfig:
+    """``downsample_ratio`` 0.5: pixel shuffle merges 2x2 patches into one token before the
+    projector (RMSNorm -> linear -> squared ReLU -> linear to the LM's width);
+    ``image_token_id``: the placeholder token the data layer repeats once per image embedding."""
+
+    text_config: NemotronHConfig
+    vision_config: VisionConfig = field(default_factory=VisionConfig)
+    projector_hidden_size: int = 4096
+    downsample_ratio: float = 0.5
+    image_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.text_config, dict):
+            self.text_config = NemotronHConfig.from_dict(self.text_config, source="text_config")
+        if isinstance(self.vision_config, dict):
+            self.vision_config = VisionConfig(**self.vision_config)
+        if self.downsample_ratio != 0.5:
+            raise ValueError(f"downsample_ratio={self.downsample_ratio}: only 0.5 (2x2 pixel "
+                             "shuffle) is supported")
+        if not 0 <= self.image_token_id < self.text_config.vocab_size:
+            raise ValueError(f"image_token_id {self.image_token_id} is outside the vocabulary "
+                             f"(vocab_size {self.text_config.vocab_size})")
+
+    # what generic code reads from a model's config
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def merge(self) -> int:
+        """Patches per side merged into one token (2 for ratio 0.5)."""
+        return round(1 / self.downsample_ratio)
+
+    def to_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        return {
+            "model_type": MODEL_TYPE,
+            "text_config": self.text_config.to_hf_dict(dtype),
+            "vision_config": dataclasses.asdict(self.vision_config),
+            "projector_hidden_size": self.projector_hidden_size,
+            "downsample_ratio": self.downsample_ratio,
+            "image_token_id": self.image_token_id,
+            **({"torch_dtype": dtype} if dtype else {}),
+        }
+
+    def to_json_string(self, dtype: str | None = None) -> str:
+        return json.dumps(self.to_dict(dtype), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "NemotronVLMConfig":
+        d = dict(d)
+        mt = d.pop("model_type", MODEL_TYPE)
+        if mt != MODEL_TYPE:
+            raise ValueError(f"{source}: `model_type` is {mt!r}, expected {MODEL_TYPE!r}")
+        d.pop("torch_dtype", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown keys {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str | os.PathLike) -> "NemotronVLMConfig":
+        path = os.path.join(local_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{local_dir}: no config.json (expected a saved vision-language model)")
+        with open(path) as f:
+            return cls.from_dict(json.load(f), source=path)

@@ -1,0 +1,114 @@
+"""The Nemotron-H vision-language model spec (see :mod:`hybridtrain.models.spec`): the language
+model's layers, FLOPs and export rules plus the vision encoder and projector."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from hybridtrain.distributed.compile import apply_compile
+from hybridtrain.distributed.fsdp import apply_fsdp
+from hybridtrain.models.nemotron_h import spec as lm_spec
+from hybridtrain.models.nemotron_h.moe import Experts
+from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+from hybridtrain.models.spec import ModelSpec, register_model_spec
+
+from .config import NemotronVLMConfig
+from .hetero import hetero_plan
+from .model import NemotronVLMForConditionalGeneration
+
+
+def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: torch.device,
+                    autocast_dtype: torch.dtype | None) -> None:
+    """The language model as Nemotron-H parallelizes it, then the ViT blocks (activation
+    checkpointing, compile) and FSDP2: one unit per ViT block, one for the projector, the
+    whole model as root (patch/position embeddings, class tokens, the ViT's final norm)."""
+    parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
+                           autocast_dtype=autocast_dtype)
+    blocks = model.vision_model.blocks
+    if training.activation_checkpointing:
+        apply_activation_checkpointing(blocks, "all")
+    if training.compile:
+        apply_compile(blocks)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, list(blocks.values()) + [model.projector], dims, distributed,
+                   autocast_dtype=autocast_dtype)
+
+
+def pipeline_layers(model: nn.Module) -> list[str]:
+    return lm_spec.pipeline_layers(model.language_model)
+
+
+def is_complete(model: nn.Module) -> bool:
+    """False for a rank of the heterogeneous layout (it holds only some modules)."""
+    return (model.vision_model is not None and model.projector is not None
+            and model.language_model is not None and lm_spec.is_complete(model.language_model))
+
+
+def pipeline_stage(model, layers, is_first, is_last):
+    raise ValueError(
+        "distributed.pp > 1: pipeline parallelism of the colocated vision-language model is not "
+        "supported yet; use dp_shard / dp_replicate / ep")
+
+
+def layer_flops(config: NemotronVLMConfig, seq_len: int) -> list[float]:
+    return lm_spec.layer_flops(config.text_config, seq_len)
+
+
+def head_flops(config: NemotronVLMConfig) -> float:
+    return lm_spec.head_flops(config.text_config)
+
+
+def vision_flops(config: NemotronVLMConfig, image_grid) -> float:
+    """Training FLOPs (3 x forward) of the ViT and the projector on images of ``image_grid``:
+    per image of T = h*w + class tokens: blocks ``2 T (4 D^2 + 2 D I) + 4 T^2 D`` each, patch
+    embedding ``2 h w C p^2 D``, projector ``2 (h w / 4)(4 D P + P H)``."""
+    v = config.vision_config
+    D, I_, P, H = v.hidden_size, v.intermediate_size, config.projector_hidden_size, config.hidden_size
+    total = 0.0
+    for h, w in (image_grid.tolist() if image_grid is not None else []):
+        n = h * w
+        T = n + v.class_token_len
+        total += v.num_hidden_layers * (2 * T * (4 * D * D + 2 * D * I_) + 4 * T * T * D)
+        total += 2 * n * v.patch_dim * D
+        m = n // config.merge ** 2
+        total += 2 * m * (config.merge ** 2 * D * P + P * H)
+    return 3.0 * total
+
+
+def batch_flops(config: NemotronVLMConfig, batch: dict, head_on_label_tokens_only: bool) -> float:
+    return (lm_spec.batch_flops(config.text_config, batch, head_on_label_tokens_only)
+            + vision_flops(config, batch.get("image_grid")))
+
+
+def save_hf(state_dict, config, out_dir, dtype=None, tensors=None) -> None:
+    """safetensors + config.json, the language model's tensors in the Hub's names and layout."""
+    from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
+
+    save_hf_checkpoint(state_dict, config, out_dir, dtype=dtype, tensors=tensors,
+                       layout_config=config.text_config)
+
+
+def state_format(model: nn.Module) -> str | None:
+    """The language model's marker (its Mamba row order), from the config: also on a rank of
+    the heterogeneous layout that holds only the encoder."""
+    return lm_spec.config_state_format(model.config.text_config)
+
+
+NEMOTRON_H_VLM = register_model_spec(ModelSpec(
+    name="nemotron_h_vlm",
+    model_cls=NemotronVLMForConditionalGeneration,
+    config_cls=NemotronVLMConfig,
+    parallelize_fn=parallelize_vlm,
+    is_complete=is_complete,
+    pipeline_layers=pipeline_layers,
+    pipeline_stage=pipeline_stage,
+    layer_flops=layer_flops,
+    head_flops=head_flops,
+    batch_flops=batch_flops,
+    save_hf=save_hf,
+    expert_modules=(Experts,),
+    hetero_plan=hetero_plan,
+    state_format=state_format,
+))

@@ -1,0 +1,155 @@
+"""RADIO-style vision transformer with dynamic resolution, pixel shuffle and the MLP projector.
+
+Images of different sizes travel as one packed sequence: ``pixel_values`` [P_total, C*p*p]
+(each image's patches in row-major order, flattened channel-major as
+:func:`hybridtrain.data.images.patchify` writes them) and ``image_grid`` [N, 2] (patch rows,
+patch columns of each image). The ViT inserts ``class_token_len`` class tokens before every
+image's patches, adds position embeddings interpolated (bilinear, ``align_corners=False``) to
+each image's own grid, and attends within each image only (block-diagonal mask from the
+per-image ``cu_seqlens``). Class tokens are dropped at the end; :func:`pixel_shuffle` merges
+2x2 neighbouring patches of each image (4x fewer tokens, 4x channels) and the projector maps
+them to the language model's width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridtrain.models.nemotron_h.norms import RMSNorm
+
+from .config import NemotronVLMConfig, VisionConfig
+
+
+def image_cu_seqlens(image_grid: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """Cumulative token counts [N + 1] of the packed images (``extra`` tokens added per image)."""
+    sizes = image_grid[:, 0].long() * image_grid[:, 1].long() + extra
+    return F.pad(torch.cumsum(sizes, 0), (1, 0))
+
+
+def block_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total, total] bool: token i may attend to token j iff both lie in the same image."""
+    seg = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device),
+                                  cu_seqlens[1:] - cu_seqlens[:-1], output_size=total)
+    return seg[:, None] == seg[None, :]
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        T, D = x.shape
+        q, k, v = self.qkv(x).view(T, 3, self.num_heads, D // self.num_heads).permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(o.transpose(0, 1).reshape(T, D))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)) (GELU MLP)."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn = VisionAttention(config)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class RadioViT(nn.Module):
+    """``forward(pixel_values, image_grid) -> [P_total, D]``: the patch tokens of every image
+    (class tokens dropped), in the input's order."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.patch_embed = nn.Linear(config.patch_dim, D)
+        self.pos_embed = nn.Parameter(torch.empty(config.pos_grid * config.pos_grid, D))
+        self.cls_token = nn.Parameter(torch.empty(config.class_token_len, D))
+        self.blocks = nn.ModuleDict({str(i): VisionBlock(config)
+                                     for i in range(config.num_hidden_layers)})
+        self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
+        nn.init.normal_(self.pos_embed, std=std)
+        nn.init.normal_(self.cls_token, std=std)
+
+    def position_embeddings(self, h: int, w: int) -> torch.Tensor:
+        """[h * w, D]: the learned grid, bilinearly resized to ``h x w`` when it differs."""
+        g = self.config.pos_grid
+        if (h, w) == (g, g):
+            return self.pos_embed
+        grid = self.pos_embed.view(1, g, g, -1).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid.float(), size=(h, w), mode="bilinear", align_corners=False)
+        return grid.to(self.pos_embed.dtype)[0].permute(1, 2, 0).reshape(h * w, -1)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid: torch.Tensor) -> torch.Tensor:
+        C = self.config.class_token_len
+        grids = [tuple(g) for g in image_grid.tolist()]
+        patches = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        pos = {g: self.position_embeddings(*g) for g in set(grids)}
+        pieces, start = [], 0
+        for g in grids:
+            n = g[0] * g[1]
+            pieces += [self.cls_token, patches[start:start + n] + pos[g]]
+            start += n
+        x = torch.cat(pieces) if pieces else patches[:0]
+        cu = image_cu_seqlens(image_grid, extra=C)
+        mask = block_mask(cu.to(x.device), x.shape[0])
+        for block in self.blocks.values():
+            x = block(x, mask)
+        x = self.norm(x)
+        keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        for s in cu[:-1].tolist():
+            keep[s:s + C] = False
+        return x[keep]
+
+
+def pixel_shuffle(x: torch.Tensor, image_grid: torch.Tensor, merge: int = 2) -> torch.Tensor:
+    """[P_total, D] -> [P_total / merge^2, D * merge^2]: each image's ``merge x merge``
+    neighbourhoods become one token (row-major over the merged grid)."""
+    out, start = [], 0
+    for h, w in image_grid.tolist():
+        t = x[start:start + h * w].view(h // merge, merge, w // merge, merge, -1)
+        out.append(t.permute(0, 2, 1, 3, 4).reshape((h // merge) * (w // merge), -1))
+        start += h * w
+    return torch.cat(out) if out else x.new_zeros(0, x.shape[-1] * merge * merge)
+
+
+class Projector(nn.Module):
+    """RMSNorm -> linear -> squared ReLU -> linear, from merged vision tokens to the LM width."""
+
+    def __init__(self, config: NemotronVLMConfig):
+        super().__init__()
+        d_in = config.vision_config.hidden_size * config.merge ** 2
+        self.norm = RMSNorm(d_in, eps=config.text_config.layer_norm_epsilon)
+        self.fc1 = nn.Linear(d_in, config.projector_hidden_size, bias=False)
+        self.fc2 = nn.Linear(config.projector_hidden_size, config.text_config.hidden_size,
+                             bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.norm.reset_parameters()
+        nn.init.normal_(self.fc1.weight, std=std)
+        nn.init.normal_(self.fc2.weight, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.square(F.relu(self.fc1(self.norm(x)))))
