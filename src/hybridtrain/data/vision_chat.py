@@ -56,7 +56,8 @@ from .chat_masks import end_of_turn
 from .collate import PackedCollator, PaddingCollator
 from .dataset import check_padding, shifted_labels
 from .images import DEFAULT_MEAN, DEFAULT_STD, image_size, load_patches, patch_grid
-from .io import ChatFormatError, EmptyDatasetError, iter_records, record_name, resolve_data_files
+from .io import (ChatFormatError, EmptyDatasetError, choose_split, iter_records, record_name,
+                 resolve_data_files)
 from .packing import _check, _round_up, build_row, first_fit_decreasing
 from .tokenizer import as_tokenizer, template_has_generation_markers
 
@@ -124,7 +125,9 @@ class VisionChatDataset(torch.utils.data.Dataset):
                  train_on: str = "all", chat_template: str | None = None,
                  chat_template_path: str | None = None,
                  chat_template_kwargs: Mapping | None = None, mask_strategy: str = "auto",
-                 limit: int | None = None, trust_remote_code: bool = False):
+                 limit: int | None = None, trust_remote_code: bool = False,
+                 split: str | None = None, default_split: str | None = None):
+        split = choose_split(path, split, default_split)
         tokenizer = as_tokenizer(tokenizer, trust_remote_code)
         check_padding("none", seq_length)
         if train_on not in ("all", "last"):
@@ -152,7 +155,7 @@ class VisionChatDataset(torch.utils.data.Dataset):
         self.ids: list[str] = []
         drops: Counter = Counter()
         read = 0
-        for f in resolve_data_files(path):
+        for f in resolve_data_files(path, split):
             root = Path(image_root) if image_root else Path(f).parent
             for where, rec in iter_records(f):
                 if limit is not None and read >= limit:

@@ -59,9 +59,10 @@ def as_config(cfg: Any) -> ConfigNode:
     raise ValueError(f"expected a recipe path, a loaded config or a dict, got {type(cfg)}")
 
 
-def _instantiate_with(node, **offered):
+def _instantiate_with(node, *, to_var_kw: bool = True, **offered):
     """``instantiate(node, **kw)`` where ``kw`` are the ``offered`` arguments the target takes
-    and the recipe does not set itself (e.g. the tokenizer object for a dataset builder)."""
+    and the recipe does not set itself (e.g. the tokenizer object for a dataset builder); a
+    target's ``**kwargs`` takes them too unless ``to_var_kw`` is false."""
     if node is None:
         return None
     try:
@@ -69,7 +70,7 @@ def _instantiate_with(node, **offered):
                                                   node.target_prefixes())).parameters
     except (TypeError, ValueError, KeyError):
         params = {}
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    var_kw = to_var_kw and any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw = {k: v for k, v in offered.items() if (k in params or var_kw) and k not in node}
     return instantiate(node, **kw)
 
@@ -272,8 +273,13 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
     with torch.device("meta"):  # built on the meta device, materialised after the layout
-        model = _instantiate_with(cfg.model, device="meta")
+        model = _instantiate_with(cfg.model, to_var_kw=False, device="meta")
     on_meta = all(p.is_meta for p in model.parameters())
+    if not on_meta and any(p.is_meta for p in model.parameters()):
+        # a target that built only part of itself on the meta device: build it in full
+        logger.info("%s: the model target does not build on the meta device; building it in "
+                    "full on every rank", cfg.model.where())
+        model = _instantiate_with(cfg.model)
     spec = model_spec_for(model)
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)

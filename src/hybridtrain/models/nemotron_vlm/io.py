@@ -1,5 +1,6 @@
-"""Loading a saved vision-language model (the writer is the Nemotron-H safetensors writer:
-same sharding, same per-expert tensor names)."""
+"""Saving and loading a vision-language model: the Nemotron-H safetensors writer (same
+sharding, per-expert tensor names, the language model's Mamba rows in the Hub's order) and its
+reader."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hybridtrain.models.nemotron_h.hf_io import (
     hub_name_to_ours,
     parse_dtype,
     read_checkpoint_header,
+    save_hf_checkpoint,
 )
 
 from .config import NemotronVLMConfig
@@ -48,3 +50,10 @@ def load_vlm(cls, local_dir, dtype=None, device=None):
                     target.copy_(hub_layout(ours, f.get_tensor(k), config.text_config, to_hub=False))
     model.checkpoint_dtype = stored
     return model.eval()
+
+
+def save_vlm(state_dict, config: NemotronVLMConfig, out_dir, max_shard_size="5GB", dtype=None,
+             tensors=None) -> None:
+    """safetensors + config.json (see ``hf_io.save_hf_checkpoint``; ``tensors``: streamed)."""
+    save_hf_checkpoint(state_dict, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+                       tensors=tensors, layout_config=config.text_config)

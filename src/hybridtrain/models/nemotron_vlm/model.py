@@ -10,7 +10,7 @@ from its images' embedding count is an error naming the row.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +45,15 @@ class NemotronVLMForConditionalGeneration(nn.Module):
         keeps its weights."""
         self.vision_model.init_weights()
         self.projector.init_weights(self.config.text_config.initializer_range)
+
+    def init_units(self) -> list[tuple[str, Callable[[nn.Module], None]]]:
+        """The initialisation in independent parts (see ``NemotronHForCausalLM.init_units``):
+        the vision encoder, the projector, then the language model's parts."""
+        std = self.config.text_config.initializer_range
+        units = [("vision_model", RadioViT.init_weights),
+                 ("projector", lambda m: Projector.init_weights(m, std))]
+        return units + [(f"language_model.{name}", init)
+                        for name, init in self.language_model.init_units()]
 
     # ------------------------------------------------------------------ training hooks
     @property
@@ -156,10 +165,10 @@ class NemotronVLMForConditionalGeneration(nn.Module):
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write safetensors (the language model's experts per expert, as on the Hub) and
         config.json."""
-        from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
+        from .io import save_vlm
 
         sd = self.state_dict() if state_dict is None else state_dict
-        save_hf_checkpoint(sd, self.config, save_dir, max_shard_size=max_shard_size, dtype=dtype)
+        save_vlm(sd, self.config, save_dir, max_shard_size=max_shard_size, dtype=dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -16,6 +16,7 @@ from hybridtrain.models.spec import ModelSpec, register_model_spec
 
 from .config import NemotronVLMConfig
 from .hetero import hetero_plan
+from .io import save_vlm
 from .model import NemotronVLMForConditionalGeneration
 
 
@@ -84,10 +85,7 @@ def batch_flops(config: NemotronVLMConfig, batch: dict, head_on_label_tokens_onl
 
 def save_hf(state_dict, config, out_dir, dtype=None, tensors=None) -> None:
     """safetensors + config.json, the language model's tensors in the Hub's names and layout."""
-    from hybridtrain.models.nemotron_h.hf_io import save_hf_checkpoint
-
-    save_hf_checkpoint(state_dict, config, out_dir, dtype=dtype, tensors=tensors,
-                       layout_config=config.text_config)
+    save_vlm(state_dict, config, out_dir, dtype=dtype, tensors=tensors)
 
 
 def state_format(model: nn.Module) -> str | None:
@@ -111,4 +109,5 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     expert_modules=(Experts,),
     hetero_plan=hetero_plan,
     state_format=state_format,
+    init_units=NemotronVLMForConditionalGeneration.init_units,
 ))
