@@ -6,6 +6,9 @@ Commands::
     hybridtrain benchmark -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
     hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
+    hybridtrain generate  --model DIR (--prompt TEXT | --prompts FILE.jsonl) ...
+                                (arguments defined by hybridtrain.recipes.generate.build_parser)
+    hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
 
 ``finetune``/``benchmark`` load the recipe, apply its ``dist_env`` (before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
@@ -14,7 +17,8 @@ then either run in this process (one process, or under an external ``torchrun``)
 The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)``, ``hybridtrain.recipes.benchmark:run(cfg, args)``,
 ``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
-``hybridtrain.peft.export:merge_cli(argv)``.
+``hybridtrain.peft.export:merge_cli(argv)``, ``hybridtrain.recipes.generate:run(argv)``,
+``hybridtrain.recipes.evaluate:run(cfg, checkpoint)``.
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def _add_recipe_options(p: argparse.ArgumentParser) -> set[str]:
 _RECIPE_COMMANDS = {
     "finetune": "fine-tune a model (full SFT or LoRA) from a YAML recipe",
     "benchmark": "measure tokens/s, TFLOPs and MFU of a recipe's training step",
+    "evaluate": "generate answers for a recipe's validation examples with a checkpoint: "
+                "SQuAD exact match / F1, sample replies",
 }
 
 
@@ -207,6 +213,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                                  f"[--nproc-per-node N] [--print-config]",
                            epilog=_OVERRIDE_HELP)
         known[name] = _add_recipe_options(p)
+        if name == "evaluate":
+            p.add_argument("--checkpoint", default=None, metavar="DIR",
+                           help="HF folder, step_N checkpoint or run folder (default: the "
+                                "recipe's checkpoint.dir)")
+            known[name].add("--checkpoint")
     p = sub.add_parser("convert", help="export a checkpoint (step_N/ or a run folder's latest) "
                        "to a Hugging Face folder",
                        description="Export a checkpoint to a Hugging Face folder "
@@ -215,6 +226,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
     p.add_argument("out_dir", metavar="OUT_HF_DIR", help="output folder")
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
                    help="dtype of the exported weights (default: as trained, float32)")
+    sub.add_parser("generate", add_help=False,
+                   help="complete prompts with a trained model (see 'hybridtrain generate --help')")
     sub.add_parser("merge", add_help=False,
                    help="merge a LoRA adapter into its base model "
                         "(see 'hybridtrain merge --help')")
@@ -229,6 +242,12 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         sys.stdout.write(cfg.to_yaml())
         return 0
     nproc = args.nproc_per_node
+    if command == "evaluate":
+        if nproc is not None and nproc > 1:
+            raise ValueError("hybridtrain evaluate runs in one process; drop --nproc-per-node")
+        run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
+        run(cfg, args.checkpoint)
+        return 0
     if nproc is not None and under_torchrun():
         if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
@@ -252,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     try:
+        if argv and argv[0] == "generate":
+            return _load_entry("hybridtrain.recipes.generate", "run", "generate")(argv[1:])
         if argv and argv[0] == "merge":
             merge = _load_entry("hybridtrain.peft.export", "merge_cli", "merge")
             result = merge(argv[1:])
