@@ -174,3 +174,28 @@ def test_demo_recipe_evaluates_and_the_cli_generates(tmp_path, capsys):
     assert ev["step"] == 4 and ev["eval_examples"] == 6
     assert ev["exact_match"] == pytest.approx(vals[-1]["exact_match"]) and ev["f1"] == pytest.approx(vals[-1]["f1"])
     assert (out / "evaluation.jsonl").exists()
+
+
+def test_without_references_only_samples_are_written(tmp_path):
+    """A dataset without reference answers (e.g. chat): replies and their references, no EM/F1."""
+    from tests.helpers.data import sft_dataset
+
+    ds = sft_dataset(5, vocab_size=256, seed=2)
+
+    class Tok:
+        eos_token_id, pad_token_id = 1, 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    answers = {}
+    for i in range(len(ds)):
+        prompt, ref = prompt_and_reference(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist())
+        answers[tuple(prompt)] = ref
+    ev = GenerationEvaluator(ds, Tok(), num_examples=5, max_new_tokens=20, num_samples=3,
+                             samples_path=str(tmp_path / "s.jsonl"))
+    rec = ev(_Oracle(answers, 1), step=0)
+    assert "exact_match" not in rec and rec["eval_examples"] == 5
+    samples = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
+    # a reply stops at the reference's last token (an end-of-turn token in chat data)
+    assert len(samples) == 3 and all(s["reference"].startswith(s["reply"]) and s["reply"] for s in samples)

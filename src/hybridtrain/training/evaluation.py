@@ -14,7 +14,9 @@ the replies are scored and shown.
 :class:`GenerationEvaluator` runs at every validation of the Trainer (recipe section
 ``evaluation:``) and in ``hybridtrain evaluate``. Each data-parallel rank answers its share of
 the examples with the full weights (FSDP-sharded parameters are gathered for it); the scores are
-summed over ranks.
+summed over ranks. With several ranks every rank decodes the same number of prompts and steps
+(replies are cut at their stop token afterwards), since FSDP units gather their parameters in
+their forward. Layouts that split the model (pp, tp, cp, ep) are refused at start-up.
 """
 
 from __future__ import annotations
@@ -148,7 +150,18 @@ class GenerationEvaluator:
         rank, world = (dims.dp_rank, dims.dp) if dims is not None else (0, 1)
         self.indices = list(range(rank, n, world))
         self.num_examples = n
+        # several ranks: the same number of prompts and of decoding steps on each (FSDP units
+        # still gather their parameters in their forward, a collective), fillers not counted
+        self.lockstep = world > 1
+        self.fillers = -(-n // world) - len(self.indices) if self.lockstep else 0
         self.references = dataset.reference_answers() if hasattr(dataset, "reference_answers") else None
+
+    def _example(self, i: int) -> tuple[list[int], list[int]]:
+        item = self.dataset[i]
+        return prompt_and_reference(item["input_ids"].tolist(), item["labels"].tolist())
+
+    def _record_id(self, i: int) -> str:
+        return self.dataset.record_id(i) if hasattr(self.dataset, "record_id") else str(i)
 
     def _replies(self, model, prompts, refs, device):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -158,7 +171,8 @@ class GenerationEvaluator:
             ids, mask = left_pad(chunk, pad)
             stops = sorted({self.tokenizer.eos_token_id, *(r[-1] for r in rchunk if r)} - {None})
             seqs = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                  eos_token_id=stops or None, seed=self.seed + b, **self.gen_kwargs)
+                                  eos_token_id=None if self.lockstep else (stops or None),
+                                  seed=self.seed + b, **self.gen_kwargs)
             for row in seqs[:, ids.shape[1]:].tolist():
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
                 out.append(row[:cut])
@@ -171,7 +185,7 @@ class GenerationEvaluator:
                              "evaluation section")
         t0 = time.perf_counter()
         device = next(model.parameters()).device
-        examples = [prompt_and_reference(*self.dataset.get_unpadded(i)) for i in self.indices]
+        examples = [self._example(i) for i in self.indices + [0] * self.fillers]
         prompts, refs = [e[0] for e in examples], [e[1] for e in examples]
         was_training = model.training
         model.eval()
@@ -183,8 +197,8 @@ class GenerationEvaluator:
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in replies]
         sums = torch.zeros(4, dtype=torch.float64, device=device)  # em, f1, examples, new tokens
         samples = []
-        for j, (i, text) in enumerate(zip(self.indices, texts)):
-            sample = {"step": step, "id": self.dataset.record_id(i),
+        for j, (i, text) in enumerate(zip(self.indices, texts)):  # (fillers last: left out)
+            sample = {"step": step, "id": self._record_id(i),
                       "prompt": self.tokenizer.decode(prompts[j], skip_special_tokens=True),
                       "reply": text,
                       "reference": self.tokenizer.decode(refs[j], skip_special_tokens=True)}
