@@ -9,6 +9,9 @@ Commands::
     hybridtrain grpo      -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
     hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
+    hybridtrain generate  --model DIR (--prompt TEXT | --prompts FILE.jsonl) ...
+                                (arguments defined by hybridtrain.recipes.generate.build_parser)
+    hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
 
 ``finetune``/``benchmark`` load the recipe, apply its ``dist_env`` (before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
@@ -18,7 +21,8 @@ The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
 ``hybridtrain.recipes.benchmark:run(cfg, args)``,
 ``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
-``hybridtrain.peft.export:merge_cli(argv)``.
+``hybridtrain.peft.export:merge_cli(argv)``, ``hybridtrain.recipes.generate:run(argv)``,
+``hybridtrain.recipes.evaluate:run(cfg, checkpoint)``.
 """
 
 from __future__ import annotations
@@ -190,6 +194,8 @@ _RECIPE_COMMANDS = {
     "benchmark": "measure tokens/s, TFLOPs and MFU of a recipe's training step",
     "dpo": "Direct Preference Optimization on preference pairs (TRL's JSONL format)",
     "grpo": "GRPO on a verifiable task: rollouts, group-normalised rewards, clipped loss",
+    "evaluate": "generate answers for a recipe's validation examples with a checkpoint: "
+                "SQuAD exact match / F1, sample replies",
 }
 
 
@@ -213,6 +219,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                                  f"[--nproc-per-node N] [--print-config]",
                            epilog=_OVERRIDE_HELP)
         known[name] = _add_recipe_options(p)
+        if name == "evaluate":
+            p.add_argument("--checkpoint", default=None, metavar="DIR",
+                           help="HF folder, step_N checkpoint or run folder (default: the "
+                                "recipe's checkpoint.dir)")
+            known[name].add("--checkpoint")
     desc = ("per-rank memory plan of a recipe's layout (no GPU needed: the model is built on "
             "the meta device); exits 1 when it exceeds --device-memory, saying what to change")
     p = sub.add_parser("plan", help=desc, description=desc, allow_abbrev=False,
@@ -220,8 +231,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
                        usage="hybridtrain plan -c RECIPE.yaml --nproc-per-node N [--nnodes M] "
                              "[--device-memory 80GB] [--json] [--section.key=VALUE ...]",
                        epilog=_OVERRIDE_HELP)
-    known["plan"] = _add_recipe_options(p, "ranks per node the plan is for") | {"--nnodes", "--device-memory", "--device-type",
-                                              "--json"}
+    known["plan"] = _add_recipe_options(p, "ranks per node the plan is for") | {
+        "--nnodes", "--device-memory", "--device-type", "--json"}
     p.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
                    help="nodes (world size = M x N)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
@@ -237,6 +248,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
     p.add_argument("out_dir", metavar="OUT_HF_DIR", help="output folder")
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
                    help="dtype of the exported weights (default: as trained, float32)")
+    sub.add_parser("generate", add_help=False,
+                   help="complete prompts with a trained model (see 'hybridtrain generate --help')")
     sub.add_parser("merge", add_help=False,
                    help="merge a LoRA adapter into its base model "
                         "(see 'hybridtrain merge --help')")
@@ -255,6 +268,12 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         run = _load_entry("hybridtrain.recipes.plan", "run", command)
         return run(cfg, (nproc or 1) * args.nnodes, args.device_memory, args.json,
                    args.device_type)
+    if command == "evaluate":
+        if nproc is not None and nproc > 1:
+            raise ValueError("hybridtrain evaluate runs in one process; drop --nproc-per-node")
+        run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
+        run(cfg, args.checkpoint)
+        return 0
     if nproc is not None and under_torchrun():
         if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
@@ -278,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     try:
+        if argv and argv[0] == "generate":
+            return _load_entry("hybridtrain.recipes.generate", "run", "generate")(argv[1:])
         if argv and argv[0] == "merge":
             merge = _load_entry("hybridtrain.peft.export", "merge_cli", "merge")
             result = merge(argv[1:])

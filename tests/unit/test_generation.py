@@ -222,3 +222,12 @@ def test_bad_arguments(models):
     with pytest.raises(ValueError, match="max_new_tokens"):
         ours.generate(ids, max_new_tokens=-1)
     assert torch.equal(ours.generate(ids, max_new_tokens=0), ids)
+
+
+def test_prefill_from_inputs_embeds(models):
+    ours, _ = models["mixed"]
+    ids = _prompt(2, 10, seed=8)
+    a, _ = prefill(ours, ids)
+    with torch.no_grad():
+        b, _ = prefill(ours, None, inputs_embeds=ours.backbone.embeddings(ids))
+    assert torch.equal(a, b)

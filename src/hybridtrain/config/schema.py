@@ -317,6 +317,24 @@ GRPO = {
                   "CountingTask", (dict,)),
 }
 
+EVALUATION = {
+    "num_examples": K(32, "validation examples answered by generation at each validation "
+                          "(the first N of validation_dataset)", (int,), minimum=1),
+    "max_new_tokens": K(32, "tokens generated per answer at most (a reply also stops at eos or "
+                            "the reference's end-of-turn token)", (int,), minimum=1),
+    "batch_size": K(8, "prompts generated together (left-padded)", (int,), minimum=1),
+    "do_sample": K(False, "sample instead of greedy decoding (the metrics use what is generated)"),
+    "temperature": K(1.0, "sampling temperature (do_sample)", (float,)),
+    "top_k": K(0, "sampling: keep the k most likely tokens (0: all)", (int,), minimum=0),
+    "top_p": K(1.0, "sampling: nucleus probability (1.0: all)", (float,), minimum=0),
+    "seed": K(0, "sampling seed (the same replies at every validation for the same weights)",
+              (int,)),
+    "num_samples": K(4, "replies written to samples_file at each validation (prompt, reply, "
+                        "reference); 0: none", (int,), minimum=0),
+    "samples_file": K("samples.jsonl", "file in checkpoint.dir the sample replies are appended to",
+                      (str,)),
+}
+
 SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("model", "open", "the model: a _target_ mapping"),
     Section("tokenizer", "open", "the tokenizer: a _target_ mapping"),
@@ -337,6 +355,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("metrics", "fixed", "jsonl / progress bar / TensorBoard / plot", METRICS),
     Section("dist_env", "env", "environment variables set before CUDA/process-group init "
             "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
+    Section("evaluation", "fixed", "answers generated for validation examples at each validation: "
+            "SQuAD exact match / F1 and sample replies in validation.jsonl (absent -> off)",
+            EVALUATION, optional=True),
     Section("benchmark", "fixed", "options of `hybridtrain benchmark`; finetune ignores them",
             BENCHMARK, optional=True),
     Section("rl", "fixed", "the RL Policy's batch layout (hybridtrain.rl.Policy)", RL),

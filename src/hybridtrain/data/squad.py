@@ -120,7 +120,7 @@ class _Reader:
             raise ValueError(f"on_bad_record must be 'raise' or 'skip', got {on_bad_record!r}")
         self.on_bad_record = on_bad_record
         self.cols: dict[str, list] = {
-            k: [] for k in ("id", "title", "context", "question", "answer", "answer_start")
+            k: [] for k in ("id", "title", "context", "question", "answer", "answer_start", "answers")
         }
         self.read = 0
         self.skipped: Counter = Counter()
@@ -172,6 +172,7 @@ class _Reader:
             ("question", question.strip()),
             ("answer", text),
             ("answer_start", start),
+            ("answers", list(dict.fromkeys(t.strip() for t, _ in pairs if isinstance(t, str) and t.strip()))),
         ):
             self.cols[k].append(v)
 
@@ -189,7 +190,7 @@ def read_squad(source, split: str | None = None, on_bad_record: str = "raise") -
     """Normalised records of a SQuAD source: ``{"columns": {...}, "read", "skipped", ...}``.
 
     Columns: ``id, title, context, question, answer, answer_start`` (``answer == ""`` and
-    ``answer_start == -1`` for an unanswerable question).
+    ``answer_start == -1`` for an unanswerable question), ``answers`` (every reference answer).
     """
     r = _Reader(on_bad_record)
     if hasattr(source, "column_names") and hasattr(source, "__iter__"):  # datasets.Dataset
@@ -431,9 +432,35 @@ def _build_squad(
 
 
 class SquadDataset(SourceDataset):
-    """Tokenized SQuAD examples (arguments: see the module docstring)."""
+    """Tokenized SQuAD examples (arguments: see the module docstring). For answer-quality
+    metrics: :meth:`reference_answers` (every reference answer of each kept example's record)
+    and :meth:`answer_of` (the answer in a generated completion)."""
 
     _build = staticmethod(_build_squad)
+
+    def __init__(self, path, tokenizer, seq_length=None, padding="none", **kwargs):
+        super().__init__(path, tokenizer, seq_length, padding, **kwargs)
+        self._source = (path, kwargs.get("split"), kwargs.get("on_bad_record", "raise"))
+        self._unanswerable = kwargs.get("unanswerable_answer")
+        self._completion_template = kwargs.get("completion_template", DEFAULT_COMPLETION_TEMPLATE)
+
+    def reference_answers(self) -> dict[str, list[str]]:
+        """{record id: its reference answers} (read again from the source; an unanswerable
+        question's answer is ``unanswerable_answer``)."""
+        path, split, on_bad = self._source
+        cols = read_squad(path, split=split, on_bad_record=on_bad)["columns"]
+        return {i: (a or [self._unanswerable or ""]) for i, a in zip(cols["id"], cols["answers"])}
+
+    def answer_of(self, completion: str) -> str:
+        """The answer in a generated completion: the text of ``completion_template`` around
+        ``{answer}`` removed where present."""
+        head, _, tail = self._completion_template.partition("{answer}")
+        text, head, tail = completion.strip(), head.strip(), tail.strip()
+        if head and text.startswith(head):
+            text = text[len(head):]
+        if tail and text.endswith(tail):
+            text = text[: -len(tail)]
+        return text.strip()
 
 
 def build_squad_dataset(path, tokenizer, **kwargs) -> SquadDataset:

@@ -368,6 +368,13 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
     coordinates and clipping) with these schedulers, checkpoints and metrics."""
     cfg = b.cfg
     t, ck = cfg.training, cfg.checkpoint
+    evaluator = None
+    if cfg.evaluation is not None:
+        from hybridtrain.training.evaluation import evaluator_from_config
+
+        evaluator = evaluator_from_config(cfg.evaluation, b.val_ds, b.tokenizer, os.path.abspath(ck.dir),
+                                          autocast_dtype=b.train_step.autocast_dtype, dims=b.plan.dims,
+                                          is_main=b.is_main)
     return Trainer(
         b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
         val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
@@ -377,7 +384,7 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
         save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
         gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
-        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps)
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps, evaluator=evaluator)
 
 
 # -- the recipe -------------------------------------------------------------------------------
@@ -509,12 +516,15 @@ def format_summary(summary: dict[str, Any], out_dir: str) -> str:
         f"{f(summary['last_loss'])}"
         + (f", validation loss {f(summary['last_val_loss'])}"
            if summary.get("last_val_loss") is not None else "")
+        + "".join(f", {name} {summary['last_eval'][k]:.1f}" for k, name in
+                  (("exact_match", "exact match"), ("f1", "F1")) if k in (summary.get("last_eval") or {}))
         + (f"; {summary['skipped_steps']} steps skipped" if summary["skipped_steps"] else ""),
         f"outputs in {out_dir}/",
     ]
     entries = []
     for name, what in (("training.jsonl", "per-step metrics"),
-                       ("validation.jsonl", "validation metrics"), ("loss.png", "loss curve"),
+                       ("validation.jsonl", "validation metrics"),
+                       ("samples.jsonl", "generated replies (evaluation)"), ("loss.png", "loss curve"),
                        ("config.yaml", "the resolved recipe")):
         if os.path.exists(os.path.join(out_dir, name)):
             entries.append((name, what))

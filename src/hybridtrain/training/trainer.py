@@ -11,7 +11,8 @@ rank's micro-batches, then all-reduced over the data-parallel group), and each m
 never averaged.
 
 Validation (token-weighted CE over the whole validation set) runs before the first step, every
-``val_every_steps`` and after the last step.
+``val_every_steps`` and after the last step; an ``evaluator(model, step)`` adds its fields to
+each validation record (answers generated and scored: ``training.evaluation``).
 
 A step whose loss or gradient norm is not finite is skipped: gradients are dropped, the optimizer
 and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
@@ -154,6 +155,7 @@ class Trainer:
         gc_every_steps: int | None = None,
         max_consecutive_skipped_steps: int | None = None,
         val_accuracy: bool = False,
+        evaluator: Callable[[nn.Module, int], dict] | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -183,6 +185,7 @@ class Trainer:
                                         "eval_logits"):
             raise ValueError("training.val_accuracy is not available under pipeline "
                              "parallelism (distributed.pp > 1); set it to false")
+        self.evaluator = evaluator
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
@@ -287,7 +290,7 @@ class Trainer:
         self.dims.all_reduce_dp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
-        return {
+        rec = {
             "step": self.sched.step,
             "val_loss": val_loss,
             "val_ppl": math.exp(val_loss) if val_loss is not None and val_loss < 50 else None,
@@ -296,6 +299,9 @@ class Trainer:
             **self._accuracy(acc),
             "time_s": time.perf_counter() - t0,
         }
+        if self.evaluator is not None:  # answers generated for validation examples, scored
+            rec.update(self.evaluator(self.model, self.sched.step))
+        return rec
 
     def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
@@ -412,6 +418,8 @@ class Trainer:
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "last_val_loss": self.val_history[-1]["val_loss"] if self.val_history else None,
+            "last_eval": {k: self.val_history[-1][k] for k in ("exact_match", "f1")
+                          if self.val_history and k in self.val_history[-1]},
             "wall_time_s": time.perf_counter() - t_start,
             "checkpoint": last_ckpt,
             "export_dir": export_dir,

@@ -29,6 +29,7 @@ class NemotronHCache:
 
     valid: torch.Tensor
     length: int = 0
+    padded: bool = False  # some prompt was left-padded: attention masks the invalid positions
     layers: dict[str, MambaState | KVCache] = field(default_factory=dict)
 
     @property

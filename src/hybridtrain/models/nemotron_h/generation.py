@@ -104,13 +104,14 @@ def attention_prefill(m: Attention, hidden_states: torch.Tensor, attn_mask: torc
     return _attend(m, q, k, v, attn_mask)
 
 
-def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor,
+def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
                    t: int) -> torch.Tensor:
-    """One token per row at cache position ``t``, attending to the valid positions <= t."""
+    """One token per row at cache position ``t``, attending to the valid positions <= t (all
+    of them when ``valid`` is None)."""
     q, k, v = _qkv(m, hidden_states)
     cache.k[:, :, t] = k[:, :, 0]
     cache.v[:, :, t] = v[:, :, 0]
-    mask = valid[:, None, None, : t + 1]
+    mask = valid[:, None, None, : t + 1] if valid is not None else None
     return _attend(m, q, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1], mask)
 
 
@@ -181,7 +182,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         attn_mask = document_causal_mask(seq_idx)
     cache_valid = torch.zeros(b, max_length, dtype=torch.bool, device=dev)
     cache_valid[:, :L] = True if valid is None else valid
-    cache = NemotronHCache(valid=cache_valid, length=L)
+    cache = NemotronHCache(valid=cache_valid, length=L, padded=valid is not None)
     dtype = model.lm_head.weight.dtype if not torch.is_autocast_enabled(dev.type) \
         else torch.get_autocast_dtype(dev.type)
 
@@ -210,7 +211,7 @@ def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Ten
     h = _run_layers(
         model, h,
         lambda name, m, x: mamba_step(m, x, cache.layers[name]),
-        lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid, t),
+        lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid if cache.padded else None, t),
     )
     cache.length = t + 1
     return model.lm_head(h[:, 0]).float()

@@ -1,0 +1,206 @@
+"""``hybridtrain generate``: complete prompts with a trained model.
+
+    hybridtrain generate --model DIR [--adapter DIR] (--prompt TEXT | --prompts FILE.jsonl)
+        [--chat] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+        [--batch-size B] [--output OUT.jsonl] [--dtype D] [--device D]
+
+``--model``: a Hugging Face folder, or a run folder / ``step_N`` checkpoint (its export:
+``merged_hf/``, ``hf/``, or ``adapter/`` on the base recorded in the adapter). ``--prompts``:
+JSONL records with ``prompt`` (text) or ``messages`` (a chat, always rendered with the chat
+template). ``--chat`` renders each text prompt as one user turn with the tokenizer's chat template
+and its generation prompt. Greedy unless ``--temperature`` or ``--top-k``/``--top-p`` is given.
+Writes one JSON object per prompt (``prompt``, ``completion``, ``new_tokens``, ``tokens_per_s``
+of its batch) to stdout or ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hybridtrain.config.dtypes import DTYPE_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------- loading
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read it ({e})") from None
+
+
+def resolve_export(path: str) -> tuple[str, str | None]:
+    """(Hugging Face folder, adapter folder or None) that ``path`` names: an HF folder, an
+    adapter folder, a ``step_N`` checkpoint or a run folder (its ``latest`` checkpoint)."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {path}: no such folder")
+    if os.path.isfile(os.path.join(path, "latest")):
+        with open(os.path.join(path, "latest")) as f:
+            path = os.path.join(path, f.read().strip())
+    for sub in ("merged_hf", "hf"):
+        if os.path.isfile(os.path.join(path, sub, "config.json")):
+            return os.path.join(path, sub), None
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path, None
+    adapter = os.path.join(path, "adapter") if os.path.isdir(os.path.join(path, "adapter")) else path
+    if os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        base = _read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path")
+        for root in (os.getcwd(), adapter):
+            if base and os.path.isfile(os.path.join(root, base, "config.json")):
+                return os.path.abspath(os.path.join(root, base)), adapter
+        raise ValueError(f"{adapter} is a LoRA adapter whose base model ({base!r}) is not a local "
+                         "folder here; pass --model BASE_DIR --adapter ADAPTER_DIR")
+    raise ValueError(f"--model {path}: neither a Hugging Face folder (config.json) nor a checkpoint "
+                     "or run folder with an export (hf/, merged_hf/ or adapter/)")
+
+
+def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu"):
+    """(model, tokenizer) for generation: the model class registered for the folder's
+    ``model_type``, with a PEFT adapter applied when given (not merged)."""
+    from hybridtrain.data import load_tokenizer
+    from hybridtrain.models.spec import get_model_spec
+
+    hf_dir, found_adapter = resolve_export(model_dir)
+    adapter_dir = adapter_dir or found_adapter
+    model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
+    model = get_model_spec(str(model_type)).model_cls.from_pretrained(hf_dir, dtype=dtype)
+    if adapter_dir:
+        from hybridtrain.peft.export import load_peft_adapter
+
+        load_peft_adapter(model, adapter_dir)
+    tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
+        else hf_dir
+    return model.to(device).eval(), load_tokenizer(tok_dir)
+
+
+def stop_token_ids(tokenizer, hf_dir: str | None = None, chat: bool = False) -> list[int]:
+    """eos, the ids of the folder's ``generation_config.json``, and with ``chat`` the special
+    token that ends an assistant turn in the chat template."""
+    ids = {tokenizer.eos_token_id}
+    gen = os.path.join(hf_dir, "generation_config.json") if hf_dir else ""
+    if gen and os.path.isfile(gen):
+        e = _read_json(gen).get("eos_token_id")
+        ids.update(e if isinstance(e, list) else [e])
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], tokenize=False)
+        rest = tokenizer.encode(text[text.rfind("ok") + 2:], add_special_tokens=False)
+        special = set(tokenizer.all_special_ids)
+        ids.update(t for t in rest[:3] if t in special)
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, record: dict, chat: bool) -> list[int]:
+    """Token ids of a prompt record: ``messages`` (or, with ``chat``, ``prompt`` as one user turn)
+    rendered by the chat template with its generation prompt; else the plain text."""
+    if "messages" in record or chat:
+        messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(record["prompt"], add_special_tokens=True)
+
+
+def read_prompts(path: str) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(rec, dict) or not ({"prompt", "messages"} & rec.keys()):
+                raise ValueError(f"{path}:{n}: a record needs 'prompt' (text) or 'messages' (a chat)")
+            out.append(rec)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+# ---------------------------------------------------------------------------------- generation
+def complete(model, tokenizer, prompts: list[list[int]], *, batch_size: int = 8, stop_ids=None,
+             **gen_kwargs) -> list[dict]:
+    """Generate for token prompts in left-padded batches; per prompt ``completion`` (text,
+    without the stop token), ``new_tokens`` and its batch's ``tokens_per_s``."""
+    from hybridtrain.training.evaluation import left_pad
+
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = []
+    for b in range(0, len(prompts), batch_size):
+        ids, mask = left_pad(prompts[b:b + batch_size], pad)
+        t0 = time.perf_counter()
+        seqs = model.generate(ids.to(device), attention_mask=mask.to(device), eos_token_id=stop_ids or None,
+                              **gen_kwargs)
+        dt = time.perf_counter() - t0
+        stops = set(stop_ids or ())
+        rows = []
+        for row in seqs[:, ids.shape[1]:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in stops), None)
+            rows.append((row, len(row)) if cut is None else (row[:cut], cut + 1))
+        n_new = sum(n for _, n in rows)
+        out += [{"completion": tokenizer.decode(text_ids, skip_special_tokens=False), "new_tokens": n,
+                 "tokens_per_s": n_new / dt if dt > 0 else None} for text_ids, n in rows]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridtrain generate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF folder, run folder or step_N checkpoint")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder to apply")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (text)")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help="JSONL with 'prompt' or 'messages' per line")
+    p.add_argument("--chat", action="store_true", help="render text prompts with the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--output", default=None, help="write JSONL here instead of stdout")
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="default: as stored")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    model, tok = load_model(args.model, args.adapter, dtype=args.dtype, device=device)
+    records = read_prompts(args.prompts) if args.prompts else [{"prompt": args.prompt}]
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise ValueError("--chat: the tokenizer has no chat template")
+    prompts = [encode_prompt(tok, r, args.chat) for r in records]
+    do_sample = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
+    hf_dir, _ = resolve_export(args.model)
+    results = complete(model, tok, prompts, batch_size=args.batch_size,
+                       stop_ids=stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records)),
+                       max_new_tokens=args.max_new_tokens, do_sample=do_sample,
+                       temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for rec, res in zip(records, results):
+            out.write(json.dumps({"prompt": rec.get("prompt", rec.get("messages")), **res}, ensure_ascii=False) + "\n")
+    finally:
+        if args.output:
+            out.close()
+            logger.info("wrote %d completions to %s", len(results), args.output)
+    return 0
