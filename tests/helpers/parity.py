@@ -26,7 +26,7 @@ MBS = 2
 SEQ = 16  # the longest unpacked row; the packed rows' length
 LR = 2e-4
 
-_LAYOUT_KEYS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "pp": "pp", "ep": "ep",
+_LAYOUT_KEYS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "pp": "pp", "ep": "ep", "cp": "cp",
                 "schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank"}
 
 

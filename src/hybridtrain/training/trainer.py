@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
+from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
@@ -181,11 +182,14 @@ class Trainer:
         t0 = time.perf_counter()
         micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
         flops = sum(self.flops_fn(mb) for mb in micro_batches) if self.flops_fn else 0.0
+        if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
+            micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
+            flops /= self.dims.cp
         counts = torch.tensor(
             [sum(count_label_tokens(mb) for mb in micro_batches),
              sum(count_tokens(mb) for mb in micro_batches), flops],
             dtype=torch.float64, device=self.device)
-        self.dims.all_reduce_dp(counts)  # global batch: all data-parallel ranks
+        self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
         self.model.train()
@@ -197,7 +201,7 @@ class Trainer:
         else:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.dims.all_reduce_dp(ce)[0] / num_label_tokens
+            loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
             grad_norm = self.clip_grad_norm_fn(self._params(), self.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
@@ -261,10 +265,13 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
+            if self.dims.cp > 1:
+                batch = shard_batches([batch], self.dims.cp_rank, self.dims.cp)[0]
+                n_real = n_real if self.dims.cp_rank == 0 else 0
             ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
-        self.dims.all_reduce_dp(sums)
+        self.dims.all_reduce_dp_cp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
         return {

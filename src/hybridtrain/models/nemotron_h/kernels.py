@@ -70,19 +70,29 @@ def ssd_scan(
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float],
     seq_idx: torch.Tensor | None,
-) -> torch.Tensor:
+    return_final_state: bool = False,
+):
     """y = SSD(x, softplus(dt + dt_bias) clamped to dt_limit, A, B, C) + D x.
 
-    x [b, L, h, p], dt [b, L, h] (raw projection), A [h], B/C [b, L, g, n]. Returns [b, L, h, p].
+    x [b, L, h, p], dt [b, L, h] (raw projection), A [h], B/C [b, L, g, n]. Returns [b, L, h, p]
+    (and with ``return_final_state`` the state [b, h, p, n] after the last token, from a zero
+    start).
     """
     if x.is_cuda and _mamba_chunk_scan_combined is not None and kernels_enabled():  # pragma: no cover
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
         return _mamba_chunk_scan_combined(
             x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
-            dt_limit=dt_limit, seq_idx=seq_idx,
+            dt_limit=dt_limit, seq_idx=seq_idx, return_final_states=return_final_state,
         )
     with fp32_region(dt):  # softplus(dt + dt_bias) and the scan in fp32 (see ssd_chunked)
-        dt = F.softplus(dt.float() + dt_bias.float())
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-        return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)
+        return ssd_chunked(x, discretize_dt(dt, dt_bias, dt_limit), A, B, C, chunk_size, D=D,
+                           seq_idx=seq_idx, return_final_state=return_final_state)
+
+
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """The scan's step size: softplus(dt + dt_bias) clamped to ``dt_limit``, in fp32 (fp64 for
+    fp64 inputs)."""
+    cdt = torch.promote_types(dt.dtype, torch.float32)
+    with fp32_region(dt):
+        return F.softplus(dt.to(cdt) + dt_bias.to(cdt)).clamp(min=dt_limit[0], max=dt_limit[1])

@@ -3,11 +3,13 @@ norm, out_proj)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from . import context_parallel as cpl
 from . import kernels
 from .config import NemotronHConfig
 from .norms import RMSNormGated
@@ -72,20 +74,28 @@ class Mamba2Mixer(nn.Module):
         else:
             nn.init.normal_(self.out_proj.weight, mean=0.0, std=std)
 
-    def forward(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None = None,
+                cp: "cpl.CPSlice | None" = None) -> torch.Tensor:
+        """``seq_idx`` [b, L]: document ids (state and conv restart at each document). ``cp``:
+        this rank's slice of a context-parallel sequence (conv halo and state passing)."""
         b, L, _ = hidden_states.shape
         dtype = hidden_states.dtype
         zxbcdt = self.in_proj(hidden_states)
         z, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
 
-        xBC = kernels.causal_conv1d(
-            xBC.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx
-        ).transpose(1, 2)
+        if cp is None:
+            xBC = kernels.causal_conv1d(
+                xBC.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx
+            ).transpose(1, 2)
+        else:
+            xBC = cpl.conv_with_halo(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                     self.config.conv_kernel, cp)
         x, B, C = xBC.split(
             [self.intermediate_size, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1
         )
         A = -torch.exp(self.A_log.float())
-        y = kernels.ssd_scan(
+        scan = kernels.ssd_scan if cp is None else functools.partial(cpl.scan_with_state_passing, part=cp)
+        y = scan(
             x.reshape(b, L, self.num_heads, self.head_dim),
             dt,
             A,

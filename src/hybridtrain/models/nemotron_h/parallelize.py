@@ -1,6 +1,6 @@
 """How Nemotron-H parallelizes one (stage) model, in a fixed order (as torchtitan):
 
-    TP (not yet) -> EP -> activation checkpointing -> compile -> FSDP2
+    TP (not yet) -> CP -> EP -> activation checkpointing -> compile -> FSDP2
 
 The pipeline split comes before, in :func:`hybridtrain.distributed.plan.parallelize`, through
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
@@ -15,6 +15,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.compile import apply_compile
+from hybridtrain.distributed.context_parallel import apply_context_parallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
@@ -23,13 +24,13 @@ from hybridtrain.distributed.parallel_dims import ParallelDims
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, training, *,
                            device: torch.device, autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
-    if dims.tp > 1 or dims.cp > 1:
-        name = "tp" if dims.tp > 1 else "cp"
+    if dims.tp > 1:
         raise ValueError(
-            f"distributed.{name}={getattr(dims, name)}: "
-            f"{'tensor' if name == 'tp' else 'context'} parallelism is not implemented for "
-            f"Nemotron-H yet; use {name}: 1 (FSDP2, pipeline and expert parallelism cover the "
+            f"distributed.tp={dims.tp}: tensor parallelism is not implemented for Nemotron-H "
+            "yet; use tp: 1 (FSDP2, pipeline, expert and context parallelism cover the "
             "supported layouts)")
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.group("cp"))
     layers = model.backbone.layers
     moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
     if dims.ep > 1:
