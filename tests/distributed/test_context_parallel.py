@@ -4,8 +4,10 @@ Layers (fp64): a Mamba2 mixer (conv halo + state passing) and an attention layer
 on 2 and 4 ranks give the outputs and the gradients (input and parameters, summed over the cp
 ranks) of the whole sequence in one process, for unpacked rows and packed rows whose documents
 cross rank boundaries, start exactly on one, or span a whole rank. The bytes a Mamba layer sends
-do not grow with the sequence. The trainer (fp32, 5 AdamW steps): CP=2, CP=4, CP=2 x FSDP=2 and
-CP=2 x PP=2 match the single-process per-step losses within 1e-5 relative, packed and unpacked.
+do not grow with the sequence. The trainer (fp32, 5 AdamW steps, ``tests.helpers.parity``):
+CP=2, CP=4, CP=2 x FSDP=2 and CP=2 x PP=2 match the single-process per-step losses, gradient
+norms, final weights and validation loss within 1e-5, packed and unpacked; so does the CLI with
+``--distributed.cp=2``.
 """
 
 from __future__ import annotations
@@ -126,18 +128,12 @@ def test_layers_match_one_process(world):
 
 
 # -- the trainer ------------------------------------------------------------------------------
-LAYOUTS_2 = {"cp2": {"cp": 2}}
-LAYOUTS_4 = {"cp4": {"cp": 4}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2},
-             "cp2_pp2": {"cp": 2, "pp": 2}}
+LAYOUTS = {"cp2": ({"cp": 2}, 2), "cp4": ({"cp": 4}, 4), "cp2_fsdp2": ({"cp": 2, "dp_shard": 2}, 4),
+           "cp2_pp2": ({"cp": 2, "pp": 2}, 4)}
 
 
-def _trainer(rank, world, layouts):
-    out = {}
-    for name, layout in layouts.items():
-        for packed in (False, True):
-            losses, _, val, norms = pu.run_layout(layout, world, packed)
-            out[(name, packed)] = (losses, val, norms)
-    return out
+def _trainer(rank, world, layout):
+    return {packed: pu.run_layout(layout, world, packed) for packed in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -146,20 +142,39 @@ def ref():
     return {packed: pu.reference(packed) for packed in (False, True)}
 
 
-def _check(ref, res):
-    for (name, packed), (losses, val, norms) in res.items():
-        ref_losses, _, ref_val, ref_norms = ref[packed]
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_trainer_matches_one_process(ref, name):
+    layout, world = LAYOUTS[name]
+    res = run_distributed(_trainer, world, layout)[0]
+    for packed, (losses, w, val, norms) in res.items():
+        ref_losses, ref_w, ref_val, ref_norms = ref[packed]
         assert all(math.isfinite(x) for x in losses)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         rel_n = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
+        dw = max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w)
         print(f"{name:10s} {'packed' if packed else 'unpacked':9s} loss rel {rel:.2e} "
-              f"grad-norm rel {rel_n:.2e} val rel {abs(val - ref_val) / ref_val:.2e}")
+              f"grad-norm rel {rel_n:.2e} weights abs {dw:.2e} "
+              f"val rel {abs(val - ref_val) / ref_val:.2e}")
         assert rel <= 1e-5, (name, packed, losses, ref_losses)
         assert rel_n <= 1e-5, (name, packed, norms, ref_norms)
+        assert set(w) == set(ref_w) and dw <= 1e-5
         assert abs(val - ref_val) <= 1e-5 * ref_val, (name, packed, val, ref_val)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
-def test_trainer_matches_one_process(ref, world, layouts):
-    _check(ref, run_distributed(_trainer, world, layouts)[0])
+def test_cli_cp2_matches_single_process(tmp_path):
+    """``hybridtrain finetune --nproc-per-node 2 --distributed.cp=2`` on the packed tiny SQuAD
+    recipe: the per-step losses of the one-process run."""
+    import sys
+
+    from hybridtrain.cli import main
+    from tests.distributed.test_launch import RECIPE, STEPS, _losses, _overrides, _run
+
+    assert main(["finetune", "-c", str(RECIPE), *_overrides(tmp_path, "single")]) == 0
+    _run([sys.executable, "-m", "hybridtrain", "finetune", "-c", str(RECIPE),
+          "--nproc-per-node", "2", "--distributed.cp=2", *_overrides(tmp_path, "cp2")], tmp_path)
+    ref, losses = _losses(tmp_path / "single"), _losses(tmp_path / "cp2")
+    assert len(losses) == STEPS
+    for a, b in zip(losses, ref):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, ref)

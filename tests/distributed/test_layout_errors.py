@@ -95,9 +95,6 @@ def test_unsupported_degrees_and_ep_errors():
     with pytest.raises(ValueError, match="distributed.tp=2: tensor parallelism is not implemented"):
         parallelize_nemotron_h(model, ParallelDims(world_size=2, tp=2), *sections, device="cpu",
                                autocast_dtype=None)
-    with pytest.raises(ValueError, match="distributed.cp=2: context parallelism is not implemented"):
-        parallelize_nemotron_h(model, ParallelDims(world_size=2, cp=2), *sections, device="cpu",
-                               autocast_dtype=None)
     with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by ep=3"):
         ParallelDims(world_size=3, ep=3).check_experts(8)
     with pytest.raises(ValueError, match="deepep needs CUDA"):
