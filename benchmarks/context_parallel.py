@@ -1,7 +1,8 @@
 """Packed attention and context parallelism: time, peak memory and bytes sent.
 
     python benchmarks/context_parallel.py [--model demo|small_moe] [--packed-len 32768]
-        [--cp-lens 16384,65536] [--cp 1,2,4] [--bytes-lens 8192,32768] [--json out.json]
+        [--cp-lens 16384,65536] [--cp-doc-len 4096] [--cp 1,2,4] [--bytes-lens 8192,32768]
+        [--json out.json]
         [--skip-packed] [--skip-cp]
 
 The model: ``demo`` (default) is the one of ``examples/squad_tiny.yaml`` (0.9M parameters,
@@ -14,7 +15,9 @@ the warm-up) over its resident set before the step.
 1. **Packed vs single**: one row of ``--packed-len`` tokens holding four equal documents
    against one document of the same length (one process). Goal: packed <= single in time and
    memory (attention costs the sum of the documents' causal squares, no [L, L] mask).
-2. **Context parallelism**: the row of each of ``--cp-lens`` tokens (one document) over
+2. **Context parallelism**: the row of each of ``--cp-lens`` tokens (documents of
+   ``--cp-doc-len`` tokens, 0: one document; CPU attention over one 64k document alone would
+   take most of an hour here) over
    ``--cp`` gloo ranks (``hybridtrain.distributed.context_parallel``): per-rank peak memory,
    per-rank CPU seconds and tokens/s (wall; on this machine the ranks share its cores, so
    tokens per CPU-second per rank is the figure that carries over to one device per rank).
@@ -117,7 +120,8 @@ def packed_vs_single(model: str, L: int) -> dict:
 
 
 # -- 2./3. context parallel -------------------------------------------------------------------
-def _cp_child(rank: int, name: str, cp: int, lens: list, port: int, outdir: str) -> None:
+def _cp_child(rank: int, name: str, cp: int, lens: list, doc_len: int, port: int, outdir: str
+              ) -> None:
     sys.path.insert(0, os.path.join(ROOT, "src"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -131,10 +135,10 @@ def _cp_child(rank: int, name: str, cp: int, lens: list, port: int, outdir: str)
     n_mamba = model.config.layers_block_type.count("linear_attention")
 
     def local(L):
-        b = _batch(L, 1, model.config.vocab_size)
+        b = _batch(L, L // doc_len if doc_len else 1, model.config.vocab_size)
         return shard_batch(b, rank, cp) if cp > 1 else b
 
-    _step(model, local(256 * cp))  # warm-up: connections, kernels
+    _step(model, local(doc_len or 256 * cp))  # warm-up: connections, kernels
     out = {}
     for L in lens:
         dist.barrier()
@@ -157,9 +161,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cp_run(name: str, cp: int, lens: list) -> dict:
+def cp_run(name: str, cp: int, lens: list, doc_len: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_cp_child, args=(name, cp, lens, _free_port(), d), nprocs=cp,
+        mp.start_processes(_cp_child, args=(name, cp, lens, doc_len, _free_port(), d), nprocs=cp,
                            start_method="spawn", join=True)
         ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(cp)]
     res = {}
@@ -182,6 +186,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", choices=("demo", "small_moe"), default="demo")
     ap.add_argument("--packed-len", type=int, default=32768)
     ap.add_argument("--cp-lens", default="16384,65536")
+    ap.add_argument("--cp-doc-len", type=int, default=4096)
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--bytes-lens", default="8192,32768")
     ap.add_argument("--skip-packed", action="store_true")
@@ -196,11 +201,12 @@ def main(argv=None) -> dict:
         out["packed_vs_single"] = packed_vs_single(a.model, a.packed_len)
     if not a.skip_cp:
         lens = [int(x) for x in a.cp_lens.split(",")]
-        print(f"2. context parallel, one document of {lens} tokens")
-        out["cp"] = {cp: cp_run(a.model, cp, lens) for cp in (int(x) for x in a.cp.split(","))}
+        print(f"2. context parallel, rows of {lens} tokens, documents of "
+              f"{a.cp_doc_len or 'the whole row'} tokens")
+        out["cp"] = {cp: cp_run(a.model, cp, lens, a.cp_doc_len) for cp in (int(x) for x in a.cp.split(","))}
         blens = [int(x) for x in a.bytes_lens.split(",")]
         print(f"3. bytes sent per Mamba layer per forward+backward, cp=2, at {blens} tokens")
-        res = cp_run(a.model, 2, blens)
+        res = cp_run(a.model, 2, blens, a.cp_doc_len)
         for L in blens:
             print(f"  {L:6d} tokens: {res[L]['mamba_bytes_per_layer']} bytes per rank")
         out["bytes"] = res
