@@ -5,7 +5,7 @@ on 2 and 4 ranks give the outputs and the gradients (input and parameters, summe
 ranks) of the whole sequence in one process, for unpacked rows and packed rows whose documents
 cross rank boundaries, start exactly on one, or span a whole rank. The bytes a Mamba layer sends
 do not grow with the sequence. The trainer (fp32, 5 AdamW steps, ``tests.helpers.parity``):
-CP=2, CP=4, CP=2 x FSDP=2 and CP=2 x PP=2 match the single-process per-step losses, gradient
+CP=2, CP=4, CP=2 x FSDP=2, CP=2 x PP=2 and CP=2 with activation checkpointing match the single-process per-step losses, gradient
 norms, final weights and validation loss within 1e-5, packed and unpacked; so does the CLI with
 ``--distributed.cp=2``.
 """
@@ -128,12 +128,14 @@ def test_layers_match_one_process(world):
 
 
 # -- the trainer ------------------------------------------------------------------------------
-LAYOUTS = {"cp2": ({"cp": 2}, 2), "cp4": ({"cp": 4}, 4), "cp2_fsdp2": ({"cp": 2, "dp_shard": 2}, 4),
-           "cp2_pp2": ({"cp": 2, "pp": 2}, 4)}
+# name: (layout, world size, activation checkpointing)
+LAYOUTS = {"cp2": ({"cp": 2}, 2, False), "cp4": ({"cp": 4}, 4, False),
+           "cp2_fsdp2": ({"cp": 2, "dp_shard": 2}, 4, False), "cp2_pp2": ({"cp": 2, "pp": 2}, 4, False),
+           "cp2_ac": ({"cp": 2}, 2, True)}  # recomputed forwards exchange again, in order
 
 
-def _trainer(rank, world, layout):
-    return {packed: pu.run_layout(layout, world, packed) for packed in (False, True)}
+def _trainer(rank, world, layout, ac):
+    return {packed: pu.run_layout(layout, world, packed, ac=ac) for packed in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +147,8 @@ def ref():
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_trainer_matches_one_process(ref, name):
-    layout, world = LAYOUTS[name]
-    res = run_distributed(_trainer, world, layout)[0]
+    layout, world, ac = LAYOUTS[name]
+    res = run_distributed(_trainer, world, layout, ac)[0]
     for packed, (losses, w, val, norms) in res.items():
         ref_losses, ref_w, ref_val, ref_norms = ref[packed]
         assert all(math.isfinite(x) for x in losses)

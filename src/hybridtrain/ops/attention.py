@@ -111,16 +111,23 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     spans = document_spans(seq_idx, q_offset, Lq)
     if _flash_ok(q, seq_idx, q_offset, dropout_p):  # pragma: no cover
         return _flash(q, k, v, spans, dropout_p)
+    # split (not index) rows and documents: their backward is one concatenation, where each
+    # indexed slice's backward would allocate a zero gradient of the whole tensor
     rows = []
-    for r in range(b):
-        rq, rk, rv = (t[r:r + 1] if b > 1 else t for t in (q, k, v))
-        parts = []
-        for qs, qe, ks in spans[r]:
-            qq = rq[..., qs - q_offset:qe - q_offset, :]
-            if qs == ks:  # the document starts with the queries: its causal square
-                parts.append(_sdpa(qq, rk[..., ks:qe, :], rv[..., ks:qe, :], dropout_p, causal=True))
-            else:
-                parts.append(_offset_causal(qq, rk[..., ks:qe, :], rv[..., ks:qe, :], qs, ks,
-                                            dropout_p, block))
+    for r, (rq, rk, rv) in enumerate(zip(q.split(1), k.split(1), v.split(1))):
+        if all(qs == ks for qs, _, ks in spans[r]):  # every document starts with the queries
+            lens = [qe - qs for qs, qe, _ in spans[r]]
+            kq, vq = (t.narrow(-2, q_offset, Lq).split(lens, -2) for t in (rk, rv))
+            parts = [_sdpa(a, c, d, dropout_p, causal=True)
+                     for a, c, d in zip(rq.split(lens, -2), kq, vq)]
+        else:
+            parts = []
+            for qs, qe, ks in spans[r]:
+                qq = rq[..., qs - q_offset:qe - q_offset, :]
+                kk, vv = rk[..., ks:qe, :], rv[..., ks:qe, :]
+                if qs == ks:  # the document starts with the queries: its causal square
+                    parts.append(_sdpa(qq, kk, vv, dropout_p, causal=True))
+                else:
+                    parts.append(_offset_causal(qq, kk, vv, qs, ks, dropout_p, block))
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
     return rows[0] if b == 1 else torch.cat(rows, dim=0)
