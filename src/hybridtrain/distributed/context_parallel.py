@@ -7,7 +7,7 @@
     ContextParallel(group)                                  # this rank's place in the cp group
     apply_context_parallel(model, group)    # the model's forward then takes slices
     gather_sequence(x, dim, cp)         # all-gather along the sequence (backward: reduce-scatter)
-    halo_from_previous(x, width, dim, cp)   # the previous rank's last ``width`` positions
+    halo_from_previous(x, width, dim, cp)   # the ``width`` positions before this rank's slice
     pass_states(state, decay, cp)       # the state entering this rank's slice (a recurrence)
 
 Rank ``r`` holds positions ``[r·L/cp, (r+1)·L/cp)`` of every row. Slices are contiguous (no
@@ -191,14 +191,21 @@ class _Halo(torch.autograd.Function):
 
 
 def halo_from_previous(x: torch.Tensor, width: int, dim: int, cp: ContextParallel) -> torch.Tensor:
-    """The last ``width`` positions (along ``dim``) of the previous rank's slice; zeros on the
-    first rank. Backward returns their gradient to the previous rank."""
-    if x.shape[dim] < width:
-        raise ValueError(
-            f"context parallelism: a rank's slice has {x.shape[dim]} positions, fewer than the "
-            f"{width} a layer reads from the previous rank; use longer sequences or a smaller "
-            "distributed.cp")
-    return _Halo.apply(x.narrow(dim, x.shape[dim] - width, width), cp)
+    """The ``width`` positions (along ``dim``) before this rank's slice: the end of the previous
+    rank's slice, zeros before the sequence start. Backward returns their gradient to the ranks
+    they came from. One send per rank; a slice shorter than ``width`` (a short row over many
+    ranks) takes its halo from the ends of all earlier slices (an all-gather of ``width`` or
+    fewer positions per rank)."""
+    n = x.shape[dim]
+    if n >= width:
+        return _Halo.apply(x.narrow(dim, n - width, width), cp)
+    before = gather_sequence(x, dim, cp).narrow(dim, 0, cp.rank * n)  # every earlier position
+    missing = width - before.shape[dim]
+    if missing > 0:
+        shape = list(x.shape)
+        shape[dim] = missing
+        before = torch.cat([x.new_zeros(shape), before], dim=dim)
+    return before.narrow(dim, before.shape[dim] - width, width)
 
 
 class _PassStates(torch.autograd.Function):

@@ -7,7 +7,12 @@ Packed sequences: pass ``cu_seqlens`` (cumulative document lengths over the flat
 ``B * L`` tokens, as flash-attn's varlen API; a row boundary always ends a document) or
 ``position_ids`` that restart at each document. The model derives one ``seq_idx`` [B, L]
 (document id of every token) from them; Mamba2 restarts its conv and SSM state at every
-document, attention never crosses one.
+document, attention never crosses one (and costs the sum of the documents' causal squares).
+
+Context parallelism: once ``parallelize`` has set ``context_parallel``, forward takes this rank's
+contiguous slice of every row with its ``position_ids``
+(``hybridtrain.distributed.context_parallel.shard_batch``) and returns the slice's outputs (or
+its loss); see :mod:`.context_parallel`.
 """
 
 from __future__ import annotations
@@ -101,8 +106,6 @@ class Block(nn.Module):
         h = self.norm(hidden_states.to(self.norm.weight.dtype))
         if self.block_type in ("linear_attention", "full_attention") and info is not None:
             h = self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
-        elif self.block_type in ("linear_attention", "full_attention"):
-            h = self.mixer(h)
         else:
             h = self.mixer(h)
         return hidden_states + h
