@@ -73,7 +73,7 @@ def test_document_spans():
     assert document_spans(seq_idx, 12, 12) == [[(12, 19, 5), (19, 24, 19)], [(12, 24, 0)]]
 
 
-def test_dropout_only_in_training_shapes():
+def test_dropout_keeps_the_shape():
     q, k, v = _qkv(2, 4, 2, 24, 24)
     out = document_causal_attention(q, k, v, _seq_idx(DOCS[:2]), dropout_p=0.5)
     assert out.shape == q.shape and torch.isfinite(out).all()

@@ -76,9 +76,9 @@ def _offset_causal(q, k, v, q0: int, k0: int, dropout_p: float, block: int):
     return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
 
-def _flash_ok(q, seq_idx, q_offset, dropout_p) -> bool:  # pragma: no cover - CUDA only
-    return (_flash_varlen is not None and q.is_cuda and q_offset == 0 and seq_idx is not None
-            and q.dtype in (torch.float16, torch.bfloat16))
+def _flash_ok(q, k, q_offset) -> bool:  # pragma: no cover - CUDA only
+    return (_flash_varlen is not None and q.is_cuda and q_offset == 0
+            and q.shape[-2] == k.shape[-2] and q.dtype in (torch.float16, torch.bfloat16))
 
 
 def _flash(q, k, v, spans, dropout_p):  # pragma: no cover - CUDA only
@@ -109,7 +109,7 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         end = q_offset + Lq
         return _offset_causal(q, k[..., :end, :], v[..., :end, :], q_offset, 0, dropout_p, block)
     spans = document_spans(seq_idx, q_offset, Lq)
-    if _flash_ok(q, seq_idx, q_offset, dropout_p):  # pragma: no cover
+    if _flash_ok(q, k, q_offset):  # pragma: no cover
         return _flash(q, k, v, spans, dropout_p)
     # split (not index) rows and documents: their backward is one concatenation, where each
     # indexed slice's backward would allocate a zero gradient of the whole tensor
