@@ -87,11 +87,8 @@ def test_nemotron_layer_costs_and_layouts():
 def test_unsupported_degrees_and_ep_errors():
     from hybridtrain.distributed.expert_parallel import check_ep_backend
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
-    from hybridtrain.distributed.layout import config_section
-    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
 
     model = NemotronHForCausalLM(tiny_config("mixed"))
-    sections = (config_section("distributed"), config_section("training"))
     from hybridtrain.distributed.layout import parallel_dims_from_config
     from hybridtrain.models.nemotron_h.parallelize import check_tp
 
@@ -103,9 +100,6 @@ def test_unsupported_degrees_and_ep_errors():
         check_tp(tiny_config("dense", hybrid_override_pattern="M-M"), 4)
     with pytest.raises(ValueError, match="sequence_parallel: true is not implemented"):
         parallel_dims_from_config({"tp": 2, "sequence_parallel": True}, 2, build_mesh=False)
-    with pytest.raises(ValueError, match="distributed.cp=2: context parallelism is not implemented"):
-        parallelize_nemotron_h(model, ParallelDims(world_size=2, cp=2), *sections, device="cpu",
-                               autocast_dtype=None)
     with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by ep=3"):
         ParallelDims(world_size=3, ep=3).check_experts(8)
     with pytest.raises(ValueError, match="deepep needs CUDA"):

@@ -136,7 +136,7 @@ PACKING = {
     "split_across_pack": K(False, "split an example that does not fit instead of moving it "
                                   "to the next pack"),
     "max_packs": K(None, "cap on the number of packs built (null: all)", _OPT_INT),
-    "pad_to_multiple_of": K(1, "pad each document in a pack to a multiple of this (context parallel needs 2*cp)",
+    "pad_to_multiple_of": K(1, "pad each document in a pack to a multiple of this",
                             (int,)),
 }
 

@@ -24,7 +24,7 @@ Documents go into rows of ``pack_size`` tokens by first-fit-decreasing. Each row
 Labels are already shifted per document (``labels[t]`` is a token of the same document, and the
 last token of every document has -100), so no label crosses a document boundary. With
 ``pad_to_multiple_of=N`` every document is padded (pad tokens, labels -100, positions continuing)
-to a multiple of ``N`` tokens -- context parallelism needs ``N = 2 * cp`` -- and ``pack_size`` must
+to a multiple of ``N`` tokens (context parallelism needs no such padding) and ``pack_size`` must
 be a multiple of ``N``. A document longer than ``pack_size`` is an error.
 """
 

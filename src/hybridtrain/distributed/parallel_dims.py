@@ -234,6 +234,21 @@ class ParallelDims:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
         return t
 
+    @property
+    def cp_rank(self) -> int:
+        """This process's context-parallel rank: which slice of every row it holds."""
+        return self.local_rank("cp")
+
+    def all_reduce_dp_cp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks holding different tokens (data- and context-parallel) in
+        place; the data-parallel sum when ``cp`` is 1."""
+        if self._meshes and self.cp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group("dp_cp"))
+            return t
+        return self.all_reduce_dp(t)
+
     # fsdp meshes: HSDP (2-D) when dp_replicate > 1, plain FSDP (1-D) otherwise
     def dense_fsdp_mesh(self):
         if self.dp_replicate > 1:

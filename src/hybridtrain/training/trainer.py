@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
+from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
@@ -199,11 +200,14 @@ class Trainer:
         t0 = time.perf_counter()
         micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
         flops = sum(self.flops_fn(mb) for mb in micro_batches) if self.flops_fn else 0.0
+        if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
+            micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
+            flops /= self.dims.cp
         counts = torch.tensor(
             [sum(count_label_tokens(mb) for mb in micro_batches),
              sum(count_tokens(mb) for mb in micro_batches), flops],
             dtype=torch.float64, device=self.device)
-        self.dims.all_reduce_dp(counts)  # global batch: all data-parallel ranks
+        self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
         self.model.train()
@@ -215,7 +219,7 @@ class Trainer:
         else:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.dims.all_reduce_dp(ce)[0] / num_label_tokens
+            loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
             grad_norm = self.clip_grad_norm_fn(self._params(), self.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
@@ -280,6 +284,9 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
+            if self.dims.cp > 1:
+                batch = shard_batches([batch], self.dims.cp_rank, self.dims.cp)[0]
+                n_real = n_real if self.dims.cp_rank == 0 else 0
             ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
@@ -287,7 +294,7 @@ class Trainer:
                 logits = self.train_step.eval_logits(self.model, batch)
                 if logits is not None:
                     acc += answer_counts(logits, batch).to(self.device)
-        self.dims.all_reduce_dp(sums)
+        self.dims.all_reduce_dp_cp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
         rec = {
@@ -307,7 +314,7 @@ class Trainer:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
         if not self.val_accuracy:
             return {}
-        self.dims.all_reduce_dp(acc)
+        self.dims.all_reduce_dp_cp(acc)
         return {"answer_accuracy": float(acc[0] / acc[1]) if acc[1] else None,
                 "token_accuracy": float(acc[2] / acc[3]) if acc[3] else None}
 

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.ops.attention import document_causal_attention
+
+from . import context_parallel as cpl
 from .config import NemotronHConfig
-
-
-def document_causal_mask(seq_idx: torch.Tensor) -> torch.Tensor:
-    """Boolean [b, 1, L, L] mask: query i may attend key j iff j <= i and both are in one document."""
-    L = seq_idx.shape[-1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=seq_idx.device).tril()
-    same = seq_idx[:, :, None] == seq_idx[:, None, :]
-    return (same & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -41,9 +35,11 @@ class Attention(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, hidden_states: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``attn_mask``: None for plain causal attention, or the boolean [b, 1, L, L] mask of
-        :func:`document_causal_mask` for packed documents (built once per forward by the model)."""
+    def forward(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None = None,
+                cp: "cpl.CPSlice | None" = None) -> torch.Tensor:
+        """``seq_idx`` [b, L]: document id of every token (packed rows; None: one document per
+        row); attention never crosses a document and costs the sum of the documents' causal
+        squares. ``cp``: this rank's slice of a context-parallel sequence (K/V gathered)."""
         b, L, _ = hidden_states.shape
         # (head counts from the projections: this rank's heads under tensor parallelism)
         q = self.q_proj(hidden_states).view(b, L, -1, self.head_dim).transpose(1, 2)
@@ -52,9 +48,9 @@ class Attention(nn.Module):
         if self.local_kv_heads is not None:
             k, v = self.local_kv_heads(k), self.local_kv_heads(v)
         dropout = self.config.attention_dropout if self.training else 0.0
-        gqa = k.shape[1] != q.shape[1]
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, enable_gqa=gqa)
+        offset = 0
+        if cp is not None:
+            k, v = cpl.gather_keys_values(k, v, cp)
+            seq_idx, offset = cp.seq_idx, cp.offset
+        out = document_causal_attention(q, k, v, seq_idx, q_offset=offset, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(b, L, -1))

@@ -16,25 +16,16 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridtrain.ops.attention import document_causal_attention
 from hybridtrain.ops.sampling import decode
 
 from . import kernels
-from .attention import Attention, document_causal_mask
+from .attention import Attention
 from .cache import KVCache, MambaState, NemotronHCache
 from .mamba2 import Mamba2Mixer
 
 
 # ---------------------------------------------------------------------------------- Mamba2
-def _mamba_split(m: Mamba2Mixer, hidden_states: torch.Tensor):
-    z, xBC, dt = m.in_proj(hidden_states).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-    return z, xBC, dt
-
-
-def _mamba_xbc(m: Mamba2Mixer, xBC: torch.Tensor):
-    gn = m.n_groups * m.ssm_state_size
-    return xBC.split([m.intermediate_size, gn, gn], dim=-1)
-
-
 def _mamba_out(m: Mamba2Mixer, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     y = m.norm(y.reshape(*z.shape[:-1], m.intermediate_size), z)
     return m.out_proj(y.to(dtype))
@@ -44,14 +35,14 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
                   valid: torch.Tensor | None) -> tuple[torch.Tensor, MambaState]:
     """The mixer's forward over the prompt, returning also the conv window and the final state."""
     b, L, _ = hidden_states.shape
-    z, xBC, dt = _mamba_split(m, hidden_states)
+    z, xBC, dt = m.project(hidden_states)
     k = m.conv1d.weight.shape[-1]
     window = xBC if valid is None else xBC.masked_fill(~valid[..., None], 0)
     window = window[:, -(k - 1):].transpose(1, 2) if k > 1 else window[:, :0].transpose(1, 2)
     if window.shape[-1] < k - 1:  # a prompt shorter than the window: zeros before it
         window = torch.nn.functional.pad(window, (k - 1 - window.shape[-1], 0))
     xBC = kernels.causal_conv1d(xBC.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias, seq_idx).transpose(1, 2)
-    x, B, C = _mamba_xbc(m, xBC)
+    x, B, C = m.split_conv_output(xBC)
     y, ssm = kernels.ssd_scan(
         x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
         B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
@@ -65,9 +56,9 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
 def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
     """One token per row, hidden_states [b, 1, H]; ``state`` is updated in place."""
     b = hidden_states.shape[0]
-    z, xBC, dt = _mamba_split(m, hidden_states[:, 0])
+    z, xBC, dt = m.project(hidden_states[:, 0])
     xBC = kernels.conv_step(xBC, state.conv, m.conv1d.weight.squeeze(1), m.conv1d.bias)
-    x, B, C = _mamba_xbc(m, xBC)
+    x, B, C = m.split_conv_output(xBC)
     y = kernels.ssd_step(
         state.ssm, x.reshape(b, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
         B.reshape(b, m.n_groups, m.ssm_state_size), C.reshape(b, m.n_groups, m.ssm_state_size),
@@ -95,13 +86,15 @@ def _attend(m: Attention, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     return m.o_proj(out.transpose(1, 2).reshape(b, L, m.num_heads * m.head_dim))
 
 
-def attention_prefill(m: Attention, hidden_states: torch.Tensor, attn_mask: torch.Tensor | None,
+def attention_prefill(m: Attention, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
                       cache: KVCache) -> torch.Tensor:
+    """The prompt's attention (``seq_idx``: padding and prompt as two documents, or None)."""
     q, k, v = _qkv(m, hidden_states)
     L = k.shape[2]
     cache.k[:, :, :L] = k
     cache.v[:, :, :L] = v
-    return _attend(m, q, k, v, attn_mask)
+    out = document_causal_attention(q, k, v, seq_idx)
+    return m.o_proj(out.transpose(1, 2).reshape(q.shape[0], L, m.num_heads * m.head_dim))
 
 
 def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
@@ -176,10 +169,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     valid = _prompt_mask(ids, attention_mask)
     h = model.backbone.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
     dev = h.device
-    seq_idx = attn_mask = None
+    seq_idx = None
     if valid is not None:
         seq_idx = valid.to(torch.int32)  # padding: document 0, the prompt: document 1
-        attn_mask = document_causal_mask(seq_idx)
     cache_valid = torch.zeros(b, max_length, dtype=torch.bool, device=dev)
     cache_valid[:, :L] = True if valid is None else valid
     cache = NemotronHCache(valid=cache_valid, length=L, padded=valid is not None)
@@ -194,7 +186,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         kv = KVCache(*(torch.empty(b, m.num_kv_heads, max_length, m.head_dim, dtype=dtype, device=dev)
                        for _ in range(2)))
         cache.layers[name] = kv
-        return attention_prefill(m, x, attn_mask, kv)
+        return attention_prefill(m, x, seq_idx, kv)
 
     h = _run_layers(model, h, mamba, attention)
     return model.lm_head(h[:, -1]).float(), cache

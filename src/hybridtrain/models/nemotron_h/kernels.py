@@ -98,10 +98,17 @@ def ssd_scan(
             return_final_states=return_final_state,
         )
     with fp32_region(dt):  # softplus(dt + dt_bias) and the scan in fp32 (see ssd_chunked)
-        dt = F.softplus(dt.float() + dt_bias.float())
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-        return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx, initial_state=initial_state,
+        return ssd_chunked(x, discretize_dt(dt, dt_bias, dt_limit), A, B, C, chunk_size, D=D,
+                           seq_idx=seq_idx, initial_state=initial_state,
                            return_final_state=return_final_state)
+
+
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """The scan's step size: softplus(dt + dt_bias) clamped to ``dt_limit``, in fp32 (fp64 for
+    fp64 inputs)."""
+    cdt = torch.promote_types(dt.dtype, torch.float32)
+    with fp32_region(dt):
+        return F.softplus(dt.to(cdt) + dt_bias.to(cdt)).clamp(min=dt_limit[0], max=dt_limit[1])
 
 
 def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

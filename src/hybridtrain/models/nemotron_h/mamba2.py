@@ -11,6 +11,7 @@ to and from the Hub's order. With ``n_groups = 1`` the two orders are the same. 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from hybridtrain.distributed.expert_parallel import local_tensor
 
+from . import context_parallel as cpl
 from . import kernels
 from .config import NemotronHConfig
 from .norms import RMSNormGated
@@ -101,31 +103,47 @@ class Mamba2Mixer(nn.Module):
         else:
             nn.init.normal_(self.out_proj.weight, mean=0.0, std=std)
 
-    def forward(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, hidden_states: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``in_proj`` of [..., hidden] -> (z [..., inner], conv input xBC [..., conv channels],
+        dt [..., heads]) for the groups this rank holds, each in the order its consumer reads
+        (z and dt head-major, xBC the conv1d's group-major channels)."""
+        gi, n = self.group_inner, self.ssm_state_size
+        lead = hidden_states.shape[:-1]
+        # [..., groups, z_g | x_g B_g C_g | dt_g]
+        zxbcdt = self.in_proj(hidden_states).view(*lead, -1, 2 * gi + 2 * n + self.group_heads)
+        z, xBC, dt = zxbcdt.split([gi, gi + 2 * n, self.group_heads], dim=-1)
+        return z.reshape(*lead, -1), xBC.reshape(*lead, -1), dt.reshape(*lead, -1)
+
+    def split_conv_output(self, xBC: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv output [..., conv channels] -> x [..., heads, head_dim], B and C [..., groups,
+        state]."""
+        gi, n = self.group_inner, self.ssm_state_size
+        x, B, C = xBC.view(*xBC.shape[:-1], -1, gi + 2 * n).split([gi, n, n], dim=-1)
+        return x.reshape(*xBC.shape[:-1], -1, self.head_dim), B, C
+
+    def forward(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None = None,
+                cp: "cpl.CPSlice | None" = None) -> torch.Tensor:
+        """``seq_idx`` [b, L]: document ids (state and conv restart at each document). ``cp``:
+        this rank's slice of a context-parallel sequence (conv halo and state passing)."""
         b, L, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        gi, n = self.group_inner, self.ssm_state_size
-        # [b, L, groups, z_g | x_g B_g C_g | dt_g] (the groups this rank holds)
-        zxbcdt = self.in_proj(hidden_states).view(b, L, -1, 2 * gi + 2 * n + self.group_heads)
-        z, xBC, dt = zxbcdt.split([gi, gi + 2 * n, self.group_heads], dim=-1)
-
-        xBC = kernels.causal_conv1d(
-            xBC.reshape(b, L, -1).transpose(1, 2), local_tensor(self.conv1d.weight).squeeze(1),
-            local_tensor(self.conv1d.bias), seq_idx
-        ).transpose(1, 2)
-        x, B, C = xBC.view(b, L, -1, gi + 2 * n).split([gi, n, n], dim=-1)
-        A = -torch.exp(local_tensor(self.A_log).float())
-        y = kernels.ssd_scan(
-            x.reshape(b, L, -1, self.head_dim),
-            dt.reshape(b, L, -1),
-            A,
-            B,
-            C,
+        z, xBC, dt = self.project(hidden_states)
+        conv_w, conv_b = local_tensor(self.conv1d.weight).squeeze(1), local_tensor(self.conv1d.bias)
+        if cp is None:
+            xBC = kernels.causal_conv1d(xBC.transpose(1, 2), conv_w, conv_b, seq_idx).transpose(1, 2)
+        else:
+            xBC = cpl.conv_with_halo(xBC, conv_w, conv_b, self.config.conv_kernel, cp)
+        x, B, C = self.split_conv_output(xBC)
+        scan = kernels.ssd_scan if cp is None else functools.partial(cpl.scan_with_state_passing, part=cp)
+        y = scan(
+            x, dt, -torch.exp(local_tensor(self.A_log).float()), B, C,
             chunk_size=self.chunk_size,
             D=local_tensor(self.D),
             dt_bias=local_tensor(self.dt_bias),
             dt_limit=self.dt_limit,
             seq_idx=seq_idx,
         )
-        y = self.norm(y.reshape(b, L, -1), z.reshape(b, L, -1))
+        y = self.norm(y.reshape(b, L, -1), z)
         return self.out_proj(y.to(dtype))

@@ -7,7 +7,12 @@ Packed sequences: pass ``cu_seqlens`` (cumulative document lengths over the flat
 ``B * L`` tokens, as flash-attn's varlen API; a row boundary always ends a document) or
 ``position_ids`` that restart at each document. The model derives one ``seq_idx`` [B, L]
 (document id of every token) from them; Mamba2 restarts its conv and SSM state at every
-document, attention never crosses one.
+document, attention never crosses one (and costs the sum of the documents' causal squares).
+
+Context parallelism: once ``parallelize`` has set ``context_parallel``, forward takes this rank's
+contiguous slice of every row with its ``position_ids``
+(``hybridtrain.distributed.context_parallel.shard_batch``) and returns the slice's outputs (or
+its loss); see :mod:`.context_parallel`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from torch import nn
 
 from hybridtrain.ops.loss import LinearCrossEntropy
 
-from .attention import Attention, document_causal_mask
+from .attention import Attention
+from .context_parallel import CPSlice
 from .config import NemotronHConfig
 from .hf_io import load_pretrained, save_pretrained
 from .mamba2 import Mamba2Mixer
@@ -37,7 +43,7 @@ class SequenceInfo:
     """Per-forward packing information, computed once and shared by all layers."""
 
     seq_idx: torch.Tensor | None = None  # [B, L] int32 document id, None = one document per row
-    attn_mask: torch.Tensor | None = None  # [B, 1, L, L] bool, None = plain causal
+    cp: CPSlice | None = None  # this rank's slice of a context-parallel sequence
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
@@ -98,10 +104,8 @@ class Block(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo | None = None) -> torch.Tensor:
         h = self.norm(hidden_states.to(self.norm.weight.dtype))
-        if self.block_type == "linear_attention":
-            h = self.mixer(h, seq_idx=info.seq_idx if info is not None else None)
-        elif self.block_type == "full_attention":
-            h = self.mixer(h, attn_mask=info.attn_mask if info is not None else None)
+        if self.block_type in ("linear_attention", "full_attention") and info is not None:
+            h = self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
         else:
             h = self.mixer(h)
         return hidden_states + h
@@ -141,6 +145,9 @@ class NemotronHForCausalLM(nn.Module):
         self.backbone = NemotronHModel(config, layer_ids)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.loss = LinearCrossEntropy(reduction="mean")
+        # set by parallelize under context parallelism: forward then takes this rank's slice
+        # of every row (hybridtrain.distributed.context_parallel.shard_batch)
+        self.context_parallel = None
         if not self.lm_head.weight.is_meta:
             self.init_weights()
 
@@ -157,6 +164,7 @@ class NemotronHForCausalLM(nn.Module):
         stage.backbone.norm_f = bb.norm_f if is_last else None
         stage.lm_head = self.lm_head if is_last else None
         stage.loss = self.loss
+        stage.context_parallel = self.context_parallel
         return stage
 
     # ------------------------------------------------------------------ init
@@ -198,7 +206,11 @@ class NemotronHForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> SequenceInfo:
-        """Derive ``seq_idx`` (and the attention mask) once per forward."""
+        """Derive ``seq_idx`` once per forward (under context parallelism, of the whole rows:
+        the ranks' position ids are gathered)."""
+        cp = self.context_parallel
+        if cp is not None and cp.size > 1:
+            return self._cp_sequence_info(cp, batch, length, device, position_ids, cu_seqlens)
         if cu_seqlens is not None:
             seq_idx = seq_idx_from_cu_seqlens(torch.as_tensor(cu_seqlens, device=device), batch, length)
         elif position_ids is not None:
@@ -208,10 +220,26 @@ class NemotronHForCausalLM(nn.Module):
         # one document per row: the plain (faster) causal paths are exact
         if int(seq_idx[:, -1].sub(seq_idx[:, 0]).max()) == 0:
             return SequenceInfo()
-        attn_mask = None
-        if "full_attention" in self.config.layers_block_type:
-            attn_mask = document_causal_mask(seq_idx)
-        return SequenceInfo(seq_idx=seq_idx, attn_mask=attn_mask)
+        return SequenceInfo(seq_idx=seq_idx)
+
+    def _cp_sequence_info(self, cp, batch, length, device, position_ids, cu_seqlens) -> SequenceInfo:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "context parallelism: forward takes this rank's slice of the rows with their "
+                "position_ids; cu_seqlens (over whole rows) cannot be sliced -- pass the batch "
+                "through hybridtrain.distributed.context_parallel.shard_batch")
+        if position_ids is None:
+            seq_idx = None
+        else:
+            from hybridtrain.distributed.context_parallel import gather_sequence
+
+            pos = position_ids.to(device).expand(batch, length).contiguous()
+            full = gather_sequence(pos, 1, cp)  # [B, L * cp]
+            seq_idx = seq_idx_from_position_ids(full, batch, full.shape[1])
+            if int(seq_idx[:, -1].sub(seq_idx[:, 0]).max()) == 0:
+                seq_idx = None
+        part = CPSlice(cp, cp.rank * length, seq_idx)
+        return SequenceInfo(seq_idx=part.local_seq_idx(length), cp=part)
 
     def hidden_states(
         self,

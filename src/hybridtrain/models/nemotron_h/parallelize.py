@@ -1,6 +1,6 @@
 """How Nemotron-H parallelizes one (stage) model, in a fixed order (as torchtitan):
 
-    TP -> EP -> activation checkpointing -> compile -> FSDP2
+    TP -> CP -> EP -> activation checkpointing -> compile -> FSDP2
 
 The pipeline split comes before, in :func:`hybridtrain.distributed.plan.parallelize`, through
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
@@ -23,6 +23,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.compile import apply_compile
+from hybridtrain.distributed.context_parallel import apply_context_parallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
@@ -93,12 +94,10 @@ def apply_tp(model: nn.Module, mesh) -> None:
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, training, *,
                            device: torch.device, autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
-    if dims.cp > 1:
-        raise ValueError(
-            f"distributed.cp={dims.cp}: context parallelism is not implemented for Nemotron-H yet; "
-            "use cp: 1 (FSDP2, tensor, pipeline and expert parallelism cover the supported layouts)")
     if dims.tp > 1:
         apply_tp(model, tp_mesh(dims))
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.group("cp"))
     layers = model.backbone.layers
     moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
     if dims.ep > 1:

@@ -1,0 +1,133 @@
+"""Causal attention over packed documents without an ``[L, L]`` mask.
+
+::
+
+    document_spans(seq_idx, q_offset, q_len) -> per row [(q_start, q_end, k_start), ...]
+    document_causal_attention(q, k, v, seq_idx=None, q_offset=0, dropout_p=0.0)
+
+A query at (global) position ``i`` sees the keys ``j <= i`` of its own document. Each document
+of a row is one ``scaled_dot_product_attention`` call on its own tokens (``is_causal``: the
+fused kernels, memory linear in the document's length), so the work is the sum over documents
+of each document's causal square, never the full row's.
+
+Queries may start inside the key sequence (``q_offset``): a KV cache (the queries are the last
+tokens of the keys) or a context-parallel rank (its slice of the sequence, all keys gathered).
+A document that starts before the queries is attended in query blocks of ``block`` rows with a
+``[block, keys]`` mask (lower-right causal), so memory stays linear in the key length.
+
+On CUDA with ``flash_attn`` installed (and no queries offset into earlier keys) one varlen call
+runs all documents of the batch; the per-document path is always there and is the one tested.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # pragma: no cover - CUDA-only extra
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+except Exception:
+    _flash_varlen = None
+
+__all__ = ["document_spans", "document_causal_attention"]
+
+QUERY_BLOCK = 1024
+
+
+def document_spans(seq_idx: torch.Tensor, q_offset: int, q_len: int
+                   ) -> list[list[tuple[int, int, int]]]:
+    """For every row, the documents the queries ``[q_offset, q_offset + q_len)`` cover, as
+    ``(q_start, q_end, k_start)`` in key positions: queries ``q_start..q_end-1`` attend keys
+    ``k_start..`` (the document's first token) up to themselves. ``seq_idx`` [b, >= q_offset +
+    q_len]: non-decreasing document ids."""
+    q_end = q_offset + q_len
+    sid = seq_idx[:, :q_end]
+    starts = torch.ones_like(sid, dtype=torch.bool)
+    starts[:, 1:] = sid[:, 1:] != sid[:, :-1]
+    rows = []
+    for row in starts.cpu():
+        s = row.nonzero().flatten().tolist() + [q_end]
+        spans = []
+        for a, e in zip(s[:-1], s[1:]):
+            if e > q_offset:
+                spans.append((max(a, q_offset), e, a))
+        rows.append(spans)
+    return rows
+
+
+def _sdpa(q, k, v, dropout_p, causal=False, mask=None):
+    gqa = q.shape[-3] != k.shape[-3]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=causal, enable_gqa=gqa)
+
+
+def _offset_causal(q, k, v, q0: int, k0: int, dropout_p: float, block: int):
+    """Queries at key positions ``q0..`` attending keys ``k0..`` up to themselves (a document
+    that started before the queries), in query blocks with a lower-right causal mask."""
+    out = []
+    Lq = q.shape[-2]
+    for a in range(0, Lq, block):
+        e = min(a + block, Lq)
+        kend = q0 + e - k0  # keys [k0, q0 + e)
+        qpos = torch.arange(q0 + a, q0 + e, device=q.device)
+        kpos = torch.arange(k0, k0 + kend, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]
+        out.append(_sdpa(q[..., a:e, :], k[..., :kend, :], v[..., :kend, :], dropout_p, mask=mask))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
+
+
+def _flash_ok(q, k, q_offset) -> bool:  # pragma: no cover - CUDA only
+    return (_flash_varlen is not None and q.is_cuda and q_offset == 0
+            and q.shape[-2] == k.shape[-2] and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def _flash(q, k, v, spans, dropout_p):  # pragma: no cover - CUDA only
+    """One varlen call over every document of the batch ([b, h, L, d] layout in and out)."""
+    b, h, L, d = q.shape
+    lens = [e - s for row in spans for s, e, _ in row]
+    cu = torch.tensor([0] + lens, device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    flat = lambda t: t.transpose(1, 2).reshape(b * L, t.shape[1], d)  # noqa: E731
+    out = _flash_varlen(flat(q), flat(k), flat(v), cu, cu, max(lens), max(lens),
+                        dropout_p=dropout_p, causal=True)
+    return out.view(b, L, h, d).transpose(1, 2)
+
+
+def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              seq_idx: torch.Tensor | None = None, q_offset: int = 0,
+                              dropout_p: float = 0.0, block: int = QUERY_BLOCK) -> torch.Tensor:
+    """Causal attention that never crosses a document.
+
+    q [b, h, Lq, d]; k, v [b, kv_heads, Lk, d] (grouped-query when ``kv_heads < h``);
+    ``seq_idx`` [b, Lk] document id of every key (non-decreasing; None: one document per row);
+    the queries are the keys ``q_offset .. q_offset + Lq - 1``. Returns [b, h, Lq, d]."""
+    b, _, Lq, _ = q.shape
+    Lk = k.shape[-2]
+    assert 0 <= q_offset and q_offset + Lq <= Lk, (q_offset, Lq, Lk)
+    if seq_idx is None:  # one document per row
+        if q_offset == 0 and Lq == Lk:
+            return _sdpa(q, k, v, dropout_p, causal=True)
+        end = q_offset + Lq
+        return _offset_causal(q, k[..., :end, :], v[..., :end, :], q_offset, 0, dropout_p, block)
+    spans = document_spans(seq_idx, q_offset, Lq)
+    if _flash_ok(q, k, q_offset):  # pragma: no cover
+        return _flash(q, k, v, spans, dropout_p)
+    # split (not index) rows and documents: their backward is one concatenation, where each
+    # indexed slice's backward would allocate a zero gradient of the whole tensor
+    rows = []
+    for r, (rq, rk, rv) in enumerate(zip(q.split(1), k.split(1), v.split(1))):
+        if all(qs == ks for qs, _, ks in spans[r]):  # every document starts with the queries
+            lens = [qe - qs for qs, qe, _ in spans[r]]
+            kq, vq = (t.narrow(-2, q_offset, Lq).split(lens, -2) for t in (rk, rv))
+            parts = [_sdpa(a, c, d, dropout_p, causal=True)
+                     for a, c, d in zip(rq.split(lens, -2), kq, vq)]
+        else:
+            parts = []
+            for qs, qe, ks in spans[r]:
+                qq = rq[..., qs - q_offset:qe - q_offset, :]
+                kk, vv = rk[..., ks:qe, :], rv[..., ks:qe, :]
+                if qs == ks:  # the document starts with the queries: its causal square
+                    parts.append(_sdpa(qq, kk, vv, dropout_p, causal=True))
+                else:
+                    parts.append(_offset_causal(qq, kk, vv, qs, ks, dropout_p, block))
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
+    return rows[0] if b == 1 else torch.cat(rows, dim=0)
