@@ -1,7 +1,8 @@
 """``hybridtrain plan`` against real runs on 2 gloo ranks: each rank's parameter, gradient and
 AdamW-state bytes at an optimizer step of the recipe's builder and trainer under pipeline
 parallelism (pp 2) and FSDP2 with expert parallelism (dp_shard 2, ep 2: dense parameters
-FSDP-sharded, experts split; full SFT and LoRA) are within 10 % of the plan's figures for that
+FSDP-sharded, experts split; full SFT and LoRA) and tensor parallelism (tp 2: what the model's
+tp_plan shards, the rest replicated) are within 10 % of the plan's figures for that
 rank (the one-process case: tests/unit/test_plan.py)."""
 
 import pytest
@@ -11,7 +12,7 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.memory import assert_close_10pct, held_at_optimizer_step, planned_bytes
 
 LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
-LAYOUTS = [({"pp": 2}, {}), ({"ep": 2}, {}), ({"ep": 2}, {"peft": LORA})]
+LAYOUTS = [({"pp": 2}, {}), ({"ep": 2}, {}), ({"ep": 2}, {"peft": LORA}), ({"tp": 2}, {})]
 
 
 def _worker(rank, world):

@@ -59,6 +59,9 @@ class ModelSpec:
     * ``state_format(model) -> str | None``: a marker of how the model holds its parameters,
       stored with each checkpoint; a checkpoint whose marker differs is refused (None: the
       plain layout, also that of checkpoints written without a marker).
+    * ``tp_plan(model, tp) -> {submodule path: style}``: how ``parallelize_fn`` splits a (stage)
+      model over ``tp`` ranks (see ``distributed.tensor_parallel``; ``hybridtrain plan`` counts
+      each parameter's share from it; None: no tensor parallelism).
     """
 
     name: str
@@ -79,6 +82,7 @@ class ModelSpec:
     hub_tensors: Callable[[Any], Any] | None = None
     hub_layout: Callable[[str, Any, Any, bool], Any] | None = None
     state_format: Callable[[nn.Module], str | None] | None = None
+    tp_plan: Callable[[nn.Module, int], dict] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}
