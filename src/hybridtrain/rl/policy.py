@@ -20,8 +20,8 @@ batch's. Under pipeline parallelism the last stage computes and broadcasts. The 
 normalisation uses the global batch's counts, computed from the global batch every rank holds,
 so one process and any layout give the same step. (Context parallelism will shard each
 micro-batch's sequence after the targets are shifted and sum the loss shares over ``cp`` as
-over ``dp``; tensor parallelism reaches the log-probs through the head's vocabulary-parallel
-``token_logprobs``.)
+over ``dp``; tensor parallelism's ranks hold the same rows (they are not data-parallel ranks) and reach the
+log-probs and top-k through the head's vocabulary-parallel ``token_logprobs`` / ``topk_logits``.)
 """
 
 from __future__ import annotations
