@@ -207,7 +207,7 @@ def test_a_reply_ends_at_its_own_reference_end_whatever_the_batch():
     from tests.helpers.data import sft_dataset
     from tests.helpers.recipes import tiny_recipe
 
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
     from hybridtrain.training.evaluation import GenerationEvaluator
 
     class Tok:

@@ -199,7 +199,7 @@ def test_plan_counts_what_tensor_parallelism_shards(kv_heads):
                                         "kind": "mixed", "num_key_value_heads": kv_heads}}
     recipe = pu.recipe({"tp": 2}, False, **sections)
     plan = plan_memory(recipe, 2, device_type="cpu")
-    from hybridtrain.recipes.finetune import as_config
+    from hybridtrain.training.builder import as_config
 
     _, model = meta_model(as_config(recipe).model)
     sharded = (r"embeddings\.weight|lm_head\.weight|(q|o)_proj\.weight|(in|out)_proj\.weight|conv1d\."

@@ -322,7 +322,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
                                               resolve_reshard_after_forward)
     from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.recipes.finetune import as_config
+    from hybridtrain.training.builder import as_config
     from hybridtrain.training.precision import autocast_dtype
 
     cfg = as_config(cfg)
@@ -564,7 +564,7 @@ def parse_memory(text: str) -> float:
 def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bool = False,
         device_type: str = "cuda") -> int:
     """Print the plan; 1 when it exceeds ``device_memory`` (then with advice), else 0."""
-    from hybridtrain.recipes.finetune import as_config
+    from hybridtrain.training.builder import as_config
 
     cfg = as_config(cfg)
     limit = parse_memory(device_memory) if device_memory else None
