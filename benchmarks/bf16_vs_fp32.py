@@ -69,7 +69,8 @@ def build_run(name: str, model_dir: str, batch: dict):
     import transformers
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-    from hybridtrain.training.optim import build_optimizer, clip_grad_norm
+    from hybridtrain.distributed.utils import clip_grad_norm_
+    from hybridtrain.training.optim import build_optimizer
     from hybridtrain.training.precision import autocast_context
     from hybridtrain.models.spec import set_train_loss
     from hybridtrain.ops.loss import LinearCrossEntropy
@@ -92,7 +93,7 @@ def build_run(name: str, model_dir: str, batch: dict):
             with autocast_context(dtype, "cpu"):
                 ce = loss_sum(model, batch)
             (ce / n_label).backward()
-            clip_grad_norm(params, 1.0)
+            clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return float(ce.detach()) / n_label
@@ -109,7 +110,7 @@ def build_run(name: str, model_dir: str, batch: dict):
             (ce / n_label).backward()
             for m, p in zip(masters, params16):
                 m.grad, p.grad = p.grad.float(), None
-            clip_grad_norm(masters, 1.0)
+            clip_grad_norm_(masters, 1.0)
             opt16.step()
             opt16.zero_grad(set_to_none=True)
             with torch.no_grad():

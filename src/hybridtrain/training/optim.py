@@ -93,21 +93,3 @@ def build_optimizer(
         implementation, n_decay, weight_decay, sum(p.numel() for p in params) - n_decay,
     )
     return opt
-
-
-@torch.no_grad()
-def clip_grad_norm(
-    parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0
-) -> torch.Tensor:
-    """Clips gradients in place when ``max_norm`` is set; returns the total norm before clipping
-    (a plain scalar tensor, also when the gradients are DTensors)."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0)
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    if max_norm is not None and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    if hasattr(total, "full_tensor"):  # DTensor gradients (FSDP2): the global norm
-        total = total.full_tensor()
-    return total

@@ -42,10 +42,10 @@ from torch import nn
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.utils import clip_grad_norm_
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
-from hybridtrain.training.optim import clip_grad_norm
 from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
@@ -126,8 +126,9 @@ class Trainer:
     batches (the recipe wraps ``torch.utils.data.DataLoader`` with its collator).
     ``flops_fn(micro_batch)`` (training FLOPs of the whole model on that micro-batch) enables
     ``tflops_per_device``, and with ``peak_tflops`` (per device) ``mfu``.
-    ``clip_grad_norm_fn(params, max_norm)`` replaces :func:`clip_grad_norm` (a parallel plan's
-    norm over every mesh and pipeline stage).
+    ``clip_grad_norm_fn(params, max_norm)`` replaces
+    :func:`~hybridtrain.distributed.utils.clip_grad_norm_` (a parallel plan's norm over every
+    mesh and pipeline stage).
     """
 
     def __init__(
@@ -175,7 +176,7 @@ class Trainer:
         self.max_val_steps = max_val_steps
         self.val_micro_batch_size = val_micro_batch_size or step_scheduler.micro_batch_size
         self.flops_fn = flops_fn
-        self.clip_grad_norm_fn = clip_grad_norm_fn or clip_grad_norm
+        self.clip_grad_norm_fn = clip_grad_norm_fn or clip_grad_norm_
         self.peak_tflops = peak_tflops
         self.save_hf_at_end = save_hf_at_end
         self.save_ckpt = save_ckpt
