@@ -365,7 +365,7 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
 
         evaluator = evaluator_from_config(cfg.evaluation, b.val_ds, b.tokenizer, os.path.abspath(ck.dir),
                                           autocast_dtype=b.train_step.autocast_dtype, dims=b.plan.dims,
-                                          is_main=b.is_main)
+                                          pipeline=b.plan.pipeline, is_main=b.is_main)
     return Trainer(
         b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
         val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
