@@ -169,13 +169,14 @@ class GenerationEvaluator:
             own = [{self.tokenizer.eos_token_id, r[-1] if r else None} - {None} for r in rchunk]
             shared = sorted(set.intersection(*own)) if own else []
             seqs = model.generate(ids.to(device), attention_mask=mask.to(device), eos_token_id=shared or None,
-                                  seed=self.seed + b, **self.gen_kwargs, **self._layout_kwargs())
+                                  seed=self.seed + b, **self.gen_kwargs, **self.layout_kwargs())
             for row, stops in zip(seqs[:, ids.shape[1]:].tolist(), own):
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
                 out.append(row[:cut])
         return out
 
-    def _layout_kwargs(self) -> dict[str, Any]:
+    def layout_kwargs(self) -> dict[str, Any]:
+        """What ``model.generate`` needs under this layout (lockstep group, pipeline chain)."""
         kw: dict[str, Any] = {}
         if self.lockstep:
             import torch.distributed as dist
