@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +134,36 @@ def test_evaluation_matches_one_process(name, reference, tmp_path):
     for rec, tokens in run_distributed(_ranks, world, layout, answers, eos, str(tmp_path)):
         assert rec == pytest.approx(ref_rec, rel=0, abs=1e-9), (name, rec, ref_rec)
         assert torch.equal(tokens, ref_tokens), name
+
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "squad_tiny.yaml"
+
+
+@pytest.mark.distributed
+def test_cli_evaluate_under_a_layout_matches_one_process(tmp_path):
+    """`hybridtrain evaluate --nproc-per-node 2 --distributed.pp=2` on a run's checkpoint: the
+    one-process command's record."""
+    from hybridtrain.cli import main
+    from tests.helpers.recipes import run_overrides
+
+    out = tmp_path / "run"
+    args = run_overrides(  # (near the initial weights: replies of random tokens, not eos at once)
+        out, 1, "null", "--optimizer.lr=1e-7",
+        f"--tokenizer.out_dir={out}/tokenizer", "--tokenizer.texts.num_questions=300",
+        f"--dataset.path.path={out}/data/train.json", "--dataset.path.num_questions=200",
+        f"--validation_dataset.path.path={out}/data/validation.json",
+        "--validation_dataset.path.num_questions=16", "--training.val_every_steps=0",
+        "--evaluation.num_examples=5", "--evaluation.max_new_tokens=4", "--evaluation.num_samples=0",
+        "--metrics.plot=false",
+    )
+    assert main(["finetune", "-c", str(RECIPE), *args]) == 0
+    assert main(["evaluate", "-c", str(RECIPE), *args]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, "-m", "hybridtrain", "evaluate", "-c", str(RECIPE), *args,
+                        "--nproc-per-node", "2", "--distributed.pp=2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    one, laid_out = [json.loads(line) for line in open(out / "evaluation.jsonl")]
+    keys = ("step", "exact_match", "f1", "eval_examples", "eval_new_tokens")
+    assert {k: laid_out[k] for k in keys} == {k: one[k] for k in keys}
+    assert one["eval_examples"] == 5 and one["eval_new_tokens"] > 0
