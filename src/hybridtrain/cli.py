@@ -13,7 +13,7 @@ Commands::
                                 (arguments defined by hybridtrain.recipes.generate.build_parser)
     hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
 
-``finetune``/``benchmark`` load the recipe, apply its ``dist_env`` (before torch is imported),
+``finetune``/``benchmark``/``evaluate`` load the recipe, apply its ``dist_env`` (before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
 ``--nproc-per-node N`` (N > 1), re-launch themselves under
 ``python -m torch.distributed.run --nproc-per-node N --standalone -m hybridtrain ...``.
