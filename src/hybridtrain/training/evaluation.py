@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX
+from hybridtrain.ops.sampling import GenerationConfig
 from hybridtrain.training.precision import autocast_context
 
 logger = logging.getLogger(__name__)
@@ -135,12 +136,14 @@ class GenerationEvaluator:
         self.dataset, self.tokenizer = dataset, tokenizer
         self.gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
                                temperature=temperature, top_k=top_k, top_p=top_p)
+        GenerationConfig(**self.gen_kwargs)  # out-of-range settings: ValueError at start-up
         self.batch_size, self.seed = batch_size, seed
         self.num_samples, self.samples_path = num_samples, samples_path
         self.autocast_dtype, self.dims, self.is_main = autocast_dtype, dims, is_main
         n = min(num_examples, len(dataset))
         # the ranks holding different data (dp x cp) split the examples
-        rank, world = (dims.dp_rank * dims.cp + dims.cp_rank, dims.dp * dims.cp) if dims is not None else (0, 1)
+        rank, world = (0, 1) if dims is None else \
+            (dims.dp_rank * dims.cp + (dims.cp_rank if dims.cp > 1 else 0), dims.dp * dims.cp)
         self.indices = list(range(rank, n, world))
         self.num_examples = n
         # several ranks: the same number of prompts and of decoding steps on each (collectives
