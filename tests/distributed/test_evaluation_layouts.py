@@ -137,33 +137,65 @@ def test_evaluation_matches_one_process(name, reference, tmp_path):
 
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "squad_tiny.yaml"
+EVAL_KEYS = ("step", "exact_match", "f1", "eval_examples", "eval_new_tokens")
 
 
-@pytest.mark.distributed
-def test_cli_evaluate_under_a_layout_matches_one_process(tmp_path):
-    """`hybridtrain evaluate --nproc-per-node 2 --distributed.pp=2` on a run's checkpoint: the
-    one-process command's record."""
-    from hybridtrain.cli import main
+def _overrides(tmp: Path, name: str) -> list[str]:
+    """The demo recipe, small: 1 step near the initial weights (replies of random tokens, not eos
+    at once), validation with evaluation before and after it, a checkpoint at the end."""
     from tests.helpers.recipes import run_overrides
 
-    out = tmp_path / "run"
-    args = run_overrides(  # (near the initial weights: replies of random tokens, not eos at once)
-        out, 1, "null", "--optimizer.lr=1e-7",
-        f"--tokenizer.out_dir={out}/tokenizer", "--tokenizer.texts.num_questions=300",
-        f"--dataset.path.path={out}/data/train.json", "--dataset.path.num_questions=200",
-        f"--validation_dataset.path.path={out}/data/validation.json",
-        "--validation_dataset.path.num_questions=16", "--training.val_every_steps=0",
+    return run_overrides(
+        tmp / name, 1, "null", "--optimizer.lr=1e-7",
+        f"--tokenizer.out_dir={tmp}/tokenizer", "--tokenizer.texts.num_questions=300",
+        f"--dataset.path.path={tmp}/data/train.json", "--dataset.path.num_questions=200",
+        f"--validation_dataset.path.path={tmp}/data/validation.json",
+        "--validation_dataset.path.num_questions=16",
         "--evaluation.num_examples=5", "--evaluation.max_new_tokens=4", "--evaluation.num_samples=0",
         "--metrics.plot=false",
     )
-    assert main(["finetune", "-c", str(RECIPE), *args]) == 0
-    assert main(["evaluate", "-c", str(RECIPE), *args]) == 0
+
+
+def _cli(tmp: Path, *argv: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "hybridtrain", "evaluate", "-c", str(RECIPE), *args,
-                        "--nproc-per-node", "2", "--distributed.pp=2"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run([sys.executable, "-m", "hybridtrain", *argv], cwd=tmp, env=env,
+                       capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    one, laid_out = [json.loads(line) for line in open(out / "evaluation.jsonl")]
-    keys = ("step", "exact_match", "f1", "eval_examples", "eval_new_tokens")
-    assert {k: laid_out[k] for k in keys} == {k: one[k] for k in keys}
-    assert one["eval_examples"] == 5 and one["eval_new_tokens"] > 0
+
+
+def _records(path: Path) -> list[dict]:
+    return [{k: r[k] for k in EVAL_KEYS} for r in map(json.loads, open(path)) if "eval_examples" in r]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """The demo recipe trained in one process (evaluation at each validation)."""
+    from hybridtrain.cli import main
+
+    tmp = tmp_path_factory.mktemp("demo")
+    assert main(["finetune", "-c", str(RECIPE), *_overrides(tmp, "single")]) == 0
+    recs = _records(tmp / "single" / "validation.jsonl")
+    assert len(recs) == 2 and all(r["eval_examples"] == 5 and r["eval_new_tokens"] > 0 for r in recs), recs
+    return tmp
+
+
+@pytest.mark.distributed
+def test_finetune_under_pp_evaluates_like_one_process(single_run):
+    """`hybridtrain finetune --nproc-per-node 2 --distributed.pp=2` with the `evaluation:`
+    section: the one-process run's EM/F1 and counts at every validation."""
+    _cli(single_run, "finetune", "-c", str(RECIPE), *_overrides(single_run, "pp2"),
+         "--nproc-per-node", "2", "--distributed.pp=2")
+    assert _records(single_run / "pp2" / "validation.jsonl") == _records(single_run / "single" / "validation.jsonl")
+
+
+@pytest.mark.distributed
+def test_cli_evaluate_under_a_layout_matches_one_process(single_run):
+    """`hybridtrain evaluate --nproc-per-node 2 --distributed.ep=2` on a run's checkpoint: the
+    one-process command's record."""
+    from hybridtrain.cli import main
+
+    args = _overrides(single_run, "single")
+    assert main(["evaluate", "-c", str(RECIPE), *args]) == 0
+    _cli(single_run, "evaluate", "-c", str(RECIPE), *args, "--nproc-per-node", "2", "--distributed.ep=2")
+    one, laid_out = _records(single_run / "single" / "evaluation.jsonl")
+    assert laid_out == one and one["step"] == 1
