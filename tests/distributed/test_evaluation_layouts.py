@@ -122,6 +122,7 @@ LAYOUTS = {
     "cp2": ({"cp": 2}, 2),
     "pp2": ({"pp": 2}, 2),
     "pp2_interleaved": ({"pp": 2, "schedule": "interleaved1f1b"}, 2),
+    "pp2_zbv": ({"pp": 2, "schedule": "zbv"}, 2),  # stages 1 and 2 on one rank: handed over locally
     "pp2_ep2": ({"pp": 2, "ep": 2}, 4),
 }
 
