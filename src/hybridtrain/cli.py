@@ -13,7 +13,7 @@ Commands::
                                 (arguments defined by hybridtrain.recipes.generate.build_parser)
     hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
 
-``finetune``/``benchmark`` load the recipe, apply its ``dist_env`` (before torch is imported),
+``finetune``/``benchmark``/``evaluate`` load the recipe, apply its ``dist_env`` (before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
 ``--nproc-per-node N`` (N > 1), re-launch themselves under
 ``python -m torch.distributed.run --nproc-per-node N --standalone -m hybridtrain ...``.
@@ -268,12 +268,6 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         run = _load_entry("hybridtrain.recipes.plan", "run", command)
         return run(cfg, (nproc or 1) * args.nnodes, args.device_memory, args.json,
                    args.device_type)
-    if command == "evaluate":
-        if nproc is not None and nproc > 1:
-            raise ValueError("hybridtrain evaluate runs in one process; drop --nproc-per-node")
-        run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
-        run(cfg, args.checkpoint)
-        return 0
     if nproc is not None and under_torchrun():
         if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
@@ -284,6 +278,10 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(argv[0], argv)
+    if command == "evaluate":  # several processes: under the recipe's layout
+        run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
+        run(cfg, args.checkpoint)
+        return 0
     if command in ("finetune", "dpo", "grpo"):
         run = _load_entry(f"hybridtrain.recipes.{command}", "run", command)
         result = run(cfg)

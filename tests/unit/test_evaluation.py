@@ -224,3 +224,8 @@ def test_a_reply_ends_at_its_own_reference_end_whatever_the_batch():
     alone = [replies([i])[0] for i in range(7)]
     assert replies(list(range(7))) == alone
     assert replies([1, 3, 5]) == [alone[1], alone[3], alone[5]]
+
+
+def test_evaluator_checks_generation_settings_at_start_up():
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationEvaluator([], object(), top_p=2.0)

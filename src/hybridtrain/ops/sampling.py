@@ -14,22 +14,38 @@ before ``transformers``' ``generate`` on the same logits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 
-def check_sampling_args(max_new_tokens: int, do_sample: bool, temperature: float, top_k: int,
-                        top_p: float) -> None:
-    """ValueError naming the argument that is out of range."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0 when sampling, got {temperature!r} "
-                         "(use do_sample=False for greedy decoding)")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filtering), got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0.0 <= top_p <= 1.0):
-        raise ValueError(f"top_p must be a number in [0, 1] (1.0: no nucleus filtering), got {top_p!r}")
+@dataclass(frozen=True)
+class GenerationConfig:
+    """The settings of one ``generate`` call (checked on construction: ValueError naming the
+    argument that is out of range)."""
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_id: int | Sequence[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.do_sample and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be a number > 0 when sampling, got {self.temperature!r} "
+                             "(use do_sample=False for greedy decoding)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filtering), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in [0, 1] (1.0: no nucleus filtering), got {self.top_p!r}")
+
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
@@ -60,41 +76,55 @@ def select_tokens(logits: torch.Tensor, do_sample: bool, temperature: float = 1.
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def all_finished(unfinished: torch.Tensor, group=None) -> bool:
+    """Whether no row of ``unfinished`` [b] is still generating; with ``group`` (ranks that must
+    run the same forward calls: collectives inside the model) on every rank of the group."""
+    done = torch.tensor([0 if bool(unfinished.any()) else 1], dtype=torch.int32, device=unfinished.device)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)
+    return bool(done.item())
+
+
 def decode(
-    prefill: Callable[[], torch.Tensor],
-    step: Callable[[torch.Tensor], torch.Tensor],
+    prefill: Callable[[], torch.Tensor | None],
+    step: Callable[[torch.Tensor], torch.Tensor | None],
     input_ids: torch.Tensor,
-    max_new_tokens: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_token_id: int | Sequence[int] | None = None,
-    seed: int | None = None,
+    config: GenerationConfig,
+    *,
+    share_tokens: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
+    lockstep_group=None,
 ) -> torch.Tensor:
     """The decoding loop: ``prefill()`` returns the logits [b, V] after the prompt, ``step(tokens
     [b])`` feeds one token per row and returns the next logits. Returns the prompt followed by the
-    new tokens, [b, prompt length + n] with n <= max_new_tokens."""
-    check_sampling_args(max_new_tokens, do_sample, temperature, top_k, top_p)
+    new tokens, [b, prompt length + n] with n <= max_new_tokens.
+
+    A pipeline's ranks other than the last stage's get None logits: ``share_tokens(tokens or
+    None)`` returns the last stage's tokens on every rank. ``lockstep_group``: the loop ends only
+    when every rank of it has finished (each runs the same number of steps)."""
+    c = config
     out = [input_ids]
-    if max_new_tokens == 0:
+    if c.max_new_tokens == 0:
         return input_ids
     eos = None
-    if eos_token_id is not None:
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        eos = torch.tensor(ids, dtype=input_ids.dtype, device=input_ids.device)
+    if c.eos_token_id is not None:
+        eos = torch.tensor(c.eos_ids(), dtype=input_ids.dtype, device=input_ids.device)
     gen = None
-    if seed is not None and do_sample:
-        gen = torch.Generator(device=input_ids.device).manual_seed(int(seed))
+    if c.seed is not None and c.do_sample:
+        gen = torch.Generator(device=input_ids.device).manual_seed(int(c.seed))
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     logits = prefill()
-    for i in range(max_new_tokens):
-        nxt = select_tokens(logits, do_sample, temperature, top_k, top_p, gen).to(input_ids.dtype)
+    for i in range(c.max_new_tokens):
+        nxt = None if logits is None else select_tokens(logits, c.do_sample, c.temperature, c.top_k, c.top_p, gen)
+        if share_tokens is not None:
+            nxt = share_tokens(nxt)
+        nxt = nxt.to(input_ids.dtype)
         if eos is not None:
             nxt = torch.where(unfinished, nxt, eos[0])
             unfinished &= ~torch.isin(nxt, eos)
         out.append(nxt[:, None])
-        if i == max_new_tokens - 1 or not bool(unfinished.any()):
+        if i == c.max_new_tokens - 1 or all_finished(unfinished, lockstep_group):
             break
         logits = step(nxt)
     return torch.cat(out, dim=1)

@@ -6,6 +6,11 @@ match / F1, sample replies.
 recipe's ``checkpoint.dir``, i.e. its latest checkpoint). The tokenizer is the export's. The
 record (with the checkpoint's path and step) is printed and appended to
 ``<checkpoint.dir>/evaluation.jsonl``; replies go to the evaluation's ``samples_file`` there.
+
+With several processes (``--nproc-per-node N`` or torchrun) the model is built under the recipe's
+``distributed:`` layout (a model too large for one device), the ``step_N`` checkpoint (written
+under any layout) is loaded into it, and the evaluator runs as at validation during training;
+the tokenizer is then the recipe's.
 """
 
 from __future__ import annotations
@@ -30,7 +35,48 @@ def _step_of(hf_dir: str) -> int | None:
         return None
 
 
-def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any]:
+def _write(out_dir: str, rec: dict[str, Any]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "evaluation.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(json.dumps(rec), flush=True)
+
+
+def _step_dir(path: str) -> str:
+    """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's latest)."""
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, "latest")):
+        with open(os.path.join(path, "latest")) as f:
+            path = os.path.join(path, f.read().strip())
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise ValueError(f"hybridtrain evaluate with several processes: --checkpoint {path} is not a "
+                         "step_N checkpoint or a run folder holding one (no trainer_state.json); "
+                         "evaluate a Hugging Face folder in one process (drop --nproc-per-node)")
+    return path
+
+
+def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | None:
+    """The evaluation under the recipe's layout (several processes); the record on the main rank."""
+    from hybridtrain.distributed.init import process_group
+    from hybridtrain.distributed.utils import main_process_first
+    from hybridtrain.training.builder import build, build_checkpointer, instantiate_with, make_evaluator
+
+    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    path = _step_dir(checkpoint or out_dir)
+    section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
+    with process_group(cfg) as info:
+        b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True)
+        state = build_checkpointer(b, out_dir).load(path, b.model)
+        val_ds = main_process_first(lambda: instantiate_with(
+            cfg.validation_dataset, tokenizer=b.tokenizer, default_split="validation"), info.is_main)
+        step = state.get("step")
+        rec = {"checkpoint": path, "step": step, **make_evaluator(b, section, val_ds)(b.model, step)}
+        if info.is_main:
+            _write(out_dir, rec)
+        return rec if info.is_main else None
+
+
+def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
     from hybridtrain.training.builder import instantiate_with, as_config, resolve_device
     from hybridtrain.recipes.generate import load_model, resolve_export
     from hybridtrain.training.evaluation import evaluator_from_config
@@ -39,6 +85,8 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any]:
     cfg: ConfigNode = as_config(cfg)
     if cfg.validation_dataset is None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _run_laid_out(cfg, checkpoint)
     out_dir = os.path.abspath(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
     device = resolve_device(cfg.training.device)
@@ -50,8 +98,5 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any]:
     step = _step_of(adapter or hf_dir)
     evaluator = evaluator_from_config(section, val_ds, tokenizer, out_dir, autocast_dtype=autocast_dtype(dtype))
     rec = {"checkpoint": adapter or hf_dir, "step": step, **evaluator(model, step)}
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "evaluation.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    print(json.dumps(rec), flush=True)
+    _write(out_dir, rec)
     return rec

@@ -352,6 +352,20 @@ def build_checkpointer(b: Built, out_dir: str) -> Checkpointer:
                         export_fn=export_fn, state_extra=state_extra)
 
 
+def make_evaluator(b: Built, section=None, dataset=None, tokenizer=None):
+    """The ``evaluation:`` section's :class:`~hybridtrain.training.evaluation.GenerationEvaluator`
+    on what :func:`build` made (its layout: data-parallel split, lockstep, pipeline chain);
+    ``section`` / ``dataset`` / ``tokenizer`` default to the recipe's."""
+    from hybridtrain.training.evaluation import evaluator_from_config
+
+    cfg = b.cfg
+    return evaluator_from_config(
+        cfg.evaluation if section is None else section, b.val_ds if dataset is None else dataset,
+        b.tokenizer if tokenizer is None else tokenizer, os.path.abspath(cfg.checkpoint.dir),
+        autocast_dtype=b.train_step.autocast_dtype, dims=b.plan.dims, pipeline=b.plan.pipeline,
+        is_main=b.is_main)
+
+
 def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
                  checkpointer: Checkpointer | None = None,
                  metrics: MetricsLogger | None = None) -> Trainer:
@@ -359,13 +373,7 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
     coordinates and clipping) with these schedulers, checkpoints and metrics."""
     cfg = b.cfg
     t, ck = cfg.training, cfg.checkpoint
-    evaluator = None
-    if cfg.evaluation is not None:
-        from hybridtrain.training.evaluation import evaluator_from_config
-
-        evaluator = evaluator_from_config(cfg.evaluation, b.val_ds, b.tokenizer, os.path.abspath(ck.dir),
-                                          autocast_dtype=b.train_step.autocast_dtype, dims=b.plan.dims,
-                                          is_main=b.is_main)
+    evaluator = make_evaluator(b) if cfg.evaluation is not None else None
     return Trainer(
         b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
         val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,

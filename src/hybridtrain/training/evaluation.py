@@ -12,11 +12,15 @@ the replies are scored and shown.
   reference's last token (a chat template's end-of-turn token).
 
 :class:`GenerationEvaluator` runs at every validation of the Trainer (recipe section
-``evaluation:``) and in ``hybridtrain evaluate``. Each data-parallel rank answers its share of
-the examples with the full weights (FSDP-sharded parameters are gathered for it); the scores are
-summed over ranks. With several ranks every rank decodes the same number of prompts and steps
-(replies are cut at their stop token afterwards), since FSDP units gather their parameters in
-their forward. Layouts that split the model (pp, tp, cp, ep) are refused at start-up.
+``evaluation:``) and in ``hybridtrain evaluate``, under every training layout:
+
+* the data-parallel and context-parallel ranks split the examples (prompts are short: a cp rank
+  generates whole sequences, as a data-parallel one); the scores and counts are summed over them;
+* FSDP-sharded parameters are gathered for the duration; tensor- and expert-parallel ranks run
+  their collectives inside the model's forward, so every rank decodes the same number of
+  prompts (fillers, not counted) and steps (the loop ends when all ranks are done);
+* under pipeline parallelism the pp ranks decode through their stages in a chain
+  (``distributed.pipeline_decode``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX
+from hybridtrain.ops.sampling import GenerationConfig
 from hybridtrain.training.precision import autocast_context
 
 logger = logging.getLogger(__name__)
@@ -96,12 +101,12 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 @contextlib.contextmanager
-def full_parameters(model: nn.Module):
-    """Every FSDP2-sharded parameter of ``model`` gathered for the duration (generation runs the
+def full_parameters(*models: nn.Module):
+    """Every FSDP2-sharded parameter of ``models`` gathered for the duration (generation runs the
     layers piece by piece, not through the sharded modules' forward)."""
     from torch.distributed.fsdp import FSDPModule
 
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    sharded = list({id(m): m for model in models for m in model.modules() if isinstance(m, FSDPModule)}.values())
     for m in sharded:
         m.unshard()
     try:
@@ -109,19 +114,6 @@ def full_parameters(model: nn.Module):
     finally:
         for m in sharded:
             m.reshard()
-
-
-def check_layout(dims) -> None:
-    """Generation needs the whole model on every rank: data parallelism (FSDP/HSDP) only."""
-    if dims is None:
-        return
-    other = {k: getattr(dims, k) for k in ("pp", "tp", "cp", "ep") if getattr(dims, k, 1) > 1}
-    if other:
-        raise ValueError(
-            "evaluation: generating answers needs the whole model on each rank; this layout has "
-            + ", ".join(f"distributed.{k}={v}" for k, v in other.items())
-            + ". Remove the evaluation section (or use a data-parallel layout) and run "
-              "`hybridtrain evaluate -c RECIPE --checkpoint DIR` on the checkpoint afterwards")
 
 
 # ---------------------------------------------------------------------------------- the evaluator
@@ -136,24 +128,30 @@ class GenerationEvaluator:
                  batch_size: int = 8, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 4,
                  samples_path: str | None = None, autocast_dtype: torch.dtype | None = None,
-                 dims=None, is_main: bool = True):
+                 dims=None, pipeline=None, is_main: bool = True):
+        """``dims``: the layout's ParallelDims; ``pipeline``: its PipelineTrainStep under pipeline
+        parallelism."""
         if tokenizer is None:
             raise ValueError("evaluation: needs the recipe's tokenizer to read the replies")
-        check_layout(dims)
         self.dataset, self.tokenizer = dataset, tokenizer
         self.gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
                                temperature=temperature, top_k=top_k, top_p=top_p)
+        GenerationConfig(**self.gen_kwargs)  # out-of-range settings: ValueError at start-up
         self.batch_size, self.seed = batch_size, seed
         self.num_samples, self.samples_path = num_samples, samples_path
         self.autocast_dtype, self.dims, self.is_main = autocast_dtype, dims, is_main
         n = min(num_examples, len(dataset))
-        rank, world = (dims.dp_rank, dims.dp) if dims is not None else (0, 1)
+        # the ranks holding different data (dp x cp) split the examples
+        rank, world = (0, 1) if dims is None else \
+            (dims.dp_rank * dims.cp + (dims.cp_rank if dims.cp > 1 else 0), dims.dp * dims.cp)
         self.indices = list(range(rank, n, world))
         self.num_examples = n
-        # several ranks: the same number of prompts and of decoding steps on each (FSDP units
-        # still gather their parameters in their forward, a collective), fillers not counted
-        self.lockstep = world > 1
+        # several ranks: the same number of prompts and of decoding steps on each (collectives
+        # inside the forward: FSDP units gather their parameters, tp/ep exchange activations),
+        # fillers not counted
+        self.lockstep = dims is not None and dims.world_size > 1
         self.fillers = -(-n // world) - len(self.indices) if self.lockstep else 0
+        self.pipeline = pipeline
         self.references = dataset.reference_answers() if hasattr(dataset, "reference_answers") else None
 
     def _example(self, i: int) -> tuple[list[int], list[int]]:
@@ -173,13 +171,25 @@ class GenerationEvaluator:
             # batch stops early only on the ends every row shares
             own = [{self.tokenizer.eos_token_id, r[-1] if r else None} - {None} for r in rchunk]
             shared = sorted(set.intersection(*own)) if own else []
-            seqs = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                  eos_token_id=None if self.lockstep else (shared or None),
-                                  seed=self.seed + b, **self.gen_kwargs)
+            seqs = model.generate(ids.to(device), attention_mask=mask.to(device), eos_token_id=shared or None,
+                                  seed=self.seed + b, **self.gen_kwargs, **self.layout_kwargs())
             for row, stops in zip(seqs[:, ids.shape[1]:].tolist(), own):
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
                 out.append(row[:cut])
         return out
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        """What ``model.generate`` needs under this layout (lockstep group, pipeline chain)."""
+        kw: dict[str, Any] = {}
+        if self.lockstep:
+            import torch.distributed as dist
+
+            kw["lockstep_group"] = dist.group.WORLD
+        if self.pipeline is not None:
+            from hybridtrain.distributed.pipeline_decode import PipelineDecoder
+
+            kw["pipeline"] = PipelineDecoder.of(self.pipeline)
+        return kw
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, step: int) -> dict[str, Any]:
@@ -193,7 +203,8 @@ class GenerationEvaluator:
         was_training = model.training
         model.eval()
         try:
-            with full_parameters(model), autocast_context(self.autocast_dtype, device):
+            stages = self.pipeline.stages if self.pipeline is not None else []
+            with full_parameters(model, *stages), autocast_context(self.autocast_dtype, device):
                 replies = self._replies(model, prompts, refs, device) if prompts else []
         finally:
             model.train(was_training)
@@ -216,7 +227,7 @@ class GenerationEvaluator:
             sums[3] += len(replies[j])
             samples.append(sample)
         if self.dims is not None:
-            self.dims.all_reduce_dp(sums)
+            self.dims.all_reduce_dp_cp(sums)
         rec: dict[str, Any] = {}
         n = int(sums[2])
         if self.references is not None and n:

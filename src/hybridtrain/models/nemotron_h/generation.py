@@ -12,12 +12,11 @@ decodes as it would alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from hybridtrain.distributed.expert_parallel import local_tensor
 from hybridtrain.ops.attention import document_causal_attention
-from hybridtrain.ops.sampling import decode
+from hybridtrain.ops.sampling import GenerationConfig, decode
 
 from . import kernels
 from .attention import Attention
@@ -27,7 +26,7 @@ from .mamba2 import Mamba2Mixer
 
 # ---------------------------------------------------------------------------------- Mamba2
 def _mamba_out(m: Mamba2Mixer, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    y = m.norm(y.reshape(*z.shape[:-1], m.intermediate_size), z)
+    y = m.norm(y.reshape(z.shape), z)
     return m.out_proj(y.to(dtype))
 
 
@@ -41,12 +40,12 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
     window = window[:, -(k - 1):].transpose(1, 2) if k > 1 else window[:, :0].transpose(1, 2)
     if window.shape[-1] < k - 1:  # a prompt shorter than the window: zeros before it
         window = torch.nn.functional.pad(window, (k - 1 - window.shape[-1], 0))
-    xBC = kernels.causal_conv1d(xBC.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias, seq_idx).transpose(1, 2)
+    xBC = kernels.causal_conv1d(xBC.transpose(1, 2), local_tensor(m.conv1d.weight).squeeze(1),
+                                local_tensor(m.conv1d.bias), seq_idx).transpose(1, 2)
     x, B, C = m.split_conv_output(xBC)
     y, ssm = kernels.ssd_scan(
-        x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
-        B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
-        chunk_size=m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_limit=m.dt_limit, seq_idx=seq_idx,
+        x, dt, -torch.exp(local_tensor(m.A_log).float()), B, C, chunk_size=m.chunk_size,
+        D=local_tensor(m.D), dt_bias=local_tensor(m.dt_bias), dt_limit=m.dt_limit, seq_idx=seq_idx,
         return_final_state=True,
     )
     state = MambaState(conv=window.contiguous(), ssm=ssm.float().contiguous())
@@ -55,46 +54,47 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
 
 def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
     """One token per row, hidden_states [b, 1, H]; ``state`` is updated in place."""
-    b = hidden_states.shape[0]
     z, xBC, dt = m.project(hidden_states[:, 0])
-    xBC = kernels.conv_step(xBC, state.conv, m.conv1d.weight.squeeze(1), m.conv1d.bias)
+    xBC = kernels.conv_step(xBC, state.conv, local_tensor(m.conv1d.weight).squeeze(1), local_tensor(m.conv1d.bias))
     x, B, C = m.split_conv_output(xBC)
     y = kernels.ssd_step(
-        state.ssm, x.reshape(b, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
-        B.reshape(b, m.n_groups, m.ssm_state_size), C.reshape(b, m.n_groups, m.ssm_state_size),
-        D=m.D, dt_bias=m.dt_bias, dt_limit=m.dt_limit,
+        state.ssm, x, dt, -torch.exp(local_tensor(m.A_log).float()), B, C,
+        D=local_tensor(m.D), dt_bias=local_tensor(m.dt_bias), dt_limit=m.dt_limit,
     )
     return _mamba_out(m, y, z, hidden_states.dtype)[:, None]
 
 
 # ---------------------------------------------------------------------------------- attention
 def _qkv(m: Attention, hidden_states: torch.Tensor):
+    """q, k, v [b, heads, L, head_dim] (this rank's heads under tensor parallelism)."""
     b, L, _ = hidden_states.shape
-    q = m.q_proj(hidden_states).view(b, L, m.num_heads, m.head_dim).transpose(1, 2)
-    k = m.k_proj(hidden_states).view(b, L, m.num_kv_heads, m.head_dim).transpose(1, 2)
-    v = m.v_proj(hidden_states).view(b, L, m.num_kv_heads, m.head_dim).transpose(1, 2)
+    q, k, v = (p(hidden_states).view(b, L, -1, m.head_dim).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj))
+    if m.local_kv_heads is not None:
+        k, v = m.local_kv_heads(k), m.local_kv_heads(v)
     return q, k, v
 
 
 def _attend(m: Attention, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     b, _, L, _ = q.shape
-    gqa = m.num_kv_heads != m.num_heads
+    gqa = k.shape[1] != q.shape[1]
     if mask is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=L > 1, enable_gqa=gqa)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return m.o_proj(out.transpose(1, 2).reshape(b, L, m.num_heads * m.head_dim))
+    return m.o_proj(out.transpose(1, 2).reshape(b, L, -1))
 
 
 def attention_prefill(m: Attention, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
-                      cache: KVCache) -> torch.Tensor:
-    """The prompt's attention (``seq_idx``: padding and prompt as two documents, or None)."""
+                      max_length: int) -> tuple[torch.Tensor, KVCache]:
+    """The prompt's attention (``seq_idx``: padding and prompt as two documents, or None) and
+    its key/value cache, with room for ``max_length`` positions."""
     q, k, v = _qkv(m, hidden_states)
-    L = k.shape[2]
+    b, kv_heads, L, d = k.shape
+    cache = KVCache(*(torch.empty(b, kv_heads, max_length, d, dtype=k.dtype, device=k.device) for _ in range(2)))
     cache.k[:, :, :L] = k
     cache.v[:, :, :L] = v
     out = document_causal_attention(q, k, v, seq_idx)
-    return m.o_proj(out.transpose(1, 2).reshape(q.shape[0], L, m.num_heads * m.head_dim))
+    return m.o_proj(out.transpose(1, 2).reshape(b, L, -1)), cache
 
 
 def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
@@ -112,22 +112,22 @@ def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, va
 def _check_model(model) -> None:
     bb = model.backbone
     if bb.embeddings is None or bb.norm_f is None or model.lm_head is None:
-        raise ValueError("generate needs the whole model (embeddings, all layers, norm_f, lm_head), "
-                         "not a pipeline stage")
+        raise ValueError("generate needs the whole model (embeddings, all layers, norm_f, lm_head); "
+                         "a pipeline stage generates with its chain (pipeline=...)")
     if len(bb.layers) != model.config.num_hidden_layers:
         raise ValueError(f"generate needs all {model.config.num_hidden_layers} layers; this model holds "
                          f"{len(bb.layers)}")
 
 
-def _prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def _prompt_mask(shape: tuple[int, int], attention_mask: torch.Tensor | None, device) -> torch.Tensor | None:
     """The attention_mask as bool [b, L], None when it has no padding; ValueError unless it is
     left padding with at least one token per row."""
     if attention_mask is None:
         return None
-    if attention_mask.shape != input_ids.shape:
+    if tuple(attention_mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                         f"{tuple(input_ids.shape)}: they must match")
-    valid = attention_mask.to(device=input_ids.device).bool()
+                         f"{tuple(shape)}: they must match")
+    valid = attention_mask.to(device=device).bool()
     if bool(valid.all()):
         return None
     if not bool(valid[:, -1].all()):
@@ -139,9 +139,20 @@ def _prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return valid
 
 
+def _embed(model, inputs: torch.Tensor) -> torch.Tensor:
+    """Token ids embedded, or (a pipeline stage without the embeddings) hidden states as given."""
+    emb = model.backbone.embeddings
+    return inputs if emb is None else emb(inputs)
+
+
+def _head(model, h: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the last position [b, V]; a stage without the head returns ``h`` [b, L, H]."""
+    return h if model.lm_head is None else model.lm_head(h[:, -1]).float()
+
+
 def _run_layers(model, h: torch.Tensor, mamba, attention) -> torch.Tensor:
     """The blocks (pre-norm residual) with the Mamba2 and attention mixers replaced by the cached
-    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f."""
+    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f (if held)."""
     for name, block in model.backbone.layers.items():
         x = block.norm(h.to(block.norm.weight.dtype))
         if block.block_type == "linear_attention":
@@ -151,7 +162,7 @@ def _run_layers(model, h: torch.Tensor, mamba, attention) -> torch.Tensor:
         else:
             x = block.mixer(x)
         h = h + x
-    return model.backbone.norm_f(h)
+    return h if model.backbone.norm_f is None else model.backbone.norm_f(h)
 
 
 @torch.no_grad()
@@ -160,83 +171,83 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
             ) -> tuple[torch.Tensor, NemotronHCache]:
     """Run the prompt [b, L] (left-padded where ``attention_mask`` is 0) once. Returns the logits
     [b, V] (fp32) of the last position and the cache, with room for ``max_length`` tokens in all
-    (default L)."""
-    _check_model(model)
-    ids = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
-    b, L = ids.shape[:2]
+    (default L). A pipeline stage takes and returns what it holds: hidden states [b, L, H] in
+    without the embeddings, out without the head."""
+    h = _embed(model, input_ids) if inputs_embeds is None else inputs_embeds
+    b, L = h.shape[:2]
     max_length = L if max_length is None else max_length
     assert max_length >= L, (max_length, L)
-    valid = _prompt_mask(ids, attention_mask)
-    h = model.backbone.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-    dev = h.device
+    valid = _prompt_mask((b, L), attention_mask, h.device)
     seq_idx = None
     if valid is not None:
         seq_idx = valid.to(torch.int32)  # padding: document 0, the prompt: document 1
-    cache_valid = torch.zeros(b, max_length, dtype=torch.bool, device=dev)
+    cache_valid = torch.zeros(b, max_length, dtype=torch.bool, device=h.device)
     cache_valid[:, :L] = True if valid is None else valid
     cache = NemotronHCache(valid=cache_valid, length=L, padded=valid is not None)
-    dtype = model.lm_head.weight.dtype if not torch.is_autocast_enabled(dev.type) \
-        else torch.get_autocast_dtype(dev.type)
 
     def mamba(name, m, x):
         y, cache.layers[name] = mamba_prefill(m, x, seq_idx, valid)
         return y
 
     def attention(name, m, x):
-        kv = KVCache(*(torch.empty(b, m.num_kv_heads, max_length, m.head_dim, dtype=dtype, device=dev)
-                       for _ in range(2)))
-        cache.layers[name] = kv
-        return attention_prefill(m, x, seq_idx, kv)
+        y, cache.layers[name] = attention_prefill(m, x, seq_idx, max_length)
+        return y
 
-    h = _run_layers(model, h, mamba, attention)
-    return model.lm_head(h[:, -1]).float(), cache
+    return _head(model, _run_layers(model, h, mamba, attention)), cache
 
 
 @torch.no_grad()
 def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Tensor:
-    """Feed one token per row (tokens [b]); returns the next logits [b, V] (fp32)."""
+    """Feed one token per row (tokens [b]); returns the next logits [b, V] (fp32). A pipeline
+    stage takes hidden states [b, 1, H] without the embeddings, returns them without the head."""
     t = cache.length
     if t >= cache.max_length:
         raise ValueError(f"the cache holds {cache.max_length} tokens and is full; prefill with a larger max_length")
     cache.valid[:, t] = True
-    h = model.backbone.embeddings(tokens[:, None])
     h = _run_layers(
-        model, h,
+        model, _embed(model, tokens[:, None] if tokens.dim() == 1 else tokens),
         lambda name, m, x: mamba_step(m, x, cache.layers[name]),
         lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid if cache.padded else None, t),
     )
     cache.length = t + 1
-    return model.lm_head(h[:, 0]).float()
+    return _head(model, h)
 
 
 @torch.no_grad()
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 20,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_token_id: int | Sequence[int] | None = None,
-    seed: int | None = None,
-) -> torch.Tensor:
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: GenerationConfig,
+             pipeline=None, lockstep_group=None) -> torch.Tensor:
     """See ``NemotronHForCausalLM.generate``."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-    was_training = model.training
-    model.eval()
+    if pipeline is None:
+        _check_model(model)
+        models = [model]
+    else:
+        models = pipeline.stages
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
     try:
-        cache: list[NemotronHCache] = []
+        max_length = input_ids.shape[1] + config.max_new_tokens
+        if pipeline is None:
+            cache: list[NemotronHCache] = []
 
-        def first():
-            logits, c = prefill(model, input_ids, attention_mask, max_length=input_ids.shape[1] + max_new_tokens)
-            cache.append(c)
-            return logits
+            def first():
+                logits, c = prefill(model, input_ids, attention_mask, max_length=max_length)
+                cache.append(c)
+                return logits
 
-        return decode(first, lambda tok: decode_step(model, cache[0], tok), input_ids, max_new_tokens,
-                      do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                      eos_token_id=eos_token_id, seed=seed)
+            return decode(first, lambda tok: decode_step(model, cache[0], tok), input_ids, config,
+                          lockstep_group=lockstep_group)
+        caches: dict[int, NemotronHCache] = {}
+
+        def stage_prefill(i, stage, x):
+            out, caches[i] = prefill(stage, x, attention_mask, max_length=max_length)
+            return out
+
+        return decode(lambda: pipeline.run(stage_prefill, input_ids),
+                      lambda tok: pipeline.run(lambda i, stage, x: decode_step(stage, caches[i], x), tok),
+                      input_ids, config, share_tokens=pipeline.share_tokens, lockstep_group=lockstep_group)
     finally:
-        model.train(was_training)
+        for m, t in zip(models, was_training):
+            m.train(t)

@@ -284,27 +284,23 @@ class NemotronHForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        eos_token_id: int | list[int] | None = None,
-        seed: int | None = None,
-    ) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 pipeline=None, lockstep_group=None, **settings) -> torch.Tensor:
         """Cached decoding (``generation.py``): the prompt [B, L] (left-padded where
         ``attention_mask`` is 0) followed by up to ``max_new_tokens`` new tokens, [B, L + n].
-        Greedy unless ``do_sample``; ``temperature``, ``top_k`` (0: off), ``top_p`` (1.0: off) and
-        ``eos_token_id`` (a sequence stops there and is padded with it) as in ``transformers``'
-        ``generate``; ``seed`` seeds the sampling (None: torch's global generator)."""
+        ``settings``: the fields of ``hybridtrain.ops.sampling.GenerationConfig``
+        (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``eos_token_id``, ``seed``) with the meaning ``transformers``' ``generate`` gives them.
+
+        Distributed layouts: ``pipeline`` (``distributed.pipeline_decode.PipelineDecoder``) runs
+        this rank's pipeline stages in the chain; ``lockstep_group``: ranks that decode together
+        (collectives inside the model) step until all of them are done."""
+        from hybridtrain.ops.sampling import GenerationConfig
+
         from .generation import generate
 
-        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+        return generate(self, input_ids, attention_mask, GenerationConfig(**settings), pipeline=pipeline,
+                        lockstep_group=lockstep_group)
 
     # ------------------------------------------------------------------ Hub I/O
     @classmethod
