@@ -19,6 +19,13 @@ ways, all on torch's public ``torch.distributed.tensor(.parallel)`` API:
 * :class:`LocalSlice`: the part of a replicated activation this rank works on (e.g. the one kv
   head of its query heads when there are fewer kv heads than ranks), with the gradient summed over
   the ranks in backward.
+* :class:`AdaptedLinearParallel`: the column / row style of a linear that carries a low-rank
+  adapter (``lora_A [r, in]``, ``lora_B [out, r]``, as ``peft.lora.LoRALinear``): column-wise,
+  ``lora_B`` is split with the weight's output rows and ``lora_A`` is whole on every rank;
+  row-wise, ``lora_A`` is split with the weight's input columns and ``lora_B`` is whole, its
+  partial sums reduced in the same all-reduce as the base's. :func:`apply_tp_plan` picks it for
+  a "column" / "row" entry whose module has the adapter; the module computes with
+  :func:`grads_in_own_placements` of its adapters.
 
 Parameters become DTensors on the ``tp`` mesh: checkpoints and exports hold full tensors, and a
 checkpoint written under one layout loads under any other. FSDP2 then shards them over a 2-D
@@ -30,10 +37,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["tp_mesh", "column_parallel", "row_parallel", "vocab_parallel_embedding",
            "vocab_parallel_head", "apply_tensor_parallel", "shard_parameters", "LocalSlice",
-           "check_divisible", "apply_tp_plan", "tp_shard_dims"]
+           "check_divisible", "apply_tp_plan", "tp_shard_dims", "AdaptedLinearParallel",
+           "grads_in_own_placements"]
 
 
 def tp_mesh(dims):
@@ -81,13 +91,27 @@ def vocab_parallel_head():
 # (:func:`tp_shard_dims`).
 STYLES = {"column": column_parallel, "row": row_parallel, "vocab_embedding": vocab_parallel_embedding,
           "vocab_head": vocab_parallel_head}
-_STYLE_DIMS = {"column": {"weight": 0, "bias": 0}, "row": {"weight": 1},  # (a row bias: replicated)
-               "vocab_embedding": {"weight": 0}, "vocab_head": {"weight": 0}}
+# A linear's parameters sharded along a dim under the column / row style (the others, e.g. a row
+# bias, replicated); lora_A / lora_B: a LoRA linear's adapter (AdaptedLinearParallel).
+_LINEAR_DIMS = {"column": {"weight": 0, "bias": 0, "lora_B": 0}, "row": {"weight": 1, "lora_A": 1}}
+_STYLE_DIMS = {**_LINEAR_DIMS, "vocab_embedding": {"weight": 0}, "vocab_head": {"weight": 0}}
+
+
+def _has_adapter(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "lora_A", None), nn.Parameter)
+
+
+def _style(module: nn.Module, name: str):
+    """The style ``name`` for ``module``: :class:`AdaptedLinearParallel` for a linear with an
+    adapter, else the plain one."""
+    if name in _LINEAR_DIMS and _has_adapter(module):
+        return AdaptedLinearParallel(name)
+    return STYLES[name]()
 
 
 def apply_tp_plan(model: nn.Module, mesh, plan: dict) -> None:
     """Split ``model`` over the 1-D ``mesh`` as ``plan`` (see above) says."""
-    styles = {k: STYLES[v]() for k, v in plan.items() if isinstance(v, str)}
+    styles = {k: _style(model.get_submodule(k), v) for k, v in plan.items() if isinstance(v, str)}
     if styles:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -160,3 +184,68 @@ class LocalSlice:
 
     def __repr__(self) -> str:
         return f"LocalSlice(dim={self.dim}, start={self.start}, length={self.length})"
+
+
+class AdaptedLinearParallel(ParallelStyle):
+    """Column- (``kind="column"``) or row-wise (``"row"``) split of a linear with a low-rank
+    adapter, ``y = x W^T + b + s (x A^T) B^T``: the weight as ``ColwiseParallel`` /
+    ``RowwiseParallel`` split it, the adapter along the same dim of the layer (``_LINEAR_DIMS``):
+
+    * column: ``W``, ``b`` and ``B`` by output rows, ``A`` whole; the replicated input gives this
+      rank's output columns of both terms (``x A^T`` is computed whole on every rank);
+    * row: ``W`` and ``A`` by input columns, ``b`` and ``B`` whole; the sharded input gives
+      partial sums of ``x W^T`` and of ``x A^T`` (then ``(x A^T)_r B^T``), added, and reduced in
+      one all-reduce of the output.
+
+    ``input_layout`` / ``output_layout``: the input's placement as it arrives and the output's as
+    it leaves (defaults as torch's styles: column Replicate -> Shard(-1), row Shard(-1) ->
+    Replicate). The module computes with :func:`grads_in_own_placements` of its adapters."""
+
+    def __init__(self, kind: str, input_layout=None, output_layout=None):
+        super().__init__()
+        assert kind in _LINEAR_DIMS, kind
+        self.kind = kind
+        self.desired_input = Replicate() if kind == "column" else Shard(-1)
+        self.input_layout = input_layout or self.desired_input
+        self.output_layout = output_layout or (Shard(-1) if kind == "column" else Replicate())
+
+    def _partition(self, name: str, module: nn.Module, mesh) -> None:
+        if name:  # the dropout child: nothing to place
+            return
+        for pname, dim in _LINEAR_DIMS[self.kind].items():
+            p = getattr(module, pname, None)
+            if p is not None:  # the others are replicated by distribute_module
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(p, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
+                    requires_grad=p.requires_grad))
+
+    def _input(self, module, inputs, mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if self.input_layout != self.desired_input:
+            x = x.redistribute(placements=(self.desired_input,))
+        return x
+
+    def _output(self, module, y, mesh):
+        if y.placements != (self.output_layout,):
+            y = y.redistribute(placements=(self.output_layout,))
+        return y.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        assert isinstance(module, nn.Linear) and _has_adapter(module), type(module)
+        return distribute_module(module, device_mesh, self._partition, self._input, self._output)
+
+    def __repr__(self) -> str:
+        return (f"AdaptedLinearParallel({self.kind}, input_layout={self.input_layout}, "
+                f"output_layout={self.output_layout})")
+
+
+def grads_in_own_placements(p: torch.Tensor) -> torch.Tensor:
+    """``p`` as a computation uses it, its gradient arriving in ``p``'s own placements: a
+    replicated adapter whose gradient the sharded computation leaves as per-rank partial sums
+    (``Partial``) gets them all-reduced here, so that the optimizer, gradient clipping and FSDP2
+    see a replicated gradient as for any replicated parameter. A plain tensor is returned as is."""
+    if not isinstance(p, DTensor):
+        return p
+    return DTensor.from_local(p.to_local(), p.device_mesh, p.placements, run_check=False)
