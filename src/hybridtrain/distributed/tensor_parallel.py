@@ -26,6 +26,9 @@ ways, all on torch's public ``torch.distributed.tensor(.parallel)`` API:
   partial sums reduced in the same all-reduce as the base's. :func:`apply_tp_plan` picks it for
   a "column" / "row" entry whose module has the adapter; the module computes with
   :func:`grads_in_own_placements` of its adapters.
+* :class:`SequenceParallel` (``distributed.sequence_parallel``): the residual stream and the norms
+  between the tensor-parallel layers hold each rank's part of the sequence; a model gathers the
+  whole sequence before its tensor-parallel layers and takes its part of their output.
 
 Parameters become DTensors on the ``tp`` mesh: checkpoints and exports hold full tensors, and a
 checkpoint written under one layout loads under any other. FSDP2 then shards them over a 2-D
@@ -43,7 +46,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 __all__ = ["tp_mesh", "column_parallel", "row_parallel", "vocab_parallel_embedding",
            "vocab_parallel_head", "apply_tensor_parallel", "shard_parameters", "LocalSlice",
            "check_divisible", "apply_tp_plan", "tp_shard_dims", "AdaptedLinearParallel",
-           "grads_in_own_placements"]
+           "grads_in_own_placements", "SequenceParallel"]
 
 
 def tp_mesh(dims):
@@ -249,3 +252,45 @@ def grads_in_own_placements(p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return p
     return DTensor.from_local(p.to_local(), p.device_mesh, p.placements, run_check=False)
+
+
+class SequenceParallel:
+    """Sequence parallelism over the tp ranks (Megatron's, with tensor parallelism): between the
+    tensor-parallel layers -- the residual stream and the norms -- each rank holds its part of
+    the sequence (``torch.chunk`` of dim ``dim``, so any length), not the whole of it.
+
+    * :meth:`shard`: a replicated tensor (the embeddings, a row-parallel layer's all-reduced
+      output) -> this rank's part; backward all-gathers the parts' gradients.
+    * :meth:`gather`: this rank's part -> the whole sequence (all-gather), as the tensor-parallel
+      layers after it (whose input gradient is all-reduced: the same on every rank) take it;
+      backward keeps this rank's part of that gradient.
+    * :meth:`sum_grad`: a replicated weight used on this rank's part only (a norm's): identity;
+      backward sums its gradient over the ranks.
+    """
+
+    def __init__(self, mesh, dim: int = 1):
+        self.mesh, self.dim = mesh, dim
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False).redistribute(
+            self.mesh, [Shard(self.dim)]).to_local()
+
+    def gather(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """The whole sequence (``length`` along ``dim``) from every rank's part ``t``."""
+        shape = list(t.shape)
+        shape[self.dim] = length
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * shape[i + 1]
+        d = DTensor.from_local(t, self.mesh, [Shard(self.dim)], run_check=False,
+                               shape=torch.Size(shape), stride=tuple(stride))
+        return d.redistribute(self.mesh, [Replicate()]).to_local()
+
+    def sum_grad(self, w: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Partial
+
+        return DTensor.from_local(w, self.mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+
+    def __repr__(self) -> str:
+        return f"SequenceParallel(dim={self.dim}, ranks={self.mesh.size()})"
