@@ -1,4 +1,4 @@
-"""LoRA under tensor parallelism (2 gloo ranks; and with FSDP2, 4 ranks), through the recipe's
+"""LoRA under tensor parallelism (2 gloo ranks; and with sequence parallelism and FSDP2, 4 ranks), through the recipe's
 builder and trainer, against the single-process run: per-step losses and gradient norms, the
 trained adapters, the PEFT export (Mamba ``in_proj``'s ``lora_B`` rows back in the Hub's order)
 and the merged export. Adapters on every linear but the LM head and on the MoE experts of the
@@ -47,9 +47,10 @@ def _run(layout, world, packed, out_dir=None):
     return losses, norms, adapters, _placements(b.model)
 
 
-def _placements(model) -> dict[str, str]:
-    """{adapter name: its placements over the tp mesh} of the first Mamba / attention layers."""
-    out = {}
+def _placements(model) -> dict:
+    """{adapter name: its placements over the tp mesh} of the first Mamba / attention layers,
+    and whether the model runs sequence parallel."""
+    out = {"sequence_parallel": model.sequence_parallel is not None}
     for n, p in model.named_parameters():
         if "lora_" in n and n.startswith(("backbone.layers.0.", "backbone.layers.1.")):
             out[n.split("mixer.", 1)[1]] = str(p.placements[-1]) if hasattr(p, "placements") else "plain"
@@ -61,7 +62,7 @@ def _tp_worker(rank, world, out_dir):
 
 
 def _tp_fsdp_worker(rank, world):
-    return _run({"tp": 2, "dp_shard": 2}, world, True)
+    return _run({"tp": 2, "dp_shard": 2, "sp": True}, world, True)
 
 
 def _max_rel(a, b):
@@ -120,9 +121,10 @@ def test_lora_tp2_matches_single_process(tmp_path):
 
 
 @pytest.mark.distributed
-def test_lora_tp2_fsdp2_packed_matches_single_process():
+def test_lora_tp2_sp_fsdp2_packed_matches_single_process():
     torch.set_num_threads(1)
     ref = _run({}, 1, True)
     res = run_distributed(_tp_fsdp_worker, 4)
     for r in range(4):
-        _check(f"lora tp2 x fsdp2 r{r}", res[r], ref)
+        assert res[r][3]["sequence_parallel"]
+        _check(f"lora tp2+sp x fsdp2 r{r}", res[r], ref)
