@@ -5,9 +5,10 @@ recipe's builder (fp32, the mixed Nemotron-H of ``benchmarks/plan_activations.py
 ``M*-EM*-E``, hidden 256). Every rank takes one forward + backward of one ``L``-token row through
 the chunked loss and reports:
 
-* ``saved``: the bytes autograd keeps for backward after forward (unique storages seen by
-  ``torch.autograd.graph.saved_tensors_hooks``, DTensors by their local tensors, parameters
-  excluded) -- allocator-independent;
+* ``kept``: resident memory after forward minus before (VmRSS): what forward leaves for
+  backward (the children run with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so
+  that freed tensors leave the resident set). Not autograd's saved-tensor hooks: sequence
+  parallelism installs its own around the mixers, and the innermost hooks hide the others;
 * ``peak``: the rise of the process's peak resident set (VmHWM, reset before forward) over
   forward + backward, less the parameter gradients.
 
@@ -60,30 +61,16 @@ def _rank(rank: int, world: int, port: int, sp: bool, seq_len: int, outdir: str)
         return t.to_local() if isinstance(t, DTensor) else t
 
     grads = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        lt = local(t)
-        if lt.device.type == "cpu" and not lt.is_meta:
-            try:
-                s = lt.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
-            except RuntimeError:  # a storage-less alias (DTensor.to_local of a parameter)
-                pass
-        return t
-
     dist.barrier()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels=ids)
+    loss = model(ids, labels=ids)
+    kept = _status("VmRSS") - before
     loss.backward()
     peak = _status("VmHWM") - before - grads
-    saved = sum(n for ptr, n in storages.items() if ptr not in params)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump({"saved": saved, "peak": peak, "loss": float(loss)}, f)
+        json.dump({"kept": kept, "peak": peak, "loss": float(loss.detach())}, f)
     dist.destroy_process_group()
 
 
@@ -110,7 +97,7 @@ def main(argv=None) -> dict:
     mib = 2 ** 20
     res = {sp: run(sp, args.seq_len) for sp in (False, True)}
     print(f"tp=2, fp32, one row of {args.seq_len} tokens, per rank (MiB)")
-    for key in ("saved", "peak"):
+    for key in ("kept", "peak"):
         off = max(r[key] for r in res[False])
         on = max(r[key] for r in res[True])
         print(f"  {key:6s} no sp {off / mib:8.1f}   sp {on / mib:8.1f}   sp/no-sp {on / off:.3f}")

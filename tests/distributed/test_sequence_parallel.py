@@ -1,7 +1,7 @@
 """Sequence parallelism (``distributed.sequence_parallel`` with ``tp: 2``) through the recipe's
 builder and trainer against the single-process run, packed and unpacked: per-step losses and
-gradient norms, final weights and validation loss within 1e-5 relative; the residual stream
-between the blocks holds half of every row on each rank."""
+gradient norms, final weights and validation loss within 1e-5 relative (also with activation
+checkpointing); the residual stream between the blocks holds half of every row on each rank."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import parity as pu
 from tests.helpers.distributed import run_distributed
-from tests.distributed.test_tensor_parallel import _check
+from tests.distributed.test_tensor_parallel import _check, _max_rel
 
 
 def _residual_lengths(model, row_len: int) -> list[int]:
@@ -27,6 +27,7 @@ def _residual_lengths(model, row_len: int) -> list[int]:
 
 def _sp_group(rank, world):
     out = {packed: pu.run_layout({"tp": 2, "sp": True}, world, packed) for packed in (False, True)}
+    out["ac"] = pu.run_layout({"tp": 2, "sp": True}, world, False, ac=True)[0]  # (wrapped names)
     b, _ = pu.build({"tp": 2, "sp": True}, world)
     out["lengths"] = _residual_lengths(b.model, 15)  # uneven: 8 + 7 tokens
     return out
@@ -40,3 +41,4 @@ def test_tp2_sequence_parallel_matches_single_process():
     assert set(res[0]["lengths"]) == {(8, 8)} and set(res[1]["lengths"]) == {(7, 7)}
     for packed in (False, True):
         _check(f"tp2+sp {'packed' if packed else 'unpacked'}", res[0][packed], ref[packed])
+    assert _max_rel(res[0]["ac"], ref[False][0]) <= 1e-5, (res[0]["ac"], ref[False][0])

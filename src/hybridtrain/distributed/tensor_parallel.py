@@ -38,6 +38,8 @@ checkpoint written under one layout loads under any other. FSDP2 then shards the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -264,6 +266,8 @@ class SequenceParallel:
     * :meth:`gather`: this rank's part -> the whole sequence (all-gather), as the tensor-parallel
       layers after it (whose input gradient is all-reduced: the same on every rank) take it;
       backward keeps this rank's part of that gradient.
+    * :meth:`keep_part`: around the layers that take the gathered sequence: autograd keeps this
+      rank's part instead of the gathered tensor and gathers it again in backward.
     * :meth:`sum_grad`: a replicated weight used on this rank's part only (a norm's): identity;
       backward sums its gradient over the ranks.
     """
@@ -286,6 +290,36 @@ class SequenceParallel:
                                shape=torch.Size(shape), stride=tuple(stride))
         return d.redistribute(self.mesh, [Replicate()]).to_local()
 
+    def keep_part(self, full: torch.Tensor, part: torch.Tensor):
+        """A context in which autograd keeps this rank's ``part`` for the gathered ``full``
+        (:meth:`gather`) -- for every saved tensor that is ``full`` or a view of it, DTensor or
+        not -- and gathers it again when backward needs it (Megatron's sequence parallelism: the
+        tensor-parallel layers' saved inputs cost 1/tp, for one more all-gather in backward)."""
+        ptr, length = full.untyped_storage().data_ptr(), full.shape[self.dim]
+
+        def pack(t):
+            with torch.no_grad():
+                local = t.to_local() if isinstance(t, DTensor) else t
+                try:
+                    if local.untyped_storage().data_ptr() != ptr:
+                        return t
+                except RuntimeError:  # a storage-less tensor: not ``full``
+                    return t
+            spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+            return _GatheredView(local.shape, local.stride(), local.storage_offset(), spec)
+
+        def unpack(x):
+            if not isinstance(x, _GatheredView):
+                return x
+            with torch.no_grad():
+                v = self.gather(part, length).as_strided(x.shape, x.stride, x.offset)
+            if x.spec is None:
+                return v
+            mesh, placements, shape, stride = x.spec
+            return DTensor.from_local(v, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
     def sum_grad(self, w: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import Partial
 
@@ -294,3 +328,13 @@ class SequenceParallel:
 
     def __repr__(self) -> str:
         return f"SequenceParallel(dim={self.dim}, ranks={self.mesh.size()})"
+
+
+@dataclass(frozen=True)
+class _GatheredView:
+    """What autograd keeps for a saved view of a gathered sequence (:meth:`SequenceParallel.keep_part`)."""
+
+    shape: torch.Size
+    stride: tuple
+    offset: int
+    spec: tuple | None

@@ -113,15 +113,19 @@ class Block(nn.Module):
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo | None = None) -> torch.Tensor:
         sp = info.sp if info is not None else None
         h = self.norm(hidden_states.to(self.norm.weight.dtype), sp)
-        if sp is not None:  # the mixer takes whole rows; the residual stream keeps this rank's part
-            h = sp.gather(h, info.length)
+        if sp is None:
+            return hidden_states + self._mix(h, info)
+        # the mixer takes whole rows (autograd keeps this rank's part of them); the residual
+        # stream keeps this rank's part
+        full = sp.gather(h, info.length)
+        with sp.keep_part(full, h):
+            out = self._mix(full, info)
+        return hidden_states + sp.shard(out)
+
+    def _mix(self, h: torch.Tensor, info: SequenceInfo | None) -> torch.Tensor:
         if self.block_type in ("linear_attention", "full_attention") and info is not None:
-            h = self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
-        else:
-            h = self.mixer(h)
-        if sp is not None:
-            h = sp.shard(h)
-        return hidden_states + h
+            return self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
+        return self.mixer(h)
 
 
 class NemotronHModel(nn.Module):
