@@ -42,3 +42,17 @@ def test_tp2_sequence_parallel_matches_single_process():
     for packed in (False, True):
         _check(f"tp2+sp {'packed' if packed else 'unpacked'}", res[0][packed], ref[packed])
     assert _max_rel(res[0]["ac"], ref[False][0]) <= 1e-5, (res[0]["ac"], ref[False][0])
+
+
+def _sp_with_group(rank, world, other):
+    return pu.run_layout({"tp": 2, "sp": True, **other}, world, True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("other", [{"pp": 2}, {"cp": 2}], ids=["pp2", "cp2"])
+def test_tp2_sequence_parallel_with_pp_or_cp_matches_single_process(other):
+    """Pipeline stages pass whole rows (each stage's blocks hold their part); under context
+    parallelism the tp ranks split this rank's slice of the rows."""
+    torch.set_num_threads(1)
+    ref = pu.reference(True)
+    _check(f"tp2 x {other} +sp packed", run_distributed(_sp_with_group, 4, other)[0], ref)
