@@ -24,11 +24,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hybridtrain.distributed.tensor_parallel import SequenceParallel
 from hybridtrain.ops.loss import LinearCrossEntropy
 
 from .attention import Attention
@@ -39,6 +39,9 @@ from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import MoE
 from .norms import RMSNorm
+
+if TYPE_CHECKING:
+    from hybridtrain.distributed.tensor_parallel import SequenceParallel
 
 MIXERS = {"linear_attention": Mamba2Mixer, "full_attention": Attention, "mlp": MLP, "moe": MoE}
 
