@@ -230,8 +230,10 @@ DISTRIBUTED = {
                                   "micro-batches (same micro-batching as one process)", _OPT_INT),
     "pp_split_points": K(None, "manual split: first layer index of every stage after the first; "
                                "null -> balanced by per-layer FLOPs", (list, type(None))),
-    "sequence_parallel": K(False, "with tp > 1, shard norms/activations along the sequence "
-                                  "(not implemented yet: true is refused)"),
+    "sequence_parallel": K(False, "with tp > 1: the residual stream and the norms hold each tp "
+                                  "rank's 1/tp of every row; the mixers gather whole rows (their "
+                                  "saved inputs keep 1/tp, gathered again in backward). No "
+                                  "effect with tp: 1"),
     "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy",
                                     choices=("default", "always", "never")),
     "fsdp_param_dtype": K("auto", "FSDP2 all-gather/compute dtype; auto -> training dtype",

@@ -34,11 +34,6 @@ def parallel_dims_from_config(distributed, world_size: int, device_type: str = "
     """Validated degrees; the named meshes are built (a collective) when there is more than
     one rank and ``build_mesh``."""
     d = config_section("distributed", distributed)
-    if d.tp > 1 and d.sequence_parallel:
-        raise ValueError(
-            "distributed.sequence_parallel: true is not implemented yet (under tensor parallelism "
-            "norms and residuals are replicated over the tp ranks); set "
-            "distributed.sequence_parallel: false")
     dims = ParallelDims(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp,
                         pp=d.pp, ep=d.ep, world_size=world_size)
     if world_size > 1 and build_mesh:

@@ -12,7 +12,9 @@ subclass that keeps the base parameters (same ``Parameter`` objects, same names)
 
 Base parameter names are unchanged (``backbone.layers.3.mixer.q_proj.weight``), so checkpoints
 and Hub I/O see the same names; the adapters are ``<module>.lora_A`` / ``<module>.lora_B`` and
-``<experts>.{up,down}_proj_lora_{A,B}``. Every base parameter is frozen (``requires_grad =
+``<experts>.{up,down}_proj_lora_{A,B}``. Under tensor parallelism a LoRA linear is split with its
+base (``distributed.tensor_parallel.AdaptedLinearParallel``: ``lora_B`` with a column-wise
+base's output rows, ``lora_A`` with a row-wise base's input columns). Every base parameter is frozen (``requires_grad =
 False``): an optimizer built from the parameters that require grad sees only the adapters, and a
 checkpoint taken with ``ignore_frozen_params`` holds only the adapters.
 
@@ -40,6 +42,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.expert_parallel import local_tensor, zero_rows_output
+from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
 from hybridtrain.models.spec import model_spec_for
 
@@ -135,7 +138,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        return out + _delta(self.lora_dropout(x), self.lora_A, self.lora_B, self.scale).to(out.dtype)
+        A, B = grads_in_own_placements(self.lora_A), grads_in_own_placements(self.lora_B)
+        return out + _delta(self.lora_dropout(x), A, B, self.scale).to(out.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in fp32, [out, in]."""

@@ -287,12 +287,6 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if cfg.peft is not None:
         from hybridtrain.peft.lora import apply_lora
 
-        if cfg.distributed.tp > 1:
-            raise ValueError(
-                f"peft with distributed.tp={cfg.distributed.tp}: LoRA under tensor parallelism is "
-                "not supported yet; use distributed.tp: 1 (FSDP2, pipeline and expert parallelism "
-                "train LoRA)")
-
         peft = cfg.peft.to_dict()
         apply_lora(model, **peft)
     if not on_meta:  # a model target that ignored the meta device: built in full already

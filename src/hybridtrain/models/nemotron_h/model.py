@@ -13,6 +13,10 @@ Context parallelism: once ``parallelize`` has set ``context_parallel``, forward 
 contiguous slice of every row with its ``position_ids``
 (``hybridtrain.distributed.context_parallel.shard_batch``) and returns the slice's outputs (or
 its loss); see :mod:`.context_parallel`.
+
+Sequence parallelism (with tensor parallelism): once ``parallelize`` has set
+``sequence_parallel``, the residual stream and the norms hold each tp rank's part of the rows;
+every block gathers the whole rows for its mixer and keeps its part of the mixer's output.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +40,9 @@ from .mlp import MLP
 from .moe import MoE
 from .norms import RMSNorm
 
+if TYPE_CHECKING:
+    from hybridtrain.distributed.tensor_parallel import SequenceParallel
+
 MIXERS = {"linear_attention": Mamba2Mixer, "full_attention": Attention, "mlp": MLP, "moe": MoE}
 
 
@@ -44,6 +52,9 @@ class SequenceInfo:
 
     seq_idx: torch.Tensor | None = None  # [B, L] int32 document id, None = one document per row
     cp: CPSlice | None = None  # this rank's slice of a context-parallel sequence
+    # sequence parallelism: between the mixers, this rank's part of the rows' ``length`` tokens
+    sp: SequenceParallel | None = None
+    length: int = 0
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
@@ -103,12 +114,21 @@ class Block(nn.Module):
         self.mixer.reset_parameters()
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo | None = None) -> torch.Tensor:
-        h = self.norm(hidden_states.to(self.norm.weight.dtype))
+        sp = info.sp if info is not None else None
+        h = self.norm(hidden_states.to(self.norm.weight.dtype), sp)
+        if sp is None:
+            return hidden_states + self._mix(h, info)
+        # the mixer takes whole rows (autograd keeps this rank's part of them); the residual
+        # stream keeps this rank's part
+        full = sp.gather(h, info.length)
+        with sp.keep_part(full, h):
+            out = self._mix(full, info)
+        return hidden_states + sp.shard(out)
+
+    def _mix(self, h: torch.Tensor, info: SequenceInfo | None) -> torch.Tensor:
         if self.block_type in ("linear_attention", "full_attention") and info is not None:
-            h = self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
-        else:
-            h = self.mixer(h)
-        return hidden_states + h
+            return self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
+        return self.mixer(h)
 
 
 class NemotronHModel(nn.Module):
@@ -148,6 +168,8 @@ class NemotronHForCausalLM(nn.Module):
         # set by parallelize under context parallelism: forward then takes this rank's slice
         # of every row (hybridtrain.distributed.context_parallel.shard_batch)
         self.context_parallel = None
+        # set by parallelize under sequence parallelism (distributed.tensor_parallel)
+        self.sequence_parallel = None
         if not self.lm_head.weight.is_meta:
             self.init_weights()
 
@@ -165,6 +187,7 @@ class NemotronHForCausalLM(nn.Module):
         stage.lm_head = self.lm_head if is_last else None
         stage.loss = self.loss
         stage.context_parallel = self.context_parallel
+        stage.sequence_parallel = self.sequence_parallel
         return stage
 
     # ------------------------------------------------------------------ init
@@ -260,11 +283,15 @@ class NemotronHForCausalLM(nn.Module):
             h = input_ids
         B, L = h.shape[:2]
         info = self.sequence_info(B, L, h.device, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        sp = info.sp = self.sequence_parallel
+        if sp is not None:  # blocks in and out: this rank's part of the rows
+            info.length = L
+            h = sp.shard(h)
         for block in bb.layers.values():
             h = block(h, info)
         if bb.norm_f is not None:
-            h = bb.norm_f(h)
-        return h
+            h = bb.norm_f(h, sp)
+        return h if sp is None else sp.gather(h, L)
 
     def forward(
         self,

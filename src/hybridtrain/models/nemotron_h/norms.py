@@ -74,8 +74,11 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, None, self.weight, x.shape[-1], self.eps)
+    def forward(self, x: torch.Tensor, sequence_parallel=None) -> torch.Tensor:
+        """``sequence_parallel`` (``distributed.tensor_parallel.SequenceParallel``): ``x`` is this
+        rank's part of the sequence; the weight's gradient is summed over the ranks."""
+        w = self.weight if sequence_parallel is None else sequence_parallel.sum_grad(self.weight)
+        return _RMSNormFunction.apply(x, None, w, x.shape[-1], self.eps)
 
 
 class RMSNormGated(nn.Module):

@@ -13,7 +13,9 @@ MoE's shared expert up by columns, down by rows; Mamba2 by B/C groups (whole gro
 heads: in_proj's rows, which we hold group by group, the conv channels, ``dt_bias``/``A_log``/
 ``D``, the gated norm's groups; out_proj by rows); the embeddings and the LM head over the
 vocabulary. Norms, the router and the routed experts (split by ``ep`` instead) are replicated
-over the tp ranks.
+over the tp ranks. With ``distributed.sequence_parallel`` the residual stream and the blocks'
+norms hold each tp rank's part of the rows (``model.sequence_parallel``; the mixers, the routed
+experts included, still take whole rows).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from hybridtrain.distributed.context_parallel import apply_context_parallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
-from hybridtrain.distributed.tensor_parallel import LocalSlice, apply_tp_plan, check_divisible, tp_mesh
+from hybridtrain.distributed.tensor_parallel import (LocalSlice, SequenceParallel, apply_tp_plan,
+                                                     check_divisible, tp_mesh)
 
 
 def check_tp(config, tp: int) -> None:
@@ -78,10 +81,13 @@ def tp_plan(model: nn.Module, tp: int) -> dict:
     return plan
 
 
-def apply_tp(model: nn.Module, mesh) -> None:
-    """Tensor parallelism of a (stage) model over the 1-D ``mesh`` (see the module docstring)."""
+def apply_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
+    """Tensor parallelism of a (stage) model over the 1-D ``mesh`` (see the module docstring);
+    ``sequence_parallel``: the residual stream and the norms hold each rank's part of the rows."""
     config, tp = model.config, mesh.size()
     apply_tp_plan(model, mesh, tp_plan(model, tp))
+    if sequence_parallel:
+        model.sequence_parallel = SequenceParallel(mesh)
     kv = config.num_key_value_heads
     if kv < tp:  # k/v whole on every rank; each takes the kv head of its query heads
         for block in model.backbone.layers.values():
@@ -94,7 +100,7 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
                            device: torch.device, autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
     if dims.tp > 1:
-        apply_tp(model, tp_mesh(dims))
+        apply_tp(model, tp_mesh(dims), distributed.sequence_parallel)
     if dims.cp > 1:
         apply_context_parallel(model, dims.group("cp"))
     layers = model.backbone.layers
