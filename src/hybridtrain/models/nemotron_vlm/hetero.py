@@ -120,12 +120,11 @@ class HeteroVLMStep:
         return self._lane(model, batch, None, logits=True)
 
 
-def hetero_plan(model, distributed, world_size: int, require_trainable: bool = True):
+def hetero_plan(model, distributed, world_size: int):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
     ``0..E-1``, the language model on the rest (one data lane per rank, gradients summed over
-    the lanes); each rank keeps only its modules. ``require_trainable``: refuse a side with
-    nothing to train (the recipe's trainer needs an optimizer on every rank; a loop that gives
-    such ranks no optimizer passes False)."""
+    the lanes); each rank keeps only its modules (a side with nothing trainable, e.g. the
+    frozen language model of stage 1, gets no optimizer)."""
     from hybridtrain.distributed.hetero import HeteroPlan, LaneDims
 
     E = distributed.encoder_ranks
@@ -138,13 +137,6 @@ def hetero_plan(model, distributed, world_size: int, require_trainable: bool = T
         raise ValueError(
             f"distributed.encoder_ranks={E}: the language model's own layout is data-parallel "
             f"lanes only so far; remove {others or {'dp_shard': distributed.dp_shard}}")
-    for what, modules in (("vision encoder and projector", (model.vision_model, model.projector)),
-                          ("language model", (model.language_model,))):
-        if require_trainable and not any(p.requires_grad for m in modules for p in m.parameters()):
-            raise ValueError(
-                f"distributed.encoder_ranks={E}: the {what} is frozen (model.freeze), so its "
-                "ranks would have nothing to train (no optimizer there is not supported by the "
-                "recipe's trainer yet); train this stage with encoder_ranks: 0 (colocated)")
     layout = BridgeLayout(range(E), range(E, world_size))
     groups = (dist.new_group(list(layout.senders)), dist.new_group(list(layout.receivers)))
     step = HeteroVLMStep(layout, *groups)
