@@ -114,6 +114,21 @@ def lane_batches(ds, collate, step: int, lanes: int, lane: int) -> list[dict]:
             for i in range(G // (M * lanes))]
 
 
+def side_batches(plan, ds, collate, step: int) -> list[dict]:
+    """This rank's micro-batches of global batch ``step`` of the heterogeneous layout, read
+    through the plan's data view (a lane: its samples without pixels; an encoder rank: the
+    images of the lanes it serves)."""
+    from hybridtrain.training.step_scheduler import MicroBatchSampler
+
+    lanes = plan.dims.dp
+    ga = parity.GBS // (parity.MBS * lanes)
+    sampler = MicroBatchSampler(len(ds), parity.MBS, ga, plan.dims.dp_rank, lanes,
+                                start_step=step, shuffle=False)
+    side, side_sampler, side_collate = plan.data_view(ds, sampler, collate)
+    keys = iter(side_sampler)
+    return [side_collate([side[k] for k in next(keys)]) for _ in range(ga)]
+
+
 def _adamw(params):
     import torch
 
@@ -165,10 +180,9 @@ def hetero_run(rank: int, world: int, tmp: str, encoders: int, freeze=(),
     plan = hetero_plan(model, section, world)
     step, model = plan.pipeline, plan.model
     opt = _adamw([p for p in model.parameters() if p.requires_grad])
-    lanes, lane = plan.dims.dp, plan.dims.dp_rank
     losses, norms = [], []
     for s in range(steps):
-        mbs = lane_batches(ds, collate, s, lanes, lane)
+        mbs = side_batches(plan, ds, collate, s)
         counts = torch.tensor([float(sum(count_label_tokens(mb) for mb in mbs))],
                               dtype=torch.float64)
         n = int(plan.dims.all_reduce_dp(counts)[0])

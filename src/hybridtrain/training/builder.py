@@ -186,8 +186,11 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
         collators[id(val_ds)] = build_collator(val_ds)
     pin = cfg.dataloader.pin_memory and device.type == "cuda"
 
-    def make_loader(dataset, batch_sampler):
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collators[id(dataset)],
+    def make_loader(dataset, batch_sampler, view=None):
+        collate = collators[id(dataset)]
+        if view is not None:  # what this rank reads of each batch (a plan's data_view)
+            dataset, batch_sampler, collate = view(dataset, batch_sampler, collate)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
                           num_workers=cfg.dataloader.num_workers, pin_memory=pin,
                           generator=torch.Generator())  # never draws from the global RNG
 
@@ -334,6 +337,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     else:
         plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
+    if make_loader is not None and getattr(plan, "data_view", None) is not None:
+        make_loader = functools.partial(make_loader, view=plan.data_view)
     if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
         _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
     return Built(
