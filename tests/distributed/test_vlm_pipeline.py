@@ -2,8 +2,10 @@
 vision encoder + projector on the first stage (they feed its embeddings) and the language
 model's layers split over the stages by the spec's pipeline split. The tiny VLM through the
 recipe's builder and trainer, 5 AdamW steps of mixed image / text-only batches (a micro-batch
-may hold no image), unpacked and packed rows: per-step loss and gradient norm within 1e-5
-relative of the single process, final weights within 1e-5, validation loss."""
+may hold no image), unpacked rows, and packed rows (several images per row) in stage 1
+(``freeze: [vision, language]``: the second stage holds nothing trainable, so its rank has no
+optimizer): per-step loss and gradient norm within 1e-5 relative of the single process, final
+weights within 1e-5, validation loss."""
 
 from __future__ import annotations
 
@@ -15,18 +17,19 @@ from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 
-CASES = {"pp2": False, "pp2_packed": True}
+CASES = {"pp2": (False, ()), "pp2_packed_stage1": (True, ("vision", "language"))}
 
 
 def _group(rank, world, tmp):
-    return {name: vlm.run(tmp, {"pp": 2}, world, packed) for name, packed in CASES.items()}
+    return {name: vlm.run(tmp, {"pp": 2}, world, packed, freeze)
+            for name, (packed, freeze) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = str(tmp_path_factory.mktemp("vlm_pp"))
-    ref = {name: vlm.run(tmp, {}, 1, packed) for name, packed in CASES.items()}
+    ref = {name: vlm.run(tmp, {}, 1, packed, freeze) for name, (packed, freeze) in CASES.items()}
     return ref, run_distributed(_group, 2, tmp, timeout=500)
 
 
