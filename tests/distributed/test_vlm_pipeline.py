@@ -30,12 +30,10 @@ def results(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = str(tmp_path_factory.mktemp("vlm_pp"))
     ref = {name: vlm.run(tmp, {}, 1, packed, freeze) for name, (packed, freeze) in CASES.items()}
-    return ref, run_distributed(_group, 2, tmp, timeout=500)
+    return ref, run_distributed(_group, 2, tmp, timeout=500), tmp
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_pipeline_parity(results, name):
-    ref, ranks = results[0][name], [r[name] for r in results[1]]
+def _check(ref, ranks, name):
     got = ranks[0]
     assert all(r[0] == got[0] and r[3] == got[3] for r in ranks)  # every stage agrees
     rel = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
@@ -45,3 +43,19 @@ def test_pipeline_parity(results, name):
     print(f"{name}: loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights abs {dw:.2e}")
     assert rel <= 1e-5 and rel_norm <= 1e-5 and dw <= 1e-5
     assert abs(got[2] - ref[2]) <= 1e-5 * abs(ref[2])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_parity(results, name):
+    _check(results[0][name], [r[name] for r in results[1]], name)
+
+
+def _pp_fsdp(rank, world, tmp):
+    return vlm.run(tmp, {"pp": 2, "dp_shard": 2}, world)
+
+
+def test_pipeline_with_fsdp_parity(results):
+    """pp 2 x FSDP2 2 on 4 ranks: the first stage's data-parallel ranks run the vision path in
+    step also when one of them has no image (validation included)."""
+    ranks = run_distributed(_pp_fsdp, 4, results[2], timeout=500)
+    _check(results[0]["pp2"], ranks, "pp2 x fsdp2")

@@ -131,15 +131,15 @@ class NemotronVLMForConditionalGeneration(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. In training a
-        batch without images still runs the vision path once (on a blank image, added times
-        zero), and always before the token embeddings, so that every data-parallel rank runs
-        the same modules in the same order (FSDP's collectives)."""
+        """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. A batch without
+        images still runs the vision path once (on a blank image, added times zero), and
+        always before the token embeddings, so that every data-parallel rank runs the same
+        modules in the same order (FSDP's collectives, in training and in validation)."""
         has_images = image_grid is not None and image_grid.shape[0] > 0
         blank = None
         if has_images:
             img = self.image_embeddings(pixel_values, image_grid)
-        elif self.training and torch.is_grad_enabled():
+        else:
             m = self.config.merge
             grid = torch.tensor([[m, m]], device=input_ids.device)
             pixels = torch.zeros(m * m, self.config.vision_config.patch_dim, device=input_ids.device)
