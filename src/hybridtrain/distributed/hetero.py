@@ -3,8 +3,9 @@ by a :class:`~hybridtrain.distributed.bridge.BridgeLayout` (senders: e.g. an enc
 receivers: the ranks that read the data and compute the loss, one data lane each).
 
 * :class:`LaneDims` stands in for ``ParallelDims`` in the trainer: the data streams are the
-  receiving lanes (``dp``, ``dp_rank``; a sender reads lane 0's batches only to keep its loop in
-  step and contributes nothing), ``all_reduce_dp`` sums over the lanes and leaves the result on
+  receiving lanes (``dp``, ``dp_rank``; a sender's loop runs on lane 0's sampler, which the
+  plan's ``data_view`` turns into what the sender reads, and its counts add nothing),
+  ``all_reduce_dp`` sums over the lanes and leaves the result on
   every rank, so the global label-token count, loss and validation sums reach the senders too.
 * :class:`HeteroPlan` is the plan the recipe trains: ``pipeline`` is the model's hetero step
   (the trainer's step interface), ``clip_grad_norm`` the norm over every module (each rank set
@@ -55,12 +56,15 @@ class LaneDims:
 
 @dataclass
 class HeteroPlan:
-    """``model``: this rank's modules (the others set to None); ``pipeline``: the step."""
+    """``model``: this rank's modules (the others set to None); ``pipeline``: the step;
+    ``data_view(dataset, batch_sampler, collate) -> (dataset, batch_sampler, collate)``: what
+    this rank reads of each batch (None: the batches of its lane)."""
 
     model: nn.Module
     dims: LaneDims
     pipeline: Any
     stages: list = field(default_factory=list)
+    data_view: Any = None
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global L2 norm over all modules; clips this rank's gradients by it."""

@@ -2,13 +2,16 @@
 ``0..E-1`` (data-parallel among themselves), the language model on the others (one lane per
 rank), joined by :mod:`hybridtrain.distributed.bridge`.
 
-Per micro-batch a language lane sends its images (``image_grid`` + ``pixel_values``, split in
-contiguous shares when several encoder ranks serve it) to its encoder rank(s), receives the
-projected embeddings ``[tokens, hidden]`` (a leaf that requires grad), scatters them into its
-placeholders, runs the language model and back-propagates ``loss_sum / global label tokens``,
-then returns each encoder rank the gradient of its share. Encoder ranks back-propagate that
-gradient through projector and ViT. Gradients are then summed inside each rank set, so both
-modules hold exactly the one-process gradient of the per-token mean loss.
+Each side reads its own data (:func:`data_view`): a language lane reads its samples' text and
+image grids (no image decoded), an encoder rank the images of the lanes it serves (its
+contiguous share of a lane's images when several encoder ranks serve one lane), micro-batch by
+micro-batch in the lanes' order. Per micro-batch an encoder rank sends each lane the projected
+embeddings ``[tokens, hidden]`` of its images; the lane receives them (a leaf that requires
+grad), scatters them into its placeholders, runs the language model and back-propagates
+``loss_sum / global label tokens``, then returns each encoder rank the gradient of its share.
+Encoder ranks back-propagate that gradient through projector and ViT. Gradients are then
+summed inside each rank set, so both modules hold exactly the one-process gradient of the
+per-token mean loss.
 """
 
 from __future__ import annotations
@@ -37,15 +40,17 @@ class HeteroVLMStep:
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ encoder side
-    def _serve(self, model, train: bool) -> None:
-        """One micro-batch: the images of every lane this rank serves, embeddings out,
-        (training) gradients back through projector and ViT."""
+    def _serve(self, model, mb: dict, train: bool) -> None:
+        """One micro-batch (:class:`~hybridtrain.data.vision_sides.ImageSide`'s): the images of
+        every lane this rank serves, embeddings out, (training) gradients back through
+        projector and ViT."""
         hidden = model.config.hidden_size
         dtype = model.projector.fc2.weight.dtype
+        grids = mb["image_grid"].split(mb["lane_images"].tolist())
+        pixels_per_lane = mb["pixel_values"].split([int((g[:, 0] * g[:, 1]).sum()) for g in grids])
         out = []
-        for dst, _, _ in self.layout.routes(self.rank):
-            grid = recv_2d(dst, torch.int64)
-            pixels = recv_2d(dst, torch.float32)
+        for (dst, _, _), grid, pixels in zip(self.layout.routes(self.rank), grids,
+                                              pixels_per_lane):
             if grid.shape[0]:
                 emb = model.image_embeddings(pixels, grid)
             else:
@@ -62,17 +67,9 @@ class HeteroVLMStep:
     def _lane(self, model, mb: dict, num_label_tokens: int | None,
               logits: bool = False) -> torch.Tensor:
         grid = mb.get("image_grid")
-        pixels = mb.get("pixel_values")
         if grid is None:
             grid = torch.zeros(0, 2, dtype=torch.int64)
-            pixels = torch.zeros(0, model.config.vision_config.patch_dim)
         sources = self.layout.sources(self.rank)
-        patch_end = torch.cumsum(grid[:, 0] * grid[:, 1], 0).tolist()
-        for src, (a, b) in zip(sources, split_shares(grid.shape[0], len(sources))):
-            p0 = patch_end[a - 1] if a else 0
-            p1 = patch_end[b - 1] if b else 0
-            self.bytes_sent += send_2d(grid[a:b], src)
-            self.bytes_sent += send_2d(pixels[p0:p1].float(), src)
         dtype = model.language_model.backbone.embeddings.weight.dtype
         pieces = [recv_2d(src, dtype) for src in sources]
         train = num_label_tokens is not None
@@ -98,7 +95,7 @@ class HeteroVLMStep:
         total = torch.zeros((), dtype=torch.float32)
         for mb in micro_batches:
             if self.is_encoder:
-                self._serve(model, train=True)
+                self._serve(model, mb, train=True)
             else:
                 total = total + self._lane(model, mb, num_label_tokens)
         all_reduce_grads(model.parameters(), self.group)  # this rank's modules only
@@ -107,7 +104,7 @@ class HeteroVLMStep:
     @torch.no_grad()
     def eval_loss(self, model, batch: dict) -> torch.Tensor:
         if self.is_encoder:
-            self._serve(model, train=False)
+            self._serve(model, batch, train=False)
             return torch.zeros((), dtype=torch.float32)
         return self._lane(model, batch, None)
 
@@ -115,17 +112,16 @@ class HeteroVLMStep:
     def eval_logits(self, model, batch: dict) -> torch.Tensor | None:
         """Logits of a validation batch on a language lane (None on encoder ranks)."""
         if self.is_encoder:
-            self._serve(model, train=False)
+            self._serve(model, batch, train=False)
             return None
         return self._lane(model, batch, None, logits=True)
 
 
-def hetero_plan(model, distributed, world_size: int, require_trainable: bool = True):
+def hetero_plan(model, distributed, world_size: int):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
     ``0..E-1``, the language model on the rest (one data lane per rank, gradients summed over
-    the lanes); each rank keeps only its modules. ``require_trainable``: refuse a side with
-    nothing to train (the recipe's trainer needs an optimizer on every rank; a loop that gives
-    such ranks no optimizer passes False)."""
+    the lanes); each rank keeps only its modules (a side with nothing trainable, e.g. the
+    frozen language model of stage 1, gets no optimizer)."""
     from hybridtrain.distributed.hetero import HeteroPlan, LaneDims
 
     E = distributed.encoder_ranks
@@ -138,20 +134,31 @@ def hetero_plan(model, distributed, world_size: int, require_trainable: bool = T
         raise ValueError(
             f"distributed.encoder_ranks={E}: the language model's own layout is data-parallel "
             f"lanes only so far; remove {others or {'dp_shard': distributed.dp_shard}}")
-    for what, modules in (("vision encoder and projector", (model.vision_model, model.projector)),
-                          ("language model", (model.language_model,))):
-        if require_trainable and not any(p.requires_grad for m in modules for p in m.parameters()):
-            raise ValueError(
-                f"distributed.encoder_ranks={E}: the {what} is frozen (model.freeze), so its "
-                "ranks would have nothing to train (no optimizer there is not supported by the "
-                "recipe's trainer yet); train this stage with encoder_ranks: 0 (colocated)")
     layout = BridgeLayout(range(E), range(E, world_size))
     groups = (dist.new_group(list(layout.senders)), dist.new_group(list(layout.receivers)))
     step = HeteroVLMStep(layout, *groups)
+    view = data_view(layout, step.rank)
     if step.is_encoder:
         model.language_model = None
     else:
         model.vision_model = None
         model.projector = None
     return HeteroPlan(model=model, dims=LaneDims(layout, step.rank, world_size), pipeline=step,
-                      stages=[model])
+                      stages=[model], data_view=view)
+
+
+def data_view(layout: BridgeLayout, rank: int):
+    """What ``rank`` reads of each batch (``HeteroPlan.data_view``): a language lane its own
+    samples without pixels, an encoder rank the images (its share of them) of the same
+    micro-batches of every lane it serves."""
+    from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
+
+    if rank in layout.receivers:
+        return lambda dataset, sampler, collate: (TextSide(dataset), sampler, collate)
+    routes = layout.routes(rank)
+    lanes = [layout.receivers.index(dst) for dst, _, _ in routes]
+
+    def view(dataset, sampler, collate):
+        side = ImageSide(dataset, lambda pos, n: split_shares(n, routes[pos][2])[routes[pos][1]])
+        return side, LaneSampler(sampler, lanes), side.collate
+    return view

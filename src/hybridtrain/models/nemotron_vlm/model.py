@@ -18,6 +18,7 @@ from torch import nn
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM
 
 from .config import NemotronVLMConfig
+from .pipeline import images_from_rows
 from .vision import Projector, RadioViT, pixel_shuffle
 
 # the module groups a recipe can freeze (``freeze: [vision, language]``) -> attribute
@@ -54,6 +55,18 @@ class NemotronVLMForConditionalGeneration(nn.Module):
                  ("projector", lambda m: Projector.init_weights(m, std))]
         return units + [(f"language_model.{name}", init)
                         for name, init in self.language_model.init_units()]
+
+    def pipeline_stage(self, layer_ids: Iterable[int], is_first: bool, is_last: bool
+                       ) -> "NemotronVLMForConditionalGeneration":
+        """A model holding the language model's pipeline stage (see
+        ``NemotronHForCausalLM.pipeline_stage``) and, on the first stage, the vision encoder and
+        projector, which feed its embeddings (same modules, same parameter names)."""
+        lm = self.language_model.pipeline_stage(layer_ids, is_first, is_last)
+        with torch.device("meta"):
+            stage = type(self)(self.config, language_model=lm)
+        stage.vision_model = self.vision_model if is_first else None
+        stage.projector = self.projector if is_first else None
+        return stage
 
     # ------------------------------------------------------------------ training hooks
     @property
@@ -118,15 +131,15 @@ class NemotronVLMForConditionalGeneration(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. In training a
-        batch without images still runs the vision path once (on a blank image, added times
-        zero), and always before the token embeddings, so that every data-parallel rank runs
-        the same modules in the same order (FSDP's collectives)."""
+        """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. A batch without
+        images still runs the vision path once (on a blank image, added times zero), and
+        always before the token embeddings, so that every data-parallel rank runs the same
+        modules in the same order (FSDP's collectives, in training and in validation)."""
         has_images = image_grid is not None and image_grid.shape[0] > 0
         blank = None
         if has_images:
             img = self.image_embeddings(pixel_values, image_grid)
-        elif self.training and torch.is_grad_enabled():
+        else:
             m = self.config.merge
             grid = torch.tensor([[m, m]], device=input_ids.device)
             pixels = torch.zeros(m * m, self.config.vision_config.patch_dim, device=input_ids.device)
@@ -144,6 +157,11 @@ class NemotronVLMForConditionalGeneration(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.language_model.backbone.embeddings is None:  # a later pipeline stage
+            return self.language_model(input_ids, position_ids=position_ids,
+                                       cu_seqlens=cu_seqlens, labels=labels)
+        if image_grid is not None and image_grid.dim() == 3:  # a pipeline micro-batch's rows
+            pixel_values, image_grid = images_from_rows(pixel_values, image_grid)
         embeds = self.embed(input_ids, pixel_values, image_grid)
         return self.language_model(None, position_ids=position_ids, cu_seqlens=cu_seqlens,
                                    labels=labels, inputs_embeds=embeds)

@@ -18,23 +18,27 @@ from .config import NemotronVLMConfig
 from .hetero import hetero_plan
 from .io import save_vlm
 from .model import NemotronVLMForConditionalGeneration
+from .pipeline import images_by_row
 
 
 def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: torch.device,
                     autocast_dtype: torch.dtype | None) -> None:
     """The language model as Nemotron-H parallelizes it, then the ViT blocks (activation
     checkpointing, compile) and FSDP2: one unit per ViT block, one for the projector, the
-    whole model as root (patch/position embeddings, class tokens, the ViT's final norm)."""
+    whole model as root (patch/position embeddings, class tokens, the ViT's final norm). A
+    pipeline stage after the first holds no ViT or projector."""
     parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
                            autocast_dtype=autocast_dtype)
-    blocks = model.vision_model.blocks
-    if training.activation_checkpointing:
-        apply_activation_checkpointing(blocks, "all")
-    if training.compile:
-        apply_compile(blocks)
+    units = []
+    if model.vision_model is not None:  # not on a later pipeline stage
+        blocks = model.vision_model.blocks
+        if training.activation_checkpointing:
+            apply_activation_checkpointing(blocks, "all")
+        if training.compile:
+            apply_compile(blocks)
+        units = list(blocks.values()) + [model.projector]
     if dims.fsdp_enabled:
-        apply_fsdp(model, list(blocks.values()) + [model.projector], dims, distributed,
-                   autocast_dtype=autocast_dtype)
+        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -48,9 +52,11 @@ def is_complete(model: nn.Module) -> bool:
 
 
 def pipeline_stage(model, layers, is_first, is_last):
-    raise ValueError(
-        "distributed.pp > 1: pipeline parallelism of the colocated vision-language model is not "
-        "supported yet; use dp_shard / dp_replicate / ep")
+    if model.config.image_token_id == 0:
+        raise ValueError("distributed.pp > 1 pads rows with token id 0, which is this model's "
+                         "image_token_id (placeholders would appear); give the image "
+                         "placeholder another id")
+    return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
 
 
 def layer_flops(config: NemotronVLMConfig, seq_len: int) -> list[float]:
@@ -108,6 +114,7 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     save_hf=save_hf,
     expert_modules=(Experts,),
     hetero_plan=hetero_plan,
+    pipeline_row_inputs=images_by_row,
     state_format=state_format,
     init_units=NemotronVLMForConditionalGeneration.init_units,
 ))
