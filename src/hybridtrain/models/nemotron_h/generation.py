@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from hybridtrain.ops.attention import document_causal_attention
 from hybridtrain.ops.sampling import decode
@@ -23,6 +24,55 @@ from . import kernels
 from .attention import Attention
 from .cache import KVCache, MambaState, NemotronHCache
 from .mamba2 import Mamba2Mixer
+from .mlp import MLP
+from .moe import MoE
+
+
+# ---------------------------------------------------------------------------------- projections
+# A decoding step multiplies a few rows by every weight, and there the form of the product
+# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
+# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
+# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
+#   rows           1     2     4     8
+#   x @ W^T      5.8  12.5  20.3  23.0
+#   W @ x^T      5.7   9.5   8.7  14.3
+#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
+TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
+
+
+def _plain_fp32_cpu(lin: nn.Module, x: torch.Tensor) -> bool:
+    """An ``nn.Linear`` itself (not a subclass such as a LoRA layer: those run their forward),
+    fp32 on CPU, outside autocast: the case the product forms above were measured for."""
+    return (type(lin) is nn.Linear and x.device.type == "cpu" and lin.weight.dtype == torch.float32
+            and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+
+
+def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` for the few rows of a decoding step: W @ x^T for 2+ rows of a plain fp32 CPU
+    ``nn.Linear`` (see above), else ``lin``'s forward."""
+    rows = x.numel() // x.shape[-1]
+    if rows < 2 or not _plain_fp32_cpu(lin, x):
+        return lin(x)
+    y = torch.mm(lin.weight, x.reshape(rows, x.shape[-1]).t()).t()
+    if lin.bias is not None:
+        y = y + lin.bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _mlp(m: MLP, x: torch.Tensor) -> torch.Tensor:
+    return linear(m.down_proj, m.act_fn(linear(m.up_proj, x)))
+
+
+def _logits(model, cache: NemotronHCache, h: torch.Tensor) -> torch.Tensor:
+    """The LM head of a decoding step, h [b, H] -> fp32 logits [b, V]."""
+    head = model.lm_head
+    if h.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and _plain_fp32_cpu(head, h) and head.bias is None:
+        if cache.head_t is None and cache.max_length - cache.length >= TRANSPOSED_HEAD_MIN_STEPS:
+            cache.head_t = head.weight.t().contiguous()
+        if cache.head_t is not None:
+            return h @ cache.head_t
+    return linear(head, h).float()
 
 
 # ---------------------------------------------------------------------------------- Mamba2
@@ -56,7 +106,7 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
 def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
     """One token per row, hidden_states [b, 1, H]; ``state`` is updated in place."""
     b = hidden_states.shape[0]
-    z, xBC, dt = m.project(hidden_states[:, 0])
+    z, xBC, dt = m.project_output(linear(m.in_proj, hidden_states[:, 0]))
     xBC = kernels.conv_step(xBC, state.conv, m.conv1d.weight.squeeze(1), m.conv1d.bias)
     x, B, C = m.split_conv_output(xBC)
     y = kernels.ssd_step(
@@ -64,15 +114,16 @@ def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -
         B.reshape(b, m.n_groups, m.ssm_state_size), C.reshape(b, m.n_groups, m.ssm_state_size),
         D=m.D, dt_bias=m.dt_bias, dt_limit=m.dt_limit,
     )
-    return _mamba_out(m, y, z, hidden_states.dtype)[:, None]
+    y = m.norm(y.reshape(b, m.intermediate_size), z)
+    return linear(m.out_proj, y.to(hidden_states.dtype))[:, None]
 
 
 # ---------------------------------------------------------------------------------- attention
 def _qkv(m: Attention, hidden_states: torch.Tensor):
     b, L, _ = hidden_states.shape
-    q = m.q_proj(hidden_states).view(b, L, m.num_heads, m.head_dim).transpose(1, 2)
-    k = m.k_proj(hidden_states).view(b, L, m.num_kv_heads, m.head_dim).transpose(1, 2)
-    v = m.v_proj(hidden_states).view(b, L, m.num_kv_heads, m.head_dim).transpose(1, 2)
+    q = linear(m.q_proj, hidden_states).view(b, L, m.num_heads, m.head_dim).transpose(1, 2)
+    k = linear(m.k_proj, hidden_states).view(b, L, m.num_kv_heads, m.head_dim).transpose(1, 2)
+    v = linear(m.v_proj, hidden_states).view(b, L, m.num_kv_heads, m.head_dim).transpose(1, 2)
     return q, k, v
 
 
@@ -83,7 +134,7 @@ def _attend(m: Attention, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=L > 1, enable_gqa=gqa)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return m.o_proj(out.transpose(1, 2).reshape(b, L, m.num_heads * m.head_dim))
+    return linear(m.o_proj, out.transpose(1, 2).reshape(b, L, m.num_heads * m.head_dim))
 
 
 def attention_prefill(m: Attention, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
@@ -106,6 +157,35 @@ def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, va
     cache.v[:, :, t] = v[:, :, 0]
     mask = valid[:, None, None, : t + 1] if valid is not None else None
     return _attend(m, q, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1], mask)
+
+
+# ---------------------------------------------------------------------------------- MoE
+def moe_step(m: MoE, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The MoE layer for the few tokens of a decoding step (one per row): only the chosen experts
+    run, as in ``MoE.forward``, but the k copies of each token are grouped by expert on the host
+    (a few ints) instead of by sort / bincount / scatter kernels."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    _, weights, idx = m.route(x)
+    h = m.fc1_latent_proj(x) if m.fc1_latent_proj is not None else x
+    T, k = idx.shape
+    flat = idx.view(-1).tolist()
+    order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
+    counts = [0] * m.experts.num_experts
+    for e in flat:
+        counts[e] += 1
+    # every row of the sorted copies is the one token when T == 1: no gather
+    sorted_h = h.expand(k, -1) if T == 1 else h[torch.tensor([i // k for i in order], device=h.device)]
+    y_sorted = m.token_dispatcher(m.experts, sorted_h, torch.tensor(counts, device=h.device))
+    inverse = [0] * (T * k)
+    for pos, i in enumerate(order):
+        inverse[i] = pos
+    # as moe.unpermute: back to the k copies of each token, gate-weighted sum over them in fp32
+    y = y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1).float() * weights[:, :, None].float()
+    y = y.sum(dim=1).to(hidden_states.dtype)
+    if m.fc2_latent_proj is not None:
+        y = m.fc2_latent_proj(y)
+    return y.view(shape) + _mlp(m.shared_experts, hidden_states)
 
 
 # ---------------------------------------------------------------------------------- model
@@ -139,15 +219,21 @@ def _prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return valid
 
 
-def _run_layers(model, h: torch.Tensor, mamba, attention) -> torch.Tensor:
+def _run_layers(model, h: torch.Tensor, mamba, attention, moe=None) -> torch.Tensor:
     """The blocks (pre-norm residual) with the Mamba2 and attention mixers replaced by the cached
-    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f."""
+    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)`` (and MoE layers by
+    ``moe(mixer, x)`` when given); then norm_f."""
     for name, block in model.backbone.layers.items():
-        x = block.norm(h.to(block.norm.weight.dtype))
+        dtype = block.norm.weight.dtype
+        x = block.norm(h if h.dtype == dtype else h.to(dtype))
         if block.block_type == "linear_attention":
             x = mamba(name, block.mixer, x)
         elif block.block_type == "full_attention":
             x = attention(name, block.mixer, x)
+        elif moe is not None and isinstance(block.mixer, MoE):
+            x = moe(block.mixer, x)
+        elif moe is not None and isinstance(block.mixer, MLP):
+            x = _mlp(block.mixer, x)
         else:
             x = block.mixer(x)
         h = h + x
@@ -204,9 +290,10 @@ def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Ten
         model, h,
         lambda name, m, x: mamba_step(m, x, cache.layers[name]),
         lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid if cache.padded else None, t),
+        moe_step,
     )
     cache.length = t + 1
-    return model.lm_head(h[:, 0]).float()
+    return _logits(model, cache, h[:, 0])
 
 
 @torch.no_grad()
