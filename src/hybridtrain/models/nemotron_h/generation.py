@@ -54,10 +54,10 @@ def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows < 2 or not _plain_fp32_cpu(lin, x):
         return lin(x)
-    y = torch.mm(lin.weight, x.reshape(rows, x.shape[-1]).t()).t()
+    y = torch.mm(lin.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
     if lin.bias is not None:
-        y = y + lin.bias
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+        y += lin.bias
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _mlp(m: MLP, x: torch.Tensor) -> torch.Tensor:
@@ -128,13 +128,13 @@ def _qkv(m: Attention, hidden_states: torch.Tensor):
 
 
 def _attend(m: Attention, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-    b, _, L, _ = q.shape
-    gqa = m.num_kv_heads != m.num_heads
-    if mask is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=L > 1, enable_gqa=gqa)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return linear(m.o_proj, out.transpose(1, 2).reshape(b, L, m.num_heads * m.head_dim))
+    """One query per row, q [b, heads, 1, d], against the cached k / v [b, kv_heads, t, d]: the
+    query heads sharing a kv head are the rows of one attention (no causal mask: every cached
+    key precedes the query; ``mask`` [b, 1, 1, t] drops padding)."""
+    b = q.shape[0]
+    q = q.reshape(b, m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return linear(m.o_proj, out.reshape(b, 1, m.num_heads * m.head_dim))
 
 
 def attention_prefill(m: Attention, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
