@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from hybridtrain.distributed.expert_parallel import LocalDispatcher
 
 from hybridtrain.ops.attention import document_causal_attention
 from hybridtrain.ops.sampling import decode
@@ -25,7 +28,8 @@ from .attention import Attention
 from .cache import KVCache, MambaState, NemotronHCache
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
-from .moe import MoE
+from .moe import Experts, MoE
+from .norms import RMSNorm
 
 
 # ---------------------------------------------------------------------------------- projections
@@ -170,6 +174,14 @@ def moe_step(m: MoE, hidden_states: torch.Tensor) -> torch.Tensor:
     h = m.fc1_latent_proj(x) if m.fc1_latent_proj is not None else x
     T, k = idx.shape
     flat = idx.view(-1).tolist()
+    if T == 1 and type(m.experts) is Experts and type(m.token_dispatcher) is LocalDispatcher:
+        # one token (batch 1): its k experts one after the other, no grouping at all
+        ex = m.experts
+        ys = [F.linear(ex.act_fn(F.linear(h, ex.up_proj[e])), ex.down_proj[e]) for e in flat]
+        y = (torch.cat(ys).float() * weights[0, :, None].float()).sum(0, keepdim=True).to(hidden_states.dtype)
+        if m.fc2_latent_proj is not None:
+            y = m.fc2_latent_proj(y)
+        return y.view(shape) + _mlp(m.shared_experts, hidden_states)
     order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
     counts = [0] * m.experts.num_experts
     for e in flat:
@@ -219,25 +231,32 @@ def _prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return valid
 
 
-def _run_layers(model, h: torch.Tensor, mamba, attention, moe=None) -> torch.Tensor:
+def _norm(norm: RMSNorm, x: torch.Tensor, decoding: bool) -> torch.Tensor:
+    """``norm(x)``; in a decoding step of an fp32 model torch's fused ``rms_norm`` (the same
+    function in one kernel instead of six for the one row)."""
+    if decoding and type(norm) is RMSNorm and x.dtype == norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    return norm(x if x.dtype == norm.weight.dtype else x.to(norm.weight.dtype))
+
+
+def _run_layers(model, h: torch.Tensor, mamba, attention, decoding: bool = False) -> torch.Tensor:
     """The blocks (pre-norm residual) with the Mamba2 and attention mixers replaced by the cached
-    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)`` (and MoE layers by
-    ``moe(mixer, x)`` when given); then norm_f."""
+    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f. ``decoding``: a
+    step of a few rows (the MoE and MLP layers in their few-row forms too)."""
     for name, block in model.backbone.layers.items():
-        dtype = block.norm.weight.dtype
-        x = block.norm(h if h.dtype == dtype else h.to(dtype))
+        x = _norm(block.norm, h, decoding)
         if block.block_type == "linear_attention":
             x = mamba(name, block.mixer, x)
         elif block.block_type == "full_attention":
             x = attention(name, block.mixer, x)
-        elif moe is not None and isinstance(block.mixer, MoE):
-            x = moe(block.mixer, x)
-        elif moe is not None and isinstance(block.mixer, MLP):
+        elif decoding and isinstance(block.mixer, MoE):
+            x = moe_step(block.mixer, x)
+        elif decoding and isinstance(block.mixer, MLP):
             x = _mlp(block.mixer, x)
         else:
             x = block.mixer(x)
         h = h + x
-    return model.backbone.norm_f(h)
+    return _norm(model.backbone.norm_f, h, decoding)
 
 
 @torch.no_grad()
@@ -290,7 +309,7 @@ def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Ten
         model, h,
         lambda name, m, x: mamba_step(m, x, cache.layers[name]),
         lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid if cache.padded else None, t),
-        moe_step,
+        decoding=True,
     )
     cache.length = t + 1
     return _logits(model, cache, h[:, 0])
