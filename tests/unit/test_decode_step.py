@@ -68,3 +68,12 @@ def test_long_generation_uses_the_transposed_head_and_matches_the_full_forward()
         worst = max(worst, (G.decode_step(model, cache, out[:, t]) - full[:, t]).abs().max().item())
     assert cache.head_t is not None
     assert worst <= 1e-4, worst
+
+
+def test_generated_tokens_are_a_plain_tensor():
+    """generate runs under inference mode; what it returns is usable in autograd and in place."""
+    model = perturbed_model(tiny_config("dense"), seed=10)
+    out = model.generate(torch.randint(0, 256, (1, 4)), max_new_tokens=3)
+    assert not out.is_inference()
+    out[:, 0] = 1
+    model(out, labels=out).backward()
