@@ -16,6 +16,13 @@ machine). Also per CPU-second of the process (with ``--threads 1`` the same as p
 idle machine; on a loaded one the figure less disturbed by other processes). Also printed: whether the
 greedy tokens are identical, and the size of hybridtrain's decoding state at the end (Mamba
 layers: conv window + SSM state, the same for any length; attention: the key/value cache).
+
+Bounds, measured in the same run: the CPU's fp32 GEMM rate (a [512, 512] x [512, 2048] product,
+best of 5) and streaming read rate (a sum over 256 MiB); hybridtrain's FLOPs for the prefill and
+for one decoding step (``torch.utils.flop_counter``) and the weight bytes one decoding step reads.
+From them the fastest possible prefill (FLOPs at the GEMM rate) and decoding step (its weight
+bytes at the read rate, or its FLOPs at the GEMM rate, whichever is longer), and the largest
+ratio to transformers' measured CPU time that such a perfect implementation could reach.
 """
 
 from __future__ import annotations
@@ -45,6 +52,44 @@ def timed(fn):
     t0, c0 = time.perf_counter(), cpu_seconds()
     out = fn()
     return out, time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def best_cpu_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    return min(timed(fn)[2] for _ in range(repeats))
+
+
+def machine_rates() -> tuple[float, float]:
+    """(fp32 GEMM FLOP/s, streaming read bytes/s) of this CPU, as this process gets them."""
+    a, b = torch.randn(512, 512), torch.randn(512, 2048)
+    gemm = 2 * 512 * 512 * 2048 / best_cpu_seconds(lambda: [torch.mm(a, b) for _ in range(10)]) * 10
+    big = torch.randn(64 * 2**20)
+    read = big.nbytes / best_cpu_seconds(lambda: big.sum())
+    return gemm, read
+
+
+def flops(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def step_weight_bytes(model, batch: int) -> int:
+    """Bytes of the weights one decoding step of ``batch`` rows reads: every weight but the
+    embeddings (one row each) and the routed experts, plus per MoE layer the experts its tokens
+    can choose (at most batch * k of them)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "embeddings" in name:
+            continue
+        if ".experts." in name:  # stacked [E, ...]: the chosen experts' share
+            E, k = model.config.n_routed_experts, model.config.num_experts_per_tok
+            total += p.nbytes * min(E, batch * k) // E
+        else:
+            total += p.nbytes
+    return total
 
 
 def main() -> None:
@@ -125,6 +170,36 @@ def main() -> None:
                   f"{r['t_total_s']:>9.2f}{r['cpu_s_total']:>8.2f}")
         print(f"  {'ratio':<14}{row['prefill_ratio_per_s']:>14.2f}x{row['decode_ratio_per_s']:>14.2f}x"
               f"{row['prefill_ratio_per_cpu_s']:>18.2f}x{row['decode_ratio_per_cpu_s']:>17.2f}x")
+
+    # bounds: what a perfect implementation could reach on this CPU
+    from hybridtrain.models.nemotron_h.generation import decode_step
+
+    gemm_rate, read_rate = machine_rates()
+    print(f"\nbounds (this CPU, this run): fp32 GEMM {gemm_rate / 1e9:.1f} GFLOP/s, streaming read "
+          f"{read_rate / 1e9:.1f} GB/s")
+    results["bounds"] = {"gemm_flop_per_s": gemm_rate, "read_bytes_per_s": read_rate}
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        ids = torch.randint(0, cfg.vocab_size, (bs, args.prompt_len))
+        f_pre = flops(lambda: prefill(ours, ids))
+        _, cache = prefill(ours, ids, max_length=args.prompt_len + 8)
+        f_step = flops(lambda: decode_step(ours, cache, ids[:, -1]))
+        w_step = step_weight_bytes(ours, bs)
+        row = results[f"batch_{bs}"]
+        hf_pre = bs * args.prompt_len / row["transformers"]["prefill_tokens_per_cpu_s"]
+        hf_step = bs / row["transformers"]["decode_tokens_per_cpu_s"]
+        min_pre = f_pre / gemm_rate
+        min_step = max(w_step / read_rate, f_step / gemm_rate)
+        b = {"prefill_flops": f_pre, "step_flops": f_step, "step_weight_bytes": w_step,
+             "min_prefill_s": min_pre, "min_step_s": min_step,
+             "max_prefill_ratio": hf_pre / min_pre, "max_decode_ratio": hf_step / min_step}
+        results["bounds"][f"batch_{bs}"] = b
+        ours_pre = bs * args.prompt_len / row["hybridtrain"]["prefill_tokens_per_cpu_s"]
+        ours_step = bs / row["hybridtrain"]["decode_tokens_per_cpu_s"]
+        print(f"  batch {bs}: prefill {f_pre / 1e9:.1f} GFLOP -> >= {min_pre:.2f} s (transformers {hf_pre:.2f}, "
+              f"hybridtrain {ours_pre:.2f} CPU-s): at most {b['max_prefill_ratio']:.2f}x; decode step "
+              f"{f_step / 1e6:.0f} MFLOP, {w_step / 1e6:.0f} MB of weights -> >= {min_step * 1e3:.1f} ms "
+              f"(transformers {hf_step * 1e3:.1f}, hybridtrain {ours_step * 1e3:.1f} CPU-ms): at most "
+              f"{b['max_decode_ratio']:.2f}x")
 
     # decoding state: Mamba layers fixed, attention grows with the length
     sizes = {}

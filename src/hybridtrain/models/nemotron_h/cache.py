@@ -31,6 +31,7 @@ class NemotronHCache:
     length: int = 0
     padded: bool = False  # some prompt was left-padded: attention masks the invalid positions
     layers: dict[str, MambaState | KVCache] = field(default_factory=dict)
+    head_t: torch.Tensor | None = None  # the LM head's weight transposed (CPU decoding; generation._logits)
 
     @property
     def max_length(self) -> int:

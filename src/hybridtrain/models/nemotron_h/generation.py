@@ -13,8 +13,10 @@ decodes as it would alone.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from hybridtrain.distributed.expert_parallel import local_tensor
+from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
 from hybridtrain.ops.attention import document_causal_attention
 from hybridtrain.ops.sampling import GenerationConfig, decode
 
@@ -22,6 +24,57 @@ from . import kernels
 from .attention import Attention
 from .cache import KVCache, MambaState, NemotronHCache
 from .mamba2 import Mamba2Mixer
+from .mlp import MLP
+from .moe import Experts, MoE
+from .norms import RMSNorm
+
+
+# ---------------------------------------------------------------------------------- projections
+# A decoding step multiplies a few rows by every weight, and there the form of the product
+# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
+# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
+# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
+#   rows           1     2     4     8
+#   x @ W^T      5.8  12.5  20.3  23.0
+#   W @ x^T      5.7   9.5   8.7  14.3
+#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
+TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
+
+
+def _plain_fp32_cpu(lin: nn.Module, x: torch.Tensor) -> bool:
+    """An ``nn.Linear`` itself (not a subclass such as a LoRA layer: those run their forward),
+    fp32 on CPU, outside autocast: the case the product forms above were measured for."""
+    return (type(lin) is nn.Linear and x.device.type == "cpu" and lin.weight.dtype == torch.float32
+            and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and local_tensor(lin.weight) is lin.weight)  # not a tensor-parallel DTensor
+
+
+def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` for the few rows of a decoding step: W @ x^T for 2+ rows of a plain fp32 CPU
+    ``nn.Linear`` (see above), else ``lin``'s forward."""
+    rows = x.numel() // x.shape[-1]
+    if rows < 2 or not _plain_fp32_cpu(lin, x):
+        return lin(x)
+    y = torch.mm(lin.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
+    if lin.bias is not None:
+        y += lin.bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _mlp(m: MLP, x: torch.Tensor) -> torch.Tensor:
+    return linear(m.down_proj, m.act_fn(linear(m.up_proj, x)))
+
+
+def _logits(model, cache: NemotronHCache, h: torch.Tensor) -> torch.Tensor:
+    """The LM head of a decoding step, h [b, H] -> fp32 logits [b, V]."""
+    head = model.lm_head
+    if h.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and _plain_fp32_cpu(head, h) and head.bias is None:
+        if cache.head_t is None and cache.max_length - cache.length >= TRANSPOSED_HEAD_MIN_STEPS:
+            cache.head_t = head.weight.t().contiguous()
+        if cache.head_t is not None:
+            return h @ cache.head_t
+    return linear(head, h).float()
 
 
 # ---------------------------------------------------------------------------------- Mamba2
@@ -54,34 +107,38 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
 
 def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
     """One token per row, hidden_states [b, 1, H]; ``state`` is updated in place."""
-    z, xBC, dt = m.project(hidden_states[:, 0])
+    z, xBC, dt = m.project_output(linear(m.in_proj, hidden_states[:, 0]))
     xBC = kernels.conv_step(xBC, state.conv, local_tensor(m.conv1d.weight).squeeze(1), local_tensor(m.conv1d.bias))
     x, B, C = m.split_conv_output(xBC)
     y = kernels.ssd_step(
         state.ssm, x, dt, -torch.exp(local_tensor(m.A_log).float()), B, C,
         D=local_tensor(m.D), dt_bias=local_tensor(m.dt_bias), dt_limit=m.dt_limit,
     )
-    return _mamba_out(m, y, z, hidden_states.dtype)[:, None]
+    y = m.norm(y.reshape(z.shape), z)
+    return linear(m.out_proj, y.to(hidden_states.dtype))[:, None]
 
 
 # ---------------------------------------------------------------------------------- attention
 def _qkv(m: Attention, hidden_states: torch.Tensor):
     """q, k, v [b, heads, L, head_dim] (this rank's heads under tensor parallelism)."""
     b, L, _ = hidden_states.shape
-    q, k, v = (p(hidden_states).view(b, L, -1, m.head_dim).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj))
+    q, k, v = (linear(p, hidden_states).view(b, L, -1, m.head_dim).transpose(1, 2)
+               for p in (m.q_proj, m.k_proj, m.v_proj))
     if m.local_kv_heads is not None:
         k, v = m.local_kv_heads(k), m.local_kv_heads(v)
     return q, k, v
 
 
 def _attend(m: Attention, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-    b, _, L, _ = q.shape
-    gqa = k.shape[1] != q.shape[1]
-    if mask is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=L > 1, enable_gqa=gqa)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return m.o_proj(out.transpose(1, 2).reshape(b, L, -1))
+    """One query per row, q [b, heads, 1, d], against the cached k / v [b, kv_heads, t, d]: the
+    query heads sharing a kv head are the rows of one attention (no causal mask: every cached
+    key precedes the query; ``mask`` [b, 1, 1, t] drops padding). Heads are this rank's under
+    tensor parallelism."""
+    b, heads = q.shape[:2]
+    kv_heads = k.shape[1]
+    q = q.reshape(b, kv_heads, heads // kv_heads, m.head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return linear(m.o_proj, out.reshape(b, 1, heads * m.head_dim))
 
 
 def attention_prefill(m: Attention, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
@@ -106,6 +163,43 @@ def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, va
     cache.v[:, :, t] = v[:, :, 0]
     mask = valid[:, None, None, : t + 1] if valid is not None else None
     return _attend(m, q, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1], mask)
+
+
+# ---------------------------------------------------------------------------------- MoE
+def moe_step(m: MoE, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The MoE layer for the few tokens of a decoding step (one per row): only the chosen experts
+    run, as in ``MoE.forward``, but the k copies of each token are grouped by expert on the host
+    (a few ints) instead of by sort / bincount / scatter kernels."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    _, weights, idx = m.route(x)
+    h = m.fc1_latent_proj(x) if m.fc1_latent_proj is not None else x
+    T, k = idx.shape
+    flat = idx.view(-1).tolist()
+    if T == 1 and type(m.experts) is Experts and type(m.token_dispatcher) is LocalDispatcher:
+        # one token (batch 1): its k experts one after the other, no grouping at all
+        ex = m.experts
+        ys = [F.linear(ex.act_fn(F.linear(h, ex.up_proj[e])), ex.down_proj[e]) for e in flat]
+        y = (torch.cat(ys).float() * weights[0, :, None].float()).sum(0, keepdim=True).to(hidden_states.dtype)
+        if m.fc2_latent_proj is not None:
+            y = m.fc2_latent_proj(y)
+        return y.view(shape) + _mlp(m.shared_experts, hidden_states)
+    order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
+    counts = [0] * m.experts.num_experts
+    for e in flat:
+        counts[e] += 1
+    # every row of the sorted copies is the one token when T == 1: no gather
+    sorted_h = h.expand(k, -1) if T == 1 else h[torch.tensor([i // k for i in order], device=h.device)]
+    y_sorted = m.token_dispatcher(m.experts, sorted_h, torch.tensor(counts, device=h.device))
+    inverse = [0] * (T * k)
+    for pos, i in enumerate(order):
+        inverse[i] = pos
+    # as moe.unpermute: back to the k copies of each token, gate-weighted sum over them in fp32
+    y = y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1).float() * weights[:, :, None].float()
+    y = y.sum(dim=1).to(hidden_states.dtype)
+    if m.fc2_latent_proj is not None:
+        y = m.fc2_latent_proj(y)
+    return y.view(shape) + _mlp(m.shared_experts, hidden_states)
 
 
 # ---------------------------------------------------------------------------------- model
@@ -150,19 +244,33 @@ def _head(model, h: torch.Tensor) -> torch.Tensor:
     return h if model.lm_head is None else model.lm_head(h[:, -1]).float()
 
 
-def _run_layers(model, h: torch.Tensor, mamba, attention) -> torch.Tensor:
+def _norm(norm: RMSNorm, x: torch.Tensor, decoding: bool) -> torch.Tensor:
+    """``norm(x)``; in a decoding step of an fp32 model torch's fused ``rms_norm`` (the same
+    function in one kernel instead of six for the one row)."""
+    if (decoding and type(norm) is RMSNorm and x.dtype == norm.weight.dtype == torch.float32
+            and local_tensor(norm.weight) is norm.weight):
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    return norm(x if x.dtype == norm.weight.dtype else x.to(norm.weight.dtype))
+
+
+def _run_layers(model, h: torch.Tensor, mamba, attention, decoding: bool = False) -> torch.Tensor:
     """The blocks (pre-norm residual) with the Mamba2 and attention mixers replaced by the cached
-    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f (if held)."""
+    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f (if held).
+    ``decoding``: a step of a few rows (the MoE and MLP layers in their few-row forms too)."""
     for name, block in model.backbone.layers.items():
-        x = block.norm(h.to(block.norm.weight.dtype))
+        x = _norm(block.norm, h, decoding)
         if block.block_type == "linear_attention":
             x = mamba(name, block.mixer, x)
         elif block.block_type == "full_attention":
             x = attention(name, block.mixer, x)
+        elif decoding and isinstance(block.mixer, MoE):
+            x = moe_step(block.mixer, x)
+        elif decoding and isinstance(block.mixer, MLP):
+            x = _mlp(block.mixer, x)
         else:
             x = block.mixer(x)
         h = h + x
-    return h if model.backbone.norm_f is None else model.backbone.norm_f(h)
+    return h if model.backbone.norm_f is None else _norm(model.backbone.norm_f, h, decoding)
 
 
 @torch.no_grad()
@@ -208,9 +316,10 @@ def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Ten
         model, _embed(model, tokens[:, None] if tokens.dim() == 1 else tokens),
         lambda name, m, x: mamba_step(m, x, cache.layers[name]),
         lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid if cache.padded else None, t),
+        decoding=True,
     )
     cache.length = t + 1
-    return _head(model, h)
+    return h if model.lm_head is None else _logits(model, cache, h[:, 0])
 
 
 @torch.no_grad()
@@ -237,17 +346,26 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 cache.append(c)
                 return logits
 
-            return decode(first, lambda tok: decode_step(model, cache[0], tok), input_ids, config,
-                          lockstep_group=lockstep_group)
-        caches: dict[int, NemotronHCache] = {}
+            def run():
+                return decode(first, lambda tok: decode_step(model, cache[0], tok), input_ids,
+                              config, lockstep_group=lockstep_group)
+        else:
+            caches: dict[int, NemotronHCache] = {}
 
-        def stage_prefill(i, stage, x):
-            out, caches[i] = prefill(stage, x, attention_mask, max_length=max_length)
-            return out
+            def stage_prefill(i, stage, x):
+                out, caches[i] = prefill(stage, x, attention_mask, max_length=max_length)
+                return out
 
-        return decode(lambda: pipeline.run(stage_prefill, input_ids),
-                      lambda tok: pipeline.run(lambda i, stage, x: decode_step(stage, caches[i], x), tok),
-                      input_ids, config, share_tokens=pipeline.share_tokens, lockstep_group=lockstep_group)
+            def run():
+                return decode(lambda: pipeline.run(stage_prefill, input_ids),
+                              lambda tok: pipeline.run(lambda i, stage, x: decode_step(stage, caches[i], x), tok),
+                              input_ids, config, share_tokens=pipeline.share_tokens,
+                              lockstep_group=lockstep_group)
+        # inference mode: no version counters or views tracking for the step's few hundred
+        # small ops (batch 1: 8 % less CPU time per step); the tokens leave it as a plain tensor
+        with torch.inference_mode():
+            out = run()
+        return out.clone()
     finally:
         for m, t in zip(models, was_training):
             m.train(t)

@@ -108,10 +108,15 @@ class Mamba2Mixer(nn.Module):
         """``in_proj`` of [..., hidden] -> (z [..., inner], conv input xBC [..., conv channels],
         dt [..., heads]) for the groups this rank holds, each in the order its consumer reads
         (z and dt head-major, xBC the conv1d's group-major channels)."""
+        return self.project_output(self.in_proj(hidden_states))
+
+    def project_output(self, zxbcdt: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The split of ``in_proj``'s output (:meth:`project`)."""
         gi, n = self.group_inner, self.ssm_state_size
-        lead = hidden_states.shape[:-1]
+        lead = zxbcdt.shape[:-1]
         # [..., groups, z_g | x_g B_g C_g | dt_g]
-        zxbcdt = self.in_proj(hidden_states).view(*lead, -1, 2 * gi + 2 * n + self.group_heads)
+        zxbcdt = zxbcdt.view(*lead, -1, 2 * gi + 2 * n + self.group_heads)
         z, xBC, dt = zxbcdt.split([gi, gi + 2 * n, self.group_heads], dim=-1)
         return z.reshape(*lead, -1), xBC.reshape(*lead, -1), dt.reshape(*lead, -1)
 

@@ -27,9 +27,9 @@ class _RMSNormFunction(torch.autograd.Function):
     def _normalise(x, gate, group_size, eps=None, rstd=None):
         """(normalised u grouped [..., G, group_size], rstd [..., G, 1]); u = x * silu(gate)."""
         cdt = torch.promote_types(x.dtype, torch.float32)
-        u = x.to(cdt)
+        u = x if x.dtype == cdt else x.to(cdt)
         if gate is not None:
-            u = u * F.silu(gate.to(cdt))
+            u = u * F.silu(gate if gate.dtype == cdt else gate.to(cdt))
         ug = u.view(*u.shape[:-1], -1, group_size)
         if rstd is None:
             rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
@@ -38,12 +38,26 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, group_size, eps):
         n, rstd = _RMSNormFunction._normalise(x, gate, group_size, eps=eps)
-        n = n.view(x.shape)
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.group_size = group_size
+        return _RMSNormFunction._scale(n.view(x.shape), x, gate, weight)
+
+    @staticmethod
+    def _scale(n, x, gate, weight):
         if gate is None:
-            return (weight.to(n.dtype) * n).to(x.dtype)
-        return weight * n.to(x.dtype)
+            out = (weight if weight.dtype == n.dtype else weight.to(n.dtype)) * n
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        return weight * (n if n.dtype == x.dtype else n.to(x.dtype))
+
+    @staticmethod
+    def apply_maybe_no_grad(x, gate, weight, group_size, eps):
+        """``apply``, or the same computation without the autograd node when no gradient is
+        wanted (cached decoding: one token per call, where the node costs more than the math)."""
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (gate is not None and gate.requires_grad)):
+            return _RMSNormFunction.apply(x, gate, weight, group_size, eps)
+        n, _ = _RMSNormFunction._normalise(x, gate, group_size, eps=eps)
+        return _RMSNormFunction._scale(n.view(x.shape), x, gate, weight)
 
     @staticmethod
     def backward(ctx, gout):
@@ -78,7 +92,7 @@ class RMSNorm(nn.Module):
         """``sequence_parallel`` (``distributed.tensor_parallel.SequenceParallel``): ``x`` is this
         rank's part of the sequence; the weight's gradient is summed over the ranks."""
         w = self.weight if sequence_parallel is None else sequence_parallel.sum_grad(self.weight)
-        return _RMSNormFunction.apply(x, None, w, x.shape[-1], self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, None, w, x.shape[-1], self.eps)
 
 
 class RMSNormGated(nn.Module):
@@ -97,4 +111,4 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # (tensor parallelism: the weight is sharded into whole groups, as x and gate)
-        return _RMSNormFunction.apply(x, gate, local_tensor(self.weight), self.group_size, self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, gate, local_tensor(self.weight), self.group_size, self.eps)

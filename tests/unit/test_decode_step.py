@@ -1,0 +1,79 @@
+"""The few-row forms of a decoding step (``models/nemotron_h/generation.py``) compute what the
+layers' own forwards compute: the projections' CPU product forms, the MoE step (one token and
+several), the fused block norm, and the LM head against its transposed copy on a long
+generation (cached logits = the full forward's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.models import perturbed_model
+from torch import nn
+
+from hybridtrain.models.nemotron_h import generation as G
+from hybridtrain.models.nemotron_h import tiny_config
+from hybridtrain.models.nemotron_h.recurrent import ssd_step_torch
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_few_row_linear_matches_the_module(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80)
+    x = torch.randn(rows, 1, 48)
+    assert torch.allclose(G.linear(lin, x), lin(x), atol=1e-6, rtol=1e-5)
+    assert G.linear(lin, x).is_contiguous()
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_step_matches_the_layer(tokens):
+    model = perturbed_model(tiny_config("moe"), seed=4)
+    moe = next(b.mixer for b in model.backbone.layers.values() if b.block_type == "moe")
+    x = torch.randn(tokens, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(G.moe_step(moe, x), moe(x), atol=1e-6, rtol=1e-5)
+
+
+def test_block_norm_of_a_step_matches_the_module():
+    model = perturbed_model(tiny_config("dense"), seed=6)
+    norm = model.backbone.layers["0"].norm
+    x = torch.randn(3, 1, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(G._norm(norm, x, decoding=True), norm(x), atol=1e-6, rtol=1e-5)
+
+
+def test_ssd_step_matches_the_per_head_recurrence():
+    g = torch.Generator().manual_seed(7)
+    b, h, p, n, groups = 2, 4, 3, 5, 2
+    state = torch.randn(b, h, p, n, generator=g)
+    x, dt = torch.randn(b, h, p, generator=g), torch.rand(b, h, generator=g)
+    A, D = -torch.rand(h, generator=g), torch.randn(h, generator=g)
+    B, C = torch.randn(b, groups, n, generator=g), torch.randn(b, groups, n, generator=g)
+    Bh, Ch = B.repeat_interleave(h // groups, 1), C.repeat_interleave(h // groups, 1)
+    ref = state * torch.exp(dt * A)[..., None, None] + (dt[..., None] * x)[..., None] * Bh[:, :, None]
+    y_ref = torch.einsum("bhpn,bhn->bhp", ref, Ch) + D[:, None] * x
+    y = ssd_step_torch(state, x, dt, A, B, C, D)
+    assert torch.allclose(state, ref, atol=1e-6) and torch.allclose(y, y_ref, atol=1e-5)
+
+
+def test_long_generation_uses_the_transposed_head_and_matches_the_full_forward():
+    model = perturbed_model(tiny_config("mixed"), seed=8)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(9))
+    n = G.TRANSPOSED_HEAD_MIN_STEPS + 2
+    out = model.generate(ids, max_new_tokens=n)
+    with torch.no_grad():
+        full = model(out)
+    logits, cache = G.prefill(model, ids, max_length=out.shape[1])
+    worst = (logits - full[:, 5]).abs().max().item()
+    for t in range(6, out.shape[1] - 1):
+        worst = max(worst, (G.decode_step(model, cache, out[:, t]) - full[:, t]).abs().max().item())
+    assert cache.head_t is not None
+    assert worst <= 1e-4, worst
+
+
+def test_generated_tokens_are_a_plain_tensor():
+    """generate runs under inference mode; what it returns is usable in autograd and in place."""
+    model = perturbed_model(tiny_config("dense"), seed=10)
+    out = model.generate(torch.randint(0, 256, (1, 4)), max_new_tokens=3)
+    assert not out.is_inference()
+    out[:, 0] = 1
+    model(out, labels=out).backward()
