@@ -303,7 +303,8 @@ class PipelineTrainStep:
 
     ``stages``: this rank's stage modules, each ``forward(x, position_ids=, labels=)`` returning
     the hidden states ``[rows, L, hidden_size]`` in ``hidden_dtype`` (or, on the last stage, the
-    fp32 CE *sum*); ``stage_ids``: their indices.
+    fp32 CE *sum*); ``stage_ids``: their indices. ``shape_group``: the ranks that agree on
+    the step's sequence length (the layout's ranks; None: all).
     The trainer's ``TrainStep(pipeline=...)`` calls it under its autocast context:
     ``__call__(model, micro_batches, num_label_tokens)`` returns the CE sum of this data-parallel
     rank's batch (on every pp rank), ``eval_loss(model, batch)`` is the forward-only CE sum for
@@ -324,7 +325,9 @@ class PipelineTrainStep:
         schedule: str = "1f1b",
         microbatch_size: int | None = None,
         pad_multiple: int = 1,
+        shape_group=None,
     ):
+        self.shape_group = shape_group  # the ranks that run one shape (None: all)
         self.spec = resolve_schedule(schedule)
         self.stages = list(stages)
         self.stage_ids = list(stage_ids)
@@ -410,7 +413,7 @@ class PipelineTrainStep:
         length = -(-length // m) * m
         if dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([length], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shape_group)
             length = int(t)
         return length
 

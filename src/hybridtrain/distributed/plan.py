@@ -85,5 +85,6 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
         pipeline = PipelineTrainStep(
             stages, stage_ids, num_stages, dims.group("pp"), device,
             hidden_size=config.hidden_size, hidden_dtype=hidden_dtype,
-            schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size)
+            schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size,
+            shape_group=dims.ranks_group)
     return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline)

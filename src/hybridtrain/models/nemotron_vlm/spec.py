@@ -24,17 +24,20 @@ def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: to
                     autocast_dtype: torch.dtype | None) -> None:
     """The language model as Nemotron-H parallelizes it, then the ViT blocks (activation
     checkpointing, compile) and FSDP2: one unit per ViT block, one for the projector, the
-    whole model as root (patch/position embeddings, class tokens, the ViT's final norm)."""
+    whole model as root (patch/position embeddings, class tokens, the ViT's final norm). A
+    pipeline stage after the first holds no ViT or projector."""
     parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
                            autocast_dtype=autocast_dtype)
-    blocks = model.vision_model.blocks
-    if training.activation_checkpointing:
-        apply_activation_checkpointing(blocks, "all")
-    if training.compile:
-        apply_compile(blocks)
+    units = []
+    if model.vision_model is not None:  # not on a later pipeline stage
+        blocks = model.vision_model.blocks
+        if training.activation_checkpointing:
+            apply_activation_checkpointing(blocks, "all")
+        if training.compile:
+            apply_compile(blocks)
+        units = list(blocks.values()) + [model.projector]
     if dims.fsdp_enabled:
-        apply_fsdp(model, list(blocks.values()) + [model.projector], dims, distributed,
-                   autocast_dtype=autocast_dtype)
+        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
