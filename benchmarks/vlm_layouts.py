@@ -1,7 +1,8 @@
-"""The tiny VLM recipe colocated (one process; FSDP2 over 4 ranks) against the heterogeneous
-layout (``encoder_ranks`` 2 + 2 language lanes), in one invocation: tokens/s (all ranks
-together, median of the steps after the first), peak RSS per rank, and the bridge's bytes per
-step (sent by each rank: images to the encoders, embeddings back, gradients).
+"""The tiny VLM recipe colocated (one process; FSDP2 over 4 ranks; pipeline pp=2 on 2 ranks)
+against the heterogeneous layout (``encoder_ranks`` 2 + 2 language lanes), in one invocation:
+tokens/s (all ranks together, median of the steps after the first), peak RSS per rank, and
+the bridge's bytes per step (sent by each rank: embeddings to the lanes, gradients back; each
+side reads its own data, so no images cross).
 
     python benchmarks/vlm_layouts.py [--steps 8]
 
@@ -48,6 +49,8 @@ def main() -> None:
     runs = {
         "colocated, 1 process": [_measure(0, 1, tmp, {}, args.steps)],
         "colocated FSDP2, 4 ranks": run_distributed(_measure, 4, tmp, {}, args.steps, timeout=900),
+        "colocated pp=2, 2 ranks": run_distributed(_measure, 2, tmp, {"pp": 2}, args.steps,
+                                                   timeout=900),
         "hetero 2 encoder + 2 LLM": run_distributed(_measure, 4, tmp, {"encoder_ranks": 2},
                                                     args.steps, timeout=900),
     }

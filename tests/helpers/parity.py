@@ -71,14 +71,30 @@ def build(layout: dict, world: int, packed: bool = False, ac: Any = False,
     return b, make_trainer(b, sched, lr_scheduler, checkpointer)
 
 
+class StepSampler:
+    """The batch sampler of global batch ``step`` (rows ``step*GBS ..``) for data-parallel rank
+    ``dp_rank`` of ``dp``: micro-step i takes ``dp*MBS`` rows, the rank its slice."""
+
+    def __init__(self, step: int, dp_rank: int, dp: int):
+        self.step, self.dp_rank, self.dp = step, dp_rank, dp
+
+    def for_rank(self, dp_rank: int) -> "StepSampler":
+        return StepSampler(self.step, dp_rank, self.dp)
+
+    def __len__(self) -> int:
+        return GBS // (MBS * self.dp)
+
+    def __iter__(self):
+        first = self.step * GBS
+        for i in range(len(self)):
+            yield [first + i * self.dp * MBS + self.dp_rank * MBS + j for j in range(MBS)]
+
+
 def micro_batches(b, step: int) -> list[dict]:
-    """This rank's micro-batches of global batch ``step`` (rows ``step*GBS ..``): micro-step i
-    takes ``dp*MBS`` rows, data-parallel rank r its slice, collated by the recipe's loader."""
+    """This rank's micro-batches of global batch ``step`` (:class:`StepSampler`), collated by
+    the recipe's loader."""
     dims = b.plan.dims
-    first = step * GBS
-    index = [[first + i * dims.dp * MBS + dims.dp_rank * MBS + j for j in range(MBS)]
-             for i in range(GBS // (MBS * dims.dp))]
-    return list(b.make_loader(b.train_ds, index))
+    return list(b.make_loader(b.train_ds, StepSampler(step, dims.dp_rank, dims.dp)))
 
 
 def train(b, trainer, start: int = 0, steps: int = STEPS) -> tuple[list[float], list[float]]:

@@ -48,9 +48,8 @@ def build(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = F
           freeze=(), checkpoint_dir: str | None = None):
     """(``Built``, ``Trainer``) of the tiny VLM recipe."""
     from hybridtrain.training.builder import build as build_recipe
-    from hybridtrain.training.builder import make_trainer
+    from hybridtrain.training.builder import build_lr_scheduler, make_trainer
     from hybridtrain.training.checkpoint import Checkpointer
-    from hybridtrain.training.lr_schedule import LRScheduler
     from hybridtrain.training.step_scheduler import StepScheduler
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -59,8 +58,7 @@ def build(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = F
     t = b.cfg.training
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
                           max_steps=t.max_steps, num_train_samples=len(b.train_ds), seed=t.seed)
-    lr = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(), total_steps=sched.max_steps,
-                     total_samples=sched.max_steps * sched.global_batch_size)
+    lr = build_lr_scheduler(b.cfg, b.optimizer, sched.max_steps, sched.global_batch_size)
     ck = Checkpointer(checkpoint_dir) if checkpoint_dir else None
     return b, make_trainer(b, sched, lr, ck)
 
@@ -116,6 +114,21 @@ def lane_batches(ds, collate, step: int, lanes: int, lane: int) -> list[dict]:
             for i in range(G // (M * lanes))]
 
 
+def side_batches(plan, ds, collate, step: int) -> list[dict]:
+    """This rank's micro-batches of global batch ``step`` of the heterogeneous layout, read
+    through the plan's data view (a lane: its samples without pixels; an encoder rank: the
+    images of the lanes it serves)."""
+    from hybridtrain.training.step_scheduler import MicroBatchSampler
+
+    lanes = plan.dims.dp
+    ga = parity.GBS // (parity.MBS * lanes)
+    sampler = MicroBatchSampler(len(ds), parity.MBS, ga, plan.dims.dp_rank, lanes,
+                                start_step=step, shuffle=False)
+    side, side_sampler, side_collate = plan.data_view(ds, sampler, collate)
+    keys = iter(side_sampler)
+    return [side_collate([side[k] for k in next(keys)]) for _ in range(ga)]
+
+
 def _adamw(params):
     import torch
 
@@ -164,13 +177,12 @@ def hetero_run(rank: int, world: int, tmp: str, encoders: int, freeze=(),
     ds, collate = hetero_data(tmp)
     model = hetero_model(freeze)
     section = build_config({"distributed": {"encoder_ranks": encoders}})["distributed"]
-    plan = hetero_plan(model, section, world, require_trainable=False)  # no optimizer: None
+    plan = hetero_plan(model, section, world)
     step, model = plan.pipeline, plan.model
     opt = _adamw([p for p in model.parameters() if p.requires_grad])
-    lanes, lane = plan.dims.dp, plan.dims.dp_rank
     losses, norms = [], []
     for s in range(steps):
-        mbs = lane_batches(ds, collate, s, lanes, lane)
+        mbs = side_batches(plan, ds, collate, s)
         counts = torch.tensor([float(sum(count_label_tokens(mb) for mb in mbs))],
                               dtype=torch.float64)
         n = int(plan.dims.all_reduce_dp(counts)[0])

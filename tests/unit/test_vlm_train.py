@@ -91,9 +91,14 @@ def test_encoder_ranks_refuses_what_it_cannot_place(data_dir):
     section = build_config({"distributed": {"encoder_ranks": 4}})["distributed"]
     with pytest.raises(ValueError, match="between 1 and 3"):
         hetero_plan(vlm.hetero_model(), section, 4)
-    section = build_config({"distributed": {"encoder_ranks": 2}})["distributed"]
-    with pytest.raises(ValueError, match="language model is frozen"):
-        hetero_plan(vlm.hetero_model(("vision", "language")), section, 4)
     with pytest.raises(ValueError, match="one count must divide the other"):
         from hybridtrain.distributed.bridge import BridgeLayout
         BridgeLayout([0, 1], [2, 3, 4])
+
+
+def test_nothing_to_train_is_refused(data_dir):
+    from hybridtrain.training.builder import build
+
+    recipe = vlm.vlm_recipe(data_dir, freeze=["vision", "projector", "language"])
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build(recipe, "cpu", data=False)

@@ -220,19 +220,34 @@ class VisionChatDataset(torch.utils.data.Dataset):
     def record_id(self, i: int) -> str:
         return self.ids[i]
 
+    def image_list(self, i: int) -> list[tuple[str, tuple[int, int]]]:
+        """(path, patch grid) of each image of example ``i``, in placeholder order."""
+        _, _, paths, grids = self.examples[i]
+        return list(zip(paths, grids))
+
+    def load_pixels(self, images: Sequence[tuple[str, tuple[int, int]]]) -> torch.Tensor:
+        """pixel_values [patches, 3 p^2] of ``images`` (entries of :meth:`image_list`)."""
+        pv = [load_patches(p, g, self.patch_size, self.mean, self.std) for p, g in images]
+        return torch.cat(pv) if pv else torch.zeros(0, 3 * self.patch_size ** 2)
+
     def images(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [patches, 3 p^2], image_grid [images, 2]) of example ``i``."""
-        _, _, paths, grids = self.examples[i]
-        dim = 3 * self.patch_size ** 2
-        pv = [load_patches(p, g, self.patch_size, self.mean, self.std) for p, g in zip(paths, grids)]
-        return (torch.cat(pv) if pv else torch.zeros(0, dim),
-                torch.tensor(grids, dtype=torch.long).view(-1, 2))
+        return self.load_pixels(self.image_list(i)), self.image_grid(i)
+
+    def image_grid(self, i: int) -> torch.Tensor:
+        return torch.tensor(self.examples[i][3], dtype=torch.long).view(-1, 2)
+
+    def item(self, i: int, pixels: bool = True) -> dict[str, torch.Tensor]:
+        """Example ``i``; without ``pixels`` its images are not read (``image_grid`` only)."""
+        ids, labels, _, _ = self.examples[i]
+        out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
+               "image_grid": self.image_grid(i)}
+        if pixels:
+            out["pixel_values"] = self.load_pixels(self.image_list(i))
+        return out
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids, labels, _, _ = self.examples[i]
-        pv, grid = self.images(i)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                "pixel_values": pv, "image_grid": grid}
+        return self.item(i)
 
     def pack(self, pack_size: int, pad_to_multiple_of: int = 1) -> "PackedVisionDataset":
         return PackedVisionDataset(self, pack_size, pad_to_multiple_of)
@@ -258,29 +273,40 @@ class PackedVisionDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.bins)
 
-    def __getitem__(self, r: int) -> dict:
+    def image_list(self, r: int) -> list[tuple[str, tuple[int, int]]]:
+        return [x for i in self.bins[r] for x in self.dataset.image_list(i)]
+
+    def load_pixels(self, images: Sequence[tuple[str, tuple[int, int]]]) -> torch.Tensor:
+        return self.dataset.load_pixels(images)
+
+    def item(self, r: int, pixels: bool = True) -> dict:
+        """Row ``r``; without ``pixels`` its images are not read (``image_grid`` only)."""
         docs = [self.dataset.examples[i][:2] for i in self.bins[r]]
         row = build_row(docs, self.pack_size, self.pad_token_id, self.pad_to_multiple_of)
-        images = [self.dataset.images(i) for i in self.bins[r]]
-        row["pixel_values"] = torch.cat([pv for pv, _ in images])
-        row["image_grid"] = torch.cat([g for _, g in images])
+        row["image_grid"] = torch.cat([self.dataset.image_grid(i) for i in self.bins[r]])
+        if pixels:
+            row["pixel_values"] = self.load_pixels(self.image_list(r))
         row["doc_ids"] = list(self.bins[r])
         return row
+
+    def __getitem__(self, r: int) -> dict:
+        return self.item(r)
 
     def collator(self) -> "VisionCollator":
         return VisionCollator(PackedCollator())
 
 
 class VisionCollator:
-    """A text collator's batch plus the batch's images: ``pixel_values`` and ``image_grid``
-    concatenated over the examples (or packed rows) in order."""
+    """A text collator's batch plus the batch's images: ``pixel_values`` (when the examples
+    hold them) and ``image_grid`` concatenated over the examples (or packed rows) in order."""
 
     def __init__(self, text_collator):
         self.text_collator = text_collator
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, Any]:
         out = self.text_collator(examples)
-        out["pixel_values"] = torch.cat([e["pixel_values"] for e in examples])
+        if "pixel_values" in examples[0]:
+            out["pixel_values"] = torch.cat([e["pixel_values"] for e in examples])
         out["image_grid"] = torch.cat([e["image_grid"] for e in examples])
         return out
 

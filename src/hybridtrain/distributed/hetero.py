@@ -6,8 +6,8 @@ data and computes the loss, laid out on the other ranks by its own :class:`Paral
 * :func:`receiver_dims`: that model's degrees over ranks ``E..world-1`` (its meshes span only
   them; every rank builds them, a collective) and its receivers (first stage, one per lane).
 * :class:`LaneDims` stands in for ``ParallelDims`` in the trainer: the data streams are the
-  receivers' lanes (``dp``, ``dp_rank``; a sender reads lane 0's batches only to keep its loop
-  in step and contributes nothing), ``all_reduce_dp`` sums one contribution per lane (a lane's
+  receivers' lanes (``dp``, ``dp_rank``; a sender's loop runs on lane 0's sampler, which the
+  plan's ``data_view`` turns into what the sender reads, and its counts add nothing), ``all_reduce_dp`` sums one contribution per lane (a lane's
   first pipeline stage) over the world and leaves the result on every rank, so the global
   label-token count, loss and validation sums reach the senders too.
 * :class:`HeteroPlan` is the plan the recipe trains: ``pipeline`` is the model's hetero step
@@ -91,13 +91,16 @@ class LaneDims:
 class HeteroPlan:
     """``model``: this rank's modules (the others set to None; on the receiving side as its
     own plan lays them out); ``pipeline``: the step; ``inner``: the receiving side's
-    ``ParallelPlan`` (None on sender ranks)."""
+    ``ParallelPlan`` (None on sender ranks); ``data_view(dataset, batch_sampler, collate) ->
+    (dataset, batch_sampler, collate)``: what this rank reads of each batch (None: the batches
+    of its lane)."""
 
     model: nn.Module
     dims: LaneDims
     pipeline: Any
     stages: list = field(default_factory=list)
     inner: Any = None
+    data_view: Any = None
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global L2 norm over all modules; clips this rank's gradients by it."""

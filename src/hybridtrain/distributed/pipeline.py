@@ -20,7 +20,9 @@
 
 Every stage receives ``position_ids`` (document boundaries of packed rows; derived from
 ``cu_seqlens`` when only those are given) and ``labels`` as keyword inputs, split into
-micro-batches along the batch dimension like ``input_ids``. All micro-batches of a step share
+micro-batches along the batch dimension like ``input_ids`` (with a model spec's
+``pipeline_row_inputs``, also the model's further per-row inputs, e.g. each row's images for
+an encoder on the first stage). All micro-batches of a step share
 one sequence length: shorter ones are right-padded (labels ``-100``, positions continuing, so
 nothing real changes); the pipeline keeps one schedule per sequence length it has seen.
 """
@@ -247,8 +249,29 @@ def _pad_right(t: torch.Tensor, length: int, value) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
-def merge_micro_batches(micro_batches: Sequence[dict], length: int | None = None) -> dict:
-    """One batch ``[sum B_i, L]`` with ``input_ids``, ``position_ids``, ``labels``."""
+def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t`` zero-padded at the end of every dimension after the first to ``shape[1:]``."""
+    pad = []
+    for have, want in zip(reversed(t.shape[1:]), reversed(shape[1:])):
+        pad += [0, want - have]
+    return torch.nn.functional.pad(t, pad) if any(pad) else t
+
+
+def merge_row_inputs(micro_batches: Sequence[dict], row_inputs) -> dict[str, torch.Tensor]:
+    """``row_inputs(micro_batch)`` (tensors with one entry per row) of every micro-batch,
+    zero-padded to common sizes and concatenated along the rows."""
+    parts = [row_inputs(mb) for mb in micro_batches]
+    out = {}
+    for k in parts[0]:
+        shape = [max(p[k].shape[d] for p in parts) for d in range(parts[0][k].dim())]
+        out[k] = torch.cat([_pad_to(p[k], shape) for p in parts])
+    return out
+
+
+def merge_micro_batches(micro_batches: Sequence[dict], length: int | None = None,
+                        row_inputs=None) -> dict:
+    """One batch ``[sum B_i, L]`` with ``input_ids``, ``position_ids``, ``labels`` (and the
+    first stage's extra inputs of ``row_inputs``, see :func:`merge_row_inputs`)."""
     rows = []
     for mb in micro_batches:
         ids = mb["input_ids"]
@@ -269,7 +292,8 @@ def merge_micro_batches(micro_batches: Sequence[dict], length: int | None = None
             extra = p[:, -1:] + torch.arange(1, L - p.shape[1] + 1, device=p.device)
             p = torch.cat([p, extra], dim=1)
         pos.append(p)
-    return {"input_ids": ids, "position_ids": torch.cat(pos), "labels": labels}
+    extra = merge_row_inputs(micro_batches, row_inputs) if row_inputs is not None else {}
+    return {"input_ids": ids, "position_ids": torch.cat(pos), "labels": labels, **extra}
 
 
 class _AsVector(nn.Module):
@@ -303,7 +327,10 @@ class PipelineTrainStep:
 
     ``stages``: this rank's stage modules, each ``forward(x, position_ids=, labels=)`` returning
     the hidden states ``[rows, L, hidden_size]`` in ``hidden_dtype`` (or, on the last stage, the
-    fp32 CE *sum*); ``stage_ids``: their indices. ``shape_group``: the ranks that agree on
+    fp32 CE *sum*); ``stage_ids``: their indices. ``row_inputs(micro_batch) -> {name: tensor}``:
+    further keyword inputs of every stage (used by the first), each with one entry per row, so
+    that the schedule splits them into micro-batches with the rows (a model spec's
+    ``pipeline_row_inputs``, e.g. a row's images). ``shape_group``: the ranks that agree on
     the step's sequence length (the layout's ranks; None: all).
     The trainer's ``TrainStep(pipeline=...)`` calls it under its autocast context:
     ``__call__(model, micro_batches, num_label_tokens)`` returns the CE sum of this data-parallel
@@ -326,6 +353,7 @@ class PipelineTrainStep:
         microbatch_size: int | None = None,
         pad_multiple: int = 1,
         shape_group=None,
+        row_inputs=None,
     ):
         self.shape_group = shape_group  # the ranks that run one shape (None: all)
         self.spec = resolve_schedule(schedule)
@@ -339,6 +367,7 @@ class PipelineTrainStep:
         self.hidden_dtype = hidden_dtype
         self.microbatch_size = microbatch_size
         self.pad_multiple = max(1, int(pad_multiple))
+        self.row_inputs = row_inputs
         if self.spec.multi != (len(self.stages) > 1):
             raise ValueError(
                 f"distributed.pp_schedule={self.spec.name!r} runs "
@@ -439,7 +468,7 @@ class PipelineTrainStep:
 
     def _run(self, micro_batches: Sequence[dict], num_label_tokens: float, train: bool):
         length = self._global_length(max(mb["input_ids"].shape[1] for mb in micro_batches))
-        batch = merge_micro_batches(micro_batches, length)
+        batch = merge_micro_batches(micro_batches, length, self.row_inputs)
         if not train:
             batch = self._eval_rows(batch)
         n_rows = batch["input_ids"].shape[0]
@@ -457,7 +486,7 @@ class PipelineTrainStep:
         self._ce_sums = []
         first = 0 in self.stage_ids
         args = (batch["input_ids"],) if first else ()
-        kwargs = dict(position_ids=batch["position_ids"], labels=batch["labels"])
+        kwargs = {k: v for k, v in batch.items() if k != "input_ids"}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if not train and self.spec.style == "v":
             # the V schedules have no forward-only mode: walk the stages micro-batch by micro-batch
@@ -497,7 +526,7 @@ class PipelineTrainStep:
         outputs = []
         for m in range(n_micro):
             sl = slice(m * rows, (m + 1) * rows)
-            kwargs = dict(position_ids=batch["position_ids"][sl], labels=batch["labels"][sl])
+            kwargs = {k: v[sl] for k, v in batch.items() if k != "input_ids"}
             x = None
             for s in range(self.num_stages):
                 if owner[s] != me:

@@ -9,6 +9,7 @@ default run executes is the code the layout-parity tests cover.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -86,5 +87,7 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
             stages, stage_ids, num_stages, dims.group("pp"), device,
             hidden_size=config.hidden_size, hidden_dtype=hidden_dtype,
             schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size,
+            row_inputs=spec.pipeline_row_inputs and functools.partial(spec.pipeline_row_inputs,
+                                                                      config),
             shape_group=dims.ranks_group)
     return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline)

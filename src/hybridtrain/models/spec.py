@@ -38,6 +38,10 @@ class ModelSpec:
     * ``pipeline_layers(model) -> list[str]``: the names of the model's pipeline-splittable
       layers, in order; ``pipeline_stage(model, layer_names, is_first, is_last)`` returns the
       stage: the model without the parts it does not own (same modules, same parameter names).
+    * ``pipeline_row_inputs(config, batch) -> {name: tensor}``: keyword inputs of the first
+      stage besides ``input_ids`` / ``position_ids`` / ``labels`` (e.g. images), each with one
+      entry per row of the collated ``batch`` (zero-padded), which the pipeline splits into
+      micro-batches with the rows; every stage's forward takes them (None: none).
     * ``layer_flops(config, seq_len) -> list[float]``: forward cost of each layer per token (the
       pipeline split); ``head_flops(config)``: the head's; ``batch_flops(config, batch,
       head_on_label_tokens_only) -> float``: training FLOPs of a collated batch.
@@ -96,6 +100,7 @@ class ModelSpec:
     hf_slice_reader: Callable[[str], Callable[[str, tuple[slice, ...]], Any]] | None = None
     hetero_plan: Callable[..., Any] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None
+    pipeline_row_inputs: Callable[[Any, dict], dict] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -188,8 +188,11 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
         collators[id(val_ds)] = build_collator(val_ds)
     pin = cfg.dataloader.pin_memory and device.type == "cuda"
 
-    def make_loader(dataset, batch_sampler):
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collators[id(dataset)],
+    def make_loader(dataset, batch_sampler, view=None):
+        collate = collators[id(dataset)]
+        if view is not None:  # what this rank reads of each batch (a plan's data_view)
+            dataset, batch_sampler, collate = view(dataset, batch_sampler, collate)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
                           num_workers=cfg.dataloader.num_workers, pin_memory=pin,
                           generator=torch.Generator())  # never draws from the global RNG
 
@@ -198,15 +201,31 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
 
 def build_lr_scheduler(cfg: ConfigNode, optimizer, max_steps: int | None, global_batch_size: int):
     """The ``lr_scheduler:`` section over a run of ``max_steps`` steps of ``global_batch_size``
-    samples (the decay length when the section gives none)."""
+    samples (the decay length when the section gives none). Without an ``optimizer`` (nothing
+    trainable on this rank) it only follows the run, at the ``optimizer:`` section's lr."""
     if "_target_" in cfg.lr_scheduler:
         return instantiate(cfg.lr_scheduler, optimizer)
     total_samples = max_steps * global_batch_size if max_steps else None
-    return LRScheduler(optimizer, **cfg.lr_scheduler.to_dict(), total_steps=max_steps,
-                       total_samples=total_samples)
+    kw = cfg.lr_scheduler.to_dict()
+    if optimizer is None and kw.get("lr") is None:
+        kw["lr"] = cfg.optimizer.get("lr", 0.0)
+    return LRScheduler(optimizer, **kw, total_steps=max_steps, total_samples=total_samples)
 
 
-def _build_optimizer(cfg: ConfigNode, model):
+def _build_optimizer(cfg: ConfigNode, model, device: torch.device):
+    """The ``optimizer:`` section over this rank's trainable parameters, or None on a rank that
+    holds none (a frozen module on its own ranks, a frozen pipeline stage): no optimizer and
+    no optimizer state there. A model with nothing to train on any rank is an error."""
+    local = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = torch.tensor([float(local)], dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    if not total.item():
+        raise ValueError(f"{cfg.model.where()}: the model has no trainable parameters (every "
+                         "module frozen: model.freeze / requires_grad=False); unfreeze one")
+    if not local:
+        logger.info("no trainable parameter on this rank: no optimizer here")
+        return None
     if "_target_" in cfg.optimizer:
         wd = cfg.optimizer.get("weight_decay", 0.0)
         return instantiate(cfg.optimizer, param_groups(model, wd))
@@ -234,7 +253,7 @@ class Built:
     peft: dict | None
     plan: Any  # ParallelPlan: model, stages, ParallelDims (this process's coordinates)
     train_step: TrainStep
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     train_ds: Any = None  # the data: None when built with data=False
     val_ds: Any = None
@@ -323,13 +342,16 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     else:
         plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
+    if make_loader is not None and getattr(plan, "data_view", None) is not None:
+        make_loader = functools.partial(make_loader, view=plan.data_view)
     if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
         _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
     return Built(
         cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
         save_dtype=save_dtype, peft=peft, plan=plan,
-        train_step=make_train_step(plan, autocast_dtype), optimizer=_build_optimizer(cfg, model),
+        train_step=make_train_step(plan, autocast_dtype),
+        optimizer=_build_optimizer(cfg, model, device),
         flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size),
         train_ds=train_ds, val_ds=val_ds, make_loader=make_loader)
 

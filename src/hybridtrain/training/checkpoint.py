@@ -358,7 +358,7 @@ class Checkpointer:
         self,
         step: int,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         lr_scheduler=None,
         step_scheduler=None,
         tokenizer=None,
@@ -379,7 +379,11 @@ class Checkpointer:
             os.makedirs(os.path.join(tmp, "rng"))
         barrier()
 
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_SD_OPTIONS)
+        else:  # nothing trainable on this rank: no optimizer state
+            model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
+            optim_sd = {"state": {}, "param_groups": []}
         tensors: dict[str, torch.Tensor] = {}
         _tensors(model_sd, "model", tensors)
         _tensors(optim_sd["state"], "optim.state", tensors)

@@ -82,6 +82,7 @@ class LRScheduler:
     ``lr_wsd_decay_samples``). The decay length defaults to the run length (``total_steps`` /
     ``total_samples``, given by the recipe); the WSD decay phase to 10 % of it. The peak ``lr``
     defaults to the optimizer's. A param group's ``lr_mult`` (if any) scales its lr.
+    ``optimizer`` None (a rank with nothing to train): the schedule only counts (give ``lr``).
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class LRScheduler:
         self.optimizer = optimizer
         self.style = style
         self.units = units
+        assert optimizer is not None or lr is not None, "LRScheduler without optimizer needs lr"
         self.base_lr = float(lr if lr is not None else optimizer.param_groups[0]["lr"])
         self.min_lr = float(min_lr)
         self.init_lr = float(init_lr)
@@ -158,7 +160,7 @@ class LRScheduler:
         self.decay_length = length
         self.wsd_decay_length = wsd
         self.wsd_decay_style = lr_wsd_decay_style
-        for group in optimizer.param_groups:
+        for group in self._groups():
             group.setdefault("lr_mult", 1.0)
         self.num_steps = 0  # optimizer updates applied
         self.num_samples = 0  # samples of the applied updates
@@ -180,8 +182,11 @@ class LRScheduler:
 
     def _apply(self) -> None:
         lr = self.get_lr()
-        for group in self.optimizer.param_groups:
+        for group in self._groups():
             group["lr"] = lr * group["lr_mult"]
+
+    def _groups(self) -> list[dict]:
+        return self.optimizer.param_groups if self.optimizer is not None else []
 
     def step(self, num_samples: int = 0) -> None:
         """Call after an applied optimizer update (never after a skipped one)."""

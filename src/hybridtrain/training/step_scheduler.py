@@ -15,6 +15,7 @@ sees the same samples whatever ``dp_size`` is, which the parallel-parity tests r
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,6 +67,12 @@ class MicroBatchSampler:
     def __len__(self) -> int:
         return max(self.steps_per_epoch - self.start_step, 0) * self.ga
 
+    def for_rank(self, dp_rank: int) -> "MicroBatchSampler":
+        """The same sampler for data-parallel rank ``dp_rank`` (a rank reading for others)."""
+        other = copy.copy(self)
+        other.dp_rank = dp_rank
+        return other
+
     def __iter__(self) -> Iterator[list[int]]:
         chunk = self.mbs * self.dp_size
         for step in range(self.start_step, self.steps_per_epoch):
@@ -90,6 +97,10 @@ class EvalBatchSampler:
 
     def __len__(self) -> int:
         return self.num_batches
+
+    def for_rank(self, dp_rank: int) -> "EvalBatchSampler":
+        """The same split's batches of data-parallel rank ``dp_rank``."""
+        return EvalBatchSampler(self.n, self.mbs, dp_rank, self.dp_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         for b in range(self.num_batches):

@@ -133,7 +133,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         lr_scheduler,
         step_scheduler: StepScheduler,
         train_dataset,
@@ -209,7 +209,8 @@ class Trainer:
             dtype=torch.float64, device=self.device)
         self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
-        lr = self.lr_scheduler.get_lr() if self.lr_scheduler else self.optimizer.param_groups[0]["lr"]
+        lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
+              self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
         self.model.train()
         if num_label_tokens == 0:
             logger.warning("step %d: the global batch has no label tokens; skipping it",
@@ -229,10 +230,12 @@ class Trainer:
                                self.sched.step + 1,
                                "loss" if not math.isfinite(loss_v) else "gradient norm", lr)
         else:
-            self.optimizer.step()
+            if self.optimizer is not None:  # None: nothing trainable on this rank
+                self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(self.sched.global_batch_size)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         epoch = self.sched.epoch
         self.sched.advance(skipped=skipped)
         if self.device.type == "cuda":

@@ -4,15 +4,17 @@
 over a mesh of those ranks only), joined by :mod:`hybridtrain.distributed.bridge` at the first
 pipeline stage of each language lane.
 
-One step, in two phases on both sides (so that a pipeline schedule can run all of a lane's
-micro-batches at once):
+Each side reads its own data (:func:`data_view`): a language lane reads its samples' text and
+image grids (no image decoded), an encoder rank the images of the lanes it serves (its
+contiguous share of a lane's images when several encoder ranks serve one lane), micro-batch by
+micro-batch in the lanes' order. One step, in two phases on both sides (so that a pipeline
+schedule can run all of a lane's micro-batches at once):
 
-1. per micro-batch, a lane's first stage sends its images (``image_grid`` + ``pixel_values``,
-   split in contiguous shares when several encoder ranks serve it) and receives the projected
-   embeddings ``[tokens, hidden]``; it lays them out per row (``image_embeds`` [rows, tokens of
-   the row, hidden], a leaf that requires grad) and the language model scatters them into the
-   row's placeholders (:meth:`NemotronVLMForConditionalGeneration.forward`); encoder ranks keep
-   their graphs;
+1. per micro-batch, an encoder rank sends each lane it serves the projected embeddings
+   ``[tokens, hidden]`` of its images and keeps its graph; a lane's first stage receives them,
+   lays them out per row (``image_embeds`` [rows, tokens of the row, hidden], a leaf that
+   requires grad) and the language model scatters them into the row's placeholders
+   (:meth:`NemotronVLMForConditionalGeneration.forward`);
 2. the language model runs forward and backward of every micro-batch (its pipeline schedule
    under ``pp``, which splits ``image_embeds`` with the rows) with ``loss_sum / global label
    tokens``; the first stage returns each encoder rank the gradient of its share, and encoder
@@ -67,12 +69,14 @@ class HeteroVLMStep:
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ encoder side
-    def _serve(self, model) -> list[tuple[int, torch.Tensor]]:
-        """One micro-batch: the images of every lane this rank serves in, embeddings out."""
+    def _serve(self, model, mb: dict) -> list[tuple[int, torch.Tensor]]:
+        """One micro-batch (:class:`~hybridtrain.data.vision_sides.ImageSide`'s): the
+        embeddings of the images of every lane this rank serves, sent to the lane."""
+        grids = mb["image_grid"].split(mb["lane_images"].tolist())
+        pixels_per_lane = mb["pixel_values"].split([int((g[:, 0] * g[:, 1]).sum()) for g in grids])
         out = []
-        for dst, _, _ in self.layout.routes(self.rank):
-            grid = recv_2d(dst, torch.int64)
-            pixels = recv_2d(dst, torch.float32)
+        for (dst, _, _), grid, pixels in zip(self.layout.routes(self.rank), grids,
+                                              pixels_per_lane):
             if grid.shape[0]:
                 emb = model.image_embeddings(pixels, grid)
             else:
@@ -89,23 +93,13 @@ class HeteroVLMStep:
 
     # ------------------------------------------------------------------ language side
     def _receive(self, model, mb: dict) -> tuple[torch.Tensor, list[int]]:
-        """This lane's micro-batch's images out, their embeddings in: ([tokens, hidden], the
-        size of each encoder rank's share)."""
+        """The embeddings of this lane's micro-batch's images: ([tokens, hidden], the size of
+        each encoder rank's share)."""
         grid = mb.get("image_grid")
-        pixels = mb.get("pixel_values")
-        if grid is None:
-            grid = torch.zeros(0, 2, dtype=torch.int64)
-            pixels = torch.zeros(0, model.config.vision_config.patch_dim)
-        has_images = grid.shape[0] > 0
+        has_images = grid is not None and grid.shape[0] > 0
         model._check_counts(mb["input_ids"] == model.config.image_token_id,
                             grid if has_images else None)
         sources = self.layout.sources(self.rank)
-        patch_end = torch.cumsum(grid[:, 0] * grid[:, 1], 0).tolist()
-        for src, (a, b) in zip(sources, split_shares(grid.shape[0], len(sources))):
-            p0 = patch_end[a - 1] if a else 0
-            p1 = patch_end[b - 1] if b else 0
-            self.bytes_sent += send_2d(grid[a:b], src)
-            self.bytes_sent += send_2d(pixels[p0:p1].float(), src)
         pieces = [recv_2d(src, self.dtype) for src in sources]
         return torch.cat(pieces), [p.shape[0] for p in pieces]
 
@@ -159,7 +153,7 @@ class HeteroVLMStep:
     def __call__(self, model, micro_batches, num_label_tokens: int) -> torch.Tensor:
         if not self.is_encoder:
             return self._lane_step(model, micro_batches, num_label_tokens)
-        served = [self._serve(model) for _ in micro_batches]
+        served = [self._serve(model, mb) for mb in micro_batches]
         for s in served:
             self._serve_backward(s)
         all_reduce_grads(model.parameters(), self.encoder_group)  # replicated encoder
@@ -168,7 +162,7 @@ class HeteroVLMStep:
     @torch.no_grad()
     def eval_loss(self, model, batch: dict) -> torch.Tensor:
         if self.is_encoder:
-            self._serve(model)
+            self._serve(model, batch)
             return torch.zeros((), dtype=torch.float32)
         batch = self._lane_inputs(model, batch, False)[0]
         if self.lm_pipeline is not None:
@@ -179,7 +173,7 @@ class HeteroVLMStep:
     def eval_logits(self, model, batch: dict) -> torch.Tensor | None:
         """Logits of a validation batch on a language lane (None on encoder ranks)."""
         if self.is_encoder:
-            self._serve(model)
+            self._serve(model, batch)
             return None
         if self.lm_pipeline is not None:
             raise ValueError("training.val_accuracy is not available under pipeline "
@@ -187,28 +181,20 @@ class HeteroVLMStep:
         return self._forward(model, self._lane_inputs(model, batch, False)[0], logits=True)
 
 
-def hetero_plan(model, distributed, world_size: int, require_trainable: bool = True, *,
-                parallelize=None, device: torch.device | str = "cpu"):
+def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
+                device: torch.device | str = "cpu"):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
     ``0..E-1`` (replicated), the language model on the rest laid out by
     ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.plan.parallelize``
     with the schema's training section) over their own ``ParallelDims``; each rank keeps only
-    its modules. ``require_trainable``: refuse a side with nothing to train (the recipe's
-    trainer needs an optimizer on every rank; a loop that gives such ranks no optimizer
-    passes False)."""
+    its modules (a side with nothing trainable, e.g. the frozen language model of stage 1,
+    gets no optimizer)."""
     from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
 
     E = distributed.encoder_ranks
     if not 0 < E < world_size:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
                          f"model: between 1 and {world_size - 1} with {world_size} ranks")
-    for what, modules in (("vision encoder and projector", (model.vision_model, model.projector)),
-                          ("language model", (model.language_model,))):
-        if require_trainable and not any(p.requires_grad for m in modules for p in m.parameters()):
-            raise ValueError(
-                f"distributed.encoder_ranks={E}: the {what} is frozen (model.freeze), so its "
-                "ranks would have nothing to train (no optimizer there is not supported by the "
-                "recipe's trainer yet); train this stage with encoder_ranks: 0 (colocated)")
     dtype = model.projector.fc2.weight.dtype
     device = torch.device(device)
     dims, layout = receiver_dims(distributed, E, world_size, device.type)
@@ -227,7 +213,24 @@ def hetero_plan(model, distributed, world_size: int, require_trainable: bool = T
         model, lm_pipeline, stages = inner.model, inner.pipeline, inner.stages
     step = HeteroVLMStep(layout, encoder_group, dtype, lm_pipeline)
     return HeteroPlan(model=model, dims=LaneDims(layout, dims, rank, world_size), pipeline=step,
-                      stages=stages, inner=inner)
+                      stages=stages, inner=inner, data_view=data_view(layout, rank))
+
+
+def data_view(layout: BridgeLayout, rank: int):
+    """What ``rank`` reads of each batch (``HeteroPlan.data_view``): a language rank its lane's
+    samples without pixels, an encoder rank the images (its share of them) of the same
+    micro-batches of every lane it serves."""
+    from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
+
+    if rank not in layout.senders:
+        return lambda dataset, sampler, collate: (TextSide(dataset), sampler, collate)
+    routes = layout.routes(rank)
+    lanes = [layout.receivers.index(dst) for dst, _, _ in routes]
+
+    def view(dataset, sampler, collate):
+        side = ImageSide(dataset, lambda pos, n: split_shares(n, routes[pos][2])[routes[pos][1]])
+        return side, LaneSampler(sampler, lanes), side.collate
+    return view
 
 
 def _default_parallelize(distributed, device: torch.device):

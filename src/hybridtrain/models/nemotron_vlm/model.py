@@ -18,6 +18,7 @@ from torch import nn
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM
 
 from .config import NemotronVLMConfig
+from .pipeline import images_from_rows
 from .vision import Projector, RadioViT, pixel_shuffle
 
 # the module groups a recipe can freeze (``freeze: [vision, language]``) -> attribute
@@ -56,6 +57,18 @@ class NemotronVLMForConditionalGeneration(nn.Module):
                  ("projector", lambda m: Projector.init_weights(m, std))]
         return units + [(f"language_model.{name}", init)
                         for name, init in self.language_model.init_units()]
+
+    def pipeline_stage(self, layer_ids: Iterable[int], is_first: bool, is_last: bool
+                       ) -> "NemotronVLMForConditionalGeneration":
+        """A model holding the language model's pipeline stage (see
+        ``NemotronHForCausalLM.pipeline_stage``) and, on the first stage, the vision encoder and
+        projector, which feed its embeddings (same modules, same parameter names)."""
+        lm = self.language_model.pipeline_stage(layer_ids, is_first, is_last)
+        with torch.device("meta"):
+            stage = type(self)(self.config, language_model=lm)
+        stage.vision_model = self.vision_model if is_first else None
+        stage.projector = self.projector if is_first else None
+        return stage
 
     # ------------------------------------------------------------------ training hooks
     @property
@@ -157,6 +170,11 @@ class NemotronVLMForConditionalGeneration(nn.Module):
         image_grid: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.language_model.backbone.embeddings is None:  # a later pipeline stage
+            return self.language_model(input_ids, position_ids=position_ids,
+                                       cu_seqlens=cu_seqlens, labels=labels)
+        if image_grid is not None and image_grid.dim() == 3:  # a pipeline micro-batch's rows
+            pixel_values, image_grid = images_from_rows(pixel_values, image_grid)
         if image_embeds is not None:  # projected on other ranks (heterogeneous layout)
             embeds = self.place_row_embeddings(input_ids, image_embeds)
         else:

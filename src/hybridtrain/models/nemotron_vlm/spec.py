@@ -18,6 +18,7 @@ from .config import NemotronVLMConfig
 from .hetero import hetero_plan
 from .io import save_vlm
 from .model import NemotronVLMForConditionalGeneration
+from .pipeline import images_by_row
 
 
 def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: torch.device,
@@ -51,9 +52,7 @@ def is_complete(model: nn.Module) -> bool:
 
 
 def pipeline_stage(model, layers, is_first, is_last):
-    raise ValueError(
-        "distributed.pp > 1: pipeline parallelism of the colocated vision-language model is not "
-        "supported yet; use dp_shard / dp_replicate / ep")
+    return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
 
 
 def layer_flops(config: NemotronVLMConfig, seq_len: int) -> list[float]:
@@ -111,6 +110,7 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     save_hf=save_hf,
     expert_modules=(Experts,),
     hetero_plan=hetero_plan,
+    pipeline_row_inputs=images_by_row,
     state_format=state_format,
     init_units=NemotronVLMForConditionalGeneration.init_units,
 ))
