@@ -52,6 +52,10 @@ def is_complete(model: nn.Module) -> bool:
 
 
 def pipeline_stage(model, layers, is_first, is_last):
+    if model.config.image_token_id == 0:
+        raise ValueError("distributed.pp > 1 pads rows with token id 0, which is this model's "
+                         "image_token_id (placeholders would appear); give the image "
+                         "placeholder another id")
     return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
 
 
