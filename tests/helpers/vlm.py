@@ -195,7 +195,8 @@ def hetero_run(rank: int, world: int, tmp: str, encoders: int, freeze=(),
             opt.zero_grad(set_to_none=True)
         losses.append(loss)
         norms.append(float(norm))
-    owned = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    owned = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in model.state_dict().items()}  # the language model may be sharded
     return losses, norms, owned, step.bytes_sent / steps
 
 

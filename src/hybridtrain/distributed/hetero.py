@@ -1,20 +1,23 @@
 """The trainer's view of a heterogeneous layout: a model's modules on disjoint rank sets joined
-by a :class:`~hybridtrain.distributed.bridge.BridgeLayout` (senders: e.g. an encoder's ranks;
-receivers: the ranks that read the data and compute the loss, one data lane each).
+by a :class:`~hybridtrain.distributed.bridge.BridgeLayout` (senders: e.g. an encoder's ranks
+``0..E-1``; receivers: the first pipeline stage of each data lane of the model that reads the
+data and computes the loss, laid out on the other ranks by its own :class:`ParallelDims`).
 
+* :func:`receiver_dims`: that model's degrees over ranks ``E..world-1`` (its meshes span only
+  them; every rank builds them, a collective) and its receivers (first stage, one per lane).
 * :class:`LaneDims` stands in for ``ParallelDims`` in the trainer: the data streams are the
-  receiving lanes (``dp``, ``dp_rank``; a sender's loop runs on lane 0's sampler, which the
-  plan's ``data_view`` turns into what the sender reads, and its counts add nothing),
-  ``all_reduce_dp`` sums over the lanes and leaves the result on
-  every rank, so the global label-token count, loss and validation sums reach the senders too.
+  receivers' lanes (``dp``, ``dp_rank``; a sender's loop runs on lane 0's sampler, which the
+  plan's ``data_view`` turns into what the sender reads, and its counts add nothing), ``all_reduce_dp`` sums one contribution per lane (a lane's
+  first pipeline stage) over the world and leaves the result on every rank, so the global
+  label-token count, loss and validation sums reach the senders too.
 * :class:`HeteroPlan` is the plan the recipe trains: ``pipeline`` is the model's hetero step
-  (the trainer's step interface), ``clip_grad_norm`` the norm over every module (each rank set
-  counts its replicated gradients once), so a non-finite norm skips the step on every rank.
+  (the trainer's step interface), ``clip_grad_norm`` the norm over every module (the senders'
+  replicated gradients counted once, the receivers' side by its own plan's norm over its
+  meshes and stages), so a non-finite norm skips the step on every rank.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,29 +26,59 @@ import torch.distributed as dist
 from torch import nn
 
 from .bridge import BridgeLayout
+from .parallel_dims import ParallelDims
+from .utils import clip_grads_with_norm_, grad_norm
 
-__all__ = ["LaneDims", "HeteroPlan"]
+__all__ = ["LaneDims", "HeteroPlan", "receiver_dims"]
+
+
+def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type: str = "cpu"
+                  ) -> tuple[ParallelDims, BridgeLayout]:
+    """(the degrees of the ``distributed`` section over ranks ``encoder_ranks..world_size-1``,
+    the bridge from ranks ``0..encoder_ranks-1`` to the first pipeline stage of each of its
+    data lanes, in lane order). Collective when more than one rank."""
+    E = encoder_ranks
+    if not 0 < E < world_size:
+        raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
+                         f"model: between 1 and {world_size - 1} with {world_size} ranks")
+    for key in ("tp", "cp"):
+        if distributed[key] != 1:
+            raise ValueError(
+                f"distributed.encoder_ranks={E} with distributed.{key}={distributed[key]}: the "
+                "model on the other ranks takes dp_shard / dp_replicate / pp / ep only; set "
+                f"{key}: 1")
+    try:
+        dims = ParallelDims(dp_replicate=distributed.dp_replicate, dp_shard=distributed.dp_shard,
+                            pp=distributed.pp, ep=distributed.ep, world_size=world_size - E)
+    except ValueError as e:
+        raise ValueError(f"distributed.encoder_ranks={E} leaves {world_size - E} ranks for the "
+                         f"language model's own layout: {e}") from None
+    if world_size - E > 1:
+        dims.build_mesh(device_type, first_rank=E)
+    # ranks are laid out pp-slowest (tp = cp = 1): lane i's first stage is rank E + i
+    return dims, BridgeLayout(range(E), range(E, E + dims.dp))
 
 
 class LaneDims:
-    def __init__(self, layout: BridgeLayout, rank: int, world_size: int):
+    """The trainer's coordinates on one rank of the heterogeneous layout; ``inner``: the
+    receiving side's :class:`ParallelDims` (on every rank)."""
+
+    def __init__(self, layout: BridgeLayout, inner: ParallelDims, rank: int, world_size: int):
         self.layout = layout
+        self.inner = inner
         self.rank = rank
         self.world_size = world_size
         self.is_sender = rank in layout.senders
-        own = layout.senders if self.is_sender else layout.receivers
-        self.is_leader = rank == own[0]  # counts its rank set's (replicated) gradients
-        self.dp = len(layout.receivers)
-        self.dp_rank = 0 if self.is_sender else layout.receivers.index(rank)
-        self.pp = self.ep = self.tp = self.cp = self.dp_replicate = 1
-        self.dp_shard = self.dp
-
-    built = True
-    fsdp_enabled = pp_enabled = ep_enabled = False
+        first_stage = not self.is_sender and (inner.pp == 1 or inner.local_rank("pp") == 0)
+        self.counts = first_stage  # one contribution per lane to the global sums
+        self.is_leader = rank in (layout.senders[0], layout.receivers[0])  # counts its side's norm
+        self.dp = inner.dp
+        self.dp_rank = 0 if self.is_sender else inner.dp_rank
+        self.cp = 1
 
     def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the receiving lanes (senders add zeros), in place, on every rank."""
-        if self.is_sender:
+        """Sum over the data lanes (other ranks add zeros), in place, on every rank."""
+        if not self.counts:
             t.zero_()
         dist.all_reduce(t)
         return t
@@ -56,25 +89,33 @@ class LaneDims:
 
 @dataclass
 class HeteroPlan:
-    """``model``: this rank's modules (the others set to None); ``pipeline``: the step;
-    ``data_view(dataset, batch_sampler, collate) -> (dataset, batch_sampler, collate)``: what
-    this rank reads of each batch (None: the batches of its lane)."""
+    """``model``: this rank's modules (the others set to None; on the receiving side as its
+    own plan lays them out); ``pipeline``: the step; ``inner``: the receiving side's
+    ``ParallelPlan`` (None on sender ranks); ``data_view(dataset, batch_sampler, collate) ->
+    (dataset, batch_sampler, collate)``: what this rank reads of each batch (None: the batches
+    of its lane)."""
 
     model: nn.Module
     dims: LaneDims
     pipeline: Any
     stages: list = field(default_factory=list)
+    inner: Any = None
     data_view: Any = None
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global L2 norm over all modules; clips this rank's gradients by it."""
         assert norm_type == 2.0, "the heterogeneous layout clips by the L2 norm"
         params = [p for p in parameters if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
-        if self.dims.is_leader and params:
-            sq += sum(p.grad.detach().double().pow(2).sum() for p in params)
+        if self.dims.is_sender:  # replicated over the senders
+            sq = sum((p.grad.detach().double().pow(2).sum() for p in params),
+                     torch.zeros((), dtype=torch.float64))
+        else:  # over the receiving side's meshes and pipeline stages (its collectives)
+            inner = self.dims.inner
+            pp_group = inner.group("pp") if inner.pp > 1 else None
+            sq = grad_norm(params, 2.0, pp_group).double() ** 2
+        sq = sq if self.dims.is_leader else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(sq)
         norm = sq.sqrt().float()
-        if max_norm and params and math.isfinite(float(norm)):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        if torch.isfinite(norm):
+            clip_grads_with_norm_(params, max_norm, norm)
         return norm

@@ -71,6 +71,7 @@ class ParallelDims:
     ep: int = 1
     world_size: int = 1
     _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ranks_group: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in _DEGREES + ("world_size",):
@@ -166,22 +167,33 @@ class ParallelDims:
         }
         return tuple(size[n] for n in _VIEWS[view])
 
-    def build_mesh(self, device_type: str) -> "ParallelDims":
-        """Build every named mesh once (a collective: all ranks must call it)."""
+    def build_mesh(self, device_type: str, first_rank: int = 0) -> "ParallelDims":
+        """Build every named mesh once (a collective: all ranks must call it). The layout
+        spans ranks ``first_rank .. first_rank + world_size - 1`` (the whole process group by
+        default; a part of it when other ranks run other modules of the model, where the
+        other ranks build it too and take no part in it)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
         assert dist.is_initialized(), "init_distributed() must run before build_mesh()"
-        assert dist.get_world_size() == self.world_size, (
-            f"ParallelDims.world_size={self.world_size} but the process group has "
-            f"{dist.get_world_size()} ranks"
+        assert (first_rank == 0 and dist.get_world_size() == self.world_size) or (
+            first_rank + self.world_size <= dist.get_world_size()), (
+            f"ParallelDims.world_size={self.world_size} from rank {first_rank} but the process "
+            f"group has {dist.get_world_size()} ranks"
         )
-        ranks = torch.arange(self.world_size, dtype=torch.int)
+        ranks = torch.arange(first_rank, first_rank + self.world_size, dtype=torch.int)
         for view, names in _VIEWS.items():
             self._meshes[view] = DeviceMesh(
                 device_type, ranks.view(self._shape(view)), mesh_dim_names=names
             )
+        if self.world_size != dist.get_world_size():
+            self._ranks_group = dist.new_group(ranks.tolist())
         return self
+
+    @property
+    def ranks_group(self):
+        """The process group of all the layout's ranks (None: the default group, all ranks)."""
+        return self._ranks_group
 
     @property
     def world_mesh(self):

@@ -330,7 +330,8 @@ class PipelineTrainStep:
     fp32 CE *sum*); ``stage_ids``: their indices. ``row_inputs(micro_batch) -> {name: tensor}``:
     further keyword inputs of every stage (used by the first), each with one entry per row, so
     that the schedule splits them into micro-batches with the rows (a model spec's
-    ``pipeline_row_inputs``, e.g. a row's images).
+    ``pipeline_row_inputs``, e.g. a row's images). ``shape_group``: the ranks that agree on
+    the step's sequence length (the layout's ranks; None: all).
     The trainer's ``TrainStep(pipeline=...)`` calls it under its autocast context:
     ``__call__(model, micro_batches, num_label_tokens)`` returns the CE sum of this data-parallel
     rank's batch (on every pp rank), ``eval_loss(model, batch)`` is the forward-only CE sum for
@@ -351,8 +352,10 @@ class PipelineTrainStep:
         schedule: str = "1f1b",
         microbatch_size: int | None = None,
         pad_multiple: int = 1,
+        shape_group=None,
         row_inputs=None,
     ):
+        self.shape_group = shape_group  # the ranks that run one shape (None: all)
         self.spec = resolve_schedule(schedule)
         self.stages = list(stages)
         self.stage_ids = list(stage_ids)
@@ -439,7 +442,7 @@ class PipelineTrainStep:
         length = -(-length // m) * m
         if dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([length], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shape_group)
             length = int(t)
         return length
 

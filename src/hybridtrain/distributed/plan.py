@@ -88,5 +88,6 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
             hidden_size=config.hidden_size, hidden_dtype=hidden_dtype,
             schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size,
             row_inputs=spec.pipeline_row_inputs and functools.partial(spec.pipeline_row_inputs,
-                                                                      config))
+                                                                      config),
+            shape_group=dims.ranks_group)
     return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["barrier", "clip_grad_norm_", "get_rank", "get_world_size", "grad_norm",
-           "is_distributed", "is_main_process", "main_process_first"]
+__all__ = ["barrier", "clip_grad_norm_", "clip_grads_with_norm_", "get_rank", "get_world_size",
+           "grad_norm", "is_distributed", "is_main_process", "main_process_first"]
 
 T = TypeVar("T")
 
@@ -114,6 +114,15 @@ def clip_grad_norm_(
     """Clip in place to ``max_norm`` (when set) by the global norm; returns the norm before."""
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(params, norm_type, pp_group)
+    clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(params: Sequence[torch.Tensor], max_norm: float | None,
+                          total: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` (plain or DTensors on any meshes) by
+    ``max_norm / total`` when that is below 1 (nothing without ``max_norm``)."""
     if max_norm is not None and max_norm > 0 and params:
         groups = defaultdict(list)
         for p in params:
@@ -121,4 +130,3 @@ def clip_grad_norm_(
         for ps in groups.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device),
                                                  foreach=True)
-    return total

@@ -69,9 +69,10 @@ class ModelSpec:
       of parameter ``name`` from the Hugging Face checkpoint in ``local_dir``, touching only
       the checkpoint tensors it needs (the Hub <-> our name and layout mapping). A model that
       ``from_pretrained(dir, device="meta")`` builds records ``dir`` as ``name_or_path``.
-    * ``hetero_plan(model, distributed, world_size)``: the plan of ``distributed.encoder_ranks``
-      (the model's encoder on its own ranks; see :mod:`hybridtrain.distributed.hetero`), None
-      when the model has no such split.
+    * ``hetero_plan(model, distributed, world_size, *, parallelize, device)``: the plan of
+      ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid out by
+      ``parallelize(model, dims) -> ParallelPlan`` over the other ranks' own ``ParallelDims``;
+      see :mod:`hybridtrain.distributed.hetero`), None when the model has no such split.
     * ``tp_plan(model, tp) -> {submodule path: style}``: how ``parallelize_fn`` splits a (stage)
       model over ``tp`` ranks (see ``distributed.tensor_parallel``; ``hybridtrain plan`` counts
       each parameter's share from it; None: no tensor parallelism).

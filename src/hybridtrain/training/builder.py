@@ -108,13 +108,15 @@ def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> f
 
 # -- parallel layout --------------------------------------------------------------------------
 def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.device,
-                 autocast_dtype):
+                 autocast_dtype, dims=None):
     """The ``distributed:`` layout (and activation checkpointing / compile) of ``model``: the
-    same path for one process and many."""
+    same path for one process and many (``dims``: its degrees, default the section's over
+    ``world_size`` ranks)."""
     from hybridtrain.distributed.layout import parallel_dims_from_config
     from hybridtrain.distributed.plan import parallelize
 
-    dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
+    if dims is None:
+        dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
     seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
     return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
                        autocast_dtype=autocast_dtype, seq_len=seq_len)
@@ -327,7 +329,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
             raise ValueError(f"distributed.encoder_ranks={cfg.distributed.encoder_ranks}: "
                              f"{type(model).__name__} has no encoder to place on its own ranks; "
                              "set it to 0")
-        plan = spec.hetero_plan(model, cfg.distributed, world_size)
+        plan = spec.hetero_plan(
+            model, cfg.distributed, world_size, device=device,
+            parallelize=lambda m, dims: _parallelize(cfg, spec, m, world_size, device,
+                                                     autocast_dtype, dims))
     else:
         plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model

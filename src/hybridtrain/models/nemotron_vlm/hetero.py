@@ -1,17 +1,27 @@
 """Heterogeneous layout of the vision-language model: the vision encoder + projector on ranks
-``0..E-1`` (data-parallel among themselves), the language model on the others (one lane per
-rank), joined by :mod:`hybridtrain.distributed.bridge`.
+``0..E-1`` (data-parallel among themselves), the language model on the others with its own
+``dp_shard`` / ``dp_replicate`` / ``pp`` / ``ep`` (laid out by ``distributed.plan.parallelize``
+over a mesh of those ranks only), joined by :mod:`hybridtrain.distributed.bridge` at the first
+pipeline stage of each language lane.
 
 Each side reads its own data (:func:`data_view`): a language lane reads its samples' text and
 image grids (no image decoded), an encoder rank the images of the lanes it serves (its
 contiguous share of a lane's images when several encoder ranks serve one lane), micro-batch by
-micro-batch in the lanes' order. Per micro-batch an encoder rank sends each lane the projected
-embeddings ``[tokens, hidden]`` of its images; the lane receives them (a leaf that requires
-grad), scatters them into its placeholders, runs the language model and back-propagates
-``loss_sum / global label tokens``, then returns each encoder rank the gradient of its share.
-Encoder ranks back-propagate that gradient through projector and ViT. Gradients are then
-summed inside each rank set, so both modules hold exactly the one-process gradient of the
-per-token mean loss.
+micro-batch in the lanes' order. One step, in two phases on both sides (so that a pipeline
+schedule can run all of a lane's micro-batches at once):
+
+1. per micro-batch, an encoder rank sends each lane it serves the projected embeddings
+   ``[tokens, hidden]`` of its images and keeps its graph; a lane's first stage receives them,
+   lays them out per row (``image_embeds`` [rows, tokens of the row, hidden], a leaf that
+   requires grad) and the language model scatters them into the row's placeholders
+   (:meth:`NemotronVLMForConditionalGeneration.forward`);
+2. the language model runs forward and backward of every micro-batch (its pipeline schedule
+   under ``pp``, which splits ``image_embeds`` with the rows) with ``loss_sum / global label
+   tokens``; the first stage returns each encoder rank the gradient of its share, and encoder
+   ranks back-propagate it through projector and ViT.
+
+The encoder ranks then sum their gradients (replicated); the language model's plan reduces its
+own (FSDP). Both modules hold exactly the one-process gradient of the per-token mean loss.
 """
 
 from __future__ import annotations
@@ -27,25 +37,41 @@ from hybridtrain.distributed.bridge import (
     split_shares,
 )
 
-class HeteroVLMStep:
-    """The trainer's step (``__call__(model, micro_batches, num_label_tokens)`` and
-    ``eval_loss(model, batch)``) on one rank of the heterogeneous layout; ``bytes_sent``
-    counts what this rank put on the bridge."""
 
-    def __init__(self, layout: BridgeLayout, encoder_group, language_group):
+def rows_of_embeddings(input_ids: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[rows, T, hidden]``: row ``b``'s image embeddings in placeholder order, zero-padded
+    to the longest row; ``valid`` [rows, T]: the filled entries) of a micro-batch's embeddings
+    ``[tokens, hidden]`` (the images of all rows, in order; counts already checked)."""
+    n = (input_ids == image_token_id).sum(1)
+    T = int(n.max()) if n.numel() else 0
+    valid = torch.arange(T, device=n.device)[None] < n[:, None]
+    rows = image_embeds.new_zeros(input_ids.shape[0], T, image_embeds.shape[-1])
+    rows[valid] = image_embeds.detach()
+    return rows, valid
+
+
+class HeteroVLMStep:
+    """The trainer's step (``__call__(model, micro_batches, num_label_tokens)``,
+    ``eval_loss(model, batch)``, ``eval_logits``) on one rank of the heterogeneous layout;
+    ``lm_pipeline``: the language model's pipeline step (its plan's, under ``pp``);
+    ``bytes_sent`` counts what this rank put on the bridge."""
+
+    def __init__(self, layout: BridgeLayout, encoder_group, dtype: torch.dtype,
+                 lm_pipeline=None):
         self.layout = layout
         self.rank = dist.get_rank()
         self.is_encoder = self.rank in layout.senders
-        self.group = encoder_group if self.is_encoder else language_group
+        self.is_receiver = self.rank in layout.receivers  # a language lane's first stage
+        self.encoder_group = encoder_group
+        self.dtype = dtype  # of the embeddings and their gradients on the bridge
+        self.lm_pipeline = lm_pipeline
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ encoder side
-    def _serve(self, model, mb: dict, train: bool) -> None:
-        """One micro-batch (:class:`~hybridtrain.data.vision_sides.ImageSide`'s): the images of
-        every lane this rank serves, embeddings out, (training) gradients back through
-        projector and ViT."""
-        hidden = model.config.hidden_size
-        dtype = model.projector.fc2.weight.dtype
+    def _serve(self, model, mb: dict) -> list[tuple[int, torch.Tensor]]:
+        """One micro-batch (:class:`~hybridtrain.data.vision_sides.ImageSide`'s): the
+        embeddings of the images of every lane this rank serves, sent to the lane."""
         grids = mb["image_grid"].split(mb["lane_images"].tolist())
         pixels_per_lane = mb["pixel_values"].split([int((g[:, 0] * g[:, 1]).sum()) for g in grids])
         out = []
@@ -54,106 +80,149 @@ class HeteroVLMStep:
             if grid.shape[0]:
                 emb = model.image_embeddings(pixels, grid)
             else:
-                emb = torch.zeros(0, hidden, dtype=dtype)
+                emb = torch.zeros(0, model.config.hidden_size, dtype=self.dtype)
             self.bytes_sent += send_2d(emb, dst)
             out.append((dst, emb))
-        if train:
-            for dst, emb in out:
-                grad = recv_2d(dst, dtype)
-                if emb.requires_grad and emb.numel():
-                    emb.backward(grad)
+        return out
+
+    def _serve_backward(self, served: list[tuple[int, torch.Tensor]]) -> None:
+        for dst, emb in served:
+            grad = recv_2d(dst, self.dtype)
+            if emb.requires_grad and emb.numel():
+                emb.backward(grad)
 
     # ------------------------------------------------------------------ language side
-    def _lane(self, model, mb: dict, num_label_tokens: int | None,
-              logits: bool = False) -> torch.Tensor:
+    def _receive(self, model, mb: dict) -> tuple[torch.Tensor, list[int]]:
+        """The embeddings of this lane's micro-batch's images: ([tokens, hidden], the size of
+        each encoder rank's share)."""
         grid = mb.get("image_grid")
-        if grid is None:
-            grid = torch.zeros(0, 2, dtype=torch.int64)
+        has_images = grid is not None and grid.shape[0] > 0
+        model._check_counts(mb["input_ids"] == model.config.image_token_id,
+                            grid if has_images else None)
         sources = self.layout.sources(self.rank)
-        dtype = model.language_model.backbone.embeddings.weight.dtype
-        pieces = [recv_2d(src, dtype) for src in sources]
-        train = num_label_tokens is not None
-        img = torch.cat(pieces).requires_grad_(train)
-        h = model.merge_embeddings(mb["input_ids"], img, grid)
-        ce = model.language_model(None, position_ids=mb.get("position_ids"),
-                                  cu_seqlens=mb.get("cu_seqlens"),
-                                  labels=None if logits else mb["labels"], inputs_embeds=h)
-        if logits:
-            return ce
-        if train:
-            if ce.requires_grad:  # not when nothing upstream of this loss trains (stage 1, no image)
-                (ce / num_label_tokens).backward()
-            grad = img.grad if img.grad is not None else torch.zeros_like(img)
-            start = 0
-            for src, piece in zip(sources, pieces):
-                self.bytes_sent += send_2d(grad[start:start + piece.shape[0]], src)
-                start += piece.shape[0]
-        return ce.detach().float()
+        pieces = [recv_2d(src, self.dtype) for src in sources]
+        return torch.cat(pieces), [p.shape[0] for p in pieces]
+
+    def _lane_inputs(self, model, mb: dict, train: bool):
+        """(``mb`` with its ``image_embeds`` rows, (rows leaf, valid, share sizes) on a first
+        stage, else None). Later pipeline stages get no embeddings (``[rows, 0, hidden]``)."""
+        if not self.is_receiver:
+            rows = torch.zeros(mb["input_ids"].shape[0], 0, model.config.hidden_size,
+                               dtype=self.dtype)
+            return {**mb, "image_embeds": rows}, None
+        img, shares = self._receive(model, mb)
+        rows, valid = rows_of_embeddings(mb["input_ids"], img, model.config.image_token_id)
+        rows.requires_grad_(train)
+        return {**mb, "image_embeds": rows}, (rows, valid, shares)
+
+    def _send_grads(self, received) -> None:
+        rows, valid, shares = received
+        grad = rows.grad[valid] if rows.grad is not None else \
+            rows.new_zeros(int(valid.sum()), rows.shape[-1])
+        start = 0
+        for src, n in zip(self.layout.sources(self.rank), shares):
+            self.bytes_sent += send_2d(grad[start:start + n], src)
+            start += n
+
+    @staticmethod
+    def _forward(model, mb: dict, logits: bool = False) -> torch.Tensor:
+        return model(mb["input_ids"], position_ids=mb.get("position_ids"),
+                     cu_seqlens=mb.get("cu_seqlens"), labels=None if logits else mb["labels"],
+                     image_embeds=mb["image_embeds"])
+
+    def _lane_step(self, model, micro_batches, num_label_tokens: int) -> torch.Tensor:
+        ins, received = zip(*[self._lane_inputs(model, mb, True) for mb in micro_batches])
+        if self.lm_pipeline is not None:
+            total = self.lm_pipeline(model, list(ins), num_label_tokens)
+        else:
+            total = torch.zeros((), dtype=torch.float32)
+            sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: once per step
+            for i, mb in enumerate(ins):
+                if sync is not None:
+                    sync(i == len(ins) - 1)
+                ce = self._forward(model, mb)
+                if ce.requires_grad:  # not when nothing upstream of this loss trains
+                    (ce / num_label_tokens).backward()
+                total = total + ce.detach().float()
+        for r in received:
+            if r is not None:
+                self._send_grads(r)
+        return total
 
     # ------------------------------------------------------------------ the step
     def __call__(self, model, micro_batches, num_label_tokens: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
-        for mb in micro_batches:
-            if self.is_encoder:
-                self._serve(model, mb, train=True)
-            else:
-                total = total + self._lane(model, mb, num_label_tokens)
-        all_reduce_grads(model.parameters(), self.group)  # this rank's modules only
-        return total
+        if not self.is_encoder:
+            return self._lane_step(model, micro_batches, num_label_tokens)
+        served = [self._serve(model, mb) for mb in micro_batches]
+        for s in served:
+            self._serve_backward(s)
+        all_reduce_grads(model.parameters(), self.encoder_group)  # replicated encoder
+        return torch.zeros((), dtype=torch.float32)
 
     @torch.no_grad()
     def eval_loss(self, model, batch: dict) -> torch.Tensor:
         if self.is_encoder:
-            self._serve(model, batch, train=False)
+            self._serve(model, batch)
             return torch.zeros((), dtype=torch.float32)
-        return self._lane(model, batch, None)
+        batch = self._lane_inputs(model, batch, False)[0]
+        if self.lm_pipeline is not None:
+            return self.lm_pipeline.eval_loss(model, batch)
+        return self._forward(model, batch).float()
 
     @torch.no_grad()
     def eval_logits(self, model, batch: dict) -> torch.Tensor | None:
         """Logits of a validation batch on a language lane (None on encoder ranks)."""
         if self.is_encoder:
-            self._serve(model, batch, train=False)
+            self._serve(model, batch)
             return None
-        return self._lane(model, batch, None, logits=True)
+        if self.lm_pipeline is not None:
+            raise ValueError("training.val_accuracy is not available under pipeline "
+                             "parallelism (distributed.pp > 1); set it to false")
+        return self._forward(model, self._lane_inputs(model, batch, False)[0], logits=True)
 
 
-def hetero_plan(model, distributed, world_size: int):
+def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
+                device: torch.device | str = "cpu"):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
-    ``0..E-1``, the language model on the rest (one data lane per rank, gradients summed over
-    the lanes); each rank keeps only its modules (a side with nothing trainable, e.g. the
-    frozen language model of stage 1, gets no optimizer)."""
-    from hybridtrain.distributed.hetero import HeteroPlan, LaneDims
+    ``0..E-1`` (replicated), the language model on the rest laid out by
+    ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.plan.parallelize``
+    with the schema's training section) over their own ``ParallelDims``; each rank keeps only
+    its modules (a side with nothing trainable, e.g. the frozen language model of stage 1,
+    gets no optimizer)."""
+    from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
 
     E = distributed.encoder_ranks
     if not 0 < E < world_size:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
                          f"model: between 1 and {world_size - 1} with {world_size} ranks")
-    others = {k: distributed[k] for k in ("dp_replicate", "cp", "tp", "pp", "ep")
-              if distributed[k] != 1}
-    if others or distributed.dp_shard not in (-1, world_size - E):
-        raise ValueError(
-            f"distributed.encoder_ranks={E}: the language model's own layout is data-parallel "
-            f"lanes only so far; remove {others or {'dp_shard': distributed.dp_shard}}")
-    layout = BridgeLayout(range(E), range(E, world_size))
-    groups = (dist.new_group(list(layout.senders)), dist.new_group(list(layout.receivers)))
-    step = HeteroVLMStep(layout, *groups)
-    view = data_view(layout, step.rank)
-    if step.is_encoder:
+    dtype = model.projector.fc2.weight.dtype
+    device = torch.device(device)
+    dims, layout = receiver_dims(distributed, E, world_size, device.type)
+    encoder_group = dist.new_group(list(layout.senders))
+    rank = dist.get_rank()
+    inner = None
+    if rank in layout.senders:
         model.language_model = None
+        lm_pipeline, stages = None, [model]
     else:
         model.vision_model = None
         model.projector = None
-    return HeteroPlan(model=model, dims=LaneDims(layout, step.rank, world_size), pipeline=step,
-                      stages=[model], data_view=view)
+        if parallelize is None:
+            parallelize = _default_parallelize(distributed, device)
+        inner = parallelize(model, dims)
+        model, lm_pipeline, stages = inner.model, inner.pipeline, inner.stages
+    step = HeteroVLMStep(layout, encoder_group, dtype, lm_pipeline)
+    return HeteroPlan(model=model, dims=LaneDims(layout, dims, rank, world_size), pipeline=step,
+                      stages=stages, inner=inner, data_view=data_view(layout, rank))
 
 
 def data_view(layout: BridgeLayout, rank: int):
-    """What ``rank`` reads of each batch (``HeteroPlan.data_view``): a language lane its own
+    """What ``rank`` reads of each batch (``HeteroPlan.data_view``): a language rank its lane's
     samples without pixels, an encoder rank the images (its share of them) of the same
     micro-batches of every lane it serves."""
     from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
 
-    if rank in layout.receivers:
+    if rank not in layout.senders:
         return lambda dataset, sampler, collate: (TextSide(dataset), sampler, collate)
     routes = layout.routes(rank)
     lanes = [layout.receivers.index(dst) for dst, _, _ in routes]
@@ -162,3 +231,14 @@ def data_view(layout: BridgeLayout, rank: int):
         side = ImageSide(dataset, lambda pos, n: split_shares(n, routes[pos][2])[routes[pos][1]])
         return side, LaneSampler(sampler, lanes), side.collate
     return view
+
+
+def _default_parallelize(distributed, device: torch.device):
+    from hybridtrain.distributed.layout import config_section
+    from hybridtrain.distributed.plan import parallelize
+    from hybridtrain.models.spec import model_spec_for
+
+    def run(model, dims):
+        return parallelize(model_spec_for(model), model, dims, distributed,
+                           config_section("training"), device=device, autocast_dtype=None)
+    return run

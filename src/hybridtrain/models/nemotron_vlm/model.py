@@ -27,8 +27,10 @@ MODULES = {"vision": "vision_model", "projector": "projector", "language": "lang
 
 class NemotronVLMForConditionalGeneration(nn.Module):
     """``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None, pixel_values=None,
-    image_grid=None)``: as the language model's forward (logits, or with ``labels`` the loss of
-    the language model's ``loss``), with the images' embeddings in the placeholder positions."""
+    image_grid=None, image_embeds=None)``: as the language model's forward (logits, or with
+    ``labels`` the loss of the language model's ``loss``), with the images' embeddings in the
+    placeholder positions (``image_embeds``: already projected, see
+    :meth:`place_row_embeddings`)."""
 
     def __init__(self, config: NemotronVLMConfig, language_model: NemotronHForCausalLM | None = None):
         super().__init__()
@@ -129,6 +131,16 @@ class NemotronVLMForConditionalGeneration(nn.Module):
             return h
         return h.masked_scatter(placeholders.unsqueeze(-1), image_embeds.to(h.dtype))
 
+    def place_row_embeddings(self, input_ids: torch.Tensor, image_embeds: torch.Tensor
+                             ) -> torch.Tensor:
+        """Token embeddings [B, L, H] with ``image_embeds`` [B, T, H] (row ``b``'s image
+        embeddings in placeholder order, zero-padded after its count) in the placeholders."""
+        h = self.language_model.backbone.embeddings(input_ids)
+        placeholders = input_ids == self.config.image_token_id
+        n = placeholders.sum(1)
+        valid = torch.arange(image_embeds.shape[1], device=n.device)[None] < n[:, None]
+        return h.masked_scatter(placeholders.unsqueeze(-1), image_embeds[valid].to(h.dtype))
+
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`merge_embeddings` of the images' :meth:`image_embeddings`. A batch without
@@ -156,13 +168,17 @@ class NemotronVLMForConditionalGeneration(nn.Module):
         labels: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.language_model.backbone.embeddings is None:  # a later pipeline stage
             return self.language_model(input_ids, position_ids=position_ids,
                                        cu_seqlens=cu_seqlens, labels=labels)
         if image_grid is not None and image_grid.dim() == 3:  # a pipeline micro-batch's rows
             pixel_values, image_grid = images_from_rows(pixel_values, image_grid)
-        embeds = self.embed(input_ids, pixel_values, image_grid)
+        if image_embeds is not None:  # projected on other ranks (heterogeneous layout)
+            embeds = self.place_row_embeddings(input_ids, image_embeds)
+        else:
+            embeds = self.embed(input_ids, pixel_values, image_grid)
         return self.language_model(None, position_ids=position_ids, cu_seqlens=cu_seqlens,
                                    labels=labels, inputs_embeds=embeds)
 

@@ -17,7 +17,11 @@ from .config import NemotronVLMConfig
 def images_by_row(config: NemotronVLMConfig, batch: dict) -> dict[str, torch.Tensor]:
     """``{"image_grid": [B, N, 2], "pixel_values": [B, P, C*p*p]}`` of a collated batch: row
     ``b`` takes the images whose embeddings fill its placeholders (images beyond every
-    placeholder go to the last row, where the model's count check names them)."""
+    placeholder go to the last row, where the model's count check names them). A batch of the
+    heterogeneous layout carries its rows' projected ``image_embeds`` already (see
+    :mod:`.hetero`): those are its row inputs."""
+    if "image_embeds" in batch:
+        return {"image_embeds": batch["image_embeds"]}
     ids = batch["input_ids"]
     grid, pixels = batch.get("image_grid"), batch.get("pixel_values")
     if grid is None:

@@ -1,0 +1,64 @@
+"""``distributed.encoder_ranks`` with the language model laid out by its own degrees on the other
+ranks, through the recipe's builder and trainer: vision encoder + projector on ranks 0..E-1,
+the language model pipelined (``pp=2``), FSDP2-sharded (``dp_shard=2``) or expert-parallel
+(``ep=2``) over the rest. Five AdamW steps of mixed image / text-only batches match the single
+process (per-step loss and gradient norm within 1e-5 relative, final weights within 1e-5,
+validation loss); a checkpoint of the sharded / pipelined run resumes colocated and the
+colocated one resumes under the layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import vlm
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.timeout(600)
+
+SAVE_AT = 3
+# name -> (encoder ranks, world size, the language model's degrees)
+LAYOUTS = {"2+pp2": (2, 4, {"pp": 2}), "1+fsdp2": (1, 3, {"dp_shard": 2}),
+           "1+ep2": (1, 3, {"dp_shard": 2, "ep": 2})}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    torch.set_num_threads(1)
+    tmp = str(tmp_path_factory.mktemp("vlm_lm_layouts"))
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    ref = vlm.run(tmp, None, 1)
+    vlm.train_and_save(tmp, None, 1, f"{ckpt}/colocated", SAVE_AT)
+    return tmp, ckpt, ref
+
+
+def _group(rank, world, tmp, ckpt, name, layout):
+    path = f"{ckpt}/{name}"
+    return {"run": vlm.run(tmp, layout, world),
+            "save": vlm.train_and_save(tmp, layout, world, path, SAVE_AT),
+            "resume": vlm.resume_and_train(tmp, layout, world, f"{ckpt}/colocated")}
+
+
+def _rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_hetero_language_model_layout(reference, name):
+    tmp, ckpt, ref = reference
+    enc, world, degrees = LAYOUTS[name]
+    layout = {"encoder_ranks": enc, **degrees}
+    out = run_distributed(_group, world, tmp, ckpt, name, layout, timeout=500)
+    losses, state, val, norms = out[0]["run"]
+    assert all(r["run"][0] == losses and r["run"][3] == norms for r in out)  # every rank agrees
+    dw = max(float((state[k] - v).abs().max()) for k, v in ref[1].items())
+    print(f"{name}: loss rel {_rel(losses, ref[0]):.2e} grad-norm rel {_rel(norms, ref[3]):.2e}"
+          f" weights abs {dw:.2e} val rel {abs(val - ref[2]) / ref[2]:.2e}")
+    assert set(state) == set(ref[1])
+    assert _rel(losses, ref[0]) <= 1e-5 and _rel(norms, ref[3]) <= 1e-5 and dw <= 1e-5
+    assert abs(val - ref[2]) <= 1e-5 * ref[2]
+    # checkpoints: the layout's resumes colocated, the colocated one resumes under the layout
+    assert _rel(out[0]["save"], ref[0][:SAVE_AT]) <= 1e-5
+    resumed = vlm.resume_and_train(tmp, None, 1, f"{ckpt}/{name}")
+    assert _rel(resumed, ref[0][SAVE_AT:]) <= 1e-5
+    assert _rel(out[0]["resume"], ref[0][SAVE_AT:]) <= 1e-5
