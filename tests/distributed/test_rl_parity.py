@@ -5,8 +5,9 @@ batch): log-probs unpacked and packed, top-k logits, one ``train`` step with eac
 unpacked; clipped PG with KL, packed; DPO, micro-batches of one pair), the log-probs after the
 three steps, and the Hub-named weights. Per-step losses and gradient norms within 1e-5 relative,
 log-probs within 1e-5 absolute of the single-process run. Under tensor parallelism the tp ranks
-see the same rows (they are not data-parallel ranks) and the head is vocab-parallel. Context
-parallelism is not covered (not built yet).
+see the same rows (they are not data-parallel ranks) and the head is vocab-parallel. Under
+context parallelism each rank runs its slice of every (packed or unpacked) micro-batch and the
+per-token values are gathered back to whole rows (its own fixture: ``-k cp``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ LAYOUTS_4 = {
     "pp2_fsdp2_ep2": {"pp": 2, "ep": 2},  # 2 stages, each FSDP2 over 2 data-parallel ranks, EP 2
     "tp2_pp2": {"tp": 2, "pp": 2},
     "tp2_fsdp2": {"tp": 2},  # FSDP2 over 2 data-parallel ranks of 2 tp ranks each
+}
+CP_LAYOUTS = {"cp2": {"cp": 2}}
+CP_LAYOUTS_4 = {
+    "cp2_fsdp2": {"cp": 2},  # FSDP2 over dp 2 x cp 2
+    "pp2_cp2": {"pp": 2, "cp": 2},
+    "tp2_cp2": {"tp": 2, "cp": 2},
 }
 
 
@@ -57,12 +64,21 @@ def _group(rank, world, layouts):
     return {name: run_sequence(layout) for name, layout in layouts.items()}
 
 
-@pytest.fixture(scope="module")
-def results():
+def _run(two_rank: dict, four_rank: dict):
     torch.set_num_threads(1)
     ref = run_sequence({})
-    two, four = run_distributed(_group, 2, LAYOUTS), run_distributed(_group, 4, LAYOUTS_4)
+    two, four = run_distributed(_group, 2, two_rank), run_distributed(_group, 4, four_rank)
     return ref, [{**a, **b} for a, b in zip(two + two, four)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _run(LAYOUTS, LAYOUTS_4)
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    return _run(CP_LAYOUTS, CP_LAYOUTS_4)
 
 
 def _close(a, b, rel):
@@ -72,6 +88,16 @@ def _close(a, b, rel):
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS) + list(LAYOUTS_4))
 def test_policy_layout_matches_single_process(results, layout):
+    _check(results, layout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS) + list(CP_LAYOUTS_4))
+def test_policy_context_parallel_matches_single_process(cp_results, layout):
+    _check(cp_results, layout)
+
+
+def _check(results, layout):
     ref, per_rank = results
     for rank, res in enumerate(per_rank):
         got = res[layout]
