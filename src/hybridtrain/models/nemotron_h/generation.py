@@ -220,7 +220,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """See ``NemotronHForCausalLM.generate``."""
     if input_ids.dim() != 2:

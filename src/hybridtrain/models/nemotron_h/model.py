@@ -294,13 +294,13 @@ class NemotronHForCausalLM(nn.Module):
         top_k: int = 0,
         top_p: float = 1.0,
         eos_token_id: int | list[int] | None = None,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
     ) -> torch.Tensor:
         """Cached decoding (``generation.py``): the prompt [B, L] (left-padded where
         ``attention_mask`` is 0) followed by up to ``max_new_tokens`` new tokens, [B, L + n].
         Greedy unless ``do_sample``; ``temperature``, ``top_k`` (0: off), ``top_p`` (1.0: off) and
         ``eos_token_id`` (a sequence stops there and is padded with it) as in ``transformers``'
-        ``generate``; ``seed`` seeds the sampling (None: torch's global generator)."""
+        ``generate``; ``seed`` seeds the sampling (None: torch's global generator; a list: one per row)."""
         from .generation import generate
 
         return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
