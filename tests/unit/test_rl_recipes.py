@@ -72,6 +72,22 @@ def test_rollout_batch_cuts_after_eos_and_masks_the_completion():
     assert batch["token_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
 
 
+def test_per_row_seeds_make_each_row_independent_of_the_batch():
+    from hybridtrain.config import instantiate
+
+    torch.manual_seed(0)
+    model = instantiate(SMALL_MODEL).eval()
+    ids = torch.randint(1, 288, (4, 5), generator=torch.Generator().manual_seed(1))
+    seeds = [11, 12, 13, 14]
+    kw = {"max_new_tokens": 4, "do_sample": True}
+    whole = model.generate(ids, seed=seeds, **kw)
+    for i in range(4):
+        assert torch.equal(whole[i:i + 1], model.generate(ids[i:i + 1], seed=[seeds[i]], **kw))
+    assert torch.equal(whole[2:], model.generate(ids[2:], seed=seeds[2:], **kw))
+    with pytest.raises(ValueError, match="one seed per row"):
+        model.generate(ids, seed=seeds[:2], **kw)
+
+
 def test_counting_task_reward():
     task = CountingTask()
     prompt = task.prompts(1, random.Random(0))[0]
