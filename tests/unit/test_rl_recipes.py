@@ -95,6 +95,11 @@ def test_counting_task_reward():
     assert task.reward(prompt, right) == 1.0
     assert task.reward(prompt, "") == 0.0
     assert task.reward(prompt, " 0 0 0 0") in (0.5, 0.625)  # digits, at most one right
+    shaped = CountingTask(answer_digits=1, format_weight=0.2, partial_credit=True)
+    assert shaped.reward("count: 3 4 5", " 6") == 1.0
+    assert shaped.reward("count: 3 4 5", " 7") == pytest.approx(0.2 + 0.8 * 0.8)  # 1 step off
+    assert shaped.reward("count: 3 4 5", " 1") == pytest.approx(0.2)  # 5 steps off (opposite)
+    assert shaped.reward("count: 8 9 0", " 9") == pytest.approx(0.2 + 0.8 * 0.6)  # around 9 -> 0
 
 
 SMALL_MODEL = {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
