@@ -49,9 +49,9 @@ def _rollouts(dims):
     engine = _Engine(instantiate(SMALL_MODEL).eval())
     task = CountingTask()
     prompts = task.prompts(P, random.Random(0))
-    batch, rewards = sample_rollouts(engine, _CharTokenizer(), task, prompts, G, seed=5, step=2,
-                                     dims=dims, max_new_tokens=5)
-    return batch, rewards, engine.rows
+    batch, scores = sample_rollouts(engine, _CharTokenizer(), task, prompts, G, seed=5, step=2,
+                                    dims=dims, max_new_tokens=5)
+    return batch, scores, engine.rows
 
 
 def _rank_rollouts(rank, world):
@@ -63,11 +63,11 @@ def _rank_rollouts(rank, world):
 @pytest.mark.distributed
 def test_rollouts_split_over_ranks_equal_one_process():
     torch.set_num_threads(1)
-    ref_batch, ref_rewards, rows = _rollouts(None)
-    assert rows == P * G
-    for batch, rewards, rows in run_distributed(_rank_rollouts, 2):
+    ref_batch, ref_scores, rows = _rollouts(None)
+    assert rows == P * G and set(ref_scores) == {"reward", "accuracy"}
+    for batch, scores, rows in run_distributed(_rank_rollouts, 2):
         assert rows == P * G // 2  # each rank samples half the groups
-        assert torch.equal(rewards, ref_rewards)
+        assert all(torch.equal(scores[k], ref_scores[k]) for k in ref_scores)
         assert set(batch) == set(ref_batch)
         assert all(torch.equal(batch[k], ref_batch[k]) for k in ref_batch)
 
@@ -92,7 +92,7 @@ def test_grpo_steps_on_two_ranks_equal_one_process(tmp_path):
     got = run_distributed(_grpo, 2, tmp_path / "two")[0]
     assert len(got) == len(ref) == 2
     for g, r in zip(got, ref):
-        for k in ("reward", "reward_std", "completion_tokens"):
+        for k in ("reward", "reward_std", "accuracy", "completion_tokens"):
             assert g[k] == r[k], (k, g[k], r[k])
         for k in ("loss", "kl", "grad_norm", "clip_fraction", "entropy", "ratio"):
             assert abs(g[k] - r[k]) <= 1e-5 * max(abs(r[k]), 1e-6), (k, g[k], r[k])

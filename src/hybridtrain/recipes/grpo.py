@@ -19,7 +19,8 @@ A finetune recipe (model, tokenizer, optimizer, ...) plus a ``grpo:`` section. E
    (the KL term to the reference with ``reference_policy_kl_penalty``), each on its share of the
    prompt groups.
 
-``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``loss``, ``kl``,
+``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``accuracy`` (when the task
+has one), ``loss``, ``kl``,
 ``clip_fraction``, ``entropy``, ``ratio``, ``grad_norm``, ``lr``, ``completion_tokens``;
 ``loss.png`` shows loss and reward.
 
@@ -73,11 +74,13 @@ def rollout_batch(prompt_ids: list[list[int]], completions: torch.Tensor | list[
 
 def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: int, step: int,
                     dims=None, max_new_tokens: int = 8, temperature: float = 1.0
-                    ) -> tuple[dict, torch.Tensor]:
-    """``(batch, rewards [P·G])`` of the step's prompts, the same on every rank: this
-    data-parallel rank (``dims``: ``dp``, ``dp_rank``, ``dp_group``; None: one process) samples
-    and scores its contiguous share of the prompt groups with ``engine.generate``, and the shares
-    are gathered (see the module docstring)."""
+                    ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(batch, scores)`` of the step's prompts, the same on every rank: this data-parallel
+    rank (``dims``: ``dp``, ``dp_rank``, ``dp_group``; None: one process) samples and scores its
+    contiguous share of the prompt groups with ``engine.generate``, and the shares are gathered
+    (see the module docstring). ``scores``: ``reward`` [P·G] (``task.reward``), and
+    ``accuracy`` [P·G] when the task has an ``accuracy(prompt, completion)`` (e.g. the exact
+    answers of a task whose reward gives partial credit)."""
     P = len(prompts)
     dp, rank = (dims.dp, dims.dp_rank) if dims is not None else (1, 0)
     if P % dp:
@@ -92,18 +95,23 @@ def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: 
                           temperature=temperature, eos_token_id=tok.eos_token_id,
                           seed=[rollout_seed(seed, step, i) for i in range(lo * group, hi * group)])
     _, comps = rollout_batch(rows, out[:, ids.shape[1]:], tok.eos_token_id, pad)
-    rewards = [task.reward(prompts[lo + i // group], tok.decode(c, skip_special_tokens=True))
-               for i, c in enumerate(comps)]
-    shares = [(comps, rewards)]
+    fns = {"reward": task.reward}
+    if callable(getattr(task, "accuracy", None)):
+        fns["accuracy"] = task.accuracy
+    texts = [tok.decode(c, skip_special_tokens=True) for c in comps]
+    scores = {k: [fn(prompts[lo + i // group], x) for i, x in enumerate(texts)]
+              for k, fn in fns.items()}
+    shares = [(comps, scores)]
     if dp > 1:
         import torch.distributed as dist
 
         shares = [None] * dp
-        dist.all_gather_object(shares, (comps, rewards), group=dims.dp_group)
+        dist.all_gather_object(shares, (comps, scores), group=dims.dp_group)
     comps = [c for share in shares for c in share[0]]
-    rewards = torch.tensor([r for share in shares for r in share[1]], dtype=torch.float32)
+    scores = {k: torch.tensor([v for share in shares for v in share[1][k]], dtype=torch.float32)
+              for k in fns}
     rows = [p for p in prompt_ids for _ in range(group)]
-    return response_batch([(p + c, len(p)) for p, c in zip(rows, comps)], pad), rewards
+    return response_batch([(p + c, len(p)) for p, c in zip(rows, comps)], pad), scores
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -114,7 +122,7 @@ def run(cfg: Any) -> dict[str, Any]:
     cfg = as_config(cfg)
     g, t = cfg.grpo, cfg.training
     with process_group(cfg):
-        r = RLRun(cfg, "grpo", plot_extra=("reward",), loss_label="clipped policy-gradient loss + KL")
+        r = RLRun(cfg, "grpo", plot_extra=("reward", "accuracy"), loss_label="clipped policy-gradient loss + KL")
         tok = r.policy.tokenizer
         if tok is None:
             raise ValueError(f"the recipe has no tokenizer section ({cfg.source_file}); GRPO "
@@ -133,9 +141,10 @@ def run(cfg: Any) -> dict[str, Any]:
         for step in range(1, (t.max_steps or 1) + 1):
             prompts = task.prompts(P, rng)
             engine.load_state_dict(r.policy.state_dict_full())
-            batch, rewards = sample_rollouts(
+            batch, scores = sample_rollouts(
                 engine, tok, task, prompts, G, seed=t.seed, step=step, dims=r.policy.dims,
                 max_new_tokens=g.max_new_tokens, temperature=g.temperature)
+            rewards = scores["reward"]
             adv = group_advantages(rewards, G, g.normalize_rewards)
             batch["advantages"] = adv[:, None].expand_as(batch["token_mask"]).clone()
             batch["prev_logprobs"] = F.pad(r.policy.logprobs(batch), (1, 0))
@@ -145,7 +154,9 @@ def run(cfg: Any) -> dict[str, Any]:
                                    loss_fn) for i in range(U)]
             rec = {k: sum(x[k] for x in recs) / U for k in recs[0] if k != "skipped"}
             r.log({"step": step, "reward": float(rewards.mean()),
-                   "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0, **rec,
+                   "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                   **({"accuracy": float(scores["accuracy"].mean())} if "accuracy" in scores else {}),
+                   **rec,
                    "completion_tokens": float(batch["token_mask"].sum()) / len(rewards),
                    "skipped_updates": sum(x["skipped"] for x in recs)})
 

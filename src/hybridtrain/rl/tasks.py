@@ -1,8 +1,9 @@
 """Verifiable toy tasks for GRPO demos: a task makes prompts and scores completions.
 
 A task object has ``prompts(n, rng) -> list[str]`` (``rng``: a ``random.Random``) and
-``reward(prompt, completion) -> float`` in ``[0, 1]``; ``texts(n)`` gives text to train a
-tokenizer on. Any object with these methods can be named by the recipe's ``grpo.task``.
+``reward(prompt, completion) -> float`` in ``[0, 1]``; optionally ``accuracy(prompt,
+completion) -> float`` (what is exactly right, logged next to the reward); ``texts(n)`` gives
+text to train a tokenizer on. Any object with these methods can be named by the recipe's ``grpo.task``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class CountingTask:
         k = self.answer_digits
         right = sum(self._score(int(d), int(e)) for d, e in zip(digits, self.expected(prompt)))
         return self.format_weight * len(digits) / k + (1 - self.format_weight) * right / k
+
+    def accuracy(self, prompt: str, completion: str) -> float:
+        """The fraction of the answer's digits that are exactly right."""
+        digits = re.findall(r"\d", completion)[: self.answer_digits]
+        return sum(d == e for d, e in zip(digits, self.expected(prompt))) / self.answer_digits
 
     def _score(self, d: int, e: int) -> float:
         if not self.partial_credit:
