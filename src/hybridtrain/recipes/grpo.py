@@ -49,7 +49,7 @@ __all__ = ["run", "rollout_batch", "group_advantages", "rollout_seed", "sample_r
 
 def rollout_seed(seed: int, step: int, sample: int) -> int:
     """The sampling seed of sample ``sample`` (group-major index) of step ``step``."""
-    return (seed * 1_000_003 + step) * 1_000_003 + sample
+    return ((seed * 1_000_003 + step) * 1_000_003 + sample) % 2 ** 63
 
 
 def group_advantages(rewards: torch.Tensor, group: int, normalize: bool = True) -> torch.Tensor:
