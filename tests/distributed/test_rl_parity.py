@@ -64,21 +64,29 @@ def _group(rank, world, layouts):
     return {name: run_sequence(layout) for name, layout in layouts.items()}
 
 
-def _run(two_rank: dict, four_rank: dict):
+@pytest.fixture(scope="module")
+def results():
     torch.set_num_threads(1)
     ref = run_sequence({})
-    two, four = run_distributed(_group, 2, two_rank), run_distributed(_group, 4, four_rank)
+    two, four = run_distributed(_group, 2, LAYOUTS), run_distributed(_group, 4, LAYOUTS_4)
     return ref, [{**a, **b} for a, b in zip(two + two, four)]
 
 
 @pytest.fixture(scope="module")
-def results():
-    return _run(LAYOUTS, LAYOUTS_4)
+def reference():
+    torch.set_num_threads(1)
+    return run_sequence({})
+
+
+# one fixture per world size, so that each stays within the per-test time limit
+@pytest.fixture(scope="module")
+def cp2_results(reference):
+    return reference, run_distributed(_group, 2, CP_LAYOUTS)
 
 
 @pytest.fixture(scope="module")
-def cp_results():
-    return _run(CP_LAYOUTS, CP_LAYOUTS_4)
+def cp4_results(reference):
+    return reference, run_distributed(_group, 4, CP_LAYOUTS_4)
 
 
 def _close(a, b, rel):
@@ -93,8 +101,9 @@ def test_policy_layout_matches_single_process(results, layout):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(CP_LAYOUTS) + list(CP_LAYOUTS_4))
-def test_policy_context_parallel_matches_single_process(cp_results, layout):
-    _check(cp_results, layout)
+def test_policy_context_parallel_matches_single_process(request, layout):
+    _check(request.getfixturevalue("cp2_results" if layout in CP_LAYOUTS else "cp4_results"),
+           layout)
 
 
 def _check(results, layout):
