@@ -5,8 +5,9 @@ batch): log-probs unpacked and packed, top-k logits, one ``train`` step with eac
 unpacked; clipped PG with KL, packed; DPO, micro-batches of one pair), the log-probs after the
 three steps, and the Hub-named weights. Per-step losses and gradient norms within 1e-5 relative,
 log-probs within 1e-5 absolute of the single-process run. Under tensor parallelism the tp ranks
-see the same rows (they are not data-parallel ranks) and the head is vocab-parallel. Context
-parallelism is not covered (not built yet).
+see the same rows (they are not data-parallel ranks) and the head is vocab-parallel. Under
+context parallelism each rank runs its slice of every (packed or unpacked) micro-batch and the
+per-token values are gathered back to whole rows (its own fixture: ``-k cp``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ LAYOUTS_4 = {
     "pp2_fsdp2_ep2": {"pp": 2, "ep": 2},  # 2 stages, each FSDP2 over 2 data-parallel ranks, EP 2
     "tp2_pp2": {"tp": 2, "pp": 2},
     "tp2_fsdp2": {"tp": 2},  # FSDP2 over 2 data-parallel ranks of 2 tp ranks each
+}
+CP_LAYOUTS = {"cp2": {"cp": 2}}
+CP_LAYOUTS_4 = {
+    "cp2_fsdp2": {"cp": 2},  # FSDP2 over dp 2 x cp 2
+    "pp2_cp2": {"pp": 2, "cp": 2},
+    "tp2_cp2": {"tp": 2, "cp": 2},
 }
 
 
@@ -65,6 +72,23 @@ def results():
     return ref, [{**a, **b} for a, b in zip(two + two, four)]
 
 
+@pytest.fixture(scope="module")
+def reference():
+    torch.set_num_threads(1)
+    return run_sequence({})
+
+
+# one fixture per world size, so that each stays within the per-test time limit
+@pytest.fixture(scope="module")
+def cp2_results(reference):
+    return reference, run_distributed(_group, 2, CP_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def cp4_results(reference):
+    return reference, run_distributed(_group, 4, CP_LAYOUTS_4)
+
+
 def _close(a, b, rel):
     return abs(a - b) <= rel * max(abs(b), 1e-12)
 
@@ -72,6 +96,17 @@ def _close(a, b, rel):
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS) + list(LAYOUTS_4))
 def test_policy_layout_matches_single_process(results, layout):
+    _check(results, layout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS) + list(CP_LAYOUTS_4))
+def test_policy_context_parallel_matches_single_process(request, layout):
+    _check(request.getfixturevalue("cp2_results" if layout in CP_LAYOUTS else "cp4_results"),
+           layout)
+
+
+def _check(results, layout):
     ref, per_rank = results
     for rank, res in enumerate(per_rank):
         got = res[layout]

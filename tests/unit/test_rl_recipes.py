@@ -72,6 +72,22 @@ def test_rollout_batch_cuts_after_eos_and_masks_the_completion():
     assert batch["token_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
 
 
+def test_per_row_seeds_make_each_row_independent_of_the_batch():
+    from hybridtrain.config import instantiate
+
+    torch.manual_seed(0)
+    model = instantiate(SMALL_MODEL).eval()
+    ids = torch.randint(1, 288, (4, 5), generator=torch.Generator().manual_seed(1))
+    seeds = [11, 12, 13, 14]
+    kw = {"max_new_tokens": 4, "do_sample": True}
+    whole = model.generate(ids, seed=seeds, **kw)
+    for i in range(4):
+        assert torch.equal(whole[i:i + 1], model.generate(ids[i:i + 1], seed=[seeds[i]], **kw))
+    assert torch.equal(whole[2:], model.generate(ids[2:], seed=seeds[2:], **kw))
+    with pytest.raises(ValueError, match="one seed per row"):
+        model.generate(ids, seed=seeds[:2], **kw)
+
+
 def test_counting_task_reward():
     task = CountingTask()
     prompt = task.prompts(1, random.Random(0))[0]
@@ -79,6 +95,11 @@ def test_counting_task_reward():
     assert task.reward(prompt, right) == 1.0
     assert task.reward(prompt, "") == 0.0
     assert task.reward(prompt, " 0 0 0 0") in (0.5, 0.625)  # digits, at most one right
+    shaped = CountingTask(answer_digits=1, format_weight=0.2, partial_credit=True)
+    assert shaped.reward("count: 3 4 5", " 6") == 1.0
+    assert shaped.reward("count: 3 4 5", " 7") == pytest.approx(0.2 + 0.8 * 0.8)  # 1 step off
+    assert shaped.reward("count: 3 4 5", " 1") == pytest.approx(0.2)  # 5 steps off (opposite)
+    assert shaped.reward("count: 8 9 0", " 9") == pytest.approx(0.2 + 0.8 * 0.6)  # around 9 -> 0
 
 
 SMALL_MODEL = {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",

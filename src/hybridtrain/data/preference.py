@@ -100,13 +100,9 @@ def build_preference_dataset(path: str | os.PathLike, tokenizer, max_length: int
     return PreferenceDataset(pairs)
 
 
-def preference_batch(pairs: list[dict], pad_token_id: int = 0) -> dict:
-    """The RL batch of ``pairs``: rows ``prompt + chosen`` (even) and ``prompt + rejected``
-    (odd), right-padded; ``token_mask`` 1 on the response tokens."""
-    rows = []
-    for p in pairs:
-        for key in ("chosen", "rejected"):
-            rows.append((p["prompt"] + p[key], len(p["prompt"])))
+def response_batch(rows: list[tuple[list[int], int]], pad_token_id: int = 0) -> dict:
+    """The RL batch of ``rows`` of ``(prompt + response tokens, prompt length)``: right-padded,
+    ``token_mask`` 1 on the response tokens, every ``sample_mask`` 1."""
     S = max(len(r) for r, _ in rows)
     ids = torch.full((len(rows), S), pad_token_id, dtype=torch.long)
     token_mask = torch.zeros(len(rows), S)
@@ -115,6 +111,13 @@ def preference_batch(pairs: list[dict], pad_token_id: int = 0) -> dict:
         token_mask[i, n_prompt: len(r)] = 1
     return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r, _ in rows]),
             "token_mask": token_mask, "sample_mask": torch.ones(len(rows))}
+
+
+def preference_batch(pairs: list[dict], pad_token_id: int = 0) -> dict:
+    """The RL batch of ``pairs``: rows ``prompt + chosen`` (even) and ``prompt + rejected``
+    (odd), right-padded; ``token_mask`` 1 on the response tokens."""
+    return response_batch([(p["prompt"] + p[key], len(p["prompt"])) for p in pairs
+                           for key in ("chosen", "rejected")], pad_token_id)
 
 
 # -- the synthetic set ----------------------------------------------------------------------------

@@ -8,7 +8,9 @@ largest are kept (0: all), then the smallest set of tokens whose probability rea
 at any of ``eos_token_id`` and is padded with the first eos id afterwards; the loop ends when
 every sequence has stopped or after ``max_new_tokens``. ``seed`` seeds a generator of its own
 (None: torch's global one), so a seeded call draws the same tokens as ``torch.manual_seed(seed)``
-before ``transformers``' ``generate`` on the same logits.
+before ``transformers``' ``generate`` on the same logits; a list of seeds, one per row, gives
+each row a generator of its own, so a row's draws do not depend on the other rows of the batch
+(e.g. rollouts split over ranks).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     eos_token_id: int | Sequence[int] | None = None
-    seed: int | None = None
+    seed: int | Sequence[int] | None = None  # one per row: each row draws from its own generator
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -68,11 +70,16 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
 
 
 def select_tokens(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token of each row of logits [b, V]: argmax, or a draw from the filtered softmax."""
+                  top_p: float = 1.0,
+                  generator: torch.Generator | Sequence[torch.Generator] | None = None
+                  ) -> torch.Tensor:
+    """The next token of each row of logits [b, V]: argmax, or a draw from the filtered softmax
+    (``generator``: one for the batch, or one per row)."""
     if not do_sample:
         return logits.argmax(-1)
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+    if isinstance(generator, Sequence):
+        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
@@ -85,6 +92,15 @@ def all_finished(unfinished: torch.Tensor, group=None) -> bool:
 
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)
     return bool(done.item())
+def _generators(seed: int | Sequence[int] | None, rows: int, device
+                ) -> torch.Generator | list[torch.Generator] | None:
+    if seed is None:
+        return None
+    if isinstance(seed, Sequence):
+        if len(seed) != rows:
+            raise ValueError(f"seed: one seed per row expected, got {len(seed)} for {rows} rows")
+        return [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+    return torch.Generator(device=device).manual_seed(int(seed))
 
 
 def decode(
@@ -110,9 +126,7 @@ def decode(
     eos = None
     if c.eos_token_id is not None:
         eos = torch.tensor(c.eos_ids(), dtype=input_ids.dtype, device=input_ids.device)
-    gen = None
-    if c.seed is not None and c.do_sample:
-        gen = torch.Generator(device=input_ids.device).manual_seed(int(c.seed))
+    gen = _generators(c.seed, input_ids.shape[0], input_ids.device) if c.do_sample else None
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     logits = prefill()
     for i in range(c.max_new_tokens):

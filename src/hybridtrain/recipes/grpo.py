@@ -4,9 +4,14 @@
 
 A finetune recipe (model, tokenizer, optimizer, ...) plus a ``grpo:`` section. Each step:
 
-1. the Policy's weights go to the rollout engine (a plain copy of the model, loaded from
-   :meth:`~hybridtrain.rl.Policy.state_dict_full`), which samples ``num_generations_per_prompt``
-   completions for each of ``num_prompts_per_step`` task prompts (the model's ``generate``);
+1. the Policy's weights go to the rollout engine (a plain copy of the model on every rank,
+   loaded from :meth:`~hybridtrain.rl.Policy.state_dict_full`), which samples
+   ``num_generations_per_prompt`` completions for each of ``num_prompts_per_step`` task prompts
+   (the model's ``generate``, one call per rank); each data-parallel rank samples and scores its
+   contiguous share of the prompt groups (groups stay whole), and the shares are gathered over the
+   data-parallel group, so every rank holds the global batch the Policy expects. The engine is
+   local (no collectives), so this holds under every layout; the ranks of one data-parallel
+   rank (tp, cp, pp peers) sample the same share;
 2. the task scores them; advantages are the rewards centred (and scaled by the std) within each
    prompt's group, on every generated token;
 3. ``prev_logprobs`` (the Policy before the update) and the frozen reference's log-probs;
@@ -14,10 +19,15 @@ A finetune recipe (model, tokenizer, optimizer, ...) plus a ``grpo:`` section. E
    (the KL term to the reference with ``reference_policy_kl_penalty``), each on its share of the
    prompt groups.
 
-``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``loss``, ``kl``,
+``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``accuracy`` (when the task
+has one), ``loss``, ``kl``,
 ``clip_fraction``, ``entropy``, ``ratio``, ``grad_norm``, ``lr``, ``completion_tokens``;
-``loss.png`` shows loss and reward. Every rank runs the same rollouts (same weights, same seed),
-so the global batch is the same on every rank, as the Policy expects.
+``loss.png`` shows loss and reward.
+
+Seeding: the step's prompts come from ``random.Random(training.seed)`` (the same on every rank),
+and sample ``i`` of the step's ``P·G`` (group-major) is drawn with a generator of its own seeded
+by :func:`rollout_seed` ``(training.seed, step, i)``, so the rollouts do not depend on how many
+ranks share them out: any layout samples what one process samples.
 """
 
 from __future__ import annotations
@@ -29,10 +39,17 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.config import instantiate
+from hybridtrain.data.preference import response_batch
 from hybridtrain.training.builder import as_config
+from hybridtrain.training.evaluation import left_pad
 from hybridtrain.recipes.rl_run import RLRun, mean_of
 
-__all__ = ["run", "rollout_batch", "group_advantages"]
+__all__ = ["run", "rollout_batch", "group_advantages", "rollout_seed", "sample_rollouts"]
+
+
+def rollout_seed(seed: int, step: int, sample: int) -> int:
+    """The sampling seed of sample ``sample`` (group-major index) of step ``step``."""
+    return ((seed * 1_000_003 + step) * 1_000_003 + sample) % 2 ** 63
 
 
 def group_advantages(rewards: torch.Tensor, group: int, normalize: bool = True) -> torch.Tensor:
@@ -45,34 +62,56 @@ def group_advantages(rewards: torch.Tensor, group: int, normalize: bool = True) 
     return a.reshape(-1)
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), L, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, L - len(r):] = torch.tensor(r)
-        mask[i, L - len(r):] = 1
-    return ids, mask
-
-
-def rollout_batch(prompt_ids: list[list[int]], completions: torch.Tensor, eos: int | None,
-                  pad: int) -> tuple[dict, list[list[int]]]:
+def rollout_batch(prompt_ids: list[list[int]], completions: torch.Tensor | list[list[int]],
+                  eos: int | None, pad: int) -> tuple[dict, list[list[int]]]:
     """The RL batch of prompts + their completions (cut after the first ``eos``), right-padded,
     ``token_mask`` on the completion tokens; and the completion token lists."""
-    rows, outs = [], []
-    for p, c in zip(prompt_ids, completions.tolist()):
-        if eos is not None and eos in c:
-            c = c[: c.index(eos) + 1]
-        outs.append(c)
-        rows.append((p + c, len(p)))
-    S = max(len(r) for r, _ in rows)
-    ids = torch.full((len(rows), S), pad, dtype=torch.long)
-    token_mask = torch.zeros(len(rows), S)
-    for i, (r, n) in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        token_mask[i, n: len(r)] = 1
-    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r, _ in rows]),
-            "token_mask": token_mask, "sample_mask": torch.ones(len(rows))}, outs
+    if isinstance(completions, torch.Tensor):
+        completions = completions.tolist()
+    outs = [c[: c.index(eos) + 1] if eos is not None and eos in c else c for c in completions]
+    return response_batch([(p + c, len(p)) for p, c in zip(prompt_ids, outs)], pad), outs
+
+
+def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: int, step: int,
+                    dims=None, max_new_tokens: int = 8, temperature: float = 1.0
+                    ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(batch, scores)`` of the step's prompts, the same on every rank: this data-parallel
+    rank (``dims``: ``dp``, ``dp_rank``, ``dp_group``; None: one process) samples and scores its
+    contiguous share of the prompt groups with ``engine.generate``, and the shares are gathered
+    (see the module docstring). ``scores``: ``reward`` [P·G] (``task.reward``), and
+    ``accuracy`` [P·G] when the task has an ``accuracy(prompt, completion)`` (e.g. the exact
+    answers of a task whose reward gives partial credit)."""
+    P = len(prompts)
+    dp, rank = (dims.dp, dims.dp_rank) if dims is not None else (1, 0)
+    if P % dp:
+        raise ValueError(f"grpo.num_prompts_per_step={P} must be a multiple of the data-parallel "
+                         f"size {dp} (each rank samples whole prompt groups)")
+    lo, hi = rank * P // dp, (rank + 1) * P // dp
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    prompt_ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    rows = [prompt_ids[j] for j in range(lo, hi) for _ in range(group)]
+    ids, mask = left_pad(rows, pad, max(map(len, prompt_ids)))  # the same shape on every rank
+    out = engine.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=True,
+                          temperature=temperature, eos_token_id=tok.eos_token_id,
+                          seed=[rollout_seed(seed, step, i) for i in range(lo * group, hi * group)])
+    _, comps = rollout_batch(rows, out[:, ids.shape[1]:], tok.eos_token_id, pad)
+    fns = {"reward": task.reward}
+    if callable(getattr(task, "accuracy", None)):
+        fns["accuracy"] = task.accuracy
+    texts = [tok.decode(c, skip_special_tokens=True) for c in comps]
+    scores = {k: [fn(prompts[lo + i // group], x) for i, x in enumerate(texts)]
+              for k, fn in fns.items()}
+    shares = [(comps, scores)]
+    if dp > 1:
+        import torch.distributed as dist
+
+        shares = [None] * dp
+        dist.all_gather_object(shares, (comps, scores), group=dims.dp_group)
+    comps = [c for share in shares for c in share[0]]
+    scores = {k: torch.tensor([v for share in shares for v in share[1][k]], dtype=torch.float32)
+              for k in fns}
+    rows = [p for p in prompt_ids for _ in range(group)]
+    return response_batch([(p + c, len(p)) for p, c in zip(rows, comps)], pad), scores
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -83,13 +122,12 @@ def run(cfg: Any) -> dict[str, Any]:
     cfg = as_config(cfg)
     g, t = cfg.grpo, cfg.training
     with process_group(cfg):
-        r = RLRun(cfg, "grpo", plot_extra=("reward",), loss_label="clipped policy-gradient loss + KL")
+        r = RLRun(cfg, "grpo", plot_extra=("reward", "accuracy"), loss_label="clipped policy-gradient loss + KL")
         tok = r.policy.tokenizer
         if tok is None:
             raise ValueError(f"the recipe has no tokenizer section ({cfg.source_file}); GRPO "
                              "turns task prompts into tokens and completions back into text")
         task = instantiate(g.task) if g.task else CountingTask()
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         engine = instantiate(cfg.model).to(r.policy.device).eval()
         loss_fn = ClippedPGLoss(
             ratio_clip_min=g.ratio_clip_min, ratio_clip_max=g.ratio_clip_max,
@@ -102,16 +140,11 @@ def run(cfg: Any) -> dict[str, Any]:
         rng = random.Random(t.seed)
         for step in range(1, (t.max_steps or 1) + 1):
             prompts = task.prompts(P, rng)
-            prompt_ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts
-                          for _ in range(G)]
             engine.load_state_dict(r.policy.state_dict_full())
-            ids, mask = _left_pad(prompt_ids, pad)
-            out = engine.generate(ids, mask, max_new_tokens=g.max_new_tokens, do_sample=True,
-                                  temperature=g.temperature, eos_token_id=tok.eos_token_id,
-                                  seed=t.seed * 100003 + step)
-            batch, comps = rollout_batch(prompt_ids, out[:, ids.shape[1]:], tok.eos_token_id, pad)
-            rewards = torch.tensor([task.reward(p, tok.decode(c, skip_special_tokens=True))
-                                    for p, c in zip((p for p in prompts for _ in range(G)), comps)])
+            batch, scores = sample_rollouts(
+                engine, tok, task, prompts, G, seed=t.seed, step=step, dims=r.policy.dims,
+                max_new_tokens=g.max_new_tokens, temperature=g.temperature)
+            rewards = scores["reward"]
             adv = group_advantages(rewards, G, g.normalize_rewards)
             batch["advantages"] = adv[:, None].expand_as(batch["token_mask"]).clone()
             batch["prev_logprobs"] = F.pad(r.policy.logprobs(batch), (1, 0))
@@ -121,8 +154,10 @@ def run(cfg: Any) -> dict[str, Any]:
                                    loss_fn) for i in range(U)]
             rec = {k: sum(x[k] for x in recs) / U for k in recs[0] if k != "skipped"}
             r.log({"step": step, "reward": float(rewards.mean()),
-                   "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0, **rec,
-                   "completion_tokens": float(batch["token_mask"].sum()) / len(comps),
+                   "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                   **({"accuracy": float(scores["accuracy"].mean())} if "accuracy" in scores else {}),
+                   **rec,
+                   "completion_tokens": float(batch["token_mask"].sum()) / len(rewards),
                    "skipped_updates": sum(x["skipped"] for x in recs)})
 
         def headline(hist):

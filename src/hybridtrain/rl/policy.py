@@ -18,10 +18,15 @@ micro_batch_size``), runs it in micro-batches (with ``rl.sequence_packing``, eac
 rows packed into one row), and the results are gathered so that every rank returns the whole
 batch's. Under pipeline parallelism the last stage computes and broadcasts. The loss
 normalisation uses the global batch's counts, computed from the global batch every rank holds,
-so one process and any layout give the same step. (Context parallelism will shard each
-micro-batch's sequence after the targets are shifted and sum the loss shares over ``cp`` as
-over ``dp``; tensor parallelism's ranks hold the same rows (they are not data-parallel ranks) and reach the
-log-probs and top-k through the head's vocabulary-parallel ``token_logprobs`` / ``topk_logits``.)
+so one process and any layout give the same step. Under context parallelism each micro-batch's
+model inputs (targets already shifted, packed or not) are cut into the cp ranks' contiguous
+slices with the trainer's :func:`~hybridtrain.distributed.context_parallel.shard_batches`; each
+rank's head computes its slice's per-token values, which are gathered back along the sequence
+(:func:`~hybridtrain.distributed.context_parallel.gather_sequence`, whose backward
+reduce-scatters), so every cp rank evaluates the caller's loss on whole rows (losses need not
+be sums over tokens, e.g. DPO's) and back-propagates ``1/cp`` of it. Tensor parallelism's ranks
+hold the same rows (they are not data-parallel ranks) and reach the log-probs and top-k through
+the head's vocabulary-parallel ``token_logprobs`` / ``topk_logits``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
+from hybridtrain.distributed.context_parallel import ContextParallel, gather_sequence, shard_batches
 from hybridtrain.rl import batch as rb
 from hybridtrain.rl.head import PolicyHead
 from hybridtrain.training.builder import build, build_checkpointer, build_lr_scheduler
@@ -89,6 +95,7 @@ class Policy:
             from hybridtrain.rl.pipeline import PolicyPipeline
 
             self.pipeline = PolicyPipeline(b.plan.pipeline)
+        self.cp = ContextParallel(self.dims.group("cp")) if self.dims.cp > 1 else None
         self.step = 0
 
     # -- layout --------------------------------------------------------------------------------
@@ -107,8 +114,16 @@ class Policy:
         mine = rb.take_rows(padded, self.dims.dp_rank * share, (self.dims.dp_rank + 1) * share)
         return full, [rb.take_rows(mine, i, i + mbs) for i in range(0, share, mbs)]
 
-    def _inputs(self, rows: dict) -> dict:
-        return rb.model_rows(rows, self.packing, self.pad_multiple)
+    def _inputs(self, micro: list[dict]) -> list[dict]:
+        """The model inputs of every micro-batch (this cp rank's slices under context parallelism)."""
+        inputs = [rb.model_rows(mb, self.packing, self.pad_multiple) for mb in micro]
+        if self.cp is None:
+            return inputs
+        return shard_batches(inputs, self.cp.rank, self.cp.size)
+
+    def _whole(self, out: torch.Tensor) -> torch.Tensor:
+        """Per-position outputs of this cp rank's slice -> of the whole rows (autograd-aware)."""
+        return out if self.cp is None else gather_sequence(out, 1, self.cp)
 
     def _run_model(self, inputs: dict) -> torch.Tensor:
         kw = {"position_ids": inputs["position_ids"]} if "position_ids" in inputs else {}
@@ -130,7 +145,7 @@ class Policy:
         was_training = self.model.training
         self.model.eval()
         try:
-            inputs = [self._inputs(mb) for mb in micro]
+            inputs = self._inputs(micro)
             if self.pipeline is not None:
                 with autocast_context(self.autocast_dtype, self.device):
                     outs = self.pipeline.forward(inputs, trailing)
@@ -138,7 +153,7 @@ class Policy:
                 outs = [self._run_model(x).float() for x in inputs]
         finally:
             self.model.train(was_training)
-        local = torch.cat([rb.unpack(o, mb, self.packing) for o, mb in zip(outs, micro)])
+        local = torch.cat([rb.unpack(self._whole(o), mb, self.packing) for o, mb in zip(outs, micro)])
         return self._gather_dp(local)[: full["input_ids"].shape[0]]
 
     # -- the API -------------------------------------------------------------------------------
@@ -170,16 +185,17 @@ class Policy:
 
         def finish(i: int, out: torch.Tensor) -> torch.Tensor:
             rows = micro[i]
-            logp = rb.unpack(out.float(), rows, self.packing)[:, :-1]
+            logp = rb.unpack(self._whole(out.float()), rows, self.packing)[:, :-1]
             loss, metrics = loss_fn(logp, rows, gvs, gvt)
             for k, v in {"loss": loss, **metrics}.items():
                 v = torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
                 sums[k] = sums[k] + v if k in sums else v
-            return loss
+            # every cp rank holds the whole loss; the gather's backward sums their gradients
+            return loss if self.cp is None else loss / self.cp.size
 
         lr = self.optimizer.param_groups[0]["lr"]
         self.model.train()
-        inputs = [self._inputs(mb) for mb in micro]
+        inputs = self._inputs(micro)
         if self.pipeline is not None:
             with autocast_context(self.autocast_dtype, self.device):
                 self.pipeline.train(inputs, finish)
@@ -205,7 +221,7 @@ class Policy:
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Loss shares summed over micro-batches (done), pipeline (the last stage's, broadcast)
-        and data-parallel ranks."""
+        and data-parallel ranks (cp ranks hold the same whole-row values)."""
         if self.pipeline is not None:
             obj = [{k: float(v) for k, v in sums.items()} if self.pipeline.is_last else None]
             dist.broadcast_object_list(obj, group=self.pipeline.pp_group,

@@ -1,8 +1,9 @@
 """Verifiable toy tasks for GRPO demos: a task makes prompts and scores completions.
 
 A task object has ``prompts(n, rng) -> list[str]`` (``rng``: a ``random.Random``) and
-``reward(prompt, completion) -> float`` in ``[0, 1]``; ``texts(n)`` gives text to train a
-tokenizer on. Any object with these methods can be named by the recipe's ``grpo.task``.
+``reward(prompt, completion) -> float`` in ``[0, 1]``; optionally ``accuracy(prompt,
+completion) -> float`` (what is exactly right, logged next to the reward); ``texts(n)`` gives
+text to train a tokenizer on. Any object with these methods can be named by the recipe's ``grpo.task``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ class CountingTask:
     """``"count: 3 4 5"`` -> the model should go on with ``" 6 7 8 9"`` (digits mod 10).
 
     Reward: ``format_weight`` for writing ``answer_digits`` digits, the rest for each being the
-    right next one (so a policy first learns to write digits at all, then the right ones)."""
+    right next one (so a policy first learns to write digits at all, then the right ones). With
+    ``partial_credit`` a digit ``k`` steps away from the right one on the circle 0..9 earns
+    ``1 - k/5`` of its share (still verifiable, 1 only for the exact answer): every sampled digit
+    tells the policy which way to move, so the groups' rewards differ even once the policy
+    writes only a few digits."""
 
-    def __init__(self, prompt_digits: int = 3, answer_digits: int = 4, format_weight: float = 0.5):
+    def __init__(self, prompt_digits: int = 3, answer_digits: int = 4, format_weight: float = 0.5,
+                 partial_credit: bool = False):
         self.prompt_digits, self.answer_digits = prompt_digits, answer_digits
-        self.format_weight = format_weight
+        self.format_weight, self.partial_credit = format_weight, partial_credit
 
     def prompts(self, n: int, rng: random.Random) -> list[str]:
         out = []
@@ -37,8 +43,19 @@ class CountingTask:
     def reward(self, prompt: str, completion: str) -> float:
         digits = re.findall(r"\d", completion)[: self.answer_digits]
         k = self.answer_digits
-        right = sum(d == e for d, e in zip(digits, self.expected(prompt)))
+        right = sum(self._score(int(d), int(e)) for d, e in zip(digits, self.expected(prompt)))
         return self.format_weight * len(digits) / k + (1 - self.format_weight) * right / k
+
+    def accuracy(self, prompt: str, completion: str) -> float:
+        """The fraction of the answer's digits that are exactly right."""
+        digits = re.findall(r"\d", completion)[: self.answer_digits]
+        return sum(d == e for d, e in zip(digits, self.expected(prompt))) / self.answer_digits
+
+    def _score(self, d: int, e: int) -> float:
+        if not self.partial_credit:
+            return float(d == e)
+        k = abs(d - e) % 10
+        return 1 - min(k, 10 - k) / 5
 
     def texts(self, n: int = 500, seed: int = 0) -> list[str]:
         rng = random.Random(seed)

@@ -89,9 +89,11 @@ def prompt_and_reference(input_ids: list[int], labels: list[int]) -> tuple[list[
     return input_ids[: first + 1], ref
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) [n, longest] of token prompts, padded on the left."""
-    L = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, length: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [n, L] of token prompts, padded on the left to ``length``
+    (default: the longest prompt)."""
+    L = length or max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
     for i, p in enumerate(prompts):

@@ -317,7 +317,8 @@ class NemotronHForCausalLM(nn.Module):
         ``attention_mask`` is 0) followed by up to ``max_new_tokens`` new tokens, [B, L + n].
         ``settings``: the fields of ``hybridtrain.ops.sampling.GenerationConfig``
         (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``eos_token_id``, ``seed``) with the meaning ``transformers``' ``generate`` gives them.
+        ``eos_token_id``, ``seed``: an int, or one per row) with the meaning ``transformers``' ``generate``
+        gives them.
 
         Distributed layouts: ``pipeline`` (``distributed.pipeline_decode.PipelineDecoder``) runs
         this rank's pipeline stages in the chain; ``lockstep_group``: ranks that decode together

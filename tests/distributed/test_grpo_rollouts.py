@@ -1,0 +1,98 @@
+"""GRPO rollouts split over data-parallel ranks (2 gloo ranks): each rank samples only its share of
+the prompt groups, and the gathered rollouts -- and the steps trained on them -- equal the single
+process's (per-sample seeds: ``recipes.grpo.rollout_seed``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.unit.test_rl_recipes import SMALL_MODEL, _recipe
+
+P, G = 4, 3
+
+
+class _CharTokenizer:
+    """Bytes as ids (enough for the counting task's prompts and rewards)."""
+
+    pad_token_id, eos_token_id = 0, None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
+
+
+class _Engine:
+    """A model's ``generate`` that counts the rows it was asked for."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, 0
+
+    def generate(self, ids, mask, **kw):
+        self.rows += ids.shape[0]
+        return self.model.generate(ids, mask, **kw)
+
+
+def _rollouts(dims):
+    from hybridtrain.config import instantiate
+    from hybridtrain.recipes.grpo import sample_rollouts
+    from hybridtrain.rl.tasks import CountingTask
+
+    torch.manual_seed(0)
+    engine = _Engine(instantiate(SMALL_MODEL).eval())
+    task = CountingTask()
+    prompts = task.prompts(P, random.Random(0))
+    batch, scores = sample_rollouts(engine, _CharTokenizer(), task, prompts, G, seed=5, step=2,
+                                    dims=dims, max_new_tokens=5)
+    return batch, scores, engine.rows
+
+
+def _rank_rollouts(rank, world):
+    import torch.distributed as dist
+
+    return _rollouts(SimpleNamespace(dp=world, dp_rank=rank, dp_group=dist.group.WORLD))
+
+
+@pytest.mark.distributed
+def test_rollouts_split_over_ranks_equal_one_process():
+    torch.set_num_threads(1)
+    ref_batch, ref_scores, rows = _rollouts(None)
+    assert rows == P * G and set(ref_scores) == {"reward", "accuracy"}
+    for batch, scores, rows in run_distributed(_rank_rollouts, 2):
+        assert rows == P * G // 2  # each rank samples half the groups
+        assert all(torch.equal(scores[k], ref_scores[k]) for k in ref_scores)
+        assert set(batch) == set(ref_batch)
+        assert all(torch.equal(batch[k], ref_batch[k]) for k in ref_batch)
+
+
+def _grpo(rank, world, tmp):
+    from hybridtrain.recipes.grpo import run
+
+    texts = {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100}
+    run(_recipe(tmp, texts, grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 4,
+                                  "max_new_tokens": 3, "updates_per_rollout": 2},
+                metrics={"progress_bar": False, "plot": False},
+                checkpoint={"dir": str(tmp / "run"), "save_hf_at_end": False}))
+    return [json.loads(line) for line in open(tmp / "run" / "training.jsonl")] if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_grpo_steps_on_two_ranks_equal_one_process(tmp_path):
+    """FSDP2 over 2 ranks, each sampling one of the 2 prompt groups: the same rewards, completion
+    lengths, losses, KL and gradient norms as one process sampling both."""
+    torch.set_num_threads(1)
+    ref = _grpo(0, 1, tmp_path / "one")
+    got = run_distributed(_grpo, 2, tmp_path / "two")[0]
+    assert len(got) == len(ref) == 2
+    for g, r in zip(got, ref):
+        for k in ("reward", "reward_std", "accuracy", "completion_tokens"):
+            assert g[k] == r[k], (k, g[k], r[k])
+        for k in ("loss", "kl", "grad_norm", "clip_fraction", "entropy", "ratio"):
+            assert abs(g[k] - r[k]) <= 1e-5 * max(abs(r[k]), 1e-6), (k, g[k], r[k])
