@@ -45,23 +45,15 @@ def _worker(rank: int, world: int, port: int, layout: dict, ckpt: str, out: str,
     torch.set_num_threads(1)
     from hybridtrain.distributed.init import destroy_distributed, init_distributed
     from hybridtrain.peft.export import save_merged_hf
-    from hybridtrain.recipes.finetune import build, make_trainer
-    from hybridtrain.training.lr_schedule import LRScheduler
-    from hybridtrain.training.step_scheduler import StepScheduler
-    from tests.helpers import parity as pu
+    from hybridtrain.recipes.finetune import build
 
     init_distributed("cpu", timeout_minutes=30)
     try:
         b = build(mem.lora_recipe(layout, ckpt, allocator, max_steps=STEPS), "cpu",
                   is_main=rank == 0, world_size=world)
         loaded = mem.status("VmHWM")
-        t = b.cfg.training
-        sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
-                              max_steps=STEPS, num_train_samples=len(b.train_ds), seed=t.seed)
-        lr = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(), total_steps=STEPS,
-                         total_samples=STEPS * sched.global_batch_size)
         if TRAIN[next(k for k, v in LAYOUTS.items() if v == layout)]:
-            pu.train(b, make_trainer(b, sched, lr), steps=STEPS)
+            mem.train(b, STEPS)
         trained = mem.status("VmHWM")
         mem.reset_peak()
         before = mem.status("VmRSS")
