@@ -27,7 +27,8 @@ SEQ = 16  # the longest unpacked row; the packed rows' length
 LR = 2e-4
 
 _LAYOUT_KEYS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "pp": "pp", "ep": "ep",
-                "tp": "tp", "cp": "cp", "schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank"}
+                "tp": "tp", "cp": "cp", "schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank",
+                "backward_prefetch": "fsdp_backward_prefetch"}
 
 
 def recipe(layout: dict, packed: bool, ac: Any = False, **sections) -> dict:

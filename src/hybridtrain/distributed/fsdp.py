@@ -24,6 +24,7 @@ __all__ = [
     "shard_module",
     "sum_gradients",
     "resolve_reshard_after_forward",
+    "no_backward_prefetch",
 ]
 
 def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
@@ -108,7 +109,7 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
 
     ``distributed``: the recipe section (``fsdp_param_dtype`` ``auto`` = ``autocast_dtype``,
     i.e. bf16 all-gathers and compute in bf16 runs; ``fsdp_reduce_dtype``,
-    ``fsdp_reshard_after_forward``, ``cpu_offload``). Gradients are summed, never averaged.
+    ``fsdp_reshard_after_forward``, ``fsdp_backward_prefetch``, ``cpu_offload``). Gradients are summed, never averaged.
     """
     from torch.distributed.tensor import Shard
 
@@ -129,3 +130,14 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
         shard_module(unit, mesh, mp, rf and i < len(units) - 1, cpu_offload=offload)
     shard_module(model, mesh, mp, reshard_after_forward=False, cpu_offload=offload)
     sum_gradients(model)
+    if not distributed.fsdp_backward_prefetch:
+        no_backward_prefetch(model)
+
+
+def no_backward_prefetch(module: nn.Module) -> None:
+    """Every FSDP unit under ``module`` all-gathers in backward only when its own backward
+    starts: its explicit backward prefetch is itself (already gathered then), which replaces
+    FSDP2's default of gathering the previous unit meanwhile."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_modules_to_backward_prefetch([m])
