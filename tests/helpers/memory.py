@@ -118,8 +118,6 @@ def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) 
 
     recipe = pu.recipe(layout, packed=False, peft={"dim": 8, "alpha": 16, "match_all_linear": True},
                        training={"dtype": "bfloat16", "cpu_allocator": allocator, **training})
-    # one FSDP unit gathered at a time in backward (FSDP2 prefetches the next one by default)
-    recipe["distributed"]["fsdp_backward_prefetch"] = False
     recipe["model"] = {
         "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
         "local_dir": ckpt, "dtype": "bfloat16"}
