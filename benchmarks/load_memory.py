@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, layout: dict, ckpt: str, out: str,
     torch.set_num_threads(1)
     from hybridtrain.distributed.init import destroy_distributed, init_distributed
     from hybridtrain.peft.export import save_merged_hf
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
 
     init_distributed("cpu", timeout_minutes=30)
     try:

@@ -33,7 +33,7 @@ def _evaluate(model, dims=None):
 
 
 def _ranks(rank, world):
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
     from hybridtrain.training.evaluation import full_parameters
 
     b = build(tiny_recipe(), "cpu", rank == 0, world, data=False)
@@ -45,7 +45,7 @@ def _ranks(rank, world):
 
 @pytest.mark.distributed
 def test_generate_and_evaluate_under_fsdp2():
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
 
     torch.set_num_threads(1)
     single = build(tiny_recipe(), "cpu", True, 1, data=False).model

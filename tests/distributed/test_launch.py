@@ -28,6 +28,7 @@ def _overrides(tmp: Path, name: str) -> list[str]:
         "--checkpoint.save_hf_at_end=false",
         "--metrics.progress_bar=false",
         "--metrics.plot=false",
+        "--evaluation=null",  # generation-based metrics need the whole model (refused under pp)
         "--metrics.peak_tflops=1.0",
     ]
 

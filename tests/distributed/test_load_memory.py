@@ -29,7 +29,7 @@ def _peaks(layout, world, tiny, big, out, steps):
 
     from hybridtrain.distributed.full_tensors import global_layout
     from hybridtrain.peft.export import save_merged_hf
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
 
     rank = int(os.environ.get("RANK", 0))
     peaks = []

@@ -19,7 +19,7 @@ LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
 def _build(layout, world, model, peft=None, seed=0):
     import torch.distributed as dist
 
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
 
     recipe = pu.recipe(layout, packed=False, training={"seed": seed})
     recipe["model"] = model

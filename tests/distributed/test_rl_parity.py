@@ -4,8 +4,9 @@ Every layout runs the same sequence on the same global batch (every rank passes 
 batch): log-probs unpacked and packed, top-k logits, one ``train`` step with each loss (NLL
 unpacked; clipped PG with KL, packed; DPO, micro-batches of one pair), the log-probs after the
 three steps, and the Hub-named weights. Per-step losses and gradient norms within 1e-5 relative,
-log-probs within 1e-5 absolute of the single-process run. Tensor and context parallelism are
-not covered (not built yet).
+log-probs within 1e-5 absolute of the single-process run. Under tensor parallelism the tp ranks
+see the same rows (they are not data-parallel ranks) and the head is vocab-parallel. Context
+parallelism is not covered (not built yet).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ LAYOUTS = {
     "ep2": {"ep": 2},
     "pp2_1f1b": {"pp": 2},
     "pp2_zbv": {"pp": 2, "pp_schedule": "zbv"},
+    "tp2": {"tp": 2},  # vocab-parallel head: log-probs and top-k never form full logits
 }
 LAYOUTS_4 = {
     "pp2_fsdp2_ep2": {"pp": 2, "ep": 2},  # 2 stages, each FSDP2 over 2 data-parallel ranks, EP 2
+    "tp2_pp2": {"tp": 2, "pp": 2},
+    "tp2_fsdp2": {"tp": 2},  # FSDP2 over 2 data-parallel ranks of 2 tp ranks each
 }
 
 

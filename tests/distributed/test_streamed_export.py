@@ -30,7 +30,7 @@ def _exports(layout, world, out):
     from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
     from hybridtrain.models.spec import model_spec_for
     from hybridtrain.peft.export import save_merged_hf
-    from hybridtrain.recipes.finetune import build
+    from hybridtrain.training.builder import build
     from hybridtrain.training.checkpoint import export_hf
 
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -1,5 +1,5 @@
-"""Tensor parallelism: the vocab-parallel linear cross-entropy and log-probs (gradcheck, equality
-with the full head), and the Nemotron-H modules sharded by heads and groups."""
+"""Tensor parallelism: the vocab-parallel linear cross-entropy, log-probs (gradcheck, equality
+with the full head) and top-k logits, and the Nemotron-H modules sharded by heads and groups."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _vocab_parallel_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from hybridtrain.ops.loss import cross_entropy_sum, token_logprobs
+    from hybridtrain.ops.loss import cross_entropy_sum, token_logprobs, topk_logits
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     hidden, weight, labels = _head_inputs()
@@ -54,6 +54,9 @@ def _vocab_parallel_worker(rank, world):
                     eps=1e-6, atol=1e-7, rtol=1e-5)
     with torch.no_grad():
         out["ce_no_grad"] = cross_entropy_sum(hidden, sharded(weight), labels, chunk_size=4)
+    # top-k: k up to the whole vocabulary (more than a 2-row shard holds on 3 ranks)
+    out["topk"] = {(k, c): topk_logits(hidden, sharded(weight), k, chunk_size=c) for k in (1, 3, 10)
+                   for c in (2, None)}
     return out
 
 
@@ -83,6 +86,12 @@ def test_vocab_parallel_cross_entropy_and_logprobs(world):
         if name == "ce":
             for res in results:
                 torch.testing.assert_close(res["ce_no_grad"], y.detach(), rtol=1e-12, atol=1e-12)
+    logits = hidden @ weight.t()  # (no ties in these random logits)
+    for (k, c), (values, ids) in results[0]["topk"].items():
+        ref_v, ref_i = logits.topk(k, dim=-1)
+        for res in results:
+            torch.testing.assert_close(res["topk"][k, c][0], ref_v, rtol=1e-12, atol=1e-12)
+            assert torch.equal(res["topk"][k, c][1], ref_i), (k, c)
 
 
 # -- the parity matrix: tensor parallelism through the recipe's builder and trainer ---------------

@@ -127,7 +127,7 @@ def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) 
 def train(b, steps: int) -> None:
     """``steps`` training steps of the built recipe ``b`` (the recipe's trainer, the parity
     micro-batches)."""
-    from hybridtrain.recipes.finetune import make_trainer
+    from hybridtrain.training.builder import make_trainer
     from hybridtrain.training.lr_schedule import LRScheduler
     from hybridtrain.training.step_scheduler import StepScheduler
     from tests.helpers import parity as pu

@@ -1,10 +1,10 @@
 """Layout parity: the recipe's own builder and trainer under a parallel layout against the
 single-process run of the same recipe.
 
-A run: :func:`hybridtrain.recipes.finetune.build` of :func:`recipe` (the tiny 'mixed'
+A run: :func:`hybridtrain.training.builder.build` of :func:`recipe` (the tiny 'mixed'
 Nemotron-H: Mamba, attention, MLP and MoE layers; fp32, AdamW, ``grad_clip: 1.0``; synthetic
 prompt-masked SFT rows through the recipe's data path: unpacked rows of uneven length, or
-packed rows of several documents), then the recipe's :func:`~hybridtrain.recipes.finetune.
+packed rows of several documents), then the recipe's :func:`~hybridtrain.training.builder.
 make_trainer`, fed ``STEPS`` fixed global batches of ``GBS`` rows: each rank passes its
 micro-batches (the step scheduler's assignment, collated by the recipe's loader) to
 ``Trainer.train_one_step``. Returns per-step losses and gradient norms, the final weights and
@@ -53,8 +53,8 @@ def build(layout: dict, world: int, packed: bool = False, ac: Any = False,
     """(``Built``, ``Trainer``) of the parity recipe: the recipe's builder and trainer (with a
     ``Checkpointer`` of ``checkpoint_dir`` when given)."""
     from hybridtrain.training.checkpoint import Checkpointer
-    from hybridtrain.recipes.finetune import build as build_recipe
-    from hybridtrain.recipes.finetune import make_trainer
+    from hybridtrain.training.builder import build as build_recipe
+    from hybridtrain.training.builder import make_trainer
     from hybridtrain.training.lr_schedule import LRScheduler
     from hybridtrain.training.step_scheduler import StepScheduler
 

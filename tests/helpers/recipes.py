@@ -13,7 +13,7 @@ TINY_MODEL = {
 
 
 def tiny_recipe(**sections: dict[str, Any]) -> dict[str, Any]:
-    """A recipe dict (for ``hybridtrain.recipes.finetune.build``/``run``) training the tiny
+    """A recipe dict (for ``hybridtrain.training.builder.build`` / ``hybridtrain.recipes.finetune.run``) training the tiny
     'mixed' Nemotron-H (Mamba, attention, MLP and MoE layers) in fp32 on the CPU with AdamW and
     ``grad_clip: 1.0``, on :func:`tests.helpers.data.sft_dataset` rows. Each keyword updates
     that section's keys (``training={"max_steps": 3}``; ``peft={...}`` adds a section)."""

@@ -47,8 +47,8 @@ def vlm_recipe(tmp: str, layout: dict | None = None, packed: bool = False,
 def build(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = False,
           freeze=(), checkpoint_dir: str | None = None):
     """(``Built``, ``Trainer``) of the tiny VLM recipe."""
-    from hybridtrain.recipes.finetune import build as build_recipe
-    from hybridtrain.recipes.finetune import make_trainer
+    from hybridtrain.training.builder import build as build_recipe
+    from hybridtrain.training.builder import make_trainer
     from hybridtrain.training.checkpoint import Checkpointer
     from hybridtrain.training.lr_schedule import LRScheduler
     from hybridtrain.training.step_scheduler import StepScheduler

@@ -199,3 +199,28 @@ def test_without_references_only_samples_are_written(tmp_path):
     samples = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
     # a reply stops at the reference's last token (an end-of-turn token in chat data)
     assert len(samples) == 3 and all(s["reference"].startswith(s["reply"]) and s["reply"] for s in samples)
+
+
+def test_a_reply_ends_at_its_own_reference_end_whatever_the_batch():
+    """Replies do not depend on which examples share a batch: a reply is cut at eos or at its
+    own reference's last token, never at another row's."""
+    from tests.helpers.data import sft_dataset
+    from tests.helpers.recipes import tiny_recipe
+
+    from hybridtrain.training.builder import build
+    from hybridtrain.training.evaluation import GenerationEvaluator
+
+    class Tok:
+        eos_token_id, pad_token_id = None, 0
+
+    model = build(tiny_recipe(), "cpu", True, 1, data=False).model
+    ds = sft_dataset(10, vocab_size=256, min_len=6, max_len=16, seed=3)
+    ev = GenerationEvaluator(ds, Tok(), num_examples=7, max_new_tokens=5, batch_size=3, num_samples=0)
+
+    def replies(indices):
+        ex = [ev._example(i) for i in indices]
+        return ev._replies(model, [e[0] for e in ex], [e[1] for e in ex], "cpu")
+
+    alone = [replies([i])[0] for i in range(7)]
+    assert replies(list(range(7))) == alone
+    assert replies([1, 3, 5]) == [alone[1], alone[3], alone[5]]

@@ -183,3 +183,32 @@ def test_shard_arithmetic_follows_torch_chunk_and_the_rank_layout():
         # the expert view (pp, dp_replicate, efsdp, ep, tp) of the same ranks
         assert torch.arange(16).view(2, 2, 2, 2, 1)[
             c["pp"], c["dp_replicate"], c["efsdp"], c["ep"], 0] == rank
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_plan_counts_what_tensor_parallelism_shards(kv_heads):
+    """tp 2: the heads' and groups' projections, Mamba's per-head and per-group parameters, the
+    embeddings and the head are halved; norms, the router and the routed experts (and k/v when
+    there are fewer kv heads than ranks) are whole on each rank."""
+    import re
+
+    sections = {}
+    if kv_heads:
+        sections["model"] = {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
+                             "config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config",
+                                        "kind": "mixed", "num_key_value_heads": kv_heads}}
+    recipe = pu.recipe({"tp": 2}, False, **sections)
+    plan = plan_memory(recipe, 2, device_type="cpu")
+    from hybridtrain.training.builder import as_config
+
+    _, model = meta_model(as_config(recipe).model)
+    sharded = (r"embeddings\.weight|lm_head\.weight|(q|o)_proj\.weight|(in|out)_proj\.weight|conv1d\."
+               r"|dt_bias|A_log|mixer\.D$|mixer\.norm\.weight|shared_experts\.(up|down)_proj\.weight"
+               r"|mixer\.(up|down)_proj\.weight")
+    if not kv_heads:
+        sharded += r"|(k|v)_proj\.weight"
+    want = sum(p.numel() * p.element_size() / (2 if re.search(sharded, n) else 1)
+               for n, p in model.named_parameters())
+    assert any(re.search(sharded, n) for n, _ in model.named_parameters())
+    for r in plan.ranks:
+        assert r.params == want, (r.rank, r.params, want)

@@ -67,7 +67,7 @@ def test_resume_matches_uninterrupted(data_dir, tmp_path):
 
 
 def test_validation_reports_answer_accuracy(data_dir):
-    from hybridtrain.recipes.finetune import build, make_trainer
+    from hybridtrain.training.builder import build, make_trainer
 
     recipe = vlm.vlm_recipe(data_dir, training={"val_accuracy": True})
     b = build(recipe, "cpu")

@@ -49,6 +49,9 @@ class LaneDims:
         dist.all_reduce(t)
         return t
 
+    # no context parallelism here (cp = 1): the tokens' ranks are the lanes
+    all_reduce_dp_cp = all_reduce_dp
+
 
 @dataclass
 class HeteroPlan:

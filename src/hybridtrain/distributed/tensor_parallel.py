@@ -33,7 +33,7 @@ from torch import nn
 
 __all__ = ["tp_mesh", "column_parallel", "row_parallel", "vocab_parallel_embedding",
            "vocab_parallel_head", "apply_tensor_parallel", "shard_parameters", "LocalSlice",
-           "check_divisible"]
+           "check_divisible", "apply_tp_plan", "tp_shard_dims"]
 
 
 def tp_mesh(dims):
@@ -73,6 +73,40 @@ def vocab_parallel_head():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     return ColwiseParallel(output_layouts=Replicate())
+
+
+# A model's tensor-parallel plan: {submodule path: a style name below, or a tuple of the
+# submodule's own parameter names sharded along dim 0 (:func:`shard_parameters`)}. The same plan
+# splits the model (:func:`apply_tp_plan`) and tells ``hybridtrain plan`` each parameter's share
+# (:func:`tp_shard_dims`).
+STYLES = {"column": column_parallel, "row": row_parallel, "vocab_embedding": vocab_parallel_embedding,
+          "vocab_head": vocab_parallel_head}
+_STYLE_DIMS = {"column": {"weight": 0, "bias": 0}, "row": {"weight": 1},  # (a row bias: replicated)
+               "vocab_embedding": {"weight": 0}, "vocab_head": {"weight": 0}}
+
+
+def apply_tp_plan(model: nn.Module, mesh, plan: dict) -> None:
+    """Split ``model`` over the 1-D ``mesh`` as ``plan`` (see above) says."""
+    styles = {k: STYLES[v]() for k, v in plan.items() if isinstance(v, str)}
+    if styles:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh, styles)
+    for path, names in plan.items():
+        if not isinstance(names, str):
+            shard_parameters(model.get_submodule(path), list(names), mesh)
+
+
+def tp_shard_dims(model: nn.Module, plan: dict) -> dict[str, int]:
+    """{parameter name: the dim that ``plan`` shards it along over the tp ranks} (as torch.chunk
+    splits it); parameters not named are replicated over tp."""
+    out = {}
+    for path, style in plan.items():
+        module = model.get_submodule(path)
+        for name, dim in (_STYLE_DIMS[style] if isinstance(style, str) else dict.fromkeys(style, 0)).items():
+            if getattr(module, name, None) is not None:
+                out[f"{path}.{name}"] = dim
+    return out
 
 
 def apply_tensor_parallel(module: nn.Module, mesh, plan: dict) -> None:

@@ -68,6 +68,9 @@ class ModelSpec:
     * ``hetero_plan(model, distributed, world_size)``: the plan of ``distributed.encoder_ranks``
       (the model's encoder on its own ranks; see :mod:`hybridtrain.distributed.hetero`), None
       when the model has no such split.
+    * ``tp_plan(model, tp) -> {submodule path: style}``: how ``parallelize_fn`` splits a (stage)
+      model over ``tp`` ranks (see ``distributed.tensor_parallel``; ``hybridtrain plan`` counts
+      each parameter's share from it; None: no tensor parallelism).
     """
 
     name: str
@@ -91,6 +94,7 @@ class ModelSpec:
     init_units: Callable[[nn.Module], list[tuple[str, Callable[[nn.Module], None]]]] | None = None
     hf_slice_reader: Callable[[str], Callable[[str, tuple[slice, ...]], Any]] | None = None
     hetero_plan: Callable[..., Any] | None = None
+    tp_plan: Callable[[nn.Module, int], dict] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -76,6 +76,15 @@ def _offset_causal(q, k, v, q0: int, k0: int, dropout_p: float, block: int):
     return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
 
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """[b, h, l, d] parts concatenated along ``dim`` (0 rows, 2 tokens), stored token-major
+    ([b, L, h, d] memory, the layout the fused CPU kernel returns) so that the caller's
+    ``transpose(1, 2).reshape`` to [b, L, h * d] is a view, not a second copy of the output."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p.transpose(1, 2) for p in parts], dim=min(dim, 1)).transpose(1, 2)
+
+
 def _flash_ok(q, k, q_offset) -> bool:  # pragma: no cover - CUDA only
     return (_flash_varlen is not None and q.is_cuda and q_offset == 0
             and q.shape[-2] == k.shape[-2] and q.dtype in (torch.float16, torch.bfloat16))
@@ -112,14 +121,16 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if _flash_ok(q, k, q_offset):  # pragma: no cover
         return _flash(q, k, v, spans, dropout_p)
     # split (not index) rows and documents: their backward is one concatenation, where each
-    # indexed slice's backward would allocate a zero gradient of the whole tensor
+    # indexed slice's backward would allocate a zero gradient of the whole tensor; one row and
+    # all keys are taken whole (a split into one part or a full narrow copies the gradient)
     rows = []
-    for r, (rq, rk, rv) in enumerate(zip(q.split(1), k.split(1), v.split(1))):
+    for r, (rq, rk, rv) in enumerate(zip(*((t,) if b == 1 else t.split(1) for t in (q, k, v)))):
         if all(qs == ks for qs, _, ks in spans[r]):  # every document starts with the queries
             lens = [qe - qs for qs, qe, _ in spans[r]]
-            kq, vq = (t.narrow(-2, q_offset, Lq).split(lens, -2) for t in (rk, rv))
+            if Lq != Lk:
+                rk, rv = (t.narrow(-2, q_offset, Lq) for t in (rk, rv))
             parts = [_sdpa(a, c, d, dropout_p, causal=True)
-                     for a, c, d in zip(rq.split(lens, -2), kq, vq)]
+                     for a, c, d in zip(rq.split(lens, -2), rk.split(lens, -2), rv.split(lens, -2))]
         else:
             parts = []
             for qs, qe, ks in spans[r]:
@@ -129,5 +140,5 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     parts.append(_sdpa(qq, kk, vv, dropout_p, causal=True))
                 else:
                     parts.append(_offset_causal(qq, kk, vv, qs, ks, dropout_p, block))
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
-    return rows[0] if b == 1 else torch.cat(rows, dim=0)
+        rows.append(_cat(parts, 2))
+    return _cat(rows, 0)

@@ -164,21 +164,47 @@ def token_logprobs(
 def topk_logits(hidden: torch.Tensor, weight: torch.Tensor, k: int,
                 chunk_size: int | str | None = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of ``hidden @ weight.T`` per token, chunked: (fp32 values, int64 ids),
-    each of shape ``hidden.shape[:-1] + (k,)``, largest first."""
+    each of shape ``hidden.shape[:-1] + (k,)``, largest first.
+
+    A vocab-parallel head (see :func:`vocab_shard`): each rank takes the top-k of its vocabulary
+    slice (ids shifted by the slice's offset), the ``k`` candidates per token are all-gathered
+    over the tp group and the top-k of those taken again (``tp x k`` values per token, never the
+    full logits)."""
     if not 0 < k <= weight.shape[0]:
         raise ValueError(f"topk_logits: k must be in 1..{weight.shape[0]} (the vocabulary), got {k}")
     chunk_size = _resolve(hidden, weight, hidden.new_zeros(hidden.shape[:-1]), chunk_size, "topk_logits")
+    weight, tp = vocab_shard(weight)
     shape = hidden.shape[:-1] + (k,)
     flat = hidden.reshape(-1, hidden.shape[-1])
     step = chunk_size or max(flat.shape[0], 1)
     values, ids = [], []
     for start in range(0, flat.shape[0], step):
-        v, i = (flat[start:start + step] @ weight.t()).to(_acc_dtype(weight.dtype)).topk(k, dim=-1)
+        logits = (flat[start:start + step] @ weight.t()).to(_acc_dtype(weight.dtype))
+        v, i = logits.topk(min(k, weight.shape[0]), dim=-1)
+        if tp is not None:
+            v, i = _topk_over_group(v, i + tp[1], k, tp[0])
         values.append(v)
         ids.append(i)
     if not values:
         return hidden.new_zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.long)
     return torch.cat(values).view(shape), torch.cat(ids).view(shape)
+
+
+def _topk_over_group(values: torch.Tensor, ids: torch.Tensor, k: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of every rank's candidates ``values``/``ids`` ``[N, <= k]`` (global ids);
+    a shard with fewer than ``k`` rows pads with ``-inf``, which never wins (k <= vocabulary)."""
+    pad = k - values.shape[1]
+    if pad:
+        values = torch.cat([values, values.new_full((values.shape[0], pad), -math.inf)], dim=1)
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), -1)], dim=1)
+    n = dist.get_world_size(group)
+    all_v, all_i = [torch.empty_like(values) for _ in range(n)], [torch.empty_like(ids) for _ in range(n)]
+    dist.all_gather(all_v, values.contiguous(), group=group)
+    dist.all_gather(all_i, ids.contiguous(), group=group)
+    v, pos = torch.cat(all_v, dim=1).topk(k, dim=-1)
+    return v, torch.cat(all_i, dim=1).gather(1, pos)
+
+
 def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     """``(tensor to compute with, tp)``: a head weight that is a DTensor sharded over the
     vocabulary (``Shard(0)`` on a 1-D mesh) gives its local rows (differentiable) and ``tp =

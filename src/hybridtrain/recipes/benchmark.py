@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hybridtrain.config.schema import section_defaults
-from hybridtrain.recipes.finetune import Built, as_config, build, make_train_step
+from hybridtrain.training.builder import Built, as_config, build, make_train_step
 from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.recipes.finetune import _instantiate_with, as_config
+from hybridtrain.training.builder import instantiate_with, as_config
 from hybridtrain.recipes.rl_run import RLRun, mean_of
 
 __all__ = ["run", "evaluate"]
@@ -63,8 +63,8 @@ def run(cfg: Any) -> dict[str, Any]:
     with process_group(cfg):
         r = RLRun(cfg, "dpo", plot_extra=("accuracy",), loss_label="DPO loss")
         tok = r.policy.tokenizer
-        train_ds = _instantiate_with(cfg.dataset, tokenizer=tok)
-        val_ds = _instantiate_with(cfg.validation_dataset, tokenizer=tok)
+        train_ds = instantiate_with(cfg.dataset, tokenizer=tok)
+        val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tok)
         loss_fn = DPOLoss(**cfg.dpo.to_dict())
         t = cfg.training
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0

@@ -31,7 +31,7 @@ def _step_of(hf_dir: str) -> int | None:
 
 
 def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any]:
-    from hybridtrain.recipes.finetune import _instantiate_with, as_config, resolve_device
+    from hybridtrain.training.builder import instantiate_with, as_config, resolve_device
     from hybridtrain.recipes.generate import load_model, resolve_export
     from hybridtrain.training.evaluation import evaluator_from_config
     from hybridtrain.training.precision import autocast_dtype, resolve_dtype
@@ -45,7 +45,7 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any]:
     hf_dir, adapter = resolve_export(ckpt)
     model, tokenizer = load_model(ckpt, device=device)
     dtype = resolve_dtype(cfg.training.dtype, device, model.config.hidden_size, cfg.training.cpu_bf16)
-    val_ds = _instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
+    val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
     step = _step_of(adapter or hf_dir)
     evaluator = evaluator_from_config(section, val_ds, tokenizer, out_dir, autocast_dtype=autocast_dtype(dtype))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.config import instantiate
-from hybridtrain.recipes.finetune import as_config
+from hybridtrain.training.builder import as_config
 from hybridtrain.recipes.rl_run import RLRun, mean_of
 
 __all__ = ["run", "rollout_batch", "group_advantages"]

@@ -189,11 +189,15 @@ def _coords(rank: int, dims) -> dict[str, int]:
     return out
 
 
-def _local_numel(shape: tuple[int, ...], expert: bool, dims, c: dict[str, int]) -> int:
-    """Elements of a parameter of ``shape`` on the rank at coordinates ``c``."""
+def _local_numel(shape: tuple[int, ...], expert: bool, dims, c: dict[str, int], tp_dim: int | None = None) -> int:
+    """Elements of a parameter of ``shape`` on the rank at coordinates ``c``; ``tp_dim``: the dim
+    tensor parallelism shards it along (None: replicated over tp). FSDP2 then shards the tp
+    shard's dim 0."""
     shape = list(shape)
     if not shape:
         return 1
+    if tp_dim is not None:
+        shape[tp_dim] = _chunk(shape[tp_dim], dims.tp, c["tp"])
     if expert and dims.ep > 1:
         shape[0] //= dims.ep
         if dims.fsdp_enabled:
@@ -269,13 +273,25 @@ def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
     return sched, per_rank, parts
 
 
-def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int]):
+def _tp_dims(spec, model: nn.Module, dims) -> dict[int, int]:
+    """{id(parameter): the dim tensor parallelism shards it along}, from the spec's ``tp_plan``
+    (the rules its parallelize function applies); parameters not in it are replicated over tp."""
+    from hybridtrain.distributed.tensor_parallel import tp_shard_dims
+
+    if dims.tp == 1:
+        return {}
+    if spec.tp_plan is None:
+        raise ValueError(f"distributed.tp={dims.tp}: the model spec {spec.name!r} has no tensor-parallel "
+                         "plan; use tp: 1")
+    return {id(model.get_parameter(name)): dim
+            for name, dim in tp_shard_dims(model, spec.tp_plan(model, dims.tp)).items()}
+
+
+def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int], tp_dims: dict[int, int]):
     """(parameter, gradient, AdamW state) bytes of ``part`` on the rank at coordinates ``c``."""
     params = grads = opt = 0.0
     for _, p in _unique(part):
-        expert = id(p) in experts
-        b = _local_numel(tuple(p.shape), expert, dims, c) / (1 if expert else dims.tp) \
-            * p.element_size()
+        b = _local_numel(tuple(p.shape), id(p) in experts, dims, c, tp_dims.get(id(p))) * p.element_size()
         params += b
         if p.requires_grad:
             grads += b
@@ -306,7 +322,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
                                               resolve_reshard_after_forward)
     from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.recipes.finetune import as_config
+    from hybridtrain.training.builder import as_config
     from hybridtrain.training.precision import autocast_dtype
 
     cfg = as_config(cfg)
@@ -322,6 +338,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     experts = _expert_params(model)
+    tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline_layers(model)
     seq_len = _seq_len(cfg)
     sched, per_rank, parts = _pipeline_parts(spec, model, dims, d, seq_len)
@@ -351,8 +368,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         if recompute:
             per_mb["recompute"] = recompute
         ranks.append(RankMemory(
-            rank, stage_ids, *_states(part, experts, dims, c), per_mb, flight, activations,
-            _buffers(part, spec, dims, experts, autocast, **fsdp),
+            rank, stage_ids, *_states(part, experts, dims, c, tp_dims), per_mb, flight, activations,
+            _buffers(part, spec, dims, experts, tp_dims, autocast, **fsdp),
             dims.fsdp_enabled and d.cpu_offload))
     all_params = _unique(model)
     return MemoryPlan(
@@ -385,13 +402,18 @@ def _layers_path(part: nn.Module) -> str:
     raise AssertionError("a model's pipeline layers live in a ModuleDict")
 
 
-def _buffers(part, spec, dims, experts, autocast, gather_dtype, reshard, reduce_bytes):
-    """Transient buffers: FSDP all-gathers and unsharded gradients, or autocast weight copies."""
+def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard, reduce_bytes):
+    """Transient buffers: FSDP all-gathers and unsharded gradients, or autocast weight copies
+    (of rank 0's tp shards)."""
+    def tp_numel(p):
+        return p.numel() if id(p) not in tp_dims else p.numel() // p.shape[tp_dims[id(p)]] * _chunk(
+            p.shape[tp_dims[id(p)]], dims.tp, 0)
+
     if dims.fsdp_enabled:
         sizes, grad_sizes = [], []
         for unit in _units(part, spec):
             # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
-            full = [(p.numel() // (dims.ep if id(p) in experts else 1), p) for p in unit]
+            full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()
                   for _, p in full]
             sizes.append(sum(n * e for (n, _), e in zip(full, el)))
@@ -401,8 +423,7 @@ def _buffers(part, spec, dims, experts, autocast, gather_dtype, reshard, reduce_
         return {"fsdp_gathered_params": float(gathered),
                 "fsdp_unsharded_grads": float(max(grad_sizes, default=0))}
     if autocast is not None:
-        copies = sum(p.numel() for _, p in _unique(part)
-                     if p.dim() >= 2 and p.dtype != autocast) / dims.tp
+        copies = sum(tp_numel(p) for _, p in _unique(part) if p.dim() >= 2 and p.dtype != autocast)
         return {"autocast_weight_copies": float(copies * _elsize(autocast))}
     return {}
 
@@ -543,7 +564,7 @@ def parse_memory(text: str) -> float:
 def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bool = False,
         device_type: str = "cuda") -> int:
     """Print the plan; 1 when it exceeds ``device_memory`` (then with advice), else 0."""
-    from hybridtrain.recipes.finetune import as_config
+    from hybridtrain.training.builder import as_config
 
     cfg = as_config(cfg)
     limit = parse_memory(device_memory) if device_memory else None

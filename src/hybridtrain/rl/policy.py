@@ -5,7 +5,7 @@
     metrics = policy.train(batch, ClippedPGLoss(reference_policy_kl_penalty=0.01))
     for name, tensor in policy.state_dict_hf(torch.bfloat16): ...   # Hub names, full tensors
 
-Built by :func:`hybridtrain.recipes.finetune.build` from the recipe's ``model``, ``tokenizer``
+Built by :func:`hybridtrain.training.builder.build` from the recipe's ``model``, ``tokenizer``
 (optional), ``peft``, ``training`` (dtype, seed, micro_batch_size, grad_clip, loss_chunk_size),
 ``optimizer``, ``lr_scheduler``, ``distributed``, ``checkpoint`` and ``rl`` sections; the
 model's ``loss`` slot holds a :class:`~hybridtrain.rl.head.PolicyHead`, so every layout runs the
@@ -20,8 +20,8 @@ batch's. Under pipeline parallelism the last stage computes and broadcasts. The 
 normalisation uses the global batch's counts, computed from the global batch every rank holds,
 so one process and any layout give the same step. (Context parallelism will shard each
 micro-batch's sequence after the targets are shifted and sum the loss shares over ``cp`` as
-over ``dp``; tensor parallelism reaches the log-probs through the head's vocabulary-parallel
-``token_logprobs``.)
+over ``dp``; tensor parallelism's ranks hold the same rows (they are not data-parallel ranks) and reach the
+log-probs and top-k through the head's vocabulary-parallel ``token_logprobs`` / ``topk_logits``.)
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
 from hybridtrain.rl import batch as rb
 from hybridtrain.rl.head import PolicyHead
+from hybridtrain.training.builder import build, build_checkpointer, build_lr_scheduler
 from hybridtrain.training.precision import autocast_context
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,6 @@ class Policy:
 
     def __init__(self, recipe: Any, overrides: Sequence[str] | Mapping[str, Any] | None = None):
         from hybridtrain.distributed.init import init_distributed
-        from hybridtrain.recipes.finetune import build, build_lr_scheduler
 
         cfg = _load(recipe, overrides)
         t = cfg.training
@@ -234,7 +234,6 @@ class Policy:
 
     def checkpointer(self, path: str):
         """The recipe's :class:`~hybridtrain.training.checkpoint.Checkpointer` of the run folder ``path``."""
-        from hybridtrain.recipes.finetune import build_checkpointer
 
         return build_checkpointer(self.built, path)
 

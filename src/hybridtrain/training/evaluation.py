@@ -169,11 +169,14 @@ class GenerationEvaluator:
         for b in range(0, len(prompts), self.batch_size):
             chunk, rchunk = prompts[b:b + self.batch_size], refs[b:b + self.batch_size]
             ids, mask = left_pad(chunk, pad)
-            stops = sorted({self.tokenizer.eos_token_id, *(r[-1] for r in rchunk if r)} - {None})
+            # a reply ends at eos or at its own reference's last token (e.g. end of turn); the
+            # batch stops early only on the ends every row shares
+            own = [{self.tokenizer.eos_token_id, r[-1] if r else None} - {None} for r in rchunk]
+            shared = sorted(set.intersection(*own)) if own else []
             seqs = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                  eos_token_id=None if self.lockstep else (stops or None),
+                                  eos_token_id=None if self.lockstep else (shared or None),
                                   seed=self.seed + b, **self.gen_kwargs)
-            for row in seqs[:, ids.shape[1]:].tolist():
+            for row, stops in zip(seqs[:, ids.shape[1]:].tolist(), own):
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
                 out.append(row[:cut])
         return out

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -205,11 +205,16 @@ def load_pretrained(
     local_dir: str | os.PathLike,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    config_cls: type = NemotronHConfig,
+    layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
 ) -> ModelT:
+    """``cls(config_cls.from_pretrained(local_dir))`` filled from the checkpoint tensor by tensor
+    (``layout_config(config)``: the Nemotron-H config whose Mamba rows :func:`hub_layout`
+    reorders; a model holding a Nemotron-H inside gives its language config)."""
     local_dir = os.fspath(local_dir)
     if not os.path.isdir(local_dir):
         raise ValueError(f"{local_dir}: not a directory (from_pretrained takes a local checkpoint directory)")
-    config = NemotronHConfig.from_pretrained(local_dir)
+    config = config_cls.from_pretrained(local_dir)
     files = checkpoint_files(local_dir)
     found = read_checkpoint_header(files)
 
@@ -244,7 +249,7 @@ def load_pretrained(
                     target = state[ours]
                     if expert is not None:
                         target = target[expert]
-                    target.copy_(hub_layout(ours, f.get_tensor(k), config, to_hub=False))
+                    target.copy_(hub_layout(ours, f.get_tensor(k), layout_config(config), to_hub=False))
     return model.eval()
 
 

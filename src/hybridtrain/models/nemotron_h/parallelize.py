@@ -28,17 +28,7 @@ from hybridtrain.distributed.context_parallel import apply_context_parallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
-from hybridtrain.distributed.tensor_parallel import (
-    LocalSlice,
-    apply_tensor_parallel,
-    check_divisible,
-    column_parallel,
-    row_parallel,
-    shard_parameters,
-    tp_mesh,
-    vocab_parallel_embedding,
-    vocab_parallel_head,
-)
+from hybridtrain.distributed.tensor_parallel import LocalSlice, apply_tp_plan, check_divisible, tp_mesh
 
 
 def check_tp(config, tp: int) -> None:
@@ -63,33 +53,42 @@ def check_tp(config, tp: int) -> None:
                         config.moe_shared_expert_intermediate_size, tp)
 
 
+def tp_plan(model: nn.Module, tp: int) -> dict:
+    """The tensor-parallel plan of a (stage) model over ``tp`` ranks (see the module docstring and
+    ``distributed.tensor_parallel``): {submodule path: style, or parameters sharded along dim 0}."""
+    config = model.config
+    check_tp(config, tp)
+    plan = {}
+    if model.backbone.embeddings is not None:
+        plan["backbone.embeddings"] = "vocab_embedding"
+    if model.lm_head is not None:
+        plan["lm_head"] = "vocab_head"
+    for name, block in model.backbone.layers.items():
+        at = f"backbone.layers.{name}.mixer"
+        if block.block_type == "linear_attention":
+            plan.update({f"{at}.in_proj": "column", f"{at}.out_proj": "row", f"{at}.conv1d": ("weight", "bias"),
+                         at: ("dt_bias", "A_log", "D"), f"{at}.norm": ("weight",)})
+        elif block.block_type == "full_attention":
+            plan.update({f"{at}.q_proj": "column", f"{at}.o_proj": "row"})
+            if config.num_key_value_heads >= tp:  # else k/v whole on every rank (apply_tp)
+                plan.update({f"{at}.k_proj": "column", f"{at}.v_proj": "column"})
+        elif block.block_type == "mlp":
+            plan.update({f"{at}.up_proj": "column", f"{at}.down_proj": "row"})
+        elif block.block_type == "moe":
+            plan.update({f"{at}.shared_experts.up_proj": "column", f"{at}.shared_experts.down_proj": "row"})
+    return plan
+
+
 def apply_tp(model: nn.Module, mesh) -> None:
     """Tensor parallelism of a (stage) model over the 1-D ``mesh`` (see the module docstring)."""
     config, tp = model.config, mesh.size()
-    check_tp(config, tp)
-    apply_tensor_parallel(model, mesh, {"backbone.embeddings": vocab_parallel_embedding(),
-                                        "lm_head": vocab_parallel_head()})
-    for block in model.backbone.layers.values():
-        mixer = block.mixer
-        if block.block_type == "linear_attention":
-            apply_tensor_parallel(mixer, mesh, {"in_proj": column_parallel(), "out_proj": row_parallel()})
-            shard_parameters(mixer.conv1d, ["weight", "bias"], mesh)
-            shard_parameters(mixer, ["dt_bias", "A_log", "D"], mesh)
-            shard_parameters(mixer.norm, ["weight"], mesh)
-        elif block.block_type == "full_attention":
-            plan = {"q_proj": column_parallel(), "o_proj": row_parallel()}
-            kv = config.num_key_value_heads
-            if kv >= tp:
-                plan.update(k_proj=column_parallel(), v_proj=column_parallel())
-            else:  # k/v whole on every rank; each takes the kv head of its query heads
-                mixer.local_kv_heads = LocalSlice(mesh, dim=1, start=mesh.get_local_rank() * kv // tp,
-                                                  length=1)
-            apply_tensor_parallel(mixer, mesh, plan)
-        elif block.block_type == "mlp":
-            apply_tensor_parallel(mixer, mesh, {"up_proj": column_parallel(), "down_proj": row_parallel()})
-        elif block.block_type == "moe":
-            apply_tensor_parallel(mixer, mesh, {"shared_experts.up_proj": column_parallel(),
-                                                "shared_experts.down_proj": row_parallel()})
+    apply_tp_plan(model, mesh, tp_plan(model, tp))
+    kv = config.num_key_value_heads
+    if kv < tp:  # k/v whole on every rank; each takes the kv head of its query heads
+        for block in model.backbone.layers.values():
+            if block.block_type == "full_attention":
+                block.mixer.local_kv_heads = LocalSlice(mesh, dim=1, start=mesh.get_local_rank() * kv // tp,
+                                                        length=1)
 
 
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, training, *,

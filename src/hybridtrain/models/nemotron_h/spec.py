@@ -13,7 +13,7 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
-from .parallelize import parallelize_nemotron_h
+from .parallelize import parallelize_nemotron_h, tp_plan
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -82,6 +82,7 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     model_cls=NemotronHForCausalLM,
     config_cls=NemotronHConfig,
     parallelize_fn=parallelize_nemotron_h,
+    tp_plan=tp_plan,
     is_complete=is_complete,
     pipeline_layers=pipeline_layers,
     pipeline_stage=pipeline_stage,

@@ -1,0 +1,378 @@
+"""Builds a recipe's parts: tokenizer, model (meta device, laid out, then materialised per
+rank), LoRA, data, train step, optimizer, checkpointer and trainer. Every command that runs a
+model from a recipe (``finetune``, ``benchmark``, ``evaluate``, the RL :class:`~hybridtrain.rl.Policy`)
+composes these; the commands themselves live in :mod:`hybridtrain.recipes`.
+
+    from hybridtrain.training.builder import build
+    b = build("examples/squad_tiny.yaml")   # Built: model, plan, optimizer, data, ...
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
+from hybridtrain.distributed.utils import main_process_first
+from hybridtrain.models.spec import model_spec_for, set_train_loss
+from hybridtrain.ops.backend import configure_backend
+from hybridtrain.ops.loss import LinearCrossEntropy
+from hybridtrain.training.checkpoint import Checkpointer, default_export
+from hybridtrain.training.lr_schedule import LRScheduler
+from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.optim import build_optimizer, param_groups
+from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
+from hybridtrain.training.precision import resolve_dtype, resolve_save_dtype
+from hybridtrain.training.rng import seed_all
+from hybridtrain.training.step_scheduler import StepScheduler
+from hybridtrain.training.trainer import Trainer, TrainStep
+
+logger = logging.getLogger(__name__)
+
+# -- helpers ----------------------------------------------------------------------------------
+def as_config(cfg: Any) -> ConfigNode:
+    if isinstance(cfg, ConfigNode):
+        return cfg
+    if isinstance(cfg, (str, os.PathLike)):
+        return load_config(cfg)
+    if isinstance(cfg, Mapping):
+        return build_config(dict(cfg))
+    raise ValueError(f"expected a recipe path, a loaded config or a dict, got {type(cfg)}")
+
+
+def instantiate_with(node, *, to_var_kw: bool = True, **offered):
+    """``instantiate(node, **kw)`` where ``kw`` are the ``offered`` arguments the target takes
+    and the recipe does not set itself (e.g. the tokenizer object for a dataset builder); a
+    target's ``**kwargs`` takes them too unless ``to_var_kw`` is false."""
+    if node is None:
+        return None
+    try:
+        params = inspect.signature(resolve_target(node["_target_"],
+                                                  node.target_prefixes())).parameters
+    except (TypeError, ValueError, KeyError):
+        params = {}
+    var_kw = to_var_kw and any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kw = {k: v for k, v in offered.items() if (k in params or var_kw) and k not in node}
+    return instantiate(node, **kw)
+
+
+def _build_tokenizer(cfg: ConfigNode, is_main: bool):
+    node = cfg.tokenizer
+    if node is None:
+        return None
+    if not str(node.get("_target_", "")).endswith("build_bpe_tokenizer"):
+        return instantiate(node)
+    # rank 0 trains and saves it; the others load the saved files instead of training again
+    from hybridtrain.data import load_tokenizer
+
+    build = (lambda: instantiate(node)) if is_main else (lambda: load_tokenizer(node["out_dir"]))
+    return main_process_first(build, is_main)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _flops_fn(spec, model_config, loss_chunk_size):
+    """Training FLOPs of a collated batch (the spec's count; the LM head on label tokens only
+    when the chunked loss is on: it gives logits to nothing else)."""
+    return functools.partial(spec.batch_flops, model_config,
+                             head_on_label_tokens_only=loss_chunk_size is not None)
+
+
+def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> float | None:
+    if cfg.metrics.peak_tflops:
+        return float(cfg.metrics.peak_tflops)
+    try:
+        from hybridtrain.training.flops import peak_tflops
+    except ImportError:
+        return None
+    try:
+        return peak_tflops(device, dtype)
+    except ValueError as e:
+        logger.warning("no peak TFLOP/s for MFU: %s", e)
+        return None
+
+
+# -- parallel layout --------------------------------------------------------------------------
+def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.device,
+                 autocast_dtype):
+    """The ``distributed:`` layout (and activation checkpointing / compile) of ``model``: the
+    same path for one process and many."""
+    from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.distributed.plan import parallelize
+
+    dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
+    seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
+    return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
+                       autocast_dtype=autocast_dtype, seq_len=seq_len)
+
+
+def _weight_source(model: nn.Module, seed: int) -> dict:
+    """Where a meta-device model's weights come from: its checkpoint (``from_pretrained``
+    records ``name_or_path``), else a seeded random initialisation of an untouched copy."""
+    src = getattr(model, "name_or_path", None)
+    return {"checkpoint": src, "names": set(model.state_dict()), "seed": seed,
+            "twin": None if src else copy.deepcopy(model)}
+
+
+def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> None:
+    """Allocate and fill this rank's shards of the laid-out meta-device ``model``."""
+    from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
+    from hybridtrain.peft.lora import adapter_init_units
+
+    units = [InitUnit(*u) for u in adapter_init_units(model)]
+    read = None
+    if source["checkpoint"]:
+        assert spec.hf_slice_reader is not None, f"model spec {spec.name} has no hf_slice_reader"
+        read = spec.hf_slice_reader(source["checkpoint"])
+    else:
+        assert spec.init_units is not None, f"model spec {spec.name} has no init_units"
+        twin = source["twin"]
+        units += module_init_units(twin, spec.init_units(twin))
+    t0 = time.perf_counter()
+    materialize(model, device, read=read, read_names=source["names"], units=units,
+                seed=source["seed"])
+    logger.info("materialised this rank's weights (%s) in %.1fs",
+                source["checkpoint"] or f"random init, seed {source['seed']}",
+                time.perf_counter() - t0)
+
+
+def make_train_step(plan, autocast_dtype: torch.dtype | None) -> TrainStep:
+    """The trainer's step for ``plan``: the model's forward, or the plan's pipeline schedule."""
+    return TrainStep(autocast_dtype=autocast_dtype, pipeline=plan.pipeline)
+
+
+# -- data, optimizer --------------------------------------------------------------------------
+def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device):
+    """(train dataset, validation dataset or None, ``make_loader(dataset, batch_sampler)``)."""
+    if cfg.dataset is None:
+        raise ValueError(f"the recipe has no dataset section ({cfg.source_file})")
+    # rank 0 first: it writes files and fills the datasets cache the others then read
+    # default_split: which files of a directory holding several splits each section reads
+    train_ds = main_process_first(
+        lambda: instantiate_with(cfg.dataset, tokenizer=tokenizer, default_split="train"),
+        is_main)
+    val_ds = main_process_first(
+        lambda: instantiate_with(cfg.validation_dataset, tokenizer=tokenizer,
+                                  default_split="validation"), is_main)
+    from hybridtrain.data import build_collator, pack_dataset
+
+    if cfg.packing.enabled:
+        if cfg.packing.split_across_pack:
+            raise ValueError("packing.split_across_pack is not supported; set it to false")
+        train_ds = pack_dataset(train_ds, cfg.packing.pack_size,
+                                pad_to_multiple_of=cfg.packing.pad_to_multiple_of)
+        if cfg.packing.max_packs:
+            train_ds = torch.utils.data.Subset(train_ds, range(min(cfg.packing.max_packs,
+                                                                   len(train_ds))))
+            train_ds.pad_token_id = train_ds.dataset.pad_token_id
+        logger.info("packing: %d rows of %d tokens", len(train_ds), cfg.packing.pack_size)
+    base_train = train_ds.dataset if isinstance(train_ds, torch.utils.data.Subset) else train_ds
+    collators = {id(train_ds): build_collator(base_train)}
+    if val_ds is not None:
+        collators[id(val_ds)] = build_collator(val_ds)
+    pin = cfg.dataloader.pin_memory and device.type == "cuda"
+
+    def make_loader(dataset, batch_sampler):
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collators[id(dataset)],
+                          num_workers=cfg.dataloader.num_workers, pin_memory=pin,
+                          generator=torch.Generator())  # never draws from the global RNG
+
+    return train_ds, val_ds, make_loader
+
+
+def build_lr_scheduler(cfg: ConfigNode, optimizer, max_steps: int | None, global_batch_size: int):
+    """The ``lr_scheduler:`` section over a run of ``max_steps`` steps of ``global_batch_size``
+    samples (the decay length when the section gives none)."""
+    if "_target_" in cfg.lr_scheduler:
+        return instantiate(cfg.lr_scheduler, optimizer)
+    total_samples = max_steps * global_batch_size if max_steps else None
+    return LRScheduler(optimizer, **cfg.lr_scheduler.to_dict(), total_steps=max_steps,
+                       total_samples=total_samples)
+
+
+def _build_optimizer(cfg: ConfigNode, model):
+    if "_target_" in cfg.optimizer:
+        wd = cfg.optimizer.get("weight_decay", 0.0)
+        return instantiate(cfg.optimizer, param_groups(model, wd))
+    o = cfg.optimizer
+    return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                           eps=o.eps, implementation=o.implementation, name=o.name)
+
+
+# -- build ------------------------------------------------------------------------------------
+@dataclass
+class Built:
+    """What :func:`build` makes of a recipe: the parts a training loop runs with (the loop's
+    step scheduler, LR schedule, checkpoints and metrics are the caller's)."""
+
+    cfg: ConfigNode
+    device: torch.device
+    is_main: bool
+    tokenizer: Any
+    model: nn.Module  # the model this rank trains (the plan's: under PP, this rank's part)
+    model_config: Any
+    spec: Any  # the model's ModelSpec
+    num_params: int  # of the whole model (before any parallel layout)
+    dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
+    save_dtype: torch.dtype  # dtype of the HF export
+    peft: dict | None
+    plan: Any  # ParallelPlan: model, stages, ParallelDims (this process's coordinates)
+    train_step: TrainStep
+    optimizer: torch.optim.Optimizer
+    flops_fn: Callable[[dict], float] | None
+    train_ds: Any = None  # the data: None when built with data=False
+    val_ds: Any = None
+    make_loader: Callable | None = None
+
+
+def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
+          world_size: int = 1, *, data: bool = True, dtype: str | None = None,
+          loss: nn.Module | None = None, tokenizer: bool | None = None) -> Built:
+    """Builds a recipe's parts in a fixed order: seeds -> tokenizer -> model (random init from
+    a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
+    layout -> train step -> optimizer.
+
+    ``device`` / ``is_main`` / ``world_size``: this process (``init_distributed``'s; default
+    ``training.device``, one process). ``data=False`` builds no datasets (and no tokenizer unless ``tokenizer``).
+    ``dtype`` replaces ``training.dtype``. ``loss``: the module ``model(..., labels=)`` returns
+    through (default: the summing chunked cross-entropy of ``training.loss_chunk_size``).
+    """
+    cfg = as_config(cfg)
+    t = cfg.training
+    device = resolve_device(t.device) if device is None else torch.device(device)
+    seed_all(t.seed)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+    # tokenizer, model
+    tokenizer = _build_tokenizer(cfg, is_main) if (data if tokenizer is None else tokenizer) else None
+    if cfg.model is None:
+        raise ValueError(f"the recipe has no model section ({cfg.source_file})")
+    torch.manual_seed(t.seed)
+    with torch.device("meta"):  # built on the meta device, materialised after the layout
+        model = instantiate_with(cfg.model, to_var_kw=False, device="meta")
+    on_meta = all(p.is_meta for p in model.parameters())
+    if not on_meta and any(p.is_meta for p in model.parameters()):
+        # a target that built only part of itself on the meta device: build it in full
+        logger.info("%s: the model target does not build on the meta device; building it in "
+                    "full on every rank", cfg.model.where())
+        model = instantiate_with(cfg.model)
+    spec = model_spec_for(model)
+    model_config = model.config
+    compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
+    configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
+    autocast_dtype = autocast_dtype_of(compute_dtype)
+    save_dtype = resolve_save_dtype(cfg.checkpoint.save_dtype, model)  # before LoRA / sharding
+    if tokenizer is not None and len(tokenizer) > model_config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but model.config.vocab_size is "
+            f"{model_config.vocab_size} ({cfg.model.where()}); raise the model's vocab_size or "
+            "use a smaller tokenizer")
+    source = _weight_source(model, t.seed) if on_meta else None
+    peft = None
+    if cfg.peft is not None:
+        from hybridtrain.peft.lora import apply_lora
+
+        if cfg.distributed.tp > 1:
+            raise ValueError(
+                f"peft with distributed.tp={cfg.distributed.tp}: LoRA under tensor parallelism is "
+                "not supported yet; use distributed.tp: 1 (FSDP2, pipeline and expert parallelism "
+                "train LoRA)")
+
+        peft = cfg.peft.to_dict()
+        apply_lora(model, **peft)
+    if not on_meta:  # a model target that ignored the meta device: built in full already
+        model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("model %s: %s parameters (%s trainable) on %s", type(model).__name__,
+                f"{n_params:,}", f"{n_train:,}", device)
+
+    train_ds = val_ds = make_loader = None
+    if data:
+        train_ds, val_ds, make_loader = _build_data(cfg, tokenizer, is_main, device)
+
+    # training loss, parallel layout, train step, optimizer
+    set_train_loss(model, loss if loss is not None else
+                   LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
+    if cfg.distributed.encoder_ranks:
+        if spec.hetero_plan is None:
+            raise ValueError(f"distributed.encoder_ranks={cfg.distributed.encoder_ranks}: "
+                             f"{type(model).__name__} has no encoder to place on its own ranks; "
+                             "set it to 0")
+        plan = spec.hetero_plan(model, cfg.distributed, world_size)
+    else:
+        plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
+    model = plan.model
+    if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
+        _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
+    return Built(
+        cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
+        model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
+        save_dtype=save_dtype, peft=peft, plan=plan,
+        train_step=make_train_step(plan, autocast_dtype), optimizer=_build_optimizer(cfg, model),
+        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size),
+        train_ds=train_ds, val_ds=val_ds, make_loader=make_loader)
+
+
+def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
+    """A LoRA run's export: the PEFT adapter, and with ``merged`` the merged HF model at the end."""
+    from hybridtrain.peft.export import export_peft, save_merged_hf
+
+    export_peft(model, os.path.join(step_dir, "adapter"), base, tokenizer)
+    if final and merged:
+        save_merged_hf(model, os.path.join(step_dir, "merged_hf"), tokenizer, dtype=dtype)
+
+
+def build_checkpointer(b: Built, out_dir: str) -> Checkpointer:
+    """The ``checkpoint:`` section's :class:`Checkpointer` of ``out_dir`` for what :func:`build`
+    made (a LoRA run exports its adapter and records its settings)."""
+    ck = b.cfg.checkpoint
+    export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
+    if b.peft is not None:
+        base = b.cfg.model.get("local_dir")
+        state_extra = {"peft": b.peft, "base_model_name_or_path": base}
+        export_fn = functools.partial(_export_lora, base=base, merged=ck.save_merged_hf,
+                                      dtype=b.save_dtype)
+    return Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
+                        export_fn=export_fn, state_extra=state_extra)
+
+
+def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
+                 checkpointer: Checkpointer | None = None,
+                 metrics: MetricsLogger | None = None) -> Trainer:
+    """The recipe's :class:`Trainer` over what :func:`build` made (its plan's train step,
+    coordinates and clipping) with these schedulers, checkpoints and metrics."""
+    cfg = b.cfg
+    t, ck = cfg.training, cfg.checkpoint
+    evaluator = None
+    if cfg.evaluation is not None:
+        from hybridtrain.training.evaluation import evaluator_from_config
+
+        evaluator = evaluator_from_config(cfg.evaluation, b.val_ds, b.tokenizer, os.path.abspath(ck.dir),
+                                          autocast_dtype=b.train_step.autocast_dtype, dims=b.plan.dims,
+                                          is_main=b.is_main)
+    return Trainer(
+        b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
+        val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
+        device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
+        max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
+        val_accuracy=t.val_accuracy,
+        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
+        save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
+        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps, evaluator=evaluator)
