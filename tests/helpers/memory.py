@@ -124,9 +124,9 @@ def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) 
     return recipe
 
 
-def train(b, steps: int) -> None:
+def train(b, steps: int) -> tuple[list[float], list[float]]:
     """``steps`` training steps of the built recipe ``b`` (the recipe's trainer, the parity
-    micro-batches)."""
+    micro-batches): (losses, gradient norms)."""
     from hybridtrain.training.builder import make_trainer
     from hybridtrain.training.lr_schedule import LRScheduler
     from hybridtrain.training.step_scheduler import StepScheduler
@@ -137,4 +137,4 @@ def train(b, steps: int) -> None:
                           max_steps=steps, num_train_samples=len(b.train_ds), seed=t.seed)
     lr = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(), total_steps=steps,
                      total_samples=steps * sched.global_batch_size)
-    pu.train(b, make_trainer(b, sched, lr), steps=steps)
+    return pu.train(b, make_trainer(b, sched, lr), steps=steps)
