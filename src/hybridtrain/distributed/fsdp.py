@@ -124,7 +124,9 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
         local = local.to_local() if hasattr(local, "to_local") else local
         # too few local experts to shard dim 0 evenly over the expert-FSDP ranks: shard dim 1
         placement = (lambda p: Shard(1)) if local.shape[0] % dims.efsdp else None
-        shard_module(experts, expert_mesh, mp, rf, placement, cpu_offload=offload)
+        # a mesh of one rank "gathers" by copying: never keep that second copy after forward
+        shard_module(experts, expert_mesh, mp, rf or expert_mesh.size() == 1, placement,
+                     cpu_offload=offload)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again at once by backward
         shard_module(unit, mesh, mp, rf and i < len(units) - 1, cpu_offload=offload)

@@ -416,16 +416,19 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
             p.shape[tp_dims[id(p)]], dims.tp, 0)
 
     if dims.fsdp_enabled:
-        sizes, grad_sizes = [], []
+        sizes, grad_sizes, kept = [], [], []
         for unit in _units(part, spec, experts):
             # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
             full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()
                   for _, p in full]
-            sizes.append(sum(n * e for (n, _), e in zip(full, el)))
+            size = sum(n * e for (n, _), e in zip(full, el))
+            # an experts unit on one rank (efsdp 1) always reshards after forward (fsdp.py)
+            one_rank = dims.ep > 1 and dims.efsdp * dims.dp_replicate == 1 and id(unit[0]) in experts
+            (sizes if reshard or one_rank else kept).append(size)
             grad_sizes.append(sum(n * (e + reduce_bytes) for (n, p), e in zip(full, el)
                                   if p.requires_grad))
-        gathered = sum(sizes) if not reshard else sum(sorted(sizes)[-2:])
+        gathered = sum(kept) + sum(sorted(sizes)[-2:])
         return {"fsdp_gathered_params": float(gathered),
                 "fsdp_unsharded_grads": float(max(grad_sizes, default=0))}
     if autocast is not None:
