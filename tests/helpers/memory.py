@@ -122,3 +122,19 @@ def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) 
         "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
         "local_dir": ckpt, "dtype": "bfloat16"}
     return recipe
+
+
+def train(b, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` training steps of the built recipe ``b`` (the recipe's trainer, the parity
+    micro-batches): (losses, gradient norms)."""
+    from hybridtrain.training.builder import make_trainer
+    from hybridtrain.training.lr_schedule import LRScheduler
+    from hybridtrain.training.step_scheduler import StepScheduler
+    from tests.helpers import parity as pu
+
+    t = b.cfg.training
+    sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
+                          max_steps=steps, num_train_samples=len(b.train_ds), seed=t.seed)
+    lr = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(), total_steps=steps,
+                     total_samples=steps * sched.global_batch_size)
+    return pu.train(b, make_trainer(b, sched, lr), steps=steps)

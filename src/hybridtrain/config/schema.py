@@ -236,6 +236,9 @@ DISTRIBUTED = {
                                   "effect with tp: 1"),
     "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy",
                                     choices=("default", "always", "never")),
+    "fsdp_backward_prefetch": K(True, "FSDP2 all-gathers the next unit of backward while one "
+                                      "computes; false: one unit at a time (less memory, no "
+                                      "overlap)"),
     "fsdp_param_dtype": K("auto", "FSDP2 all-gather/compute dtype; auto -> training dtype",
                           choices=("auto", "float32", "bfloat16")),
     "fsdp_reduce_dtype": K("float32", "gradient reduce-scatter dtype",

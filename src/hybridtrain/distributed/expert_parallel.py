@@ -134,12 +134,14 @@ def ep_combine(y_local: torch.Tensor, state: EPDispatchState, group: dist.Proces
 
 
 def zero_rows_output(experts: nn.Module, sorted_x: torch.Tensor, out_dim: int) -> torch.Tensor:
-    """An experts module's output for zero rows, tied to each of its own parameters with a zero
-    weight: every one gets a (zero) gradient, so that an FSDP reduce-scatter over the ranks
-    sharding these experts (one of which received no token under expert parallelism) stays in
-    step."""
+    """An experts module's output for zero rows, tied with a zero weight to each of its own
+    parameters and to ``sorted_x``: every parameter gets a (zero) gradient, so that an FSDP
+    reduce-scatter over the ranks sharding these experts (one of which received no token under
+    expert parallelism) stays in step, and the (empty) input gets one, so that backward reaches
+    what produced it in the same order on every rank: the dispatch all-to-all's backward and the
+    experts unit's FSDP post-backward (which runs when its inputs' gradient is computed)."""
     zero = sum(local_tensor(p).reshape(-1)[:1].sum() * 0 for p in experts.parameters(recurse=False))
-    return sorted_x.new_zeros(sorted_x.shape[0], out_dim) + zero
+    return sorted_x.new_zeros(sorted_x.shape[0], out_dim) + (zero + sorted_x.sum() * 0)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ __all__ = [
     "shard_module",
     "sum_gradients",
     "resolve_reshard_after_forward",
+    "no_backward_prefetch",
 ]
 
 def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
@@ -101,12 +102,14 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
                autocast_dtype: torch.dtype | None = None,
                expert_units: Sequence[nn.Module] = ()) -> None:
     """FSDP2 / HSDP over ``dims``: each of ``units`` (in forward order) is one unit on the dense
-    data-parallel mesh, each of ``expert_units`` (stacked expert weights, already sharded over
-    ``ep``) one unit on the expert-FSDP mesh, and ``model`` the root holding the rest.
+    data-parallel mesh (a unit may be a list of modules: one all-gather, when the first of them
+    runs), each of ``expert_units`` (stacked expert weights, sharded over ``ep`` when ``ep > 1``)
+    one unit on the expert-FSDP mesh, and ``model`` the root holding the rest. A unit of its own
+    is gathered only while it runs (and while FSDP2 prefetches it in backward).
 
     ``distributed``: the recipe section (``fsdp_param_dtype`` ``auto`` = ``autocast_dtype``,
     i.e. bf16 all-gathers and compute in bf16 runs; ``fsdp_reduce_dtype``,
-    ``fsdp_reshard_after_forward``, ``cpu_offload``). Gradients are summed, never averaged.
+    ``fsdp_reshard_after_forward``, ``fsdp_backward_prefetch``, ``cpu_offload``). Gradients are summed, never averaged.
     """
     from torch.distributed.tensor import Shard
 
@@ -114,15 +117,29 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
                                 distributed.fsdp_reduce_dtype)
     rf = resolve_reshard_after_forward(distributed.fsdp_reshard_after_forward, dims.pp_enabled)
     offload = distributed.cpu_offload
+    mesh = dims.dense_fsdp_mesh()
+    expert_mesh = dims.expert_fsdp_mesh() if dims.ep > 1 else mesh
     for experts in expert_units:
         local = next(experts.parameters())
         local = local.to_local() if hasattr(local, "to_local") else local
         # too few local experts to shard dim 0 evenly over the expert-FSDP ranks: shard dim 1
         placement = (lambda p: Shard(1)) if local.shape[0] % dims.efsdp else None
-        shard_module(experts, dims.expert_fsdp_mesh(), mp, rf, placement, cpu_offload=offload)
-    mesh = dims.dense_fsdp_mesh()
+        # a mesh of one rank "gathers" by copying: never keep that second copy after forward
+        shard_module(experts, expert_mesh, mp, rf or expert_mesh.size() == 1, placement,
+                     cpu_offload=offload)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again at once by backward
         shard_module(unit, mesh, mp, rf and i < len(units) - 1, cpu_offload=offload)
     shard_module(model, mesh, mp, reshard_after_forward=False, cpu_offload=offload)
     sum_gradients(model)
+    if not distributed.fsdp_backward_prefetch:
+        no_backward_prefetch(model)
+
+
+def no_backward_prefetch(module: nn.Module) -> None:
+    """Every FSDP unit under ``module`` all-gathers in backward only when its own backward
+    starts: its explicit backward prefetch is itself (already gathered then), which replaces
+    FSDP2's default of gathering the previous unit meanwhile."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_modules_to_backward_prefetch([m])

@@ -386,13 +386,19 @@ def _elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _units(part: nn.Module, spec) -> list[list[nn.Parameter]]:
-    """FSDP units of a (stage) model: each pipeline-splittable layer, then the rest (embeddings,
-    final norm, head)."""
+def _units(part: nn.Module, spec, experts: set[int]) -> list[list[nn.Parameter]]:
+    """FSDP units of a (stage) model, as the model's parallelize function makes them: the
+    parameters before the pipeline layers (embeddings), each layer without its stacked experts,
+    each layer's experts, the parameters after the layers (final norm, head)."""
     layers = [part.get_submodule(f"{_layers_path(part)}.{n}") for n in spec.pipeline_layers(part)]
-    seen = {id(p) for m in layers for p in m.parameters()}
-    rest = [p for _, p in _unique(part) if id(p) not in seen]
-    return [list(m.parameters()) for m in layers] + ([rest] if rest else [])
+    in_layers = {id(p) for m in layers for p in m.parameters()}
+    first = min((i for i, (_, p) in enumerate(_unique(part)) if id(p) in in_layers), default=0)
+    rest = [(i, p) for i, (_, p) in enumerate(_unique(part)) if id(p) not in in_layers]
+    units = [[p for i, p in rest if i < first]]
+    for m in layers:
+        ps = list(m.parameters())
+        units += [[p for p in ps if id(p) not in experts], [p for p in ps if id(p) in experts]]
+    return [u for u in units + [[p for i, p in rest if i > first]] if u]
 
 
 def _layers_path(part: nn.Module) -> str:
@@ -410,16 +416,19 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
             p.shape[tp_dims[id(p)]], dims.tp, 0)
 
     if dims.fsdp_enabled:
-        sizes, grad_sizes = [], []
-        for unit in _units(part, spec):
+        sizes, grad_sizes, kept = [], [], []
+        for unit in _units(part, spec, experts):
             # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
             full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()
                   for _, p in full]
-            sizes.append(sum(n * e for (n, _), e in zip(full, el)))
+            size = sum(n * e for (n, _), e in zip(full, el))
+            # an experts unit on one rank (efsdp 1) always reshards after forward (fsdp.py)
+            one_rank = dims.ep > 1 and dims.efsdp * dims.dp_replicate == 1 and id(unit[0]) in experts
+            (sizes if reshard or one_rank else kept).append(size)
             grad_sizes.append(sum(n * (e + reduce_bytes) for (n, p), e in zip(full, el)
                                   if p.requires_grad))
-        gathered = sum(sizes) if not reshard else sum(sorted(sizes)[-2:])
+        gathered = sum(kept) + sum(sorted(sizes)[-2:])
         return {"fsdp_gathered_params": float(gathered),
                 "fsdp_unsharded_grads": float(max(grad_sizes, default=0))}
     if autocast is not None:

@@ -4,8 +4,9 @@
 
 The pipeline split comes before, in :func:`hybridtrain.distributed.plan.parallelize`, through
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
-FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit on
-the expert mesh when ``ep > 1``) and the (stage) model as root, holding ``norm_f`` + ``lm_head``.
+FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit, on
+the expert mesh when ``ep > 1``, so a rank gathers one block's experts at a time), ``norm_f`` +
+``lm_head`` (one unit) and the (stage) model as root, holding nothing else.
 
 Tensor parallelism (:func:`apply_tp`) splits every mixer by heads: attention's q/k/v by heads
 (k/v computed whole when there are fewer kv heads than ranks), o_proj by rows; the MLP and the
@@ -115,7 +116,10 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
     if training.compile:
         apply_compile(layers)
     if dims.fsdp_enabled:
-        units = [model.backbone.embeddings] + list(layers.values())
-        experts = [b.mixer.experts for b in moe_blocks] if dims.ep > 1 else []
+        # the final norm and the head: one unit, gathered when the norm runs (the loss reads the
+        # head's weight), so a rank does not hold the head through the whole step as the root
+        head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
+        units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
         apply_fsdp(model, [u for u in units if u is not None], dims, distributed,
-                   autocast_dtype=autocast_dtype, expert_units=experts)
+                   autocast_dtype=autocast_dtype,
+                   expert_units=[b.mixer.experts for b in moe_blocks])
