@@ -45,15 +45,15 @@ def vlm_recipe(tmp: str, layout: dict | None = None, packed: bool = False,
 
 
 def build(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = False,
-          freeze=(), checkpoint_dir: str | None = None):
-    """(``Built``, ``Trainer``) of the tiny VLM recipe."""
+          freeze=(), checkpoint_dir: str | None = None, **sections):
+    """(``Built``, ``Trainer``) of the tiny VLM recipe (``sections`` update the recipe's)."""
     from hybridtrain.training.builder import build as build_recipe
     from hybridtrain.training.builder import build_lr_scheduler, make_trainer
     from hybridtrain.training.checkpoint import Checkpointer
     from hybridtrain.training.step_scheduler import StepScheduler
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    b = build_recipe(vlm_recipe(tmp, layout, packed, freeze), "cpu", is_main=rank == 0,
+    b = build_recipe(vlm_recipe(tmp, layout, packed, freeze, **sections), "cpu", is_main=rank == 0,
                      world_size=world)
     t = b.cfg.training
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
