@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 # imported once in the fork server; what every rank would otherwise import itself
 _PRELOAD = ["torch", "torch.distributed", "hybridtrain.distributed.init",
-            "hybridtrain.training.builder"]
+            "hybridtrain.training.builder", "hybridtrain.distributed.plan",
+            "hybridtrain.models.nemotron_h", "torch._dynamo"]
 # variables that differ between tests without changing how a process starts
 _PER_TEST_ENV = {"PYTEST_CURRENT_TEST"}
 _server_env: dict[str, str] | None = None
