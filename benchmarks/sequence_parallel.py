@@ -27,15 +27,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from plan_activations import recipe  # noqa: E402  (the same model)
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
+from plan_activations import _status, recipe  # noqa: E402  (the same model and memory probe)
 
 
 def _rank(rank: int, world: int, port: int, sp: bool, seq_len: int, outdir: str) -> None:

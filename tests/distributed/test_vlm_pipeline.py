@@ -36,13 +36,7 @@ def results(tmp_path_factory):
 def _check(ref, ranks, name):
     got = ranks[0]
     assert all(r[0] == got[0] and r[3] == got[3] for r in ranks)  # every stage agrees
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
-    rel_norm = max(abs(a - b) / abs(b) for a, b in zip(got[3], ref[3]))
-    assert set(got[1]) == set(ref[1])
-    dw = max(float((got[1][k] - v).abs().max()) for k, v in ref[1].items())
-    print(f"{name}: loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights abs {dw:.2e}")
-    assert rel <= 1e-5 and rel_norm <= 1e-5 and dw <= 1e-5
-    assert abs(got[2] - ref[2]) <= 1e-5 * abs(ref[2])
+    vlm.assert_run_matches(got, ref, name)
 
 
 @pytest.mark.parametrize("name", list(CASES))

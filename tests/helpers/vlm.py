@@ -223,3 +223,18 @@ def hetero_group(rank: int, world: int, tmp: str, encoders: int, ckpt: str):
     return {"run": run(tmp, layout, world),
             "save": train_and_save(tmp, layout, world, f"{ckpt}/hetero{encoders}", 3),
             "resume": resume_and_train(tmp, layout, world, f"{ckpt}/colocated")}
+
+
+def assert_run_matches(got, ref, name: str) -> None:
+    """A run's (losses, full weights, validation loss, gradient norms) against the one-process
+    ``ref``: per-step loss and gradient norm within 1e-5 relative, weights within 1e-5, validation
+    loss within 1e-5 relative."""
+    losses, state, val, norms = got
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref[0]))
+    rel_norm = max(abs(a - b) / abs(b) for a, b in zip(norms, ref[3]))
+    assert set(state) == set(ref[1])
+    dw = max(float((state[k] - v).abs().max()) for k, v in ref[1].items())
+    print(f"{name}: loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights abs {dw:.2e} "
+          f"val rel {abs(val - ref[2]) / abs(ref[2]):.2e}")
+    assert rel <= 1e-5 and rel_norm <= 1e-5 and dw <= 1e-5
+    assert abs(val - ref[2]) <= 1e-5 * abs(ref[2])
