@@ -42,19 +42,29 @@ TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to th
 TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
 
 
+def _plain_linear(lin: nn.Module) -> bool:
+    """An ``nn.Linear`` running ``nn.Linear.forward`` (not a LoRA layer; FSDP2's wrapper class
+    keeps the forward) on a plain, not tensor-parallel, weight."""
+    return (isinstance(lin, nn.Linear) and type(lin).forward is nn.Linear.forward
+            and local_tensor(lin.weight) is lin.weight)
+
+
 def _plain_fp32_cpu(lin: nn.Module, x: torch.Tensor) -> bool:
     """An ``nn.Linear`` itself (not a subclass such as a LoRA layer: those run their forward),
     fp32 on CPU, outside autocast: the case the product forms above were measured for."""
-    return (type(lin) is nn.Linear and x.device.type == "cpu" and lin.weight.dtype == torch.float32
-            and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and local_tensor(lin.weight) is lin.weight)  # not a tensor-parallel DTensor
+    return (_plain_linear(lin) and x.device.type == "cpu" and lin.weight.dtype == torch.float32
+            and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
 
 
 def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``lin(x)`` for the few rows of a decoding step: W @ x^T for 2+ rows of a plain fp32 CPU
-    ``nn.Linear`` (see above), else ``lin``'s forward."""
+    ``nn.Linear`` (see above); ``F.linear`` for another plain ``nn.Linear`` (no module call: the LM
+    head is part of an FSDP2 unit whose hooks must not run here, see :func:`_norm`); else
+    ``lin``'s forward (LoRA, tensor-parallel)."""
     rows = x.numel() // x.shape[-1]
     if rows < 2 or not _plain_fp32_cpu(lin, x):
+        if _plain_linear(lin):
+            return F.linear(x, lin.weight, lin.bias)
         return lin(x)
     y = torch.mm(lin.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
     if lin.bias is not None:
@@ -241,16 +251,21 @@ def _embed(model, inputs: torch.Tensor) -> torch.Tensor:
 
 def _head(model, h: torch.Tensor) -> torch.Tensor:
     """fp32 logits of the last position [b, V]; a stage without the head returns ``h`` [b, L, H]."""
-    return h if model.lm_head is None else model.lm_head(h[:, -1]).float()
+    return h if model.lm_head is None else linear(model.lm_head, h[:, -1]).float()
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor, decoding: bool) -> torch.Tensor:
     """``norm(x)``; in a decoding step of an fp32 model torch's fused ``rms_norm`` (the same
-    function in one kernel instead of six for the one row)."""
-    if (decoding and type(norm) is RMSNorm and x.dtype == norm.weight.dtype == torch.float32
-            and local_tensor(norm.weight) is norm.weight):
+    function in one kernel instead of six for the one row). A plain (not tensor-parallel) norm
+    runs without its module call: the final norm is part of an FSDP2 unit whose hooks must not
+    run here (FSDP2 wants a forward through the root first; the caller gathered the weights)."""
+    x = x if x.dtype == norm.weight.dtype else x.to(norm.weight.dtype)
+    if (not isinstance(norm, RMSNorm) or type(norm).forward is not RMSNorm.forward
+            or local_tensor(norm.weight) is not norm.weight):
+        return norm(x)
+    if decoding and x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
-    return norm(x if x.dtype == norm.weight.dtype else x.to(norm.weight.dtype))
+    return norm.normalize(x)
 
 
 def _run_layers(model, h: torch.Tensor, mamba, attention, decoding: bool = False) -> torch.Tensor:

@@ -91,8 +91,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel=None) -> torch.Tensor:
         """``sequence_parallel`` (``distributed.tensor_parallel.SequenceParallel``): ``x`` is this
         rank's part of the sequence; the weight's gradient is summed over the ranks."""
-        w = self.weight if sequence_parallel is None else sequence_parallel.sum_grad(self.weight)
+        if sequence_parallel is None:
+            return self.normalize(x)
+        w = sequence_parallel.sum_grad(self.weight)
         return _RMSNormFunction.apply_maybe_no_grad(x, None, w, x.shape[-1], self.eps)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward's computation as a plain method (no module call, so no forward hooks:
+        cached decoding calls it on the final norm of an FSDP2 unit it has gathered itself)."""
+        return _RMSNormFunction.apply_maybe_no_grad(x, None, self.weight, x.shape[-1], self.eps)
 
 
 class RMSNormGated(nn.Module):
