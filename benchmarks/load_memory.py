@@ -30,7 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.helpers import memory as mem  # noqa: E402
 
-LAYOUTS = {"fsdp4": {"dp_shard": 4}, "pp2ep2": {"pp": 2, "ep": 2}}
+LAYOUTS = {"fsdp4": {"dp_shard": 4}, "pp2ep2": {"pp": 2, "ep": 2},
+           # fsdp_reshard_after_forward: always (each unit also reshards after its backward)
+           "pp2ep2_reshard": {"pp": 2, "ep": 2, "reshard": "always"}}
 SHARD = 100 * 10**6
 STEPS = 2
 

@@ -28,7 +28,8 @@ LR = 2e-4
 
 _LAYOUT_KEYS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "pp": "pp", "ep": "ep",
                 "tp": "tp", "cp": "cp", "schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank",
-                "sp": "sequence_parallel", "backward_prefetch": "fsdp_backward_prefetch"}
+                "sp": "sequence_parallel", "backward_prefetch": "fsdp_backward_prefetch",
+                "reshard": "fsdp_reshard_after_forward"}
 
 
 def recipe(layout: dict, packed: bool, ac: Any = False, **sections) -> dict:

@@ -234,7 +234,9 @@ DISTRIBUTED = {
                                   "rank's 1/tp of every row; the mixers gather whole rows (their "
                                   "saved inputs keep 1/tp, gathered again in backward). No "
                                   "effect with tp: 1"),
-    "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy",
+    "fsdp_reshard_after_forward": K("default", "FSDP2 reshard policy (default: reshard, except "
+                                               "under pp; always: under pp each unit also "
+                                               "reshards after its backward, less memory)",
                                     choices=("default", "always", "never")),
     "fsdp_backward_prefetch": K(True, "FSDP2 all-gathers the next unit of backward while one "
                                       "computes; false: one unit at a time (less memory, no "

@@ -24,6 +24,7 @@ __all__ = [
     "shard_module",
     "sum_gradients",
     "resolve_reshard_after_forward",
+    "reshard_in_pipeline_backward",
     "no_backward_prefetch",
 ]
 
@@ -127,13 +128,39 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
         # a mesh of one rank "gathers" by copying: never keep that second copy after forward
         shard_module(experts, expert_mesh, mp, rf or expert_mesh.size() == 1, placement,
                      cpu_offload=offload)
+        if rf and dims.pp_enabled:
+            reshard_in_pipeline_backward(experts)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again at once by backward
         shard_module(unit, mesh, mp, rf and i < len(units) - 1, cpu_offload=offload)
+        if rf and dims.pp_enabled:
+            reshard_in_pipeline_backward(unit)
     shard_module(model, mesh, mp, reshard_after_forward=False, cpu_offload=offload)
     sum_gradients(model)
     if not distributed.fsdp_backward_prefetch:
         no_backward_prefetch(model)
+
+
+def reshard_in_pipeline_backward(unit: nn.Module | Sequence[nn.Module]) -> None:
+    """Under pipeline parallelism, torch's ``PipelineStage`` sets every FSDP unit of its stage
+    to stay gathered after each backward until the stage's last micro-batch (fewer
+    all-gathers), so the whole stage is gathered at the end of backward. With
+    ``fsdp_reshard_after_forward: always`` this puts each unit back to resharding after its
+    backward, as FSDP2 does without a pipeline: a hook on the unit's forward output (run when
+    backward reaches the unit, i.e. after the stage's setting) sets the unit's own flag.
+    Gradients are unchanged: unsynced gradients accumulate on the unsharded gradient as before."""
+    mods = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+
+    def on_grad(grad):
+        for m in mods:
+            m.set_reshard_after_backward(True, recurse=False)
+
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(on_grad)
+
+    mods[-1].register_forward_hook(hook)
 
 
 def no_backward_prefetch(module: nn.Module) -> None:
