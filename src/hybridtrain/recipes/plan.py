@@ -18,8 +18,12 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   pipeline schedule keeps in flight on that rank; plus the recomputed block's activations under
   checkpointing. An estimate (README: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
-  forward, as under pipeline parallelism; else two units) and one unit's unsharded gradients;
-  without FSDP, autocast's low-precision weight copies.
+  forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
+  each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
+  under pipeline parallelism the stage's, accumulated in the reduce dtype until the last
+  micro-batch's backward); without FSDP, autocast's low-precision weight copies. Under pipeline
+  parallelism the plan also gives the peak under the other ``fsdp_reshard_after_forward``
+  policy (``MemoryPlan.reshard_peaks``).
 
 With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
 host (``RankMemory.host``), not in the device total.
@@ -96,6 +100,9 @@ class MemoryPlan:
     ranks: list[RankMemory]
     device_memory: float | None = None
     advice: list[dict] = field(default_factory=list)
+    # under pp with FSDP: {distributed.fsdp_reshard_after_forward: peak} for the recipe's policy
+    # and the other one (default: units stay gathered through the step; always: they reshard)
+    reshard_peaks: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak(self) -> float:
@@ -353,6 +360,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
             "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
             "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
                                                   "distributed.fsdp_reduce_dtype") or compute)}
+    # under pp the peak depends on the reshard policy: plan the other one's buffers too
+    other = None
+    if dims.pp_enabled and dims.fsdp_enabled:
+        other = "default" if fsdp["reshard"] else "always"
+        other_peak = 0.0
     ranks = []
     for rank in range(world_size):
         c = _coords(rank, dims)
@@ -371,6 +383,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
             rank, stage_ids, *_states(part, experts, dims, c, tp_dims), per_mb, flight, activations,
             _buffers(part, spec, dims, experts, tp_dims, autocast, **fsdp),
             dims.fsdp_enabled and d.cpu_offload))
+        if other is not None:
+            r = ranks[-1]
+            alt = _buffers(part, spec, dims, experts, tp_dims, autocast,
+                           **{**fsdp, "reshard": not fsdp["reshard"]})
+            other_peak = max(other_peak, r.total - sum(r.buffers.values()) + sum(alt.values()))
     all_params = _unique(model)
     return MemoryPlan(
         source=str(cfg.source_file), world_size=world_size, degrees=dims.degrees(),
@@ -379,7 +396,9 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for _, p in all_params}),
         compute_dtype=str(compute).removeprefix("torch."), micro_batch=rows, seq_len=seq_len,
         activation_checkpointing=t.activation_checkpointing, ranks=ranks,
-        device_memory=device_memory)
+        device_memory=device_memory,
+        reshard_peaks=({} if other is None else {
+            str(d.fsdp_reshard_after_forward): max(r.total for r in ranks), other: other_peak}))
 
 
 def _elsize(dtype: torch.dtype) -> int:
@@ -416,21 +435,32 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
             p.shape[tp_dims[id(p)]], dims.tp, 0)
 
     if dims.fsdp_enabled:
-        sizes, grad_sizes, kept = [], [], []
+        # Under pipeline parallelism torch's PipelineStage runs every micro-batch's backward
+        # without gradient sync and reduce-scatters once after the last one: a rank holds its
+        # stage's unsharded gradients (accumulated in the reduce dtype) until then. It also
+        # keeps every unit gathered after its backward, unless ``always`` makes each unit
+        # reshard (distributed/fsdp.py): then only the unit computing and the one prefetched.
+        stage_kept = dims.pp_enabled and not reshard
+        sizes, kept, grad_sizes, accumulated, in_flight = [], [], [], 0.0, 0.0
         for unit in _units(part, spec, experts):
             # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
             full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()
                   for _, p in full]
             size = sum(n * e for (n, _), e in zip(full, el))
-            # an experts unit on one rank (efsdp 1) always reshards after forward (fsdp.py)
+            # an experts unit on one rank (efsdp 1) always reshards after forward (fsdp.py), but
+            # under pp by default stays gathered after its backward like the others
             one_rank = dims.ep > 1 and dims.efsdp * dims.dp_replicate == 1 and id(unit[0]) in experts
-            (sizes if reshard or one_rank else kept).append(size)
-            grad_sizes.append(sum(n * (e + reduce_bytes) for (n, p), e in zip(full, el)
-                                  if p.requires_grad))
+            (sizes if (reshard or one_rank) and not stage_kept else kept).append(size)
+            trained = [(n, e) for (n, p), e in zip(full, el) if p.requires_grad]
+            grad_sizes.append(sum(n * (e + reduce_bytes) for n, e in trained))
+            accumulated += sum(n * reduce_bytes for n, _ in trained)
+            in_flight = max(in_flight, sum(n * e for n, e in trained if e != reduce_bytes))
         gathered = sum(kept) + sum(sorted(sizes)[-2:])
+        # under pp: the stage's accumulated gradients and one unit's new low-precision ones
+        grads = accumulated + in_flight if dims.pp_enabled else max(grad_sizes, default=0)
         return {"fsdp_gathered_params": float(gathered),
-                "fsdp_unsharded_grads": float(max(grad_sizes, default=0))}
+                "fsdp_unsharded_grads": float(grads)}
     if autocast is not None:
         copies = sum(tp_numel(p) for _, p in _unique(part) if p.dim() >= 2 and p.dtype != autocast)
         return {"autocast_weight_copies": float(copies * _elsize(autocast))}
@@ -459,6 +489,10 @@ def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tupl
     if d.pp_microbatch_size and d.pp_microbatch_size > 1:
         with_("lower pp_microbatch_size to 1 (--distributed.pp_microbatch_size=1)",
               distributed={"pp_microbatch_size": 1})
+    if plan.reshard_peaks and str(d.fsdp_reshard_after_forward) != "always":
+        with_("reshard each FSDP2 unit after its forward and backward under the pipeline "
+              "(--distributed.fsdp_reshard_after_forward=always; all-gathers again per "
+              "micro-batch)", distributed={"fsdp_reshard_after_forward": "always"})
     powers = [2 ** i for i in range(world_size.bit_length()) if world_size % 2 ** i == 0]
     for pp in powers:  # other layouts of the same ranks (invalid ones are skipped)
         for ep in powers:
@@ -540,6 +574,11 @@ def format_plan(plan: MemoryPlan) -> str:
     w = max(10, *(len(v) + 2 for _, vals in rows for v in vals))
     lines += [f"{name:<{w0}}" + "".join(f"{v:>{w}}" for v in vals) for name, vals in rows]
     lines.append("")
+    if plan.reshard_peaks:
+        lines.append("under pp, FSDP2's policy sets the peak (distributed.fsdp_reshard_after_forward): "
+                     + "; ".join(f"{k}: {_gib(v)} GiB" for k, v in plan.reshard_peaks.items())
+                     + " (default: each unit stays gathered through the step; always: gathered "
+                     "again for each micro-batch)")
     peak = f"peak {_gib(plan.peak)} GiB"
     if plan.device_memory is None:
         lines.append(peak + " (give --device-memory to check it against a device)")
