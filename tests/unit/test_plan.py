@@ -212,3 +212,25 @@ def test_plan_counts_what_tensor_parallelism_shards(kv_heads):
     assert any(re.search(sharded, n) for n, _ in model.named_parameters())
     for r in plan.ranks:
         assert r.params == want, (r.rank, r.params, want)
+
+
+
+def test_pipeline_plan_gives_both_reshard_policies_and_advises_always(nano_dir):
+    """Under pp the default keeps each stage gathered (and its gradients unsharded) through the
+    step; the plan gives the peak under both policies, and over a device memory between them
+    advises ``fsdp_reshard_after_forward: always`` (the figures against a real run:
+    tests/distributed/test_plan_pipeline_reshard.py)."""
+    from hybridtrain.config import load_config
+    from hybridtrain.recipes.plan import advise, format_plan
+
+    cfg = load_config(ROOT / "examples" / "nemotron3_nano_squad.yaml")  # pp 4 x ep 2
+    plan = plan_memory(cfg, 8)
+    peaks = plan.reshard_peaks
+    assert set(peaks) == {"default", "always"} and peaks["always"] < peaks["default"] == plan.peak
+    assert "always: " in format_plan(plan)
+    plan = plan_memory(cfg, 8, device_memory=(peaks["always"] + peaks["default"]) / 2)
+    assert not plan.fits
+    always = [a for a in advise(cfg, 8, plan, "cuda")
+              if "fsdp_reshard_after_forward=always" in a["change"]]
+    assert always and always[0]["fits"] and always[0]["peak"] == peaks["always"]
+    assert plan_memory(pu.recipe({}, False), 1, device_type="cpu").reshard_peaks == {}

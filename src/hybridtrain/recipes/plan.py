@@ -21,7 +21,8 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
   under pipeline parallelism the stage's, accumulated in the reduce dtype until the last
-  micro-batch's backward); without FSDP, autocast's low-precision weight copies. Under pipeline
+  micro-batch's backward reduce-scatters them: what they exceed the sharded gradients by);
+  without FSDP, autocast's low-precision weight copies. Under pipeline
   parallelism the plan also gives the peak under the other ``fsdp_reshard_after_forward``
   policy (``MemoryPlan.reshard_peaks``).
 
@@ -379,14 +380,22 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 activations += v
         if recompute:
             per_mb["recompute"] = recompute
-        ranks.append(RankMemory(
-            rank, stage_ids, *_states(part, experts, dims, c, tp_dims), per_mb, flight, activations,
-            _buffers(part, spec, dims, experts, tp_dims, autocast, **fsdp),
-            dims.fsdp_enabled and d.cpu_offload))
+        states = _states(part, experts, dims, c, tp_dims)
+
+        def buffers(**policy):
+            b = _buffers(part, spec, dims, experts, tp_dims, autocast, **policy)
+            if dims.pp_enabled and dims.fsdp_enabled:
+                # the stage's unsharded gradients exist until the last micro-batch's backward
+                # reduces them, the sharded ones (the gradients above) only after: count the
+                # larger once
+                b["fsdp_unsharded_grads"] = max(0.0, b["fsdp_unsharded_grads"] - states[1])
+            return b
+
+        ranks.append(RankMemory(rank, stage_ids, *states, per_mb, flight, activations,
+                                buffers(**fsdp), dims.fsdp_enabled and d.cpu_offload))
         if other is not None:
             r = ranks[-1]
-            alt = _buffers(part, spec, dims, experts, tp_dims, autocast,
-                           **{**fsdp, "reshard": not fsdp["reshard"]})
+            alt = buffers(**{**fsdp, "reshard": not fsdp["reshard"]})
             other_peak = max(other_peak, r.total - sum(r.buffers.values()) + sum(alt.values()))
     all_params = _unique(model)
     return MemoryPlan(
