@@ -26,6 +26,7 @@ __all__ = [
     "resolve_reshard_after_forward",
     "reshard_in_pipeline_backward",
     "no_backward_prefetch",
+    "free_all_gather_after_copy_out",
 ]
 
 def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
@@ -136,6 +137,9 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
         if rf and dims.pp_enabled:
             reshard_in_pipeline_backward(unit)
     shard_module(model, mesh, mp, reshard_after_forward=False, cpu_offload=offload)
+    if mesh.device_type == "cpu":
+        for unit in [*expert_units, *units]:
+            free_all_gather_after_copy_out(unit)
     sum_gradients(model)
     if not distributed.fsdp_backward_prefetch:
         no_backward_prefetch(model)
@@ -161,6 +165,24 @@ def reshard_in_pipeline_backward(unit: nn.Module | Sequence[nn.Module]) -> None:
             out.register_hook(on_grad)
 
     mods[-1].register_forward_hook(hook)
+
+
+def free_all_gather_after_copy_out(unit: nn.Module | Sequence[nn.Module]) -> None:
+    """In forward FSDP2 keeps a unit's all-gather output (the whole unit's bytes) until the next
+    unit has all-gathered, to overlap its copy-out with that all-gather on GPU streams. With
+    synchronous CPU collectives nothing overlaps, and a rank holds the previous unit's buffer
+    besides the current one's (at the end of forward: the last experts unit's and the head's).
+    This starts the unit's all-gather as an asynchronous op (``FSDPModule.unshard(async_op=True)``)
+    from a forward pre-hook that runs before FSDP2's own, which then waits on it and frees the
+    output right after the copy-out. The same collective at the same point: results are
+    bit-identical."""
+    mods = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+
+    def hook(module, args):
+        mods[0].unshard(async_op=True)  # a no-op when the unit is gathered already
+
+    for m in mods:
+        m.register_forward_pre_hook(hook, prepend=True)
 
 
 def no_backward_prefetch(module: nn.Module) -> None:
