@@ -7,6 +7,7 @@ are within 10 % of the plan's figures for that rank; ``always`` needs less, and 
 so (``reshard_peaks``). Measured at every module's forward and at every module output's backward:
 a parameter is gathered while the module holds another tensor than its sharded one."""
 
+import pytest
 import torch
 
 from tests.helpers import parity as pu
@@ -53,6 +54,7 @@ def _worker(rank, world):
             for policy in POLICIES}
 
 
+@pytest.mark.distributed
 def test_plan_fsdp_buffers_under_pp_follow_the_reshard_policy():
     from hybridtrain.recipes.plan import plan_memory
 

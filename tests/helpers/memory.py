@@ -75,18 +75,23 @@ def reset_peak() -> None:
         f.write("5")
 
 
+def config_overrides(hidden: int | None, pattern: str = PATTERN, vocab: int = 32000) -> dict:
+    """``tiny_config("moe", **overrides)`` of :func:`config`."""
+    if hidden is None:
+        return dict(hybrid_override_pattern=pattern, n_routed_experts=16)
+    return dict(hybrid_override_pattern=pattern, vocab_size=vocab,
+                hidden_size=hidden, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=hidden // 8, intermediate_size=2 * hidden,
+                mamba_num_heads=hidden // 32, mamba_head_dim=64, n_groups=2,
+                ssm_state_size=64, chunk_size=16, n_routed_experts=16,
+                moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden)
+
+
 def config(hidden: int | None, pattern: str = PATTERN, vocab: int = 32000):
     """The pattern at width ``hidden`` (1024: ~1.7 GB in bf16, 512: ~0.45 GB; None: tiny)."""
     from hybridtrain.models.nemotron_h import tiny_config
 
-    if hidden is None:
-        return tiny_config("moe", hybrid_override_pattern=pattern, n_routed_experts=16)
-    return tiny_config("moe", hybrid_override_pattern=pattern, vocab_size=vocab,
-                       hidden_size=hidden, num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=hidden // 8, intermediate_size=2 * hidden,
-                       mamba_num_heads=hidden // 32, mamba_head_dim=64, n_groups=2,
-                       ssm_state_size=64, chunk_size=16, n_routed_experts=16,
-                       moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden)
+    return tiny_config("moe", **config_overrides(hidden, pattern, vocab))
 
 
 def checkpoint_bytes(path: str) -> int:
@@ -124,17 +129,23 @@ def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) 
     return recipe
 
 
-def train(b, steps: int) -> tuple[list[float], list[float]]:
-    """``steps`` training steps of the built recipe ``b`` (the recipe's trainer, the parity
-    micro-batches): (losses, gradient norms)."""
+def trainer(b, steps: int):
+    """The recipe's trainer of the built recipe ``b`` for ``steps`` steps."""
     from hybridtrain.training.builder import make_trainer
     from hybridtrain.training.lr_schedule import LRScheduler
     from hybridtrain.training.step_scheduler import StepScheduler
-    from tests.helpers import parity as pu
 
     t = b.cfg.training
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
                           max_steps=steps, num_train_samples=len(b.train_ds), seed=t.seed)
     lr = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(), total_steps=steps,
                      total_samples=steps * sched.global_batch_size)
-    return pu.train(b, make_trainer(b, sched, lr), steps=steps)
+    return make_trainer(b, sched, lr)
+
+
+def train(b, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` training steps of the built recipe ``b`` (the recipe's trainer, the parity
+    micro-batches): (losses, gradient norms)."""
+    from tests.helpers import parity as pu
+
+    return pu.train(b, trainer(b, steps), steps=steps)
