@@ -112,6 +112,8 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
     ``distributed``: the recipe section (``fsdp_param_dtype`` ``auto`` = ``autocast_dtype``,
     i.e. bf16 all-gathers and compute in bf16 runs; ``fsdp_reduce_dtype``,
     ``fsdp_reshard_after_forward``, ``fsdp_backward_prefetch``, ``cpu_offload``). Gradients are summed, never averaged.
+    On CPU each unit's all-gather buffer is freed right after its copy-out
+    (:func:`free_all_gather_after_copy_out`).
     """
     from torch.distributed.tensor import Shard
 
