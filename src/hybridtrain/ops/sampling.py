@@ -138,7 +138,10 @@ def decode(
             nxt = torch.where(unfinished, nxt, eos[0])
             unfinished &= ~torch.isin(nxt, eos)
         out.append(nxt[:, None])
-        if i == c.max_new_tokens - 1 or all_finished(unfinished, lockstep_group):
+        if i == c.max_new_tokens - 1:
+            break
+        # (without eos and lockstep ranks no row can finish early: no host sync per step)
+        if (eos is not None or lockstep_group is not None) and all_finished(unfinished, lockstep_group):
             break
         logits = step(nxt)
     return torch.cat(out, dim=1)

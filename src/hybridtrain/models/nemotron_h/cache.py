@@ -14,6 +14,7 @@ import torch
 class MambaState:
     conv: torch.Tensor  # [b, conv_dim, k - 1]: the last k - 1 conv inputs (zeros before the prompt)
     ssm: torch.Tensor  # [b, h, p, n] fp32: the SSM state after the last token
+    step: object | None = None  # the mixer's parameters as the fp32 CPU step reads them (recurrent.StepConstants)
 
 
 @dataclass

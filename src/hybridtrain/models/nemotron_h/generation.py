@@ -20,13 +20,13 @@ from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tenso
 from hybridtrain.ops.attention import document_causal_attention
 from hybridtrain.ops.sampling import GenerationConfig, decode
 
-from . import kernels
+from . import kernels, recurrent
 from .attention import Attention
 from .cache import KVCache, MambaState, NemotronHCache
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import Experts, MoE
-from .norms import RMSNorm
+from .norms import RMSNorm, RMSNormGated
 
 
 # ---------------------------------------------------------------------------------- projections
@@ -115,8 +115,26 @@ def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Te
     return _mamba_out(m, y, z, hidden_states.dtype), state
 
 
+def _step_constants(m: Mamba2Mixer, x: torch.Tensor) -> recurrent.StepConstants | None:
+    """The mixer's parameters for :func:`recurrent.mixer_step_fp32` when it applies: fp32 on CPU,
+    plain (not LoRA, not tensor-parallel) projections, conv and norm."""
+    if not (_plain_fp32_cpu(m.in_proj, x) and _plain_linear(m.out_proj) and type(m.norm) is RMSNormGated
+            and all(local_tensor(p) is p and p.dtype == torch.float32
+                    for p in (m.conv1d.weight, m.A_log, m.D, m.dt_bias, m.norm.weight))
+            and m.conv1d.weight.shape[-1] > 1):
+        return None
+    return recurrent.StepConstants.make(
+        m.A_log, m.dt_bias, m.dt_limit, m.D, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.norm.weight,
+        m.norm.eps, groups=m.n_groups, head_dim=m.head_dim, n=m.ssm_state_size)
+
+
 def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
     """One token per row, hidden_states [b, 1, H]; ``state`` is updated in place."""
+    if state.step is None:
+        state.step = _step_constants(m, hidden_states) or False
+    if state.step:  # fp32 CPU: the fused form, its constants made once per generate
+        y = recurrent.mixer_step_fp32(linear(m.in_proj, hidden_states[:, 0]), state.conv, state.ssm, state.step)
+        return linear(m.out_proj, y)[:, None]
     z, xBC, dt = m.project_output(linear(m.in_proj, hidden_states[:, 0]))
     xBC = kernels.conv_step(xBC, state.conv, local_tensor(m.conv1d.weight).squeeze(1), local_tensor(m.conv1d.bias))
     x, B, C = m.split_conv_output(xBC)

@@ -5,6 +5,8 @@ update). O(1) work and memory per token. The CUDA kernels behind ``kernels.conv_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -47,3 +49,68 @@ def ssd_step_torch(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: to
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without a dispatch when it already is (one-token steps: many tiny ops)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+@dataclass
+class StepConstants:
+    """A Mamba2 mixer's parameters in the layout :func:`mixer_step_fp32` reads, made once per
+    ``generate`` (per step they would cost a few small operators each): ``groups`` B/C groups
+    of ``heads`` heads of ``head_dim`` channels, state size ``n``."""
+
+    A: torch.Tensor  # [G, heads] -exp(A_log)
+    dt_bias: torch.Tensor  # [G, heads]
+    dt_limit: tuple[float, float]
+    D: torch.Tensor  # [G, heads, 1]
+    conv_w: torch.Tensor  # [G, channels, k]
+    conv_b: torch.Tensor | None  # [G, channels]
+    norm_w: torch.Tensor  # [G, heads * head_dim]
+    eps: float
+    head_dim: int
+    n: int
+
+    @classmethod
+    def make(cls, A_log, dt_bias, dt_limit, D, conv_w, conv_b, norm_w, eps, groups: int, head_dim: int,
+             n: int) -> "StepConstants":
+        """From the mixer's tensors (``conv_w`` [channels, k], group-major as the conv input)."""
+        G = groups
+        return cls(A=-torch.exp(A_log.float()).view(G, -1), dt_bias=dt_bias.float().view(G, -1),
+                   dt_limit=dt_limit, D=D.float().view(G, -1, 1), conv_w=conv_w.float().view(G, -1, conv_w.shape[-1]),
+                   conv_b=None if conv_b is None else conv_b.float().view(G, -1), norm_w=norm_w.view(G, -1),
+                   eps=eps, head_dim=head_dim, n=n)
+
+
+def mixer_step_fp32(zxbcdt: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
+                    c: StepConstants) -> torch.Tensor:
+    """One token of the Mamba2 mixer between its projections, fp32: ``zxbcdt`` [b, G * (z_g |
+    x_g B_g C_g | dt_g)] (in_proj's output, group-major), ``conv_state`` [b, conv channels,
+    k - 1] and ``state`` [b, h, p, n] updated in place; returns the gated, normalised y [b,
+    inner] (out_proj's input). The same operations as :func:`conv_step_torch`,
+    :func:`ssd_step_torch` and the gated RMSNorm (bit-identical), on views of [b, G, ...]: no
+    copies of the split, no per-step parameter casts."""
+    b = zxbcdt.shape[0]
+    G, hg = c.A.shape
+    gi, n, k = hg * c.head_dim, c.n, c.conv_w.shape[-1]
+    zxbcdt = zxbcdt.view(b, G, -1)
+    z, xBC, dt = zxbcdt[..., :gi], zxbcdt[..., gi:2 * gi + 2 * n], zxbcdt[..., 2 * gi + 2 * n:]
+    # conv over the window of the k - 1 previous inputs and this one
+    conv = conv_state.view(b, G, -1, k - 1)
+    window = torch.cat([conv, xBC[..., None]], dim=-1)
+    conv.copy_(window[..., 1:])
+    xBC = (window * c.conv_w).sum(-1)
+    if c.conv_b is not None:
+        xBC += c.conv_b
+    xBC = F.silu(xBC, inplace=True)
+    x = xBC[..., :gi].view(b, G, hg, c.head_dim)
+    B, C = xBC[..., None, None, gi:gi + n], xBC[..., None, None, gi + n:]  # [b, G, 1, 1, n]
+    # the SSM update and read-out (a group's heads share B and C)
+    dt = F.softplus(dt + c.dt_bias)
+    lo, hi = c.dt_limit
+    dt = dt.clamp_(min=lo) if hi == float("inf") else dt.clamp_(min=lo, max=hi)
+    s = state.view(b, G, hg, c.head_dim, n)
+    s.mul_(torch.exp(dt * c.A)[..., None, None])
+    s.addcmul_((dt[..., None] * x)[..., None], B)
+    y = (s * C).sum(-1).addcmul_(c.D, x).view(b, G, gi)
+    # gated RMSNorm per group: weight * rmsnorm(y * silu(z))
+    u = y.mul_(F.silu(z))
+    u = u.mul_(u.pow(2).mean(-1, keepdim=True).add_(c.eps).rsqrt_())
+    return (c.norm_w * u).view(b, G * gi)
