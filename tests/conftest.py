@@ -14,3 +14,17 @@ torch.set_num_threads(1)
 def tok(tmp_path_factory):
     """The byte-level BPE of :func:`tests.helpers.data.bpe_tokenizer` (built once per process)."""
     return bpe_tokenizer(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory):
+    """The tiny VLM recipe's data directory (tokenizer, data) for the whole session: the
+    one-process references of ``tests.helpers.vlm`` computed in it serve every test file."""
+    return str(tmp_path_factory.mktemp("vlm_shared"))
+
+
+@pytest.fixture(scope="session")
+def vlm_ckpt(tmp_path_factory):
+    """Checkpoints of one-process VLM runs shared by the test files
+    (``tests.helpers.vlm.colocated_checkpoint``)."""
+    return str(tmp_path_factory.mktemp("vlm_ckpt"))

@@ -4,10 +4,11 @@ Layers (fp64): a Mamba2 mixer (conv halo + state passing) and an attention layer
 on 2 and 4 ranks give the outputs and the gradients (input and parameters, summed over the cp
 ranks) of the whole sequence in one process, for unpacked rows and packed rows whose documents
 cross rank boundaries, start exactly on one, or span a whole rank. The bytes a Mamba layer sends
-do not grow with the sequence. The trainer (fp32, 5 AdamW steps, ``tests.helpers.parity``):
+do not grow with the sequence. The trainer (fp32, 3 AdamW steps, ``tests.helpers.parity``):
 CP=2, CP=4, CP=2 x FSDP=2, CP=2 x PP=2 and CP=2 with activation checkpointing match the single-process per-step losses, gradient
-norms, final weights and validation loss within 1e-5, packed and unpacked; so does the CLI with
-``--distributed.cp=2``.
+norms, final weights and validation loss within 1e-5, packed and unpacked. (The CLI with
+``--distributed.cp=2``: tests/distributed/test_launch.py.) One spawned group per world size
+runs the layer cases and the trainer layouts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch.distributed as dist
 
 from tests.helpers import parity as pu
 from tests.helpers.distributed import run_distributed
+
+# one spawned group of 4 ranks runs every 4-rank case: above the suite's 300 s on a loaded box
+pytestmark = pytest.mark.timeout(900)
 
 # documents per row (lengths), for a sequence of 24 tokens
 DOCS = [[5, 14, 5], [24], [12, 12], [2, 15, 7]]
@@ -117,10 +121,39 @@ def _mamba_bytes(cp, L):
     layer(x, cp=CPSlice(cp, cp.rank * (L // cp.size), None)).sum().backward()
 
 
+# -- the trainer ------------------------------------------------------------------------------
+# name: (layout, world size, activation checkpointing)
+LAYOUTS = {"cp2": ({"cp": 2}, 2, False), "cp4": ({"cp": 4}, 4, False),
+           "cp2_fsdp2": ({"cp": 2, "dp_shard": 2}, 4, False), "cp2_pp2": ({"cp": 2, "pp": 2}, 4, False),
+           "cp2_ac": ({"cp": 2}, 2, True)}  # recomputed forwards exchange again, in order
+
+
+def _group(rank, world):
+    """The layers' errors and bytes, then every trainer layout of this world size, packed and
+    unpacked: one spawned group per world size."""
+    out = {"layers": _layers(rank, world)}
+    for name, (layout, w, ac) in LAYOUTS.items():
+        if w == world:
+            out[name] = {packed: pu.run_layout(layout, world, packed, ac=ac) for packed in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """{world size: per-rank results of :func:`_group`}, each group spawned on first use."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_distributed(_group, world)
+        return cache[world]
+    return get
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-def test_layers_match_one_process(world):
-    results = run_distributed(_layers, world)
+def test_layers_match_one_process(groups, world):
+    results = [r["layers"] for r in groups(world)]
     for rank, (errs, sent) in enumerate(results):
         for (kind, packed), (e_out, e_g, e_a) in errs.items():
             assert e_out < 1e-12 and e_g < 1e-12 and e_a < 1e-6, (rank, kind, packed, e_out, e_g, e_a)
@@ -131,28 +164,15 @@ def test_layers_match_one_process(world):
     assert set(results[-1][1][16]) == {"halo_grad", "state_grad"}
 
 
-# -- the trainer ------------------------------------------------------------------------------
-# name: (layout, world size, activation checkpointing)
-LAYOUTS = {"cp2": ({"cp": 2}, 2, False), "cp4": ({"cp": 4}, 4, False),
-           "cp2_fsdp2": ({"cp": 2, "dp_shard": 2}, 4, False), "cp2_pp2": ({"cp": 2, "pp": 2}, 4, False),
-           "cp2_ac": ({"cp": 2}, 2, True)}  # recomputed forwards exchange again, in order
-
-
-def _trainer(rank, world, layout, ac):
-    return {packed: pu.run_layout(layout, world, packed, ac=ac) for packed in (False, True)}
-
-
 @pytest.fixture(scope="module")
 def ref():
-    torch.set_num_threads(1)
     return {packed: pu.reference(packed) for packed in (False, True)}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_trainer_matches_one_process(ref, name):
-    layout, world, ac = LAYOUTS[name]
-    res = run_distributed(_trainer, world, layout, ac)[0]
+def test_trainer_matches_one_process(groups, ref, name):
+    res = groups(LAYOUTS[name][1])[0][name]
     for packed, (losses, w, val, norms) in res.items():
         ref_losses, ref_w, ref_val, ref_norms = ref[packed]
         w = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in w.items()}
@@ -167,21 +187,3 @@ def test_trainer_matches_one_process(ref, name):
         assert rel_n <= 1e-5, (name, packed, norms, ref_norms)
         assert set(w) == set(ref_w) and dw <= 1e-5
         assert abs(val - ref_val) <= 1e-5 * ref_val, (name, packed, val, ref_val)
-
-
-@pytest.mark.distributed
-def test_cli_cp2_matches_single_process(tmp_path):
-    """``hybridtrain finetune --nproc-per-node 2 --distributed.cp=2`` on the packed tiny SQuAD
-    recipe: the per-step losses of the one-process run."""
-    import sys
-
-    from hybridtrain.cli import main
-    from tests.distributed.test_launch import RECIPE, STEPS, _losses, _overrides, _run
-
-    assert main(["finetune", "-c", str(RECIPE), *_overrides(tmp_path, "single")]) == 0
-    _run([sys.executable, "-m", "hybridtrain", "finetune", "-c", str(RECIPE),
-          "--nproc-per-node", "2", "--distributed.cp=2", *_overrides(tmp_path, "cp2")], tmp_path)
-    ref, losses = _losses(tmp_path / "single"), _losses(tmp_path / "cp2")
-    assert len(losses) == STEPS
-    for a, b in zip(losses, ref):
-        assert abs(a - b) <= 1e-5 * abs(b), (losses, ref)

@@ -1,5 +1,6 @@
 """Launching: `hybridtrain finetune --nproc-per-node 2` (the CLI re-launches itself under
-torchrun) and an external `torchrun ... -m hybridtrain finetune` both train like one process."""
+torchrun; pipeline and context parallel) and an external `torchrun ... -m hybridtrain finetune`
+(expert parallel) all train like one process (one one-process run for all)."""
 
 import json
 import os
@@ -43,23 +44,43 @@ def _run(argv: list[str], tmp: Path) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
 
-@pytest.mark.distributed
-def test_cli_nproc_and_external_torchrun_match_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The recipe trained in one process (in this process): (directory, losses, gradient norms)."""
     from hybridtrain.cli import main
 
-    assert main(["finetune", "-c", str(RECIPE), *_overrides(tmp_path, "single")]) == 0
-    ref, ref_norm = _losses(tmp_path / "single"), _losses(tmp_path / "single", "grad_norm")
+    tmp = tmp_path_factory.mktemp("launch")
+    assert main(["finetune", "-c", str(RECIPE), *_overrides(tmp, "single")]) == 0
+    return tmp, _losses(tmp / "single"), _losses(tmp / "single", "grad_norm")
 
+
+def _assert_matches(tmp: Path, name: str, ref: list[float], ref_norm: list[float]) -> None:
+    losses, norms = _losses(tmp / name), _losses(tmp / name, "grad_norm")
+    assert len(losses) == STEPS
+    for a, b in zip(losses + norms, ref + ref_norm):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, losses, ref, norms, ref_norm)
+
+
+@pytest.mark.distributed
+def test_cli_nproc_and_external_torchrun_match_single_process(single):
+    tmp, ref, ref_norm = single
     # the CLI re-launches itself under torchrun: 2 pipeline stages
     _run([sys.executable, "-m", "hybridtrain", "finetune", "-c", str(RECIPE),
           "--nproc-per-node", "2", "--distributed.pp=2",
-          *_overrides(tmp_path, "pp2")], tmp_path)
+          *_overrides(tmp, "pp2")], tmp)
     # an external torchrun runs hybridtrain in-process: expert parallel over 2 ranks
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
           "-m", "hybridtrain", "finetune", "-c", str(RECIPE), "--distributed.ep=2",
-          *_overrides(tmp_path, "ep2")], tmp_path)
+          *_overrides(tmp, "ep2")], tmp)
     for name in ("pp2", "ep2"):
-        losses, norms = _losses(tmp_path / name), _losses(tmp_path / name, "grad_norm")
-        assert len(losses) == STEPS
-        for a, b in zip(losses + norms, ref + ref_norm):
-            assert abs(a - b) <= 1e-5 * abs(b), (name, losses, ref, norms, ref_norm)
+        _assert_matches(tmp, name, ref, ref_norm)
+
+
+@pytest.mark.distributed
+def test_cli_cp2_matches_single_process(single):
+    """``hybridtrain finetune --nproc-per-node 2 --distributed.cp=2`` on the packed tiny SQuAD
+    recipe: the per-step losses and gradient norms of the one-process run."""
+    tmp, ref, ref_norm = single
+    _run([sys.executable, "-m", "hybridtrain", "finetune", "-c", str(RECIPE),
+          "--nproc-per-node", "2", "--distributed.cp=2", *_overrides(tmp, "cp2")], tmp)
+    _assert_matches(tmp, "cp2", ref, ref_norm)

@@ -1,7 +1,7 @@
 """Every parallel layout trains like the single process: the parity matrix.
 
 The recipe's own builder and trainer (``tests.helpers.parity``): tiny MoE Nemotron-H with all
-four layer types, 5 AdamW steps of ``Trainer.train_one_step``, global batch 8 (micro-batch 2),
+four layer types, 3 AdamW steps of ``Trainer.train_one_step``, global batch 8 (micro-batch 2),
 unpacked and packed rows. For each layout: per-step losses and gradient norms within 1e-5
 relative of the single-process run (the same builder, one process), final weights within 1e-5,
 validation loss (``Trainer.validate``) within 1e-5. Layouts that fit in two ranks run in one
@@ -31,7 +31,7 @@ LAYOUTS_4 = {
     "hsdp2x2": {"dp_replicate": 2},
     "pp2_ep2": {"pp": 2, "ep": 2},
 }
-SAVE_AT = 3
+SAVE_AT = pu.SAVE_AT
 
 
 def _group(rank, world, layouts, ckpt_dir):

@@ -65,17 +65,15 @@ def _group(rank, world, layouts):
 
 
 @pytest.fixture(scope="module")
-def results():
-    torch.set_num_threads(1)
-    ref = run_sequence({})
-    two, four = run_distributed(_group, 2, LAYOUTS), run_distributed(_group, 4, LAYOUTS_4)
-    return ref, [{**a, **b} for a, b in zip(two + two, four)]
-
-
-@pytest.fixture(scope="module")
 def reference():
     torch.set_num_threads(1)
     return run_sequence({})
+
+
+@pytest.fixture(scope="module")
+def results(reference):
+    two, four = run_distributed(_group, 2, LAYOUTS), run_distributed(_group, 4, LAYOUTS_4)
+    return reference, [{**a, **b} for a, b in zip(two + two, four)]
 
 
 # one fixture per world size, so that each stays within the per-test time limit

@@ -98,7 +98,7 @@ def test_vocab_parallel_cross_entropy_and_logprobs(world):
 # (one spawned group per fixture, each under a minute; the single-process references once)
 from tests.helpers import parity as pu  # noqa: E402
 
-SAVE_AT = 3
+SAVE_AT = pu.SAVE_AT
 ONE_KV_HEAD = {"model": {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM",
                          "config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config",
                                     "kind": "mixed", "num_key_value_heads": 1}}}

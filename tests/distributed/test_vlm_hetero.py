@@ -1,6 +1,6 @@
 """Heterogeneous vision-language layout: vision encoder + projector on ranks 0..E-1, the
 language model on the rest, joined by the bridge (fan-out, fan-in, variable image-token counts,
-micro-batches and shares without images). Five AdamW steps of mixed image / text-only batches
+micro-batches and shares without images). Three AdamW steps of mixed image / text-only batches
 match the single process: per-step loss and global gradient norm within 1e-5 relative, final
 weights within 1e-5; stage 1 (vision and language frozen) leaves the language model unchanged."""
 
@@ -19,10 +19,9 @@ LAYOUTS = {"2+2": (2, 4), "1+2": (1, 3), "2+1": (2, 3)}
 
 
 @pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("vlm_hetero"))
-    vlm.hetero_data(d)
-    return d
+def tmp(vlm_dir):
+    vlm.hetero_data(vlm_dir)
+    return vlm_dir
 
 
 def _check(ranks, ref, encoders, name):

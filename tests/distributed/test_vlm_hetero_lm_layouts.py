@@ -1,7 +1,7 @@
 """``distributed.encoder_ranks`` with the language model laid out by its own degrees on the other
 ranks, through the recipe's builder and trainer: vision encoder + projector on ranks 0..E-1,
 the language model pipelined (``pp=2``), FSDP2-sharded (``dp_shard=2``) or expert-parallel
-(``ep=2``) over the rest. Five AdamW steps of mixed image / text-only batches match the single
+(``ep=2``) over the rest. Three AdamW steps of mixed image / text-only batches match the single
 process (per-step loss and gradient norm within 1e-5 relative, final weights within 1e-5,
 validation loss); a checkpoint of the sharded / pipelined run resumes colocated and the
 colocated one resumes under the layout."""
@@ -16,20 +16,17 @@ from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 
-SAVE_AT = 3
+SAVE_AT = vlm.parity.SAVE_AT
 # name -> (encoder ranks, world size, the language model's degrees)
 LAYOUTS = {"2+pp2": (2, 4, {"pp": 2}), "1+fsdp2": (1, 3, {"dp_shard": 2}),
            "1+ep2": (1, 3, {"dp_shard": 2, "ep": 2})}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(vlm_dir, vlm_ckpt):
     torch.set_num_threads(1)
-    tmp = str(tmp_path_factory.mktemp("vlm_lm_layouts"))
-    ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    ref = vlm.run(tmp, None, 1)
-    vlm.train_and_save(tmp, None, 1, f"{ckpt}/colocated", SAVE_AT)
-    return tmp, ckpt, ref
+    vlm.colocated_checkpoint(vlm_dir, vlm_ckpt)
+    return vlm_dir, vlm_ckpt, vlm.reference(vlm_dir)
 
 
 def _group(rank, world, tmp, ckpt, name, layout):

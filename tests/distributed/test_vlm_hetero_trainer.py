@@ -16,16 +16,15 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.timeout(1200)
 
 LAYOUTS = {"2+2": (2, 4), "2+1": (2, 3)}
-SAVE_AT = 3
+SAVE_AT = vlm.parity.SAVE_AT
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(vlm_dir, vlm_ckpt):
     torch.set_num_threads(1)
-    tmp = str(tmp_path_factory.mktemp("vlm"))
-    ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    ref = vlm.run(tmp)
-    vlm.train_and_save(tmp, None, 1, f"{ckpt}/colocated", SAVE_AT)
+    tmp, ckpt = vlm_dir, vlm_ckpt
+    ref = vlm.reference(tmp)
+    vlm.colocated_checkpoint(tmp, ckpt)
     out = {name: run_distributed(vlm.hetero_group, world, tmp, enc, ckpt, timeout=600)
            for name, (enc, world) in LAYOUTS.items()}
     resumed = {name: vlm.resume_and_train(tmp, None, 1, f"{ckpt}/hetero{enc}")

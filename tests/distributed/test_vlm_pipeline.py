@@ -1,7 +1,7 @@
 """Pipeline parallelism of the colocated vision-language model: ``distributed.pp=2`` with the
 vision encoder + projector on the first stage (they feed its embeddings) and the language
 model's layers split over the stages by the spec's pipeline split. The tiny VLM through the
-recipe's builder and trainer, 5 AdamW steps of mixed image / text-only batches (a micro-batch
+recipe's builder and trainer, 3 AdamW steps of mixed image / text-only batches (a micro-batch
 may hold no image), unpacked rows, and packed rows (several images per row) in stage 1
 (``freeze: [vision, language]``: the second stage holds nothing trainable, so its rank has no
 optimizer): per-step loss and gradient norm within 1e-5 relative of the single process, final
@@ -26,10 +26,10 @@ def _group(rank, world, tmp):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(vlm_dir):
     torch.set_num_threads(1)
-    tmp = str(tmp_path_factory.mktemp("vlm_pp"))
-    ref = {name: vlm.run(tmp, {}, 1, packed, freeze) for name, (packed, freeze) in CASES.items()}
+    tmp = vlm_dir
+    ref = {name: vlm.reference(tmp, packed, freeze) for name, (packed, freeze) in CASES.items()}
     return ref, run_distributed(_group, 2, tmp, timeout=500), tmp
 
 

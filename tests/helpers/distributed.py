@@ -23,10 +23,16 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-# imported once in the fork server; what every rank would otherwise import itself
+# imported once in the fork server; what every rank would otherwise import itself (the
+# tokenizers' transformers, PIL and the vision model: ~2.5 CPU-seconds a rank)
 _PRELOAD = ["torch", "torch.distributed", "hybridtrain.distributed.init",
             "hybridtrain.training.builder", "hybridtrain.distributed.plan",
-            "hybridtrain.models.nemotron_h", "torch._dynamo"]
+            "hybridtrain.models.nemotron_h", "torch._dynamo", "torch.distributed.pipelining",
+            "hybridtrain.distributed.materialize", "hybridtrain.distributed.tensor_parallel",
+            "hybridtrain.peft", "hybridtrain.data", "hybridtrain.data.vision_chat",
+            "hybridtrain.models.nemotron_vlm", "transformers.models.auto.tokenization_auto",
+            "transformers.tokenization_utils_tokenizers", "tokenizers", "PIL.Image",
+            "PIL.ImageDraw", "pytest"]
 # variables that differ between tests without changing how a process starts
 _PER_TEST_ENV = {"PYTEST_CURRENT_TEST"}
 _server_env: dict[str, str] | None = None

@@ -4,6 +4,8 @@ by the recipe's own builder and trainer (the layout-parity helpers' batches and 
 
 from __future__ import annotations
 
+import copy
+
 import torch.distributed as dist
 
 from . import parity
@@ -74,6 +76,35 @@ def run(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = Fal
     return losses, state if rank == 0 else None, val, norms
 
 
+_ONCE: dict[tuple, object] = {}
+
+
+def _once(key: tuple, fn):
+    """``fn()`` computed once per test process for ``key`` (one-process references the test
+    files share, in the session's data directory: the ``vlm_dir`` fixture); a copy each call."""
+    if key not in _ONCE:
+        import torch
+
+        torch.set_num_threads(1)
+        _ONCE[key] = fn()
+    return copy.deepcopy(_ONCE[key])
+
+
+def reference(tmp: str, packed: bool = False, freeze=()):
+    """:func:`run` in one process (computed once per process and arguments)."""
+    freeze = tuple(freeze)
+    return _once(("run", tmp, packed, freeze), lambda: run(tmp, None, 1, packed, freeze))
+
+
+def colocated_checkpoint(tmp: str, ckpt: str) -> str:
+    """``ckpt``/colocated: the one-process run saved at step ``parity.SAVE_AT`` (written once
+    per process and directories); returns its path."""
+    path = f"{ckpt}/colocated"
+    _once(("colocated", tmp, path),
+          lambda: train_and_save(tmp, None, 1, path, parity.SAVE_AT))
+    return path
+
+
 # -- the heterogeneous layout: a hand-written loop of the trainer's step ----------------------
 def hetero_data(tmp: str):
     """(tokenizer-built dataset, collator) of the tiny VLM recipe's training data."""
@@ -136,7 +167,13 @@ def _adamw(params):
 
 
 def reference_run(tmp: str, freeze=(), steps: int = parity.STEPS):
-    """One process: (losses, grad norms, final weights)."""
+    """One process: (losses, grad norms, final weights); computed once per process and
+    arguments."""
+    freeze = tuple(freeze)
+    return _once(("hetero", tmp, freeze, steps), lambda: _reference_run(tmp, freeze, steps))
+
+
+def _reference_run(tmp: str, freeze, steps: int):
     from hybridtrain.data.batch import count_label_tokens, model_inputs
     from hybridtrain.distributed.utils import clip_grad_norm_
 
@@ -217,11 +254,12 @@ def resume_and_train(tmp: str, layout: dict | None, world: int, path: str):
 
 
 def hetero_group(rank: int, world: int, tmp: str, encoders: int, ckpt: str):
-    """The recipe's trainer under ``distributed.encoder_ranks``: a 5-step run, a run saved at
-    step 3 and a run resumed from the colocated checkpoint in ``ckpt/colocated``."""
+    """The recipe's trainer under ``distributed.encoder_ranks``: a ``parity.STEPS``-step run, a
+    run saved at step ``parity.SAVE_AT`` and a run resumed from the colocated checkpoint in
+    ``ckpt/colocated``."""
     layout = {"encoder_ranks": encoders}
     return {"run": run(tmp, layout, world),
-            "save": train_and_save(tmp, layout, world, f"{ckpt}/hetero{encoders}", 3),
+            "save": train_and_save(tmp, layout, world, f"{ckpt}/hetero{encoders}", parity.SAVE_AT),
             "resume": resume_and_train(tmp, layout, world, f"{ckpt}/colocated")}
 
 

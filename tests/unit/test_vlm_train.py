@@ -11,8 +11,8 @@ from tests.helpers import parity, vlm
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("vlm"))
+def data_dir(vlm_dir):
+    return vlm_dir
 
 
 def test_trains_on_mixed_image_and_text_batches(data_dir):
@@ -56,13 +56,13 @@ def test_freeze_stages(data_dir, tmp_path, freeze, trained):
 
 
 def test_resume_matches_uninterrupted(data_dir, tmp_path):
-    ref = vlm.run(data_dir)[0]
+    ref = vlm.reference(data_dir)[0]
     b, trainer = vlm.build(data_dir, checkpoint_dir=str(tmp_path / "ck"))
-    first, _ = parity.train(b, trainer, steps=2)
+    first, _ = parity.train(b, trainer, steps=parity.SAVE_AT)
     trainer.save_checkpoint()
     b, trainer = vlm.build(data_dir, checkpoint_dir=str(tmp_path / "ck"))
     trainer.resume(trainer.checkpointer.latest())
-    rest, _ = parity.train(b, trainer, start=2, steps=parity.STEPS - 2)
+    rest, _ = parity.train(b, trainer, start=parity.SAVE_AT, steps=parity.STEPS - parity.SAVE_AT)
     assert first + rest == ref
 
 
