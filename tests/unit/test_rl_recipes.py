@@ -151,3 +151,41 @@ def test_grpo_recipe_runs(tmp_path):
     for key in ("reward", "kl", "clip_fraction", "entropy", "ratio", "loss", "grad_norm"):
         assert isinstance(recs[-1][key], float), key
     assert (tmp_path / "run" / "loss.png").exists()
+
+
+def _grpo_recipe(tmp_path, task, **training):
+    texts = {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100}
+    recipe = _recipe(tmp_path, texts, allowed_target_prefixes=["tests."],
+                     grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                           "max_new_tokens": 3, "updates_per_rollout": 1,
+                           "task": {"_target_": f"tests.helpers.rl_tasks.{task}"}})
+    recipe["training"].update(training)
+    return recipe
+
+
+def test_grpo_nan_reward_is_named_and_stops_the_run_without_export(tmp_path, caplog):
+    from hybridtrain.recipes.grpo import run
+    from hybridtrain.training.trainer import TrainingDiverged
+
+    with pytest.raises(TrainingDiverged) as e:
+        run(_grpo_recipe(tmp_path, "NaNRewardTask", max_steps=4, max_consecutive_skipped_steps=2))
+    msg = str(e.value)
+    assert "2 consecutive updates" in msg and "NaNRewardTask.reward" in msg and "sample 0" in msg
+    warned = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(warned) == 1 and "NaNRewardTask.reward" in warned[0]  # named once, at step 1
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "training.jsonl")]
+    assert [r["step"] for r in recs] == [1] and recs[0]["nonfinite_rewards"] == 4
+    assert not list((tmp_path / "run").glob("step_*"))  # nothing exported as the result
+
+
+@pytest.mark.parametrize("task, words", [
+    ("TextRewardTask", ["TextRewardTask.reward returned str '1.0'", "sample 0"]),
+    ("NoPromptsTask", ["grpo.task", "NoPromptsTask has no method prompts(n, rng)"]),
+])
+def test_grpo_task_that_breaks_the_interface_is_named(tmp_path, task, words):
+    from hybridtrain.recipes.grpo import run
+
+    with pytest.raises(ValueError) as e:
+        run(_grpo_recipe(tmp_path, task, max_steps=1))
+    for w in words:
+        assert w in str(e.value), str(e.value)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.training.builder import instantiate_with, as_config
-from hybridtrain.recipes.rl_run import RLRun, mean_of
+from hybridtrain.recipes.rl_run import RLRun, fmt, mean_of
 
 __all__ = ["run", "evaluate"]
 
@@ -92,7 +92,8 @@ def run(cfg: Any) -> dict[str, Any]:
         def headline(hist):
             first, last = mean_of(hist[:5], "accuracy"), mean_of(hist[-5:], "accuracy")
             val = [v for v in r.val_history if "val_accuracy" in v]
-            return (f"{len(hist)} steps; preference accuracy (5-step mean) {first:.2f} -> {last:.2f}"
+            return (f"{len(hist)} steps; preference accuracy (5-step mean) {fmt(first, '.2f')} -> "
+                    f"{fmt(last, '.2f')}"
                     + (f", validation {val[0]['val_accuracy']:.2f} -> {val[-1]['val_accuracy']:.2f}"
                        if val else ""))
 

@@ -32,6 +32,7 @@ ranks share them out: any layout samples what one process samples.
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -42,9 +43,14 @@ from hybridtrain.config import instantiate
 from hybridtrain.data.preference import response_batch
 from hybridtrain.training.builder import as_config
 from hybridtrain.training.evaluation import left_pad
-from hybridtrain.recipes.rl_run import RLRun, mean_of
+from hybridtrain.recipes.rl_run import RLRun, fmt, mean_of
+from hybridtrain.rl.tasks import check_task, method_name, score, task_prompts
+from hybridtrain.training.trainer import TrainingDiverged
 
-__all__ = ["run", "rollout_batch", "group_advantages", "rollout_seed", "sample_rollouts"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["run", "rollout_batch", "group_advantages", "rollout_seed", "sample_rollouts",
+           "first_nonfinite"]
 
 
 def rollout_seed(seed: int, step: int, sample: int) -> int:
@@ -99,8 +105,8 @@ def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: 
     if callable(getattr(task, "accuracy", None)):
         fns["accuracy"] = task.accuracy
     texts = [tok.decode(c, skip_special_tokens=True) for c in comps]
-    scores = {k: [fn(prompts[lo + i // group], x) for i, x in enumerate(texts)]
-              for k, fn in fns.items()}
+    scores = {k: [score(fn, prompts[lo + i // group], x, lo * group + i)
+                  for i, x in enumerate(texts)] for k, fn in fns.items()}
     shares = [(comps, scores)]
     if dp > 1:
         import torch.distributed as dist
@@ -114,6 +120,22 @@ def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: 
     return response_batch([(p + c, len(p)) for p, c in zip(rows, comps)], pad), scores
 
 
+def first_nonfinite(task, rewards: torch.Tensor, adv: torch.Tensor, prompts: list[str],
+                    group: int, step: int) -> str | None:
+    """What names the first non-finite reward or advantage of a step (task, reward function,
+    sample index, prompt), or None when all are finite."""
+    for what, values in (("reward", rewards), ("advantage", adv)):
+        bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            return (f"step {step}: {len(bad)} of {len(values)} {what}s are not finite, the "
+                    f"first sample {i} ({what} {float(values[i])}, prompt "
+                    f"{prompts[i // group]!r:.80}) of task {type(task).__qualname__}, reward "
+                    f"function {method_name(task.reward)}; a non-finite reward or advantage "
+                    "makes its update non-finite, and such updates are skipped")
+    return None
+
+
 def run(cfg: Any) -> dict[str, Any]:
     from hybridtrain.distributed.init import process_group
     from hybridtrain.rl.losses import ClippedPGLoss
@@ -121,13 +143,14 @@ def run(cfg: Any) -> dict[str, Any]:
 
     cfg = as_config(cfg)
     g, t = cfg.grpo, cfg.training
+    task = instantiate(g.task) if g.task else CountingTask()
+    check_task(task, f"grpo.task ({cfg.source_file})")
     with process_group(cfg):
         r = RLRun(cfg, "grpo", plot_extra=("reward", "accuracy"), loss_label="clipped policy-gradient loss + KL")
         tok = r.policy.tokenizer
         if tok is None:
             raise ValueError(f"the recipe has no tokenizer section ({cfg.source_file}); GRPO "
                              "turns task prompts into tokens and completions back into text")
-        task = instantiate(g.task) if g.task else CountingTask()
         engine = instantiate(cfg.model).to(r.policy.device).eval()
         loss_fn = ClippedPGLoss(
             ratio_clip_min=g.ratio_clip_min, ratio_clip_max=g.ratio_clip_max,
@@ -138,30 +161,44 @@ def run(cfg: Any) -> dict[str, Any]:
             raise ValueError(f"grpo.num_prompts_per_step={P} must be a multiple of "
                              f"grpo.updates_per_rollout={U} (each update takes whole groups)")
         rng = random.Random(t.seed)
+        bad_note = None  # the first non-finite reward / advantage, named once
         for step in range(1, (t.max_steps or 1) + 1):
-            prompts = task.prompts(P, rng)
+            prompts = task_prompts(task, P, rng)
             engine.load_state_dict(r.policy.state_dict_full())
             batch, scores = sample_rollouts(
                 engine, tok, task, prompts, G, seed=t.seed, step=step, dims=r.policy.dims,
                 max_new_tokens=g.max_new_tokens, temperature=g.temperature)
             rewards = scores["reward"]
             adv = group_advantages(rewards, G, g.normalize_rewards)
+            note = first_nonfinite(task, rewards, adv, prompts, G, step)
+            if note is not None and bad_note is None:
+                bad_note = note
+                logger.warning("grpo: %s", note)
             batch["advantages"] = adv[:, None].expand_as(batch["token_mask"]).clone()
             batch["prev_logprobs"] = F.pad(r.policy.logprobs(batch), (1, 0))
             batch["reference_policy_logprobs"] = F.pad(r.reference.logprobs(batch), (1, 0))
             rows = P * G // U
-            recs = [r.policy.train({k: v[i * rows:(i + 1) * rows] for k, v in batch.items()},
-                                   loss_fn) for i in range(U)]
+            try:
+                recs = [r.policy.train({k: v[i * rows:(i + 1) * rows] for k, v in batch.items()},
+                                       loss_fn) for i in range(U)]
+            except TrainingDiverged as e:
+                raise TrainingDiverged(f"{e}" + (f". First cause: {bad_note}" if bad_note else "")
+                                       ) from None
             rec = {k: sum(x[k] for x in recs) / U for k in recs[0] if k != "skipped"}
             r.log({"step": step, "reward": float(rewards.mean()),
                    "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
                    **({"accuracy": float(scores["accuracy"].mean())} if "accuracy" in scores else {}),
                    **rec,
                    "completion_tokens": float(batch["token_mask"].sum()) / len(rewards),
-                   "skipped_updates": sum(x["skipped"] for x in recs)})
+                   "skipped_updates": sum(x["skipped"] for x in recs),
+                   **({"nonfinite_rewards": int((~torch.isfinite(rewards)).sum())}
+                      if note is not None else {})})
 
         def headline(hist):
             first, last = mean_of(hist[:5], "reward"), mean_of(hist[-5:], "reward")
-            return f"{len(hist)} steps; reward (5-step mean) {first:.3f} -> {last:.3f}"
+            bad = sum(1 for h in hist if h.get("nonfinite_rewards"))
+            return (f"{len(hist)} steps; reward (5-step mean of finite ones) {fmt(first)} -> "
+                    f"{fmt(last)}" + (f"; {bad} steps had non-finite rewards (see the warning)"
+                                      if bad else ""))
 
         return r.finish(headline)

@@ -77,5 +77,11 @@ class RLRun:
 
 
 def mean_of(records: Sequence[dict], key: str) -> float | None:
-    vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    """The mean of the finite values of ``key`` (None when there is none)."""
+    vals = [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return sum(vals) / len(vals) if vals else None
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    """A summary number, or ``n/a`` when there is none."""
+    return "n/a" if value is None else format(value, spec)

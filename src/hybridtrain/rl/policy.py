@@ -97,6 +97,7 @@ class Policy:
             self.pipeline = PolicyPipeline(b.plan.pipeline)
         self.cp = ContextParallel(self.dims.group("cp")) if self.dims.cp > 1 else None
         self.step = 0
+        self.skipped_streak = 0  # consecutive updates skipped for a non-finite loss / norm
 
     # -- layout --------------------------------------------------------------------------------
     def _shard(self, batch: dict, micro_batch_size: int | None, rows_per_group: int = 1
@@ -178,7 +179,9 @@ class Policy:
         :mod:`hybridtrain.rl.losses`), normalised by the global batch's counts. Returns ``loss``
         (the global loss), ``grad_norm`` (before clipping), ``lr`` (of this step), the loss's
         metrics (global values), ``num_valid_seqs`` / ``num_valid_tokens`` and ``skipped``
-        (a non-finite loss or gradient norm: no update, the LR schedule does not move)."""
+        (a non-finite loss or gradient norm: no update, the LR schedule does not move). After
+        ``training.max_consecutive_skipped_steps`` skipped updates in a row it raises
+        :class:`~hybridtrain.training.trainer.TrainingDiverged` (the run exports nothing)."""
         full, micro = self._shard(batch, micro_batch_size, getattr(loss_fn, "rows_per_group", 1))
         gvs, gvt = rb.global_counts(full)
         sums: dict[str, torch.Tensor] = {}
@@ -216,8 +219,21 @@ class Policy:
             self.lr_scheduler.step(full["input_ids"].shape[0])
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self._count_skipped(skipped)
         return {**metrics, "grad_norm": grad_norm, "lr": lr, "num_valid_seqs": gvs,
                 "num_valid_tokens": gvt, "skipped": skipped}
+
+    def _count_skipped(self, skipped: bool) -> None:
+        """Counts an update into the streak of skipped ones; stops the run at the limit."""
+        from hybridtrain.training.trainer import TrainingDiverged
+
+        self.skipped_streak = self.skipped_streak + 1 if skipped else 0
+        limit = self.cfg.training.max_consecutive_skipped_steps
+        if limit and self.skipped_streak >= limit:
+            raise TrainingDiverged(
+                f"training diverged: {self.skipped_streak} consecutive updates had a non-finite "
+                "loss or gradient norm and were skipped; stopped without exporting. "
+                "training.max_consecutive_skipped_steps sets the limit (null: never stop)")
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Loss shares summed over micro-batches (done), pipeline (the last stage's, broadcast)

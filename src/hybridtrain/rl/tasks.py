@@ -4,14 +4,60 @@ A task object has ``prompts(n, rng) -> list[str]`` (``rng``: a ``random.Random``
 ``reward(prompt, completion) -> float`` in ``[0, 1]``; optionally ``accuracy(prompt,
 completion) -> float`` (what is exactly right, logged next to the reward); ``texts(n)`` gives
 text to train a tokenizer on. Any object with these methods can be named by the recipe's ``grpo.task``.
+
+:func:`check_task`, :func:`task_prompts` and :func:`score` check that interface where a task
+enters the GRPO loop, naming the task and method that broke it.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from typing import Any, Callable
 
-__all__ = ["CountingTask", "counting_texts"]
+__all__ = ["CountingTask", "counting_texts", "check_task", "task_prompts", "score", "method_name"]
+
+REQUIRED_METHODS = {"prompts": "prompts(n, rng) -> list[str]",
+                    "reward": "reward(prompt, completion) -> float"}
+
+
+def method_name(fn: Callable) -> str:
+    """``Task.reward`` for a bound method, the function's name otherwise."""
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", repr(fn))
+    return f"{type(owner).__qualname__}.{name}" if owner is not None else \
+        getattr(fn, "__qualname__", name)
+
+
+def check_task(task: Any, where: str = "grpo.task") -> None:
+    """Refuses a task object without the methods GRPO calls (ValueError naming them)."""
+    missing = [sig for m, sig in REQUIRED_METHODS.items() if not callable(getattr(task, m, None))]
+    if missing:
+        raise ValueError(f"{where}: the task {type(task).__module__}.{type(task).__qualname__} "
+                         f"has no method {' and no '.join(missing)}; a GRPO task needs "
+                         f"{' and '.join(REQUIRED_METHODS.values())} (see hybridtrain.rl.tasks)")
+
+
+def task_prompts(task: Any, n: int, rng: random.Random) -> list[str]:
+    """``task.prompts(n, rng)``, checked to be ``n`` strings."""
+    out = task.prompts(n, rng)
+    if not isinstance(out, (list, tuple)) or len(out) != n or \
+            not all(isinstance(p, str) for p in out):
+        got = (f"{len(out)} items of types {sorted({type(p).__name__ for p in out})}"
+               if isinstance(out, (list, tuple)) else type(out).__name__)
+        raise ValueError(f"{method_name(task.prompts)}({n}, rng) returned {got}; it must return "
+                         f"a list of {n} prompt strings")
+    return list(out)
+
+
+def score(fn: Callable, prompt: str, completion: str, sample: int) -> float:
+    """``fn(prompt, completion)`` as a float; a value that is not a number is refused, naming
+    the function, the sample (group-major index of the step) and what it returned."""
+    v = fn(prompt, completion)
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+        raise ValueError(f"{method_name(fn)} returned {type(v).__name__} {v!r:.80} for sample "
+                         f"{sample} (completion {completion!r:.80}); it must return a number")
+    return float(v)
 
 
 class CountingTask:
