@@ -40,8 +40,10 @@ def _read_json(path: str) -> dict:
 
 
 def resolve_export(path: str) -> tuple[str, str | None]:
-    """(Hugging Face folder, adapter folder or None) that ``path`` names: an HF folder, an
-    adapter folder, a ``step_N`` checkpoint or a run folder (its ``latest`` checkpoint)."""
+    """(Hugging Face folder, adapter folder or None) that ``path`` names: a run folder (its
+    ``latest`` checkpoint), a ``step_N`` checkpoint (its export: ``merged_hf/``, ``hf/``, then
+    ``adapter/``; its own ``config.json`` is the model config, not an export), an adapter folder
+    or an HF folder."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such folder")
@@ -51,8 +53,6 @@ def resolve_export(path: str) -> tuple[str, str | None]:
     for sub in ("merged_hf", "hf"):
         if os.path.isfile(os.path.join(path, sub, "config.json")):
             return os.path.join(path, sub), None
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path, None
     adapter = os.path.join(path, "adapter") if os.path.isdir(os.path.join(path, "adapter")) else path
     if os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         base = _read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path")
@@ -61,6 +61,11 @@ def resolve_export(path: str) -> tuple[str, str | None]:
                 return os.path.abspath(os.path.join(root, base)), adapter
         raise ValueError(f"{adapter} is a LoRA adapter whose base model ({base!r}) is not a local "
                          "folder here; pass --model BASE_DIR --adapter ADAPTER_DIR")
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):  # a checkpoint, no export
+        raise ValueError(f"--model {path}: a checkpoint without an export (hf/, merged_hf/ or "
+                         f"adapter/); write one with `hybridtrain convert {path} OUT_DIR`")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path, None
     raise ValueError(f"--model {path}: neither a Hugging Face folder (config.json) nor a checkpoint "
                      "or run folder with an export (hf/, merged_hf/ or adapter/)")
 
@@ -112,6 +117,19 @@ def encode_prompt(tokenizer, record: dict, chat: bool) -> list[int]:
     return tokenizer.encode(record["prompt"], add_special_tokens=True)
 
 
+def check_prompt(record: dict, where: str) -> dict:
+    """``record`` if its prompt can be completed: non-empty text, or a non-empty list of
+    messages; else a ValueError naming ``where`` (``--prompt`` or ``FILE:LINE``)."""
+    if "messages" in record:
+        if not isinstance(record["messages"], list) or not record["messages"]:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of "
+                             "{role, content} messages")
+    elif not isinstance(record["prompt"], str) or not record["prompt"].strip():
+        got = "empty" if isinstance(record["prompt"], str) else type(record["prompt"]).__name__
+        raise ValueError(f"{where}: the prompt is {got}; give the text the model should continue")
+    return record
+
+
 def read_prompts(path: str) -> list[dict]:
     out = []
     with open(path, encoding="utf-8") as f:
@@ -124,7 +142,7 @@ def read_prompts(path: str) -> list[dict]:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
             if not isinstance(rec, dict) or not ({"prompt", "messages"} & rec.keys()):
                 raise ValueError(f"{path}:{n}: a record needs 'prompt' (text) or 'messages' (a chat)")
-            out.append(rec)
+            out.append(check_prompt(rec, f"{path}:{n}"))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
@@ -184,8 +202,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
+    records = read_prompts(args.prompts) if args.prompts else \
+        [check_prompt({"prompt": args.prompt}, "--prompt")]
     model, tok = load_model(args.model, args.adapter, dtype=args.dtype, device=device)
-    records = read_prompts(args.prompts) if args.prompts else [{"prompt": args.prompt}]
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError("--chat: the tokenizer has no chat template")
     prompts = [encode_prompt(tok, r, args.chat) for r in records]
