@@ -342,3 +342,34 @@ def test_dataset_section_options_from_yaml(ctok, tmp_path):
     # both turns keep their reasoning; each opens with the generation prompt's `<think>\n`
     assert sup == ("Add two and two.\n</think>\n4<|im_end|>"
                    "4 times 3 is 12.\n</think>\n12<|im_end|>")
+
+
+# ------------------------------------------------------------------------- template errors
+REFUSE_SYSTEM = ("{% if messages[0]['role'] == 'system' %}"
+                 "{{ raise_exception('System role not supported') }}{% endif %}")
+
+
+@pytest.mark.parametrize("base", ["chatml", "chatml_no_markers"])  # both mask strategies
+def test_a_template_that_raises_names_the_template_file_and_the_record(ctok, tmp_path, base):
+    from hybridtrain.data import ChatFormatError
+
+    template = tmp_path / "refuse_system.jinja"
+    template.write_text(REFUSE_SYSTEM + template_text(base))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps(CONVERSATIONS["single"]) + "\n"
+                    + json.dumps(CONVERSATIONS["multi"]) + "\n")  # line 2 has a system turn
+    with pytest.raises(ChatFormatError) as e:
+        build_chat_dataset(data, ctok, chat_template_path=str(template), cache_dir=False)
+    msg = str(e.value)
+    assert f"{data} line 2" in msg and str(template) in msg and "System role not supported" in msg
+
+
+def test_a_template_that_does_not_parse_names_its_file_and_line(ctok, tmp_path):
+    from hybridtrain.data import ChatFormatError
+
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps(CONVERSATIONS["single"]) + "\n")
+    with pytest.raises(ChatFormatError, match=f"{template} does not parse: line 2"):
+        build_chat_dataset(data, ctok, chat_template_path=str(template), cache_dir=False)

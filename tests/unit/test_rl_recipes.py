@@ -189,3 +189,29 @@ def test_grpo_task_that_breaks_the_interface_is_named(tmp_path, task, words):
         run(_grpo_recipe(tmp_path, task, max_steps=1))
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def _pairs_file(path, *pairs):
+    path.write_text("".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), p))) + "\n"
+                            for p in pairs))
+    return path
+
+
+def test_chosen_given_as_a_list_of_strings_blames_chosen(tok, tmp_path):
+    path = _pairs_file(tmp_path / "p.jsonl", ("Q? ", "A.", "B."), ("Q? ", ["A.", "B."], "C."))
+    with pytest.raises(ValueError) as e:
+        build_preference_dataset(path, tok)
+    assert f"{path} line 2: 'chosen' must be text or a list of messages" in str(e.value)
+    assert "list holding ['str']" in str(e.value)
+
+
+def test_pairs_that_cannot_teach_are_counted_warned_and_refused_when_all(tok, tmp_path, caplog):
+    good, same, empty = ("Q? ", "A.", "B."), ("Q? ", "A.", "A."), ("Q? ", "", "B.")
+    path = _pairs_file(tmp_path / "p.jsonl", good, same, empty, same)
+    assert len(build_preference_dataset(path, tok)) == 4
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "3 of 4 preference pairs cannot teach" in warning
+    assert "2 pairs where chosen and rejected are identical (" in warning and "line 4" in warning
+    assert "1 pairs where chosen is empty (" in warning and "line 3" in warning
+    with pytest.raises(ValueError, match="none of the 2 preference pairs can teach"):
+        build_preference_dataset(_pairs_file(tmp_path / "bad.jsonl", same, empty), tok)

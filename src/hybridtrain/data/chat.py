@@ -82,6 +82,7 @@ from .io import (
     require,
     resolve_data_files,
 )
+from .templates import apply_template, template_origin
 from .tokenizer import as_tokenizer, template_has_generation_markers, tokenizer_fingerprint
 
 SHAREGPT_ROLES = {
@@ -276,10 +277,13 @@ def _turn_selection(messages, skip, train_on) -> list[bool]:
 
 
 def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_on="all",
-                              skip=(), template_kwargs=None, where=""):
+                              skip=(), template_kwargs=None, where="", origin=None):
     """``(input_ids, mask)`` from the template's ``{% generation %}`` blocks."""
-    out = tokenizer.apply_chat_template(
+    out = apply_template(
+        tokenizer,
         messages,
+        where,
+        origin,
         tools=tools,
         chat_template=chat_template,
         tokenize=True,
@@ -302,12 +306,14 @@ def assistant_mask_generation(tokenizer, messages, tools, chat_template, train_o
     )
 
 
-def chat_renderer(tokenizer, tools, chat_template, template_kwargs=None):
-    """``render(messages, add_generation_prompt) -> str`` with the template and its options."""
+def chat_renderer(tokenizer, tools, chat_template, template_kwargs=None, where="", origin=None):
+    """``render(messages, add_generation_prompt) -> str`` with the template and its options
+    (its errors name ``origin`` and the record ``where``: :func:`apply_template`)."""
 
     def render(messages, add_generation_prompt):
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=chat_template, tokenize=False,
+        return apply_template(
+            tokenizer, messages, where, origin, tools=tools, chat_template=chat_template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
         )
 
@@ -321,11 +327,11 @@ def added_token_strings(tokenizer) -> list[str]:
 
 
 def assistant_mask_placeholder(tokenizer, messages, tools, chat_template, train_on="all",
-                               skip=(), template_kwargs=None, where="", eot=None):
+                               skip=(), template_kwargs=None, where="", origin=None, eot=None):
     """``(input_ids, mask)`` for any template: assistant spans of the whole rendering
     (``chat_masks.assistant_spans``) mapped to the tokens by character offsets; a token that
     overlaps a span is supervised (``" Hi"`` after a header that ends ``[/INST]``)."""
-    render = chat_renderer(tokenizer, tools, chat_template, template_kwargs)
+    render = chat_renderer(tokenizer, tools, chat_template, template_kwargs, where, origin)
     text, spans = assistant_spans(
         render, messages, where, keep=added_token_strings(tokenizer), skip=skip, eot=eot
     )
@@ -351,6 +357,7 @@ def chat_tokenize_batch(
     train_on: str,
     seq_length: int | None,
     template_kwargs: dict | None = None,
+    template_origin: str | None = None,
 ) -> dict[str, list]:
     """``datasets.map`` function: serialized conversations -> tokenized examples."""
     out: dict[str, list] = {
@@ -359,8 +366,8 @@ def chat_tokenize_batch(
     out["id"] = list(batch["where"])
     eot = None
     if strategy == "placeholder":
-        eot = end_of_turn(chat_renderer(tokenizer, None, chat_template, template_kwargs),
-                          added_token_strings(tokenizer))
+        eot = end_of_turn(chat_renderer(tokenizer, None, chat_template, template_kwargs,
+                                        origin=template_origin), added_token_strings(tokenizer))
     rows = zip(batch["messages_json"], batch["tools_json"], batch["skip_json"], batch["where"])
     for mj, tj, sj, where in rows:
         messages = json.loads(mj)
@@ -371,7 +378,8 @@ def chat_tokenize_batch(
                          ("num_label_tokens", 0), ("drop_reason", "empty_assistant_content")):
                 out[k].append(v)
             continue
-        args = (tokenizer, messages, tools, chat_template, train_on, skip, template_kwargs, where)
+        args = (tokenizer, messages, tools, chat_template, train_on, skip, template_kwargs, where,
+                template_origin)
         if strategy == "generation":
             ids, mask = assistant_mask_generation(*args)
         else:
@@ -491,6 +499,7 @@ def _build_chat(
                 train_on=train_on,
                 seq_length=seq_length,
                 template_kwargs=template_kwargs,
+                template_origin=template_origin(tokenizer, chat_template, chat_template_path),
             ),
             num_proc=num_proc,
             desc="tokenizing chat",

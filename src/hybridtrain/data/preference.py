@@ -13,12 +13,15 @@ then of the response and the end-of-sequence token) or conversations (``prompt``
 messages, ``chosen``/``rejected`` the assistant message(s) that follow: rendered with the
 tokenizer's chat template, the response being what the whole conversation adds to the prompt
 rendered with its generation prompt). Only the response tokens are trained on. A pair longer
-than ``max_length`` tokens is cut there (a pair whose response would vanish is dropped).
+than ``max_length`` tokens is cut there (a pair whose response would vanish is dropped). Pairs
+that cannot teach a preference (chosen identical to rejected, after the cut, or chosen empty)
+are counted and warned about with their lines, and refused when they are all of the data.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -27,6 +30,9 @@ from typing import Any
 import torch
 
 from .io import DataError, iter_records, require
+from .templates import apply_template
+
+logger = logging.getLogger("hybridtrain.data")
 
 __all__ = ["PreferenceDataset", "build_preference_dataset", "preference_batch",
            "write_synthetic_preferences", "synthetic_preference_texts"]
@@ -36,9 +42,9 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _render(tokenizer, messages: list, generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True,
-                                        add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages: list, generation_prompt: bool, where: str) -> list[int]:
+    ids = apply_template(tokenizer, messages, where, tokenize=True,
+                         add_generation_prompt=generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding, or ids
 
 
@@ -46,21 +52,35 @@ def _as_messages(value: Any, role: str) -> list:
     return value if isinstance(value, list) else [{"role": role, "content": value}]
 
 
+def _check_side(key: str, value: Any, where: str) -> None:
+    """``value`` of field ``key`` is text or a list of messages (``{role, content}`` objects)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(
+            isinstance(m, dict) and "role" in m for m in value)):
+        return
+    got = (f"a list holding {sorted({type(m).__name__ for m in value})}"
+           if isinstance(value, list) and value else
+           "an empty list" if isinstance(value, list) else type(value).__name__)
+    raise DataError(f"{where}: '{key}' must be text or a list of messages ({{\"role\": ..., "
+                    f"\"content\": ...}} objects), got {got}")
+
+
 def tokenize_pair(tokenizer, record: dict, where: str) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, chosen response ids, rejected response ids) of one record."""
     prompt = require(record, "prompt", where, "TRL's preference format: prompt/chosen/rejected")
     chosen, rejected = (require(record, k, where) for k in ("chosen", "rejected"))
+    for key, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        _check_side(key, value, where)
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         return _encode(tokenizer, prompt), _encode(tokenizer, chosen) + eos, \
             _encode(tokenizer, rejected) + eos
     if not isinstance(prompt, list):
-        raise DataError(f"{where}: 'prompt' must be text or a list of messages when chosen/"
-                        "rejected are messages")
-    head = _render(tokenizer, prompt, True)
+        raise DataError(f"{where}: 'prompt' is text while 'chosen'/'rejected' are messages; "
+                        "give all three as text, or 'prompt' as a list of messages too")
+    head = _render(tokenizer, prompt, True, where)
     out = []
     for key, value in (("chosen", chosen), ("rejected", rejected)):
-        full = _render(tokenizer, prompt + _as_messages(value, "assistant"), False)
+        full = _render(tokenizer, prompt + _as_messages(value, "assistant"), False, where)
         if full[: len(head)] != head:
             raise DataError(f"{where}: the chat template renders the prompt differently when "
                             f"{key!r} follows it; give plain text or a template whose prompt is "
@@ -82,9 +102,36 @@ class PreferenceDataset(torch.utils.data.Dataset):
         return self.pairs[i]
 
 
+def _is_empty(value: Any) -> bool:
+    """A response with no text: ``""`` or messages whose contents are all empty."""
+    if isinstance(value, str):
+        return not value.strip()
+    return all(not str(m.get("content") or "").strip() for m in value)
+
+
+# Pairs that cannot teach a preference (the DPO loss stays at ln 2 or pushes towards nothing).
+_UNTEACHABLE = {"identical": "chosen and rejected are identical",
+                "empty_chosen": "chosen is empty"}
+
+
+def _warn_untaught(path, bad: dict[str, list[str]], total: int) -> None:
+    """Warns about (refuses, when they are all the data) the pairs that cannot teach."""
+    n = sum(len(v) for v in bad.values())
+    if not n:
+        return
+    parts = "; ".join(f"{len(where)} pairs where {_UNTEACHABLE[k]} ({', '.join(where[:3])}"
+                      f"{', ...' if len(where) > 3 else ''})" for k, where in bad.items() if where)
+    if n == total:
+        raise DataError(f"{path}: none of the {total} preference pairs can teach a preference: "
+                        f"{parts}; fix the data")
+    logger.warning("%s: %d of %d preference pairs cannot teach a preference: %s", path, n,
+                   total, parts)
+
+
 def build_preference_dataset(path: str | os.PathLike, tokenizer, max_length: int = 256,
                              limit: int | None = None) -> PreferenceDataset:
     pairs, dropped = [], 0
+    bad: dict[str, list[str]] = {k: [] for k in _UNTEACHABLE}
     for where, record in iter_records(path):
         if limit is not None and len(pairs) >= limit:
             break
@@ -93,10 +140,15 @@ def build_preference_dataset(path: str | os.PathLike, tokenizer, max_length: int
         if room < 1 or not chosen or not rejected:
             dropped += 1
             continue
+        if _is_empty(record["chosen"]):
+            bad["empty_chosen"].append(where)
+        elif chosen[:room] == rejected[:room]:
+            bad["identical"].append(where)
         pairs.append({"prompt": prompt, "chosen": chosen[:room], "rejected": rejected[:room]})
     if not pairs:
         raise DataError(f"{path}: no preference pair left (dropped {dropped} whose prompt "
                         f"reaches max_length={max_length}); raise max_length")
+    _warn_untaught(path, bad, len(pairs))
     return PreferenceDataset(pairs)
 
 

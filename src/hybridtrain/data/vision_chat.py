@@ -55,6 +55,7 @@ from .chat import (
 from .chat_masks import end_of_turn
 from .collate import PackedCollator, PaddingCollator
 from .dataset import check_padding, shifted_labels
+from .templates import template_origin
 from .images import DEFAULT_MEAN, DEFAULT_STD, image_size, load_patches, patch_grid
 from .io import (ChatFormatError, EmptyDatasetError, choose_split, iter_records, record_name,
                  resolve_data_files)
@@ -147,9 +148,10 @@ class VisionChatDataset(torch.utils.data.Dataset):
         self.mean, self.std = tuple(mean), tuple(std)
         self.pad_token_id = tokenizer.pad_token_id
         kwargs = dict(chat_template_kwargs or {})
+        origin = template_origin(tokenizer, chat_template, chat_template_path)
         eot = None
         if strategy == "placeholder":
-            eot = end_of_turn(chat_renderer(tokenizer, None, template, kwargs),
+            eot = end_of_turn(chat_renderer(tokenizer, None, template, kwargs, origin=origin),
                               added_token_strings(tokenizer))
         self.examples: list[tuple[list[int], list[int], list[str], list[tuple[int, int]]]] = []
         self.ids: list[str] = []
@@ -172,7 +174,7 @@ class VisionChatDataset(torch.utils.data.Dataset):
                 if not any(_turn_selection(messages, set(skip), train_on)):
                     drops["empty_assistant_content"] += 1
                     continue
-                args = (tokenizer, messages, tools, template, train_on, skip, kwargs, name)
+                args = (tokenizer, messages, tools, template, train_on, skip, kwargs, name, origin)
                 ids, mask = (assistant_mask_generation(*args) if strategy == "generation"
                              else assistant_mask_placeholder(*args, eot=eot))
                 paths = [p if os.path.isabs(p) else str(root / p) for p in paths]

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridtrain.config.dtypes import DTYPE_NAMES
+from hybridtrain.data.templates import apply_template
 
 logger = logging.getLogger(__name__)
 
@@ -99,20 +100,22 @@ def stop_token_ids(tokenizer, hf_dir: str | None = None, chat: bool = False) -> 
         e = _read_json(gen).get("eos_token_id")
         ids.update(e if isinstance(e, list) else [e])
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], tokenize=False)
+        text = apply_template(
+            tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+            tokenize=False)
         rest = tokenizer.encode(text[text.rfind("ok") + 2:], add_special_tokens=False)
         special = set(tokenizer.all_special_ids)
         ids.update(t for t in rest[:3] if t in special)
     return sorted(i for i in ids if i is not None)
 
 
-def encode_prompt(tokenizer, record: dict, chat: bool) -> list[int]:
+def encode_prompt(tokenizer, record: dict, chat: bool, where: str = "") -> list[int]:
     """Token ids of a prompt record: ``messages`` (or, with ``chat``, ``prompt`` as one user turn)
     rendered by the chat template with its generation prompt; else the plain text."""
     if "messages" in record or chat:
         messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = apply_template(tokenizer, messages, where, add_generation_prompt=True,
+                              tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(record["prompt"], add_special_tokens=True)
 
@@ -207,7 +210,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     model, tok = load_model(args.model, args.adapter, dtype=args.dtype, device=device)
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError("--chat: the tokenizer has no chat template")
-    prompts = [encode_prompt(tok, r, args.chat) for r in records]
+    prompts = [encode_prompt(tok, r, args.chat, "--prompt" if args.prompts is None
+                             else f"{args.prompts} record {i + 1}") for i, r in enumerate(records)]
     do_sample = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
     hf_dir, _ = resolve_export(args.model)
     results = complete(model, tok, prompts, batch_size=args.batch_size,
