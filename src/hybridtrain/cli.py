@@ -65,7 +65,7 @@ overrides (any number, after or before -c):
 
 recipe sections:
 """ + "".join(f"  {name:<19}{sec.doc}\n" for name, sec in SECTIONS.items()) + """\
-  (keys and defaults: hybridtrain/config/schema.py)
+  (keys and defaults: src/hybridtrain/config/schema.py)
 
 examples:
   hybridtrain finetune -c examples/squad_tiny.yaml --training.max_steps=20

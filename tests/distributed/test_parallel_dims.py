@@ -26,9 +26,9 @@ from tests.helpers.distributed import run_distributed
          "does not equal the world size 8"),
         (dict(world_size=8, pp=2, ep=3),
          "ep=3 must divide dp_shard·cp = 4 (dp_shard=4, cp=1)"),
-        (dict(world_size=4, tp=0), "parallel degree tp must be >= 1 (got 0)"),
-        (dict(world_size=4, dp_shard=-2), "parallel degree dp_shard must be >= 1"),
-        (dict(world_size=4, pp=2.0), "parallel degree pp must be an integer (got 2.0)"),
+        (dict(world_size=4, tp=0), "distributed.tp must be >= 1 (got 0)"),
+        (dict(world_size=4, dp_shard=-2), "distributed.dp_shard must be >= 1"),
+        (dict(world_size=4, pp=2.0), "distributed.pp must be an integer (got 2.0)"),
     ],
 )
 def test_invalid_layouts(kwargs, message):

@@ -349,3 +349,27 @@ def test_underscore_top_level_keys_hold_yaml_anchors(tmp_path):
         """))
     assert "_base" not in cfg
     assert cfg.model == {"_target_": "torch.nn.Linear", "in_features": 4, "out_features": 2}
+
+
+def test_settings_that_contradict_each_other_are_named_with_where(tmp_path, caplog):
+    path = write(tmp_path, "training:\n  max_steps: 10\n  val_every_steps: 50\n"
+                           "lr_scheduler:\n  lr_warmup_steps: 20\n"
+                           "validation_dataset: {path: v.jsonl}\n"
+                           "packing: {enabled: true, pack_size: 512}\n"
+                           "dataset: {path: t.jsonl, seq_length: 1024}\n")
+    load_config(path)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"lr_scheduler.lr_warmup_steps=20 ({path}:5)" in m and "never reaches" in m
+               for m in said), said
+    assert any(f"training.val_every_steps=50 ({path}:3)" in m for m in said)
+    assert any("dataset.seq_length=1024" in m and "packing.pack_size=512" in m for m in said)
+    caplog.clear()
+    load_config(path)  # said once per process
+    assert not [r for r in caplog.records if "recipe:" in r.getMessage()]
+    load_config(write(tmp_path, "training:\n  max_steps: 10\n"))
+    assert not caplog.records
+
+
+def test_key_errors_point_at_the_schema_file_by_its_path(tmp_path):
+    with pytest.raises(ValueError, match="src/hybridtrain/config/schema.py"):
+        load_config(write(tmp_path, "training: {}\n"), ["--trainng.max_steps=3"])

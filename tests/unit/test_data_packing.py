@@ -94,7 +94,7 @@ def test_pad_each_document_to_multiple():
 
 def test_document_longer_than_pack_size():
     docs = [make_doc(random.Random(0), 9, 0)]
-    with pytest.raises(ValueError, match="document 0 has 9 tokens, more than pack_size=8"):
+    with pytest.raises(ValueError, match="document 0 has 9 tokens, more than packing.pack_size=8"):
         pack_sequences(docs, pack_size=8, pad_token_id=PAD)
 
 

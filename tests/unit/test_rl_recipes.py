@@ -215,3 +215,16 @@ def test_pairs_that_cannot_teach_are_counted_warned_and_refused_when_all(tok, tm
     assert "1 pairs where chosen is empty (" in warning and "line 3" in warning
     with pytest.raises(ValueError, match="none of the 2 preference pairs can teach"):
         build_preference_dataset(_pairs_file(tmp_path / "bad.jsonl", same, empty), tok)
+
+
+@pytest.mark.parametrize("setting, words", [
+    ({"num_generations_per_prompt": 1}, "grpo.num_generations_per_prompt=1"),
+    ({"temperature": 0.0}, "grpo.temperature=0.0"),
+])
+def test_grpo_settings_under_which_nothing_is_learned_are_refused(tmp_path, setting, words):
+    from hybridtrain.recipes.grpo import run
+
+    recipe = _grpo_recipe(tmp_path, "NaNRewardTask", max_steps=1)
+    recipe["grpo"].update(setting)
+    with pytest.raises(ValueError, match=words + r".*advantage 0"):
+        run(recipe)

@@ -13,7 +13,8 @@ def test_grad_acc_and_divisibility_error():
     with pytest.raises(ValueError) as e:
         StepScheduler(global_batch_size=30, micro_batch_size=2, dp_size=4, max_steps=3)
     msg = str(e.value)
-    assert "global_batch_size=30" in msg and "micro_batch_size * dp_size = 2 * 4 = 8" in msg
+    assert "training.global_batch_size=30" in msg and "step_scheduler" not in msg
+    assert "training.micro_batch_size x the data-parallel size = 2 x 4 = 8" in msg
 
 
 def test_epochs_and_events():
@@ -85,3 +86,8 @@ def test_eval_sampler_even_split():
     assert [len(r) for r in ranks] == [2, 2]
     assert list(ranks[0]) == [[0, 1], [4, 5]] and list(ranks[1]) == [[2, 3], [6, 0]]
     assert ranks[1].num_real == [2, 1] and ranks[0].num_real == [2, 2]
+
+
+def test_too_few_samples_names_the_recipe_key():
+    with pytest.raises(ValueError, match="fewer than training.global_batch_size=64; lower"):
+        StepScheduler(64, 2, max_steps=1, num_train_samples=20)

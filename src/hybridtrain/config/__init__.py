@@ -11,7 +11,7 @@ The API the rest of hybridtrain uses::
     opt = instantiate(cfg.optimizer, params)  # call-site arguments are added
     raise ValueError(f"... ({cfg.training.where('global_batch_size')})")  # "recipe.yaml:12"
 
-Keys and defaults live in ``hybridtrain/config/schema.py`` (the single source of truth).
+Keys and defaults live in ``src/hybridtrain/config/schema.py`` (the single source of truth).
 Nothing in this package imports torch.
 """
 

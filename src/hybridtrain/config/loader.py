@@ -10,7 +10,8 @@
 4. replace ``${env:VAR}`` / ``${env:VAR,default}`` in string values (a value that is exactly one
    reference is parsed as a YAML scalar, so ``${env:STEPS,10}`` is the int 10);
 5. validate fixed sections (unknown keys with a suggestion, types, choices), ``dist_env``, and
-   every ``_target_`` against the allow-list (without importing anything).
+   every ``_target_`` against the allow-list (without importing anything);
+6. warn about settings that contradict each other (``consistency.py``).
 
 Nothing here imports torch, so ``dist_env`` can be applied before CUDA is touched.
 """
@@ -24,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from hybridtrain.config.consistency import warn_contradictions
 from hybridtrain.config.dist_env import dist_env_vars
 from hybridtrain.config.dtypes import canonical_dtype_name
 from hybridtrain.config.errors import ConfigError
@@ -216,7 +218,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         raise ConfigError(
             f"unknown section '{top}' in {where}"
             f"{suggest(top, list(SECTIONS) + list(TOP_LEVEL_KEYS))} "
-            f"(sections are defined in hybridtrain/config/schema.py)")
+            f"(sections are defined in src/hybridtrain/config/schema.py)")
     cur: Any = root
     for depth, seg in enumerate(ov.path[:-1]):
         here = ov.path[: depth + 1]
@@ -250,7 +252,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         if fixed is not None and last not in fixed:
             raise ConfigError(
                 f"unknown key '{dotted(ov.path)}' in {where}{suggest(last, fixed)} "
-                f"(the keys of '{parent[0]}' are fixed: see hybridtrain/config/schema.py)")
+                f"(the keys of '{parent[0]}' are fixed: see src/hybridtrain/config/schema.py)")
         if fixed is None and not ov.add and parent:
             raise ConfigError(f"unknown key '{dotted(ov.path)}' in {where}"
                               f"{suggest(last, cur.keys())}; to add a new key write "
@@ -443,6 +445,7 @@ def build_config(
                               f"'mypkg.', got {p!r} ({meta.where(('allowed_target_prefixes',))})")
     meta.allowed_target_prefixes = normalize_prefixes(DEFAULT_ALLOWED_PREFIXES + tuple(extra))
     _check_targets(root, (), meta)
+    warn_contradictions(root, meta.where)
     return ConfigNode(root, (), meta)
 
 

@@ -34,7 +34,11 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridtrain.config.keys import recipe_key
+
 from .batch import IGNORE_INDEX
+
+_PACK = recipe_key("pack_size")
 
 
 def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
@@ -47,8 +51,8 @@ def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]
     for i, s in enumerate(sizes):
         if s > capacity:
             raise ValueError(
-                f"document {i} has {s} tokens, more than pack_size={capacity}; raise pack_size "
-                "or cut documents with seq_length <= pack_size"
+                f"document {i} has {s} tokens, more than {_PACK}={capacity}; raise {_PACK} "
+                f"or cut documents with {recipe_key('seq_length')} <= {_PACK}"
             )
     if n == 0:
         return []
@@ -136,14 +140,13 @@ def build_row(
 
 
 def _check(pack_size: int, pad_to_multiple_of: int) -> None:
+    pad = recipe_key("pad_to_multiple_of")
     if pack_size < 1:
-        raise ValueError(f"pack_size must be positive, got {pack_size}")
+        raise ValueError(f"{_PACK} must be positive, got {pack_size}")
     if pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be positive, got {pad_to_multiple_of}")
+        raise ValueError(f"{pad} must be positive, got {pad_to_multiple_of}")
     if pack_size % pad_to_multiple_of:
-        raise ValueError(
-            f"pack_size={pack_size} must be a multiple of pad_to_multiple_of={pad_to_multiple_of}"
-        )
+        raise ValueError(f"{_PACK}={pack_size} must be a multiple of {pad}={pad_to_multiple_of}")
 
 
 def pack_sequences(

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from hybridtrain.config.keys import recipe_key
+
 __all__ = ["ParallelDims"]
 
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
@@ -77,10 +79,10 @@ class ParallelDims:
         for name in _DEGREES + ("world_size",):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"parallel degree {name} must be an integer (got {value!r})")
+                raise ValueError(f"{recipe_key(name)} must be an integer (got {value!r})")
             if value < 1 and not (name == "dp_shard" and value == -1):
                 hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
-                raise ValueError(f"parallel degree {name} must be >= 1{hint} (got {value})")
+                raise ValueError(f"{recipe_key(name)} must be >= 1{hint} (got {value})")
         world = self.world_size
         v = {n: getattr(self, n) for n in _DEGREES}
         # the fewest ranks the layout runs on (dp_shard=-1: enough shards to hold ep)
@@ -107,7 +109,8 @@ class ParallelDims:
             if self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp != world:
                 raise ValueError(
                     f"{_fmt(names, v)} does not equal the world size {world}; "
-                    "set dp_shard: -1 to give data-parallel sharding the remaining ranks"
+                    f"set {recipe_key('dp_shard')}: -1 to give data-parallel sharding the "
+                    "remaining ranks"
                 )
         if (self.dp_shard * self.cp) % self.ep:
             raise ValueError(

@@ -105,7 +105,9 @@ class Policy:
         """(the prepared global batch, this rank's micro-batches of rows)."""
         mbs = micro_batch_size or self.micro_batch_size
         if mbs % rows_per_group:
-            raise ValueError(f"micro_batch_size {mbs} must be a multiple of {rows_per_group} (the "
+            key = ("micro_batch_size" if micro_batch_size else "rl.micro_batch_size"
+                   if self.cfg.rl.micro_batch_size else "training.micro_batch_size")
+            raise ValueError(f"{key}={mbs} rows must be a multiple of {rows_per_group} (the "
                              "loss's rows per group, e.g. a DPO chosen/rejected pair)")
         full = rb.prepare(batch, self.device)
         dp = self.dims.dp

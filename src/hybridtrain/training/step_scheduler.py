@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hybridtrain.config.keys import recipe_key
+
 
 def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     if not shuffle:
@@ -130,16 +132,17 @@ class StepScheduler:
         shuffle: bool = True,
         drop_last: bool = True,
     ):
+        gbs, mbs = recipe_key("global_batch_size"), recipe_key("micro_batch_size")
         for key, val in (("global_batch_size", global_batch_size),
                          ("micro_batch_size", micro_batch_size), ("dp_size", dp_size)):
             if not isinstance(val, int) or val < 1:
-                raise ValueError(f"step_scheduler.{key} must be a positive integer, got {val!r}")
+                raise ValueError(f"{recipe_key(key)} must be a positive integer, got {val!r}")
         per_micro_step = micro_batch_size * dp_size
         if global_batch_size % per_micro_step:
             raise ValueError(
-                f"step_scheduler.global_batch_size={global_batch_size} is not divisible by "
-                f"micro_batch_size * dp_size = {micro_batch_size} * {dp_size} = {per_micro_step}; "
-                f"choose a global_batch_size that is a multiple of {per_micro_step}"
+                f"{gbs}={global_batch_size} is not divisible by {mbs} x the data-parallel size "
+                f"= {micro_batch_size} x {dp_size} = {per_micro_step}; choose a {gbs} that is a "
+                f"multiple of {per_micro_step}"
             )
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -153,17 +156,16 @@ class StepScheduler:
             if self.steps_per_epoch == 0:
                 raise ValueError(
                     f"the training set has {num_train_samples} samples, fewer than "
-                    f"step_scheduler.global_batch_size={global_batch_size}; lower the batch size "
-                    "or add data"
+                    f"{gbs}={global_batch_size}; lower {gbs} or add data"
                 )
         if max_steps is None:
             if num_epochs is None:
-                raise ValueError("step_scheduler needs max_steps or num_epochs")
+                raise ValueError(f"set {recipe_key('max_steps')} or {recipe_key('num_epochs')}")
             if self.steps_per_epoch is None:
-                raise ValueError("step_scheduler.num_epochs needs the training-set size")
+                raise ValueError(f"{recipe_key('num_epochs')} needs the training-set size")
             max_steps = max(int(float(num_epochs) * self.steps_per_epoch), 1)
         if int(max_steps) < 1:
-            raise ValueError(f"step_scheduler.max_steps must be >= 1, got {max_steps}")
+            raise ValueError(f"{recipe_key('max_steps')} must be >= 1, got {max_steps}")
         self.max_steps = int(max_steps)
         self.val_every_steps = val_every_steps
         self.ckpt_every_steps = ckpt_every_steps
