@@ -176,3 +176,17 @@ def test_lora_policy_trains_adapters_and_streams_merged_weights():
     assert float((lp - ref)[_valid()].abs().max()) <= 1e-5
     base = Policy(policy_recipe())  # the same base weights, no adapters
     assert float((lp - base.logprobs(batch)).abs().max()) > 1e-4
+
+
+def test_consecutive_skipped_updates_stop_the_policy_loop():
+    from hybridtrain.training.trainer import TrainingDiverged
+
+    p = Policy(policy_recipe(training={"max_consecutive_skipped_steps": 2}))
+    nan_adv = {**rl_batch(), "advantages": torch.full((B, S), float("nan"))}
+    loss = ClippedPGLoss()
+    assert p.train(nan_adv, loss)["skipped"]
+    assert not p.train(rl_batch(), loss)["skipped"]  # a good update ends the streak
+    assert p.train(nan_adv, loss)["skipped"]
+    with pytest.raises(TrainingDiverged, match="2 consecutive updates"):
+        p.train(nan_adv, loss)
+    assert p.step == 1

@@ -160,6 +160,7 @@ def _grpo_recipe(tmp_path, task, **training):
                            "max_new_tokens": 3, "updates_per_rollout": 1,
                            "task": {"_target_": f"tests.helpers.rl_tasks.{task}"}})
     recipe["training"].update(training)
+    recipe["metrics"]["plot"] = False
     return recipe
 
 

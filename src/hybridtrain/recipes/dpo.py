@@ -84,7 +84,7 @@ def run(cfg: Any) -> dict[str, Any]:
                 order += torch.randperm(len(train_ds), generator=g).tolist()
             idx, order = order[: t.global_batch_size], order[t.global_batch_size:]
             batch = _with_reference(preference_batch([train_ds[i] for i in idx], pad), r.reference)
-            rec = r.policy.train(batch, loss_fn, micro_batch_size=2 * t.micro_batch_size)
+            rec = r.train(batch, loss_fn, micro_batch_size=2 * t.micro_batch_size)
             r.log({"step": step, **rec})
             if step == steps or (t.val_every_steps and step % t.val_every_steps == 0):
                 validate(step)

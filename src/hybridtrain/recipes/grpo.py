@@ -45,7 +45,6 @@ from hybridtrain.training.builder import as_config
 from hybridtrain.training.evaluation import left_pad
 from hybridtrain.recipes.rl_run import RLRun, fmt, mean_of
 from hybridtrain.rl.tasks import check_task, method_name, score, task_prompts
-from hybridtrain.training.trainer import TrainingDiverged
 
 logger = logging.getLogger(__name__)
 
@@ -193,12 +192,8 @@ def run(cfg: Any) -> dict[str, Any]:
             batch["prev_logprobs"] = F.pad(r.policy.logprobs(batch), (1, 0))
             batch["reference_policy_logprobs"] = F.pad(r.reference.logprobs(batch), (1, 0))
             rows = P * G // U
-            try:
-                recs = [r.policy.train({k: v[i * rows:(i + 1) * rows] for k, v in batch.items()},
-                                       loss_fn) for i in range(U)]
-            except TrainingDiverged as e:
-                raise TrainingDiverged(f"{e}" + (f". First cause: {bad_note}" if bad_note else "")
-                                       ) from None
+            recs = [r.train({k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}, loss_fn,
+                            bad_note) for i in range(U)]
             rec = {k: sum(x[k] for x in recs) / U for k in recs[0] if k != "skipped"}
             r.log({"step": step, "reward": float(rewards.mean()),
                    "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,

@@ -49,6 +49,17 @@ class RLRun:
         self.history: list[dict] = []
         self.val_history: list[dict] = []
 
+    def train(self, batch: dict, loss_fn, cause: str | None = None, **kwargs) -> dict[str, Any]:
+        """``policy.train``; a run that the skipped-update limit stops closes its logs first and
+        names ``cause`` (what the recipe knows made the updates non-finite) in its error."""
+        from hybridtrain.training.trainer import TrainingDiverged
+
+        try:
+            return self.policy.train(batch, loss_fn, **kwargs)
+        except TrainingDiverged as e:
+            self.metrics.close()
+            raise TrainingDiverged(f"{e}" + (f". First cause: {cause}" if cause else "")) from None
+
     def log_val(self, rec: dict[str, Any]) -> None:
         self.val_history.append(rec)
         self.metrics.log_val(rec)
