@@ -164,16 +164,19 @@ def _grpo_recipe(tmp_path, task, **training):
     return recipe
 
 
-def test_grpo_nan_reward_is_named_and_stops_the_run_without_export(tmp_path, caplog):
-    from hybridtrain.recipes.grpo import run
-    from hybridtrain.training.trainer import TrainingDiverged
+def test_grpo_nan_reward_is_named_and_stops_the_run_without_export(tmp_path, capsys):
+    import yaml
 
-    with pytest.raises(TrainingDiverged) as e:
-        run(_grpo_recipe(tmp_path, "NaNRewardTask", max_steps=4, max_consecutive_skipped_steps=2))
-    msg = str(e.value)
+    from hybridtrain.cli import main
+
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump(_grpo_recipe(tmp_path, "NaNRewardTask", max_steps=4,
+                                                  max_consecutive_skipped_steps=2)))
+    assert main(["grpo", "-c", str(recipe)]) == 3  # as finetune's divergence
+    msg = capsys.readouterr().err
     assert "2 consecutive updates" in msg and "NaNRewardTask.reward" in msg and "sample 0" in msg
-    warned = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
-    assert len(warned) == 1 and "NaNRewardTask.reward" in warned[0]  # named once, at step 1
+    assert msg.count("step 1: 4 of 4 rewards are not finite") == 2  # the warning, the error
+    assert "step 2: " not in msg  # named once
     recs = [json.loads(line) for line in open(tmp_path / "run" / "training.jsonl")]
     assert [r["step"] for r in recs] == [1] and recs[0]["nonfinite_rewards"] == 4
     assert not list((tmp_path / "run").glob("step_*"))  # nothing exported as the result
