@@ -232,3 +232,15 @@ def test_grpo_settings_under_which_nothing_is_learned_are_refused(tmp_path, sett
     recipe["grpo"].update(setting)
     with pytest.raises(ValueError, match=words + r".*advantage 0"):
         run(recipe)
+
+
+def test_grpo_summary_says_when_rewards_were_not_finite(tmp_path, capsys):
+    from hybridtrain.recipes.grpo import run
+
+    recipe = _grpo_recipe(tmp_path, "NaNRewardTask", max_steps=1,
+                          max_consecutive_skipped_steps=None)
+    recipe["checkpoint"]["enabled"] = False
+    run(recipe)  # the limit is off: the run ends, and its summary says why nothing was learned
+    out = capsys.readouterr().out
+    assert "reward (5-step mean of finite ones) n/a -> n/a; 1 steps had non-finite rewards" in out
+    assert "nan" not in out
