@@ -25,7 +25,8 @@ def test_a_lora_run_folder_resolves_to_its_adapter_not_the_step_config(tmp_path)
     (run / "latest").write_text("step_4\n")
     want = (str(base), str(step / "adapter"))
     assert resolve_export(str(run)) == want and resolve_export(str(step)) == want
-    assert resolve_export(str(step / "adapter")) == want and resolve_export(str(base)) == (str(base), None)
+    assert resolve_export(str(step / "adapter")) == want
+    assert resolve_export(str(base)) == (str(base), None)
     (step / "adapter" / "adapter_config.json").unlink()
     with pytest.raises(ValueError, match="checkpoint without an export.*hybridtrain convert"):
         resolve_export(str(run))

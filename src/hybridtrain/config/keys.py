@@ -1,6 +1,6 @@
 """Internal names -> the recipe keys a user writes, for error messages (the one place).
 
-    raise ValueError(f"{recipe_key('global_batch_size')}={n} ...")   # "training.global_batch_size=..."
+    raise ValueError(f"{recipe_key('global_batch_size')}={n} ...")  # training.global_batch_size
 
 Components take plain arguments (``StepScheduler(global_batch_size, ...)``, ``pack_dataset(ds,
 pack_size)``); their messages name the recipe key the value came from, so the user knows what to

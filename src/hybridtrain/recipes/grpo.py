@@ -144,8 +144,9 @@ def _check_settings(g) -> None:
                          f"({g.where('updates_per_rollout')})")
     if G < 2:
         raise ValueError(f"grpo.num_generations_per_prompt={G} "
-                         f"({g.where('num_generations_per_prompt')}): an advantage is a reward minus its group's mean, so a group of one "
-                         "has every advantage 0 and nothing is learned; use 2 or more")
+                         f"({g.where('num_generations_per_prompt')}): an advantage is a "
+                         "reward minus its group's mean, so a group of one has every advantage "
+                         "0 and nothing is learned; use 2 or more")
     if not g.temperature > 0:
         raise ValueError(f"grpo.temperature={g.temperature} ({g.where('temperature')}) must be "
                          "> 0: rollouts are sampled, and a group of identical completions has "
@@ -207,8 +208,8 @@ def run(cfg: Any) -> dict[str, Any]:
         def headline(hist):
             first, last = mean_of(hist[:5], "reward"), mean_of(hist[-5:], "reward")
             bad = sum(1 for h in hist if h.get("nonfinite_rewards"))
-            return (f"{len(hist)} steps; reward (5-step mean of finite ones) {fmt(first)} -> "
-                    f"{fmt(last)}" + (f"; {bad} steps had non-finite rewards (see the warning)"
-                                      if bad else ""))
+            return (f"{len(hist)} steps; reward (5-step mean) {fmt(first)} -> {fmt(last)}"
+                    + (f"; {bad} steps had non-finite rewards, left out of the means (see the "
+                       "warning)" if bad else ""))
 
         return r.finish(headline)

@@ -89,7 +89,8 @@ class RLRun:
 
 def mean_of(records: Sequence[dict], key: str) -> float | None:
     """The mean of the finite values of ``key`` (None when there is none)."""
-    vals = [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    vals = [r[key] for r in records
+            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return sum(vals) / len(vals) if vals else None
 
 
