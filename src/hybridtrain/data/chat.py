@@ -357,7 +357,7 @@ def chat_tokenize_batch(
     train_on: str,
     seq_length: int | None,
     template_kwargs: dict | None = None,
-    template_origin: str | None = None,
+    origin: str | None = None,
 ) -> dict[str, list]:
     """``datasets.map`` function: serialized conversations -> tokenized examples."""
     out: dict[str, list] = {
@@ -367,7 +367,7 @@ def chat_tokenize_batch(
     eot = None
     if strategy == "placeholder":
         eot = end_of_turn(chat_renderer(tokenizer, None, chat_template, template_kwargs,
-                                        origin=template_origin), added_token_strings(tokenizer))
+                                        origin=origin), added_token_strings(tokenizer))
     rows = zip(batch["messages_json"], batch["tools_json"], batch["skip_json"], batch["where"])
     for mj, tj, sj, where in rows:
         messages = json.loads(mj)
@@ -379,7 +379,7 @@ def chat_tokenize_batch(
                 out[k].append(v)
             continue
         args = (tokenizer, messages, tools, chat_template, train_on, skip, template_kwargs, where,
-                template_origin)
+                origin)
         if strategy == "generation":
             ids, mask = assistant_mask_generation(*args)
         else:
@@ -499,7 +499,7 @@ def _build_chat(
                 train_on=train_on,
                 seq_length=seq_length,
                 template_kwargs=template_kwargs,
-                template_origin=template_origin(tokenizer, chat_template, chat_template_path),
+                origin=template_origin(tokenizer, chat_template, chat_template_path),
             ),
             num_proc=num_proc,
             desc="tokenizing chat",
