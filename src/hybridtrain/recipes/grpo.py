@@ -21,8 +21,15 @@ A finetune recipe (model, tokenizer, optimizer, ...) plus a ``grpo:`` section. E
 
 ``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``accuracy`` (when the task
 has one), ``loss``, ``kl``,
-``clip_fraction``, ``entropy``, ``ratio``, ``grad_norm``, ``lr``, ``completion_tokens``;
-``loss.png`` shows loss and reward.
+``clip_fraction``, ``entropy``, ``ratio``, ``grad_norm``, ``lr``, ``completion_tokens``,
+``skipped_updates`` (and ``nonfinite_rewards`` in a step that had any); ``loss.png`` shows loss
+and reward.
+
+A task's interface is checked where it enters (its methods, that ``prompts`` gives strings and
+``reward`` numbers). The first non-finite reward or advantage is named in a warning (task, reward
+function, sample, prompt); its updates are non-finite and skipped, and
+``training.max_consecutive_skipped_steps`` skipped updates in a row stop the run (exit status 3,
+nothing exported).
 
 Seeding: the step's prompts come from ``random.Random(training.seed)`` (the same on every rank),
 and sample ``i`` of the step's ``P·G`` (group-major) is drawn with a generator of its own seeded
