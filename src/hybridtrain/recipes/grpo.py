@@ -159,6 +159,7 @@ def run(cfg: Any) -> dict[str, Any]:
                    **rec,
                    "completion_tokens": float(batch["token_mask"].sum()) / len(rewards),
                    "skipped_updates": sum(x["skipped"] for x in recs)})
+            r.stop_if_requested(last=step == (t.max_steps or 1))
 
         def headline(hist):
             first, last = mean_of(hist[:5], "reward"), mean_of(hist[-5:], "reward")
