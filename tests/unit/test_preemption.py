@@ -135,3 +135,33 @@ def test_durations_and_signal_names():
     assert RunStop.from_config(cfg).signals == [signal.SIGUSR2, signal.SIGTERM]
     with pytest.raises(ValueError, match="checkpoint.save_on_signal: 'SIGKILL' is not a signal"):
         build_config({"checkpoint": {"save_on_signal": ["SIGKILL"]}})
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "grpo"])
+def test_rl_recipes_stop_on_a_signal_with_a_checkpoint(tmp_path, recipe):
+    import importlib
+
+    from tests.unit.test_rl_recipes import _recipe
+
+    from hybridtrain.training.preemption import Preempted
+
+    if recipe == "dpo":
+        data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
+                "path": {"_target_": "hybridtrain.data.write_synthetic_preferences",
+                         "path": str(tmp_path / "train.jsonl"), "num_pairs": 40}}
+        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.data.synthetic_preference_texts",
+                                 "num_pairs": 200}, dataset=data)
+    else:
+        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100},
+                      grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                            "max_new_tokens": 2})
+    cfg["training"]["max_steps"] = 50
+    out = tmp_path / "run"
+    sender = _signal_after_first_step(out, signal.SIGUSR1)
+    with pytest.raises(Preempted, match=rf"SIGUSR1 received: {recipe} stopped after step \d+ "
+                                        "of 50; saved .*step_"):
+        importlib.import_module(f"hybridtrain.recipes.{recipe}").run(cfg)
+    sender.join()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    reached = _records(out)[-1]["step"]
+    assert 1 <= reached < 50 and (out / "latest").exists()
