@@ -348,7 +348,7 @@ class Trainer:
             tokenizer=self.tokenizer, export=export, final=final)
 
     def _save(self, final: bool = False) -> str | None:
-        """:meth:`save_checkpoint`, timed and shielded from signals by ``stop``."""
+        """:meth:`save_checkpoint`, timed by ``stop`` (a signal meanwhile is only noted)."""
         with self.stop.saving():
             path = self.save_checkpoint(final=final)
         self._saved_step = self.sched.step
