@@ -78,8 +78,7 @@ def launch(command: str, args: Sequence[str], nproc: int, grace_s: float = GRACE
     error_dir = tempfile.mkdtemp(prefix="hybridtrain-errors-")
     port = _free_port()
     argv = worker_argv(command, args)
-    procs = [subprocess.Popen(argv, env=_worker_env(r, nproc, port, error_dir, os.environ),
-                              process_group=0) for r in range(nproc)]
+    procs: list[subprocess.Popen] = []
 
     def forward(signum, frame):
         for p in procs:
@@ -92,6 +91,10 @@ def launch(command: str, args: Sequence[str], nproc: int, grace_s: float = GRACE
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     status, deadline = 0, None
     try:
+        for rank in range(nproc):
+            procs.append(subprocess.Popen(
+                argv, env=_worker_env(rank, nproc, port, error_dir, os.environ),
+                process_group=0))  # a Ctrl-C reaches the workers once: through forward()
         while True:
             running = False
             for p in procs:

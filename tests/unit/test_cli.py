@@ -177,6 +177,16 @@ def test_worker_argv_and_strip_nproc_flag():
         == ["-c", "x"]
 
 
+def test_an_error_is_reported_once_per_launch(tmp_path):
+    from hybridtrain.launch import first_to_report
+
+    env = {"HYBRIDTRAIN_ERROR_DIR": str(tmp_path)}
+    assert first_to_report("hybridtrain: error: x", env)  # the first worker prints it
+    assert not first_to_report("hybridtrain: error: x", env)  # the others do not
+    assert first_to_report("hybridtrain: error: y", env)  # another message is printed
+    assert first_to_report("hybridtrain: error: x", {})  # not launched by hybridtrain: always
+
+
 def test_nproc_starts_workers_and_returns_their_status(recipe, fake_finetune, monkeypatch):
     import hybridtrain.launch
 
