@@ -165,3 +165,21 @@ def test_rl_recipes_stop_on_a_signal_with_a_checkpoint(tmp_path, recipe):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     reached = _records(out)[-1]["step"]
     assert 1 <= reached < 50 and (out / "latest").exists()
+
+
+def test_a_signal_during_start_up_stops_at_once_and_frees_the_folder(tmp_path, capsys,
+                                                                      monkeypatch):
+    from hybridtrain.recipes import finetune
+
+    build = finetune.build
+
+    def build_then_signal(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler raises at once
+        return build(*a, **kw)
+
+    monkeypatch.setattr(finetune, "build", build_then_signal)
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out)) == EXIT_PREEMPTED
+    assert "SIGTERM received outside the training steps" in capsys.readouterr().err
+    assert not out.exists()  # nothing written; the lock released with the empty folder
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

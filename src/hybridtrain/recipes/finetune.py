@@ -30,6 +30,7 @@ from hybridtrain.training.builder import (as_config, build, build_checkpointer,
                                           build_lr_scheduler, make_trainer)
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.preemption import stopping_at_once
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
 
@@ -62,10 +63,11 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
         lock.acquire()
     started = False
     try:
-        trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size, out_dir,
-                                                     t_start)
-        started = True
-        return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
+        with stopping_at_once(cfg):  # a signal before or after the steps: stop, lock released
+            trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size,
+                                                         out_dir, t_start)
+            started = True
+            return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
     finally:
         if lock is not None:
             lock.release()

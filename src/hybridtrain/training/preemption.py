@@ -26,6 +26,10 @@ step boundary to time one.
                     save()
                 raise Preempted(...)
 
+Outside the step loop (building, loading, the final export) :func:`stopping_at_once` makes the
+same signals end the run at once, also with exit 75 (nothing new to save; the run folder's lock
+is released, so a requeued job on another node can take it).
+
 This module imports torch only when it all-reduces (the CLI imports it).
 """
 
@@ -41,7 +45,7 @@ from collections.abc import Iterator, Sequence
 from hybridtrain.config.schema import parse_duration, parse_signals
 from hybridtrain.runfolder import TrainingStopped
 
-__all__ = ["RunStop", "Preempted", "EXIT_PREEMPTED"]
+__all__ = ["RunStop", "Preempted", "EXIT_PREEMPTED", "stopping_at_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +174,25 @@ class RunStop:
             if late:
                 logger.warning("%s received while a checkpoint was being written: noted; the "
                                "save went on", ", ".join(signal.Signals(s).name for s in late))
+
+
+def _raise_preempted(signum, frame):
+    raise Preempted(f"{signal.Signals(signum).name} received outside the training steps: stopped "
+                    "without a new checkpoint; run again (with --checkpoint.resume=auto to "
+                    "continue from the latest one)")
+
+
+@contextlib.contextmanager
+def stopping_at_once(cfg) -> Iterator[None]:
+    """While inside: the recipe's ``checkpoint.save_on_signal`` signals raise
+    :class:`Preempted` at once (the step loop's :meth:`RunStop.catching` overrides this while
+    it runs). Main thread only; elsewhere nothing changes."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in parse_signals(cfg.checkpoint.save_on_signal):
+            previous[s] = signal.signal(s, _raise_preempted)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
