@@ -15,8 +15,13 @@ Commands::
 
 ``finetune``/``benchmark``/``evaluate`` load the recipe, apply its ``dist_env`` (before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
-``--nproc-per-node N`` (N > 1), re-launch themselves under
-``python -m torch.distributed.run --nproc-per-node N --standalone -m hybridtrain ...``.
+``--nproc-per-node N`` (N > 1), start N workers of themselves on this node with torchrun's
+environment (:mod:`hybridtrain.launch`: signals passed on, the workers' exit status, one
+error message).
+
+Exit status: 0 done, 2 a user error (the message says what to change), 3 a run that cannot go
+on (e.g. diverged), 75 stopped on a signal or ``training.max_time`` after saving a checkpoint
+(run again with ``--checkpoint.resume=auto``), 130 interrupted (Ctrl-C).
 The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
 ``hybridtrain.recipes.benchmark:run(cfg, args)``,
@@ -42,9 +47,9 @@ from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
 from hybridtrain.runfolder import TrainingStopped
+from hybridtrain.training.preemption import Preempted
 
-__all__ = ["main", "build_parser", "build_torchrun_argv", "strip_nproc_flag", "under_torchrun",
-           "setup_logging"]
+__all__ = ["main", "build_parser", "strip_nproc_flag", "under_torchrun", "setup_logging"]
 
 logger = logging.getLogger("hybridtrain.cli")
 
@@ -85,8 +90,9 @@ environment (README: Environment variables):
 # logging
 # --------------------------------------------------------------------------------------------
 def _rank(environ: Mapping[str, str]) -> int:
+    """``RANK`` (torchrun), else ``SLURM_PROCID`` (tasks started by srun), else 0."""
     try:
-        return int(environ.get("RANK", "0") or 0)
+        return int(environ.get("RANK", environ.get("SLURM_PROCID", "0")) or 0)
     except ValueError:
         return 0
 
@@ -135,14 +141,6 @@ def strip_nproc_flag(argv: Sequence[str]) -> list[str]:
         out.append(tok)
         i += 1
     return out
-
-
-def build_torchrun_argv(command: str, sub_argv: Sequence[str], nproc_per_node: int,
-                        python: str | None = None) -> list[str]:
-    """The command that re-runs ``hybridtrain <command> <sub_argv>`` under torchrun."""
-    return [python or sys.executable, "-m", "torch.distributed.run",
-            "--nproc-per-node", str(nproc_per_node), "--standalone",
-            "-m", "hybridtrain", command, *strip_nproc_flag(sub_argv)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,11 +271,13 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
                            "LOCAL_WORLD_SIZE=%s", nproc, os.environ.get("LOCAL_WORLD_SIZE"))
     elif nproc is not None and nproc > 1:
-        argv = build_torchrun_argv(command, sub_argv, nproc)
-        logger.info("re-launching under torchrun: %s", shlex.join(argv))
+        from hybridtrain.launch import launch, worker_argv
+
+        args = strip_nproc_flag(sub_argv)
+        logger.info("starting %d workers: %s", nproc, shlex.join(worker_argv(command, args)))
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(argv[0], argv)
+        return launch(command, args, nproc)
     if command == "evaluate":  # several processes: under the recipe's layout
         run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
         run(cfg, args.checkpoint)
@@ -319,16 +319,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, CommandUnavailable) as e:
-        print(f"hybridtrain: error: {e}", file=sys.stderr)
+        _report(f"hybridtrain: error: {e}")
         return 2
+    except Preempted as e:  # stopped on a signal or the time limit, with a checkpoint
+        if _rank(os.environ) == 0:  # every rank stopped at the same step
+            _report(f"hybridtrain: {e}")
+        return e.exit_code
     except TrainingStopped as e:  # a run that cannot go on (e.g. diverged); said why
-        print(f"hybridtrain: error: {e}", file=sys.stderr)
+        _report(f"hybridtrain: error: {e}")
         return 3
     except ValueError as e:  # a user mistake found later (DESIGN: user errors are ValueError)
         logger.debug("traceback", exc_info=True)
-        print(f"hybridtrain: error: {e}\n(HYBRIDTRAIN_LOG_LEVEL=DEBUG shows the traceback)",
-              file=sys.stderr)
+        _report(f"hybridtrain: error: {e}\n(HYBRIDTRAIN_LOG_LEVEL=DEBUG shows the traceback)")
         return 2
+    except KeyboardInterrupt:
+        _report("hybridtrain: interrupted")
+        return 130
     except OSError as e:  # a full or read-only disk: said plainly, naming the file
         from hybridtrain.fileio import write_error
 
@@ -336,9 +342,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err is None:
             raise
         logger.debug("traceback", exc_info=True)
-        print(f"hybridtrain: error: {err}", file=sys.stderr)
+        _report(f"hybridtrain: error: {err}")
         return 2
     return 0
+
+
+def _report(message: str) -> None:
+    """Prints ``message`` to stderr, once over the workers of one launch
+    (:func:`hybridtrain.launch.first_to_report`)."""
+    from hybridtrain.launch import first_to_report
+
+    if first_to_report(message):
+        print(message, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

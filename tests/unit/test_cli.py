@@ -1,4 +1,4 @@
-"""CLI: help text, override plumbing, dist_env first, torchrun re-launch command, in-process
+"""CLI: help text, override plumbing, dist_env first, the --nproc-per-node launch, in-process
 under an external torchrun, lazily imported commands."""
 
 from __future__ import annotations
@@ -164,40 +164,48 @@ def test_merge_and_convert_dispatch(monkeypatch, tmp_path):
     assert seen["convert"] == ("runs/a/step_4", "out_hf")
 
 
-# -------------------------------------------------------------------------------- torchrun
-def test_build_torchrun_argv():
-    argv = cli.build_torchrun_argv(
-        "finetune", ["-c", "r.yaml", "--nproc-per-node", "4", "--training.max_steps=5",
-                     "--optimizer.lr", "1e-4"], 4, python="/usr/bin/python3")
-    assert argv == ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                    "--standalone", "-m", "hybridtrain", "finetune", "-c", "r.yaml",
-                    "--training.max_steps=5", "--optimizer.lr", "1e-4"]
+# -------------------------------------------------------------------------------- launcher
+def test_worker_argv_and_strip_nproc_flag():
+    from hybridtrain.launch import worker_argv
+
+    args = cli.strip_nproc_flag(["-c", "r.yaml", "--nproc-per-node", "4", "--training.max_steps=5",
+                                 "--optimizer.lr", "1e-4"])
+    assert worker_argv("finetune", args, python="/usr/bin/python3") == [
+        "/usr/bin/python3", "-m", "hybridtrain", "finetune", "-c", "r.yaml",
+        "--training.max_steps=5", "--optimizer.lr", "1e-4"]
     assert cli.strip_nproc_flag(["--nproc_per_node=2", "-c", "x", "--nproc-per-node", "8"]) \
         == ["-c", "x"]
 
 
-def test_nproc_relaunches_under_torchrun(recipe, fake_finetune, monkeypatch):
-    execs = []
+def test_an_error_is_reported_once_per_launch(tmp_path):
+    from hybridtrain.launch import first_to_report
 
-    def fake_execv(path, argv):
-        execs.append((path, argv))
-        raise SystemExit(0)
+    env = {"HYBRIDTRAIN_ERROR_DIR": str(tmp_path)}
+    assert first_to_report("hybridtrain: error: x", env)  # the first worker prints it
+    assert not first_to_report("hybridtrain: error: x", env)  # the others do not
+    assert first_to_report("hybridtrain: error: y", env)  # another message is printed
+    assert first_to_report("hybridtrain: error: x", {})  # not launched by hybridtrain: always
 
-    monkeypatch.setattr(cli.os, "execv", fake_execv)
-    with pytest.raises(SystemExit):
-        cli.main(["finetune", "-c", str(recipe), "--nproc-per-node", "2",
-                  "--training.max_steps=3"])
-    (path, argv), = execs
-    assert path == sys.executable
-    assert argv == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--standalone", "-m", "hybridtrain", "finetune", "-c", str(recipe),
-                    "--training.max_steps=3"]
+
+def test_nproc_starts_workers_and_returns_their_status(recipe, fake_finetune, monkeypatch):
+    import hybridtrain.launch
+
+    launches = []
+
+    def fake_launch(command, args, nproc):
+        launches.append((command, args, nproc))
+        return 75
+
+    monkeypatch.setattr(hybridtrain.launch, "launch", fake_launch)
+    assert cli.main(["finetune", "-c", str(recipe), "--nproc-per-node", "2",
+                     "--training.max_steps=3"]) == 75
+    assert launches == [("finetune", ["-c", str(recipe), "--training.max_steps=3"], 2)]
     assert os.environ["HYBRIDTRAIN_TEST_FLAG"] == "1"  # children inherit dist_env
     assert fake_finetune == []
 
 
 def test_external_torchrun_runs_in_process(recipe, fake_finetune, monkeypatch):
-    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("must not re-launch"))
+    monkeypatch.setattr("hybridtrain.launch.launch", lambda *a: pytest.fail("must not re-launch"))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -208,7 +216,7 @@ def test_external_torchrun_runs_in_process(recipe, fake_finetune, monkeypatch):
 
 
 def test_nproc_one_runs_in_process(recipe, fake_finetune, monkeypatch):
-    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("must not re-launch"))
+    monkeypatch.setattr("hybridtrain.launch.launch", lambda *a: pytest.fail("must not re-launch"))
     assert cli.main(["finetune", "-c", str(recipe), "--nproc-per-node=1"]) == 0
     assert len(fake_finetune) == 1
 

@@ -27,13 +27,15 @@ null) or no ``peft`` key leaves it off.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridtrain.config.dtypes import DTYPE_NAMES
 
-__all__ = ["K", "Section", "SECTIONS", "TOP_LEVEL_KEYS", "section_defaults"]
+__all__ = ["K", "Section", "SECTIONS", "TOP_LEVEL_KEYS", "section_defaults", "parse_duration",
+           "parse_signals"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,9 @@ TRAINING = {
     "deterministic": K(False, "torch.use_deterministic_algorithms + deterministic kernels"),
     "gc_every_steps": K(None, "run gc.collect() every N steps (null: Python default)",
                         _OPT_INT),
+    "max_time": K(None, "wall-clock limit of the run, e.g. '3h50m', '45m', '90s' (units d, h, "
+                        "m, s): the run saves a checkpoint and exits 75 early enough for the save "
+                        "to finish before it; null -> no limit", (str, int, float, type(None))),
 }
 
 DATALOADER = {
@@ -185,6 +190,10 @@ CHECKPOINT = {
                             "(bfloat16 for a bf16 Hub checkpoint), else the parameter dtype",
                     choices=("auto", *DTYPE_NAMES)),
     "save_merged_hf": K(False, "LoRA: also write a merged full-weight HF dir (merged_hf/)"),
+    "save_on_signal": K(["SIGTERM", "SIGUSR1"], "signals that stop the run at the next step "
+                                                "boundary with a checkpoint and exit 75 (resume "
+                                                "with checkpoint.resume: auto); [] -> the "
+                                                "signals' default action", (list,)),
 }
 
 PEFT = {
@@ -198,6 +207,62 @@ PEFT = {
     "match_all_linear": K(False, "adapt every linear layer (except lm_head/embeddings)"),
 }
 
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration written with units, largest first: ``"3h50m"``, ``"45m"``,
+    ``"90s"``, ``"1d2h"``, ``"1.5h"``; ValueError for anything else (a bare number is refused:
+    its unit would be a guess)."""
+    s = str(text).strip().lower().replace(" ", "")
+    parts = _DURATION_RE.findall(s)
+    units = [u for _, u in parts]
+    if (not parts or "".join(n + u for n, u in parts) != s or len(set(units)) != len(units)
+            or units != sorted(units, key=lambda u: -_SECONDS[u])):
+        raise ValueError(f"{text!r} is not a duration: write it with units, largest first, "
+                         f"e.g. '3h50m', '45m', '90s' or '1d2h'")
+    seconds = sum(float(n) * _SECONDS[u] for n, u in parts)
+    if seconds <= 0:
+        raise ValueError(f"{text!r}: a time limit must be longer than 0s")
+    return seconds
+
+
+def parse_signals(names: list) -> list[int]:
+    """Signal numbers of ``['SIGTERM', 'USR1', ...]`` (with or without the SIG prefix, any
+    case); ValueError naming a name this system does not have or one that cannot be caught."""
+    import signal
+
+    out = []
+    for name in names:
+        key = str(name).strip().upper()
+        key = key if key.startswith("SIG") else "SIG" + key
+        sig = getattr(signal, key, None)
+        if not isinstance(sig, signal.Signals) or key.startswith("SIG_") or \
+                sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{name!r} is not a signal a run can catch (e.g. SIGTERM, SIGUSR1, "
+                             f"SIGUSR2, SIGINT)")
+        out.append(int(sig))
+    return out
+
+
+def _check_training(training: dict[str, Any]) -> tuple[str, str] | None:
+    if training["max_time"] is not None:
+        try:
+            parse_duration(training["max_time"])
+        except ValueError as e:
+            return "max_time", f"training.max_time: {e}"
+    return None
+
+
+def _check_checkpoint(checkpoint: dict[str, Any]) -> tuple[str, str] | None:
+    try:
+        parse_signals(checkpoint["save_on_signal"])
+    except ValueError as e:
+        return "save_on_signal", f"checkpoint.save_on_signal: {e}"
+    return None
 
 
 def _check_peft(peft: dict[str, Any]) -> tuple[str, str] | None:
@@ -350,12 +415,13 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("dataloader", "fixed", "data-loader options", DATALOADER),
     Section("packing", "fixed", "sequence packing", PACKING),
     Section("training", "fixed", "batch sizes, lengths, intervals, seed, dtype, clipping",
-            TRAINING),
+            TRAINING, check=_check_training),
     Section("optimizer", "fixed", "AdamW settings (or a _target_ mapping)", OPTIMIZER,
             target_ok=True),
     Section("lr_scheduler", "fixed", "warmup + constant/linear/cosine/WSD decay", LR_SCHEDULER,
             target_ok=True),
-    Section("checkpoint", "fixed", "output folder, checkpoints, resume, HF export", CHECKPOINT),
+    Section("checkpoint", "fixed", "output folder, checkpoints, resume, HF export", CHECKPOINT,
+            check=_check_checkpoint),
     Section("peft", "fixed", "LoRA (absent -> full fine-tuning)", PEFT, optional=True,
             check=_check_peft),
     Section("distributed", "fixed", "parallel layout and process-group options", DISTRIBUTED),

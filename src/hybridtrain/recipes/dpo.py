@@ -86,6 +86,7 @@ def run(cfg: Any) -> dict[str, Any]:
             batch = _with_reference(preference_batch([train_ds[i] for i in idx], pad), r.reference)
             rec = r.train(batch, loss_fn, micro_batch_size=2 * t.micro_batch_size)
             r.log({"step": step, **rec})
+            r.stop_if_requested(last=step == steps)
             if step == steps or (t.val_every_steps and step % t.val_every_steps == 0):
                 validate(step)
 

@@ -30,6 +30,7 @@ from hybridtrain.training.builder import (as_config, build, build_checkpointer,
                                           build_lr_scheduler, make_trainer)
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.preemption import stopping_at_once
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
 
@@ -62,9 +63,11 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
         lock.acquire()
     started = False
     try:
-        trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size, out_dir)
-        started = True
-        return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
+        with stopping_at_once(cfg):  # a signal before or after the steps: stop, lock released
+            trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size,
+                                                         out_dir, t_start)
+            started = True
+            return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
     finally:
         if lock is not None:
             lock.release()
@@ -93,7 +96,8 @@ def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
     return resume, clear
 
 
-def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str):
+def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str,
+           t_start: float | None = None):
     """Builds everything and checks the run folder (earlier run, resume point); writes nothing
     there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
     t = cfg.training
@@ -116,7 +120,7 @@ def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int
                             tensorboard_dir=cfg.metrics.tensorboard_dir,
                             progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
                             plot=cfg.metrics.plot)
-    trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics)
+    trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics, started=t_start)
     if resume is not None:
         trainer.resume(resume)
     return trainer, sched, checkpointer, clear

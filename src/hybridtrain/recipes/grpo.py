@@ -211,6 +211,7 @@ def run(cfg: Any) -> dict[str, Any]:
                    "skipped_updates": sum(x["skipped"] for x in recs),
                    **({"nonfinite_rewards": int((~torch.isfinite(rewards)).sum())}
                       if note is not None else {})})
+            r.stop_if_requested(last=step == (t.max_steps or 1))
 
         def headline(hist):
             first, last = mean_of(hist[:5], "reward"), mean_of(hist[-5:], "reward")

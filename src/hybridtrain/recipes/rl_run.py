@@ -14,6 +14,7 @@ from typing import Any
 from hybridtrain.config import ConfigNode
 from hybridtrain.fileio import atomic_write
 from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.preemption import Preempted, RunStop
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,8 @@ logger = logging.getLogger(__name__)
 class RLRun:
     """``Policy`` + frozen reference (the same recipe: the same initial weights) + metrics in
     ``checkpoint.dir``. A new run there replaces an earlier one only with
-    ``checkpoint.overwrite`` (RL runs do not resume)."""
+    ``checkpoint.overwrite`` (RL runs do not resume). Stops early, with a checkpoint, on a signal
+    or near ``training.max_time`` (:meth:`stop_if_requested`, called after every step)."""
 
     def __init__(self, cfg: ConfigNode, name: str, plot_extra: Sequence[str] = (),
                  loss_label: str = "loss"):
@@ -48,6 +50,8 @@ class RLRun:
             atomic_write(os.path.join(self.out_dir, "config.yaml"), cfg.to_yaml())
         self.history: list[dict] = []
         self.val_history: list[dict] = []
+        self.stop = RunStop.from_config(cfg, self.policy.device, self.t_start)
+        self.stop.install()  # until finish() or the early stop
 
     def train(self, batch: dict, loss_fn, cause: str | None = None, **kwargs) -> dict[str, Any]:
         """``policy.train``; a run that the skipped-update limit stops closes its logs first and
@@ -69,8 +73,32 @@ class RLRun:
         self.metrics.log_train(rec)
         self.metrics.progress(rec["step"], rec.get("loss"), rec.get("lr", 0.0), None)
 
+    def stop_if_requested(self, last: bool = False) -> None:
+        """At the end of every step, on every rank (collective): on a signal or near
+        ``training.max_time`` saves the Policy (``step_{N}``, N its optimizer updates; no
+        export) and raises :class:`~hybridtrain.training.preemption.Preempted`. Nothing after
+        the ``last`` step (the run finishes and saves anyway)."""
+        if not self.stop.active or last:
+            return
+        ck = self.cfg.checkpoint.enabled
+        if ck and self.stop.needs_timed_save():
+            with self.stop.saving():  # training.max_time: how long a save takes
+                self.policy.save_checkpoint(self.out_dir)
+        reason = self.stop.requested()
+        if reason is None:
+            return
+        where = "checkpoints are off (checkpoint.enabled: false): nothing was saved"
+        if ck:
+            with self.stop.saving():
+                where = f"saved {self.policy.save_checkpoint(self.out_dir)}"
+        self.stop.restore()
+        self.metrics.close()
+        raise Preempted(f"{reason}: {self.name} stopped after step {len(self.history)} of "
+                        f"{self.cfg.training.max_steps}; {where}")
+
     def finish(self, headline: Callable[[list[dict]], str]) -> dict[str, Any]:
         """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0)."""
+        self.stop.restore()
         ckpt = None
         if self.cfg.checkpoint.enabled:
             ckpt = self.policy.save_checkpoint(self.out_dir, export=self.cfg.checkpoint.save_hf_at_end)

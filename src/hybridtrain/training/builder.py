@@ -389,9 +389,13 @@ def make_evaluator(b: Built, section=None, dataset=None, tokenizer=None):
 
 def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
                  checkpointer: Checkpointer | None = None,
-                 metrics: MetricsLogger | None = None) -> Trainer:
+                 metrics: MetricsLogger | None = None, started: float | None = None) -> Trainer:
     """The recipe's :class:`Trainer` over what :func:`build` made (its plan's train step,
-    coordinates and clipping) with these schedulers, checkpoints and metrics."""
+    coordinates and clipping) with these schedulers, checkpoints and metrics; it stops early
+    on ``checkpoint.save_on_signal`` and ``training.max_time`` (counted from ``started``, a
+    ``time.perf_counter()``; default: now)."""
+    from hybridtrain.training.preemption import RunStop
+
     cfg = b.cfg
     t, ck = cfg.training, cfg.checkpoint
     evaluator = make_evaluator(b) if cfg.evaluation is not None else None
@@ -404,4 +408,5 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
         save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
         gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
-        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps, evaluator=evaluator)
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps, evaluator=evaluator,
+        stop=RunStop.from_config(cfg, b.device, started))

@@ -22,6 +22,11 @@ A run that diverges stops: after ``max_consecutive_skipped_steps`` non-finite st
 :meth:`Trainer.fit` raises :class:`TrainingDiverged` (no export is written). While such a streak
 lasts no checkpoint is saved, so rotation never replaces the last checkpoint taken before it.
 
+A run stops early on a signal or before ``training.max_time`` (``stop``, a
+:class:`~hybridtrain.training.preemption.RunStop`): at the step boundary every rank agrees on,
+it saves a checkpoint and :meth:`Trainer.fit` raises
+:class:`~hybridtrain.training.preemption.Preempted`.
+
 Layouts: the recipe lays the model out (``hybridtrain.distributed.plan.parallelize``, one
 process included) before the optimizer is built; :class:`TrainStep` runs the model's own forward
 (or, under pipeline parallelism, the plan's schedule step), and ``ParallelDims`` names the
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +53,7 @@ from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.precision import autocast_context
+from hybridtrain.training.preemption import Preempted, RunStop
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -158,6 +165,7 @@ class Trainer:
         max_consecutive_skipped_steps: int | None = None,
         val_accuracy: bool = False,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
+        stop: RunStop | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -188,6 +196,8 @@ class Trainer:
             raise ValueError("training.val_accuracy is not available under pipeline "
                              "parallelism (distributed.pp > 1); set it to false")
         self.evaluator = evaluator
+        self.stop = stop or RunStop()  # default: never stops early
+        self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
@@ -337,6 +347,29 @@ class Trainer:
             self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
             tokenizer=self.tokenizer, export=export, final=final)
 
+    def _save(self, final: bool = False) -> str | None:
+        """:meth:`save_checkpoint`, timed by ``stop`` (a signal meanwhile is only noted)."""
+        with self.stop.saving():
+            path = self.save_checkpoint(final=final)
+        self._saved_step = self.sched.step
+        return path
+
+    def _stop_early(self, reason: str, last_ckpt: str | None) -> None:
+        """Saves (unless this step is saved already) and raises :class:`Preempted`."""
+        step = self.sched.step
+        if self.checkpointer is None or not self.save_ckpt:
+            where = "checkpoints are off (checkpoint.enabled: false): nothing was saved"
+        elif self._nonfinite_streak:
+            where = (f"no checkpoint written (the last {self._nonfinite_streak} steps were "
+                     f"non-finite); latest is {self.checkpointer.latest()}")
+        else:
+            path = last_ckpt if self._saved_step == step else self._save()
+            where = f"saved {path}; resume with --checkpoint.resume=auto"
+        if self.metrics is not None:
+            self.metrics.close()
+        raise Preempted(f"{reason}: stopped after step {step} of {self.sched.max_steps}; "
+                        f"{where}")
+
     def resume(self, path: str) -> None:
         assert self.checkpointer is not None
         self.checkpointer.load(path, self.model, self.optimizer, self.lr_scheduler, self.sched)
@@ -377,20 +410,11 @@ class Trainer:
             "training.max_consecutive_skipped_steps sets the limit (null: never stop)")
 
     # -- the loop ----------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
-        """Trains until ``max_steps``; returns a summary (paths, first/last loss, times)."""
+    def _train_loop(self, batches) -> str | None:
+        """Steps until ``max_steps`` (or an early stop); returns the last checkpoint saved."""
         import gc
 
-        sched = self.sched
-        t_start = time.perf_counter()
-        last_ckpt = None
-        if self.metrics is not None:
-            self.metrics.open(sched.step, sched.max_steps)
-        if self.val_dataset is not None and sched.step == 0:  # the starting point of the curve
-            self._validate_and_log()
-        batches = sched.train_batches(
-            lambda sampler: self.make_loader(self.train_dataset, sampler),
-            len(self.train_dataset), dp_rank=self.dims.dp_rank)
+        sched, last_ckpt = self.sched, None
         while not sched.done:
             micro_batches = next(batches)
             rec = self.train_one_step(micro_batches)
@@ -408,7 +432,32 @@ class Trainer:
                 self._validate_and_log()
             if (self.checkpointer is not None and self.save_ckpt and sched.is_ckpt_step
                     and (self._nonfinite_streak == 0 or sched.done)):
-                last_ckpt = self.save_checkpoint(final=sched.done)
+                last_ckpt = self._save(final=sched.done)
+            if sched.done:
+                break
+            if self.checkpointer is not None and self.save_ckpt and self.stop.needs_timed_save():
+                last_ckpt = self._save()  # training.max_time: how long a save takes
+            reason = self.stop.requested()
+            if reason is not None:
+                self._stop_early(reason, last_ckpt)
+        if self.stop.received:
+            logger.warning("%s received after the last step: the run finished",
+                           ", ".join(sorted({signal.Signals(x).name for x in self.stop.received})))
+        return last_ckpt
+
+    def fit(self) -> dict[str, Any]:
+        """Trains until ``max_steps``; returns a summary (paths, first/last loss, times)."""
+        sched = self.sched
+        t_start = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.open(sched.step, sched.max_steps)
+        if self.val_dataset is not None and sched.step == 0:  # the starting point of the curve
+            self._validate_and_log()
+        batches = sched.train_batches(
+            lambda sampler: self.make_loader(self.train_dataset, sampler),
+            len(self.train_dataset), dp_rank=self.dims.dp_rank)
+        with self.stop.catching():
+            last_ckpt = self._train_loop(batches)
         export_dir = None
         if self.save_hf_at_end and self.checkpointer is not None:
             if last_ckpt is None and self.save_ckpt:

@@ -1,0 +1,185 @@
+"""A one-process `finetune` stopped by SIGTERM / SIGUSR1 or `training.max_time`: it saves a
+checkpoint at the step reached, releases the run folder, exits 75, and the resumed run matches
+the uninterrupted one exactly. The signals are sent from a thread of this process once the
+first step is logged (the handlers are installed by then), never after a sleep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import yaml
+from tests.helpers.recipes import tiny_recipe
+
+from hybridtrain.cli import main
+from hybridtrain.config.schema import parse_duration
+from hybridtrain.runfolder import LOCK_NAME
+from hybridtrain.training.preemption import EXIT_PREEMPTED, RunStop
+
+STEPS = 8
+
+
+def _args(tmp_path, out, *extra):
+    recipe = tmp_path / "recipe.yaml"
+    if not recipe.exists():
+        recipe.write_text(yaml.safe_dump(tiny_recipe()))
+    return ["finetune", "-c", str(recipe), f"--checkpoint.dir={out}",
+            "--metrics.progress_bar=false", "--metrics.peak_tflops=1.0",
+            f"--training.max_steps={STEPS}", "--training.ckpt_every_steps=5",
+            "--checkpoint.save_hf_at_end=false", *extra]
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in open(out / "training.jsonl")]
+
+
+def _signal_after_first_step(out, sig: int) -> threading.Thread:
+    """Sends ``sig`` to this process once ``out/training.jsonl`` has a line and the run's
+    handler is installed (so a missing handler fails the test instead of killing pytest)."""
+    def send():
+        path = out / "training.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (path.exists() and path.stat().st_size):
+            time.sleep(0.02)
+        if signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            os.kill(os.getpid(), sig)
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    assert main(_args(tmp, tmp / "run")) == 0
+    return _records(tmp / "run")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_saves_exits_75_and_resumes_exactly(tmp_path, capsys, uninterrupted, sig):
+    out = tmp_path / "run"
+    before = signal.getsignal(sig)
+    sender = _signal_after_first_step(out, sig)
+    assert main(_args(tmp_path, out)) == EXIT_PREEMPTED
+    sender.join()
+    assert signal.getsignal(sig) is before  # handlers restored
+    reached = _records(out)[-1]["step"]
+    assert 1 <= reached < STEPS
+    assert (out / "latest").read_text().strip() == f"step_{reached}"
+    assert not (out / LOCK_NAME).exists()
+    err = capsys.readouterr().err
+    line = (f"hybridtrain: {sig.name} received: stopped after step {reached} of {STEPS}; saved "
+            f"{out}/step_{reached}; resume with --checkpoint.resume=auto")
+    assert [x for x in err.splitlines() if x.startswith("hybridtrain:")] == [line]
+    assert main(_args(tmp_path, out, "--checkpoint.resume=auto")) == 0
+    got = _records(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == \
+        [(r["loss"], r["grad_norm"]) for r in uninterrupted]
+
+
+def test_a_signal_during_a_save_lets_the_save_finish(tmp_path, capsys, monkeypatch):
+    """SIGTERM, then SIGUSR1, arrive while step_5 is being written: the save completes, the run
+    stops right after it (no second save of the same step) with exit 75."""
+    from hybridtrain.training import checkpoint
+
+    save = checkpoint.Checkpointer.save
+
+    def save_under_signals(self, step, *a, **kw):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return save(self, step, *a, **kw)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", save_under_signals)
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out)) == EXIT_PREEMPTED
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_5"]
+    assert not list(out.glob(".step_*"))
+    err = capsys.readouterr().err
+    assert "SIGTERM received: stopped after step 5" in err
+    assert "SIGTERM, SIGUSR1 received while a checkpoint was being written" in err
+
+
+def test_max_time_stops_with_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(_args(tmp_path, out, "--training.max_time=2s", "--training.max_steps=100000"))
+    assert code == EXIT_PREEMPTED
+    reached = _records(out)[-1]["step"]
+    assert (out / "latest").read_text().strip() == f"step_{reached}"
+    assert f"training.max_time=2s is near: stopped after step {reached} of 100000" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["90", "3m50h", "1x", "0s"])
+def test_max_time_needs_a_duration_with_units(tmp_path, capsys, value):
+    assert main(_args(tmp_path, tmp_path / "run", f"--training.max_time={value}")) == 2
+    err = capsys.readouterr().err
+    assert "training.max_time" in err and ("3h50m" in err or "longer than 0s" in err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_durations_and_signal_names():
+    assert parse_duration("3h50m") == 13800 and parse_duration("90s") == 90
+    assert parse_duration("45m") == 2700 and parse_duration("1d2h") == 93600
+    from hybridtrain.config import build_config
+
+    cfg = build_config({"checkpoint": {"save_on_signal": []}})
+    assert not RunStop.from_config(cfg).active  # [] -> the signals keep their default action
+    cfg = build_config({"checkpoint": {"save_on_signal": ["usr2", "SIGTERM"]}})
+    assert RunStop.from_config(cfg).signals == [signal.SIGUSR2, signal.SIGTERM]
+    with pytest.raises(ValueError, match="checkpoint.save_on_signal: 'SIGKILL' is not a signal"):
+        build_config({"checkpoint": {"save_on_signal": ["SIGKILL"]}})
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "grpo"])
+def test_rl_recipes_stop_on_a_signal_with_a_checkpoint(tmp_path, recipe):
+    import importlib
+
+    from tests.unit.test_rl_recipes import _recipe
+
+    from hybridtrain.training.preemption import Preempted
+
+    if recipe == "dpo":
+        data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
+                "path": {"_target_": "hybridtrain.data.write_synthetic_preferences",
+                         "path": str(tmp_path / "train.jsonl"), "num_pairs": 40}}
+        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.data.synthetic_preference_texts",
+                                 "num_pairs": 200}, dataset=data)
+    else:
+        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100},
+                      grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                            "max_new_tokens": 2})
+    cfg["training"]["max_steps"] = 50
+    out = tmp_path / "run"
+    sender = _signal_after_first_step(out, signal.SIGUSR1)
+    with pytest.raises(Preempted, match=rf"SIGUSR1 received: {recipe} stopped after step \d+ "
+                                        "of 50; saved .*step_"):
+        importlib.import_module(f"hybridtrain.recipes.{recipe}").run(cfg)
+    sender.join()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    reached = _records(out)[-1]["step"]
+    assert 1 <= reached < 50 and (out / "latest").exists()
+
+
+def test_a_signal_during_start_up_stops_at_once_and_frees_the_folder(tmp_path, capsys,
+                                                                      monkeypatch):
+    from hybridtrain.recipes import finetune
+
+    build = finetune.build
+
+    def build_then_signal(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler raises at once
+        return build(*a, **kw)
+
+    monkeypatch.setattr(finetune, "build", build_then_signal)
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out)) == EXIT_PREEMPTED
+    assert "SIGTERM received outside the training steps" in capsys.readouterr().err
+    assert not out.exists()  # nothing written; the lock released with the empty folder
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
