@@ -30,6 +30,7 @@ gradient is summed over the group once; the weight gradient stays with the rank'
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.ops import backend, liger
 from hybridtrain.ops.backend import auto_chunk_size, pad_rows, unpad_rows
 from hybridtrain.ops.base2 import LOG2E
 from hybridtrain.ops.labels import IGNORE_INDEX
@@ -121,7 +123,10 @@ def cross_entropy_sum(
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     hidden, labels, _ = _label_rows(hidden, labels, ignore_index)
     chunk_size = chunk_size or max(hidden.shape[0], 1)  # a vocab-parallel head: one chunk
-    vocab = _vocab(labels, ignore_index, tp, weight)
+    impl = _implementation(tp)
+    if impl == "liger" and not recompute:
+        return liger.linear_cross_entropy(hidden, weight, labels, ignore_index, _compute_dtype(hidden, weight), "sum")
+    vocab = _vocab(labels, ignore_index, tp, weight, compiled=impl != "torch")
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.no_grad():
             return _forward_pass(hidden, weight, chunk_size, _compute_dtype(hidden, weight), vocab)[0]
@@ -153,8 +158,13 @@ def token_logprobs(
     n = labels.shape[0]
     rows, row_labels, idx = _label_rows(hidden, labels, ignore_index)
     chunk_size = chunk_size or max(rows.shape[0], 1)
-    logp = _ChunkedTokenLogprobs.apply(rows, weight, chunk_size,
-                                       _vocab(row_labels, ignore_index, tp, weight))
+    impl = _implementation(tp)
+    if impl == "liger":  # (Liger's per-token losses: lse - logit, 0 at ignored rows)
+        logp = liger.linear_cross_entropy(rows, weight, row_labels, ignore_index, _compute_dtype(rows, weight),
+                                          "none").neg()
+    else:
+        logp = _ChunkedTokenLogprobs.apply(rows, weight, chunk_size,
+                                           _vocab(row_labels, ignore_index, tp, weight, compiled=impl != "torch"))
     logp = unpad_rows(logp, n if idx is None else idx.shape[0])
     if idx is not None:  # back to every position (ignored ones 0)
         logp = logp.new_zeros(n).index_copy(0, idx, logp)
@@ -251,7 +261,7 @@ def _resolve(hidden, weight, labels, chunk_size, name):
         _check_chunk_size(chunk_size)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    return auto_chunk_size(weight.shape[0]) if chunk_size == "auto" else chunk_size
+    return auto_chunk_size(weight.shape[0], hidden.device.type) if chunk_size == "auto" else chunk_size
 
 
 def _label_rows(hidden, labels, ignore_index):
@@ -288,7 +298,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # gradient), ``_fused_pass`` (forward with the gradients at unit scale, for
 # ``recompute=False``), ``_recompute_pass`` (gradients from a saved log-sum-exp). Each takes the
 # per-chunk math from a vocabulary object: :class:`_Vocab` (the whole vocabulary on this rank;
-# its functions may be compiled, see ``ops.fused_loss``) or :class:`_VocabShard` (a
+# its functions may be compiled: ``_compiled_chunk_fns``) or :class:`_VocabShard` (a
 # vocab-parallel head: the reductions over the vocabulary are all-reduced).
 # Softmax in base 2 (see ``ops.base2``): ``exp(x - m) = 2^(x log2(e) - m log2(e))``, one fused
 # pass from the matmul output to the fp32 exponent, then exp2.
@@ -388,7 +398,11 @@ def _pick(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype) -> torch
 
 def _exp_shifted(logits, shift):
     """fp32 exp(logits - shift) as 2^(logits log2(e) - shift log2(e)): one pass to the exponent
-    (in place for fp32 logits) and exp2. shift [rows, 1] fp32 (fp64 for fp64 logits)."""
+    (in place for fp32 logits) and exp2. shift [rows, 1] fp32 (fp64 for fp64 logits). Under
+    torch.compile the functional form, which the compiler fuses into one pass (written as a
+    difference: inductor on CPU, torch 2.13, folds ``add(.., mm, alpha=)`` into a wrong addmm)."""
+    if torch.compiler.is_compiling():
+        return (logits.to(shift.dtype) * LOG2E - shift * LOG2E).exp2()
     out = logits if logits.dtype == shift.dtype else torch.empty(logits.shape, dtype=shift.dtype,
                                                                   device=logits.device)
     return torch.add(shift * -LOG2E, logits, alpha=LOG2E, out=out).exp2_()
@@ -403,7 +417,7 @@ def _sub_label(g: torch.Tensor, labels: torch.Tensor, weight_rows: torch.Tensor)
 
 # The per-chunk math of the whole vocabulary (h [c, H], w [V, H] in the matmul dtype; labels
 # [c] valid ids, 0 standing in at ignored rows; weight_rows [c] zero there). Plain functions of
-# tensors, so that ``ops.fused_loss`` can compile them unchanged.
+# tensors, so that ``_compiled_chunk_fns`` can compile them unchanged.
 def chunk_logsumexp(h, w, labels):
     """(fp32 log-sum-exp [c], fp32 label logit [c]) of the chunk's logits ``h @ w.T``."""
     logits = h @ w.t()
@@ -432,10 +446,9 @@ def chunk_recomputed_grad(h, w, labels, lse, weight_rows):
 
 class _Vocab:
     """The head's whole vocabulary on this rank: every reduction over it is local. ``fns``:
-    the three chunk functions (``ops.fused_loss`` passes compiled ones)."""
+    the three chunk functions (eager, or ``_compiled_chunk_fns``)."""
 
-    def __init__(self, labels: torch.Tensor, ignore_index: int,
-                 fns=(chunk_logsumexp, chunk_softmax_grad, chunk_recomputed_grad)):
+    def __init__(self, labels: torch.Tensor, ignore_index: int, fns):
         self.valid = labels != ignore_index
         self.labels = torch.where(self.valid, labels, torch.zeros_like(labels))  # 0 stands in; masked
         self.fns = fns
@@ -500,10 +513,29 @@ class _VocabShard:
         dist.all_reduce(grad_hidden, group=self.group)  # every rank's vocabulary slice
 
 
-def _vocab(labels, ignore_index, tp, weight, fns=None):
+def _implementation(tp) -> str:
+    """The one dispatch point of the chunked functions: ``backend.settings().fused_loss``
+    (``torch``, ``compiled`` or ``liger``, from ``training.fused_loss``). A vocab-parallel head
+    takes the torch loop (its all-reduces sit between the chunk's reductions)."""
+    return "torch" if tp is not None else backend.settings().fused_loss
+
+
+def _vocab(labels, ignore_index, tp, weight, compiled=False):
     if tp is not None:
         return _VocabShard(labels, ignore_index, tp, weight.shape[0])
-    return _Vocab(labels, ignore_index) if fns is None else _Vocab(labels, ignore_index, fns)
+    return _Vocab(labels, ignore_index, _compiled_chunk_fns() if compiled else _EAGER_CHUNK_FNS)
+
+
+_EAGER_CHUNK_FNS = (chunk_logsumexp, chunk_softmax_grad, chunk_recomputed_grad)
+
+
+@functools.cache
+def _compiled_chunk_fns():
+    """The chunk functions under ``torch.compile`` (one graph each, shapes dynamic: the label
+    count changes every step). On CUDA the softmax, the loss terms and the logit gradient fuse
+    into one or two kernels after the matmul, so no fp32 ``[chunk, vocab]`` buffer is written;
+    the first call of each compiles (seconds to a minute)."""
+    return tuple(torch.compile(fn, fullgraph=True, dynamic=True) for fn in _EAGER_CHUNK_FNS)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
