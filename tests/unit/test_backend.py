@@ -157,3 +157,9 @@ def test_backend_recipe_keys_reach_the_run_and_its_config_yaml(restore_settings)
     assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] is False
     build(cfg, "cpu", data=False)
     assert backend.settings().mamba_kernels is False and backend.settings().fused_loss == "compiled"
+
+
+def test_the_old_mamba_kernels_variable_is_refused(restore_settings, monkeypatch):
+    monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")
+    with pytest.raises(ValueError, match="training.mamba_kernels"):
+        configure_backend("cpu", torch.float32, cpu_allocator="system")
