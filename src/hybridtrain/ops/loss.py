@@ -21,6 +21,14 @@ gradient is accumulated over chunks in fp32 and returned in the weight's dtype.
 
 Labels are aligned with ``hidden`` (the caller shifts them for next-token prediction).
 
+Implementation (``training.fused_loss``, read from ``ops.backend.settings()`` in one place,
+:func:`_implementation`): ``torch``, the chunk loop below (CPU default; fp32 bit-identical to
+earlier runs); ``compiled``, the same loop with its chunk functions under ``torch.compile`` (on
+CUDA the softmax and the logit gradient fuse after the matmul: no fp32 chunk in memory);
+``liger``, Liger-Kernel's fused linear cross-entropy (:mod:`hybridtrain.ops.liger`; per-token
+log-probs too; ``recompute=True`` takes the compiled chunks, Liger holds its gradients from
+forward). A vocab-parallel head always takes the torch loop.
+
 Vocab-parallel head: when the weight is a DTensor sharded over the vocabulary (``Shard(0)`` on a
 1-D tensor-parallel mesh), each rank forms only its vocabulary slice of every chunk's logits; the
 row maximum and then the sum of exponentials and the label's logit are all-reduced over the
