@@ -131,7 +131,7 @@ def cross_entropy_sum(
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     hidden, labels, _ = _label_rows(hidden, labels, ignore_index)
     chunk_size = chunk_size or max(hidden.shape[0], 1)  # a vocab-parallel head: one chunk
-    impl = _implementation(tp)
+    impl = _implementation(tp, hidden)
     if impl == "liger" and not recompute:
         return liger.linear_cross_entropy(hidden, weight, labels, ignore_index, _compute_dtype(hidden, weight), "sum")
     vocab = _vocab(labels, ignore_index, tp, weight, compiled=impl != "torch")
@@ -166,7 +166,7 @@ def token_logprobs(
     n = labels.shape[0]
     rows, row_labels, idx = _label_rows(hidden, labels, ignore_index)
     chunk_size = chunk_size or max(rows.shape[0], 1)
-    impl = _implementation(tp)
+    impl = _implementation(tp, rows)
     if impl == "liger":  # (Liger's per-token losses: lse - logit, 0 at ignored rows)
         logp = liger.linear_cross_entropy(rows, weight, row_labels, ignore_index, _compute_dtype(rows, weight),
                                           "none").neg()
@@ -521,11 +521,14 @@ class _VocabShard:
         dist.all_reduce(grad_hidden, group=self.group)  # every rank's vocabulary slice
 
 
-def _implementation(tp) -> str:
+def _implementation(tp, rows: torch.Tensor) -> str:
     """The one dispatch point of the chunked functions: ``backend.settings().fused_loss``
     (``torch``, ``compiled`` or ``liger``, from ``training.fused_loss``). A vocab-parallel head
-    takes the torch loop (its all-reduces sit between the chunk's reductions)."""
-    return "torch" if tp is not None else backend.settings().fused_loss
+    takes the torch loop (its all-reduces sit between the chunk's reductions), and so does a
+    batch without label rows (Liger divides by the row count)."""
+    if tp is not None or rows.shape[0] == 0:
+        return "torch"
+    return backend.settings().fused_loss
 
 
 def _vocab(labels, ignore_index, tp, weight, compiled=False):
