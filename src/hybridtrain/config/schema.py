@@ -107,6 +107,15 @@ TRAINING = {
                           "override the detection (ops/backend.py)", (bool, str)),
     "grouped_mm": K(True, "CUDA bf16 MoE experts through torch grouped_mm; false -> a loop over "
                           "experts (ops/backend.py)"),
+    "fused_loss": K("auto", "the linear cross-entropy's implementation: torch (chunked PyTorch "
+                            "loop), compiled (its chunk functions under torch.compile), liger "
+                            "(Liger-Kernel's fused Triton kernel, extra hybridtrain[cuda]); auto -> "
+                            "liger on CUDA where it imports, else compiled on CUDA, torch on CPU "
+                            "(ops/backend.py)", choices=("auto", "torch", "compiled", "liger")),
+    "mamba_kernels": K("auto", "Mamba2 through the mamba_ssm / causal_conv1d CUDA kernels: auto -> "
+                               "where they import, for CUDA tensors; true -> always (a missing "
+                               "package is an error; CUDA only); false -> the PyTorch path "
+                               "(ops/backend.py)", (bool, str), choices=("auto",)),
     "loss_chunk_size": K("auto", "tokens per chunk of the linear cross-entropy (logits never "
                                  "materialised whole); auto -> 2^25 logits per chunk (128 MiB in "
                                  "fp32): 1024 tokens at a 32k vocabulary, 256 at 131k; null -> "

@@ -19,6 +19,13 @@ precision. What is tuned, with its recipe key:
 * **grouped expert GEMMs on CUDA** (``training.grouped_mm``): bf16 experts through one
   ``torch.nn.functional.grouped_mm`` per projection (no host sync) instead of a loop over experts;
   :func:`disable_grouped_mm` turns it off for the process where the kernel fails.
+* **the linear cross-entropy's implementation** (``training.fused_loss``, :func:`resolve_fused_loss`):
+  ``torch`` (the chunked PyTorch loop of ``ops.loss``), ``compiled`` (its chunk functions under
+  ``torch.compile``), ``liger`` (Liger-Kernel's fused linear cross-entropy, a Triton kernel);
+  ``auto`` -> liger on CUDA where it imports, else compiled on CUDA, torch elsewhere.
+* **the Mamba kernels** (``training.mamba_kernels``): ``auto`` -> the ``mamba_ssm`` /
+  ``causal_conv1d`` kernels for CUDA tensors where they import; ``true`` -> always (a missing
+  package is an error); ``false`` -> the PyTorch path.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import importlib.util
 import logging
+import os
 import time
 import warnings
 
@@ -39,13 +48,16 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BackendSettings", "configure_backend", "settings", "using", "disable_grouped_mm",
     "pad_rows", "unpad_rows", "configure_cpu_allocator", "cpu_bf16_flags", "cpu_has_native_bf16",
-    "auto_dtype", "auto_chunk_size", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
+    "auto_dtype", "auto_chunk_size", "resolve_fused_loss", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
+    "FUSED_LOSS_CHOICES",
 ]
 
 CPU_LOWP_ROW_MULTIPLE = 64
 CPU_BF16_MIN_HIDDEN = 256
 AUTO_CHUNK_LOGITS = 1 << 25
+AUTO_CHUNK_LOGITS_CUDA = 1 << 28
 ALLOCATOR_CHOICES = ("auto", "heap", "system")
+FUSED_LOSS_CHOICES = ("auto", "torch", "compiled", "liger")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +67,8 @@ class BackendSettings:
     gemm_row_multiple: int = 1  # rows of varying-count GEMM operands are padded to this multiple
     grouped_mm: bool = True  # CUDA bf16 experts: torch grouped_mm (else a loop over experts)
     cpu_allocator: str = "system"  # in effect: heap, system, or "system (not glibc)"
+    fused_loss: str = "torch"  # the linear cross-entropy: torch, compiled or liger
+    mamba_kernels: bool | str = "auto"  # mamba_ssm / causal_conv1d: auto (CUDA tensors), True, False
 
 
 _settings = BackendSettings()
@@ -65,18 +79,30 @@ def settings() -> BackendSettings:
 
 
 def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_allocator: str = "auto",
-                      grouped_mm: bool = True) -> BackendSettings:
+                      grouped_mm: bool = True, fused_loss: str = "auto",
+                      mamba_kernels: bool | str = "auto") -> BackendSettings:
     """Tunes this process for training on ``device`` with compute ``dtype`` (the resolved
-    ``training.dtype``); ``cpu_allocator`` / ``grouped_mm``: the ``training.`` keys of those
-    names. The allocator setting is process-wide and not undone. Returns the settings in effect."""
+    ``training.dtype``); ``cpu_allocator`` / ``grouped_mm`` / ``fused_loss`` / ``mamba_kernels``:
+    the ``training.`` keys of those names. The allocator setting is process-wide and not undone.
+    Returns the settings in effect."""
     global _settings
     if not isinstance(grouped_mm, bool):
         raise ValueError(f"training.grouped_mm: {grouped_mm!r} is not true or false")
+    if mamba_kernels not in (True, False, "auto"):
+        raise ValueError(f"training.mamba_kernels: {mamba_kernels!r} is not one of auto, true, false")
+    if "HYBRIDTRAIN_MAMBA_KERNELS" in os.environ:  # read no more: the recipe records the choice
+        raise ValueError("HYBRIDTRAIN_MAMBA_KERNELS is no longer read; unset it and set the recipe key "
+                         "training.mamba_kernels (auto, true or false; e.g. --training.mamba_kernels=false)")
     device = torch.device(device)
+    if mamba_kernels is True and device.type != "cuda":
+        raise ValueError(f"training.mamba_kernels: true needs a CUDA device (this run computes on "
+                         f"{device.type}); set it to auto or false")
     lowp_cpu = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     _settings = BackendSettings(gemm_row_multiple=CPU_LOWP_ROW_MULTIPLE if lowp_cpu else 1,
                                 grouped_mm=grouped_mm,
-                                cpu_allocator=configure_cpu_allocator(cpu_allocator, device))
+                                cpu_allocator=configure_cpu_allocator(cpu_allocator, device),
+                                fused_loss=resolve_fused_loss(fused_loss, device),
+                                mamba_kernels=mamba_kernels)
     log.info("backend: %s", _settings)
     return _settings
 
@@ -244,12 +270,37 @@ def auto_dtype(device: torch.device | str, hidden_size: int | None = None,
     return torch.bfloat16, why
 
 
+# -- the linear cross-entropy's implementation --------------------------------------------------
+def resolve_fused_loss(mode: str, device: torch.device | str) -> str:
+    """``training.fused_loss`` -> ``torch``, ``compiled`` or ``liger`` for a run on ``device``.
+    ``auto``: liger on CUDA where ``liger_kernel`` imports, else compiled on CUDA (no fp32
+    logits chunk in memory: the chunk's softmax and gradient fuse into one or two kernels), torch
+    elsewhere (on CPU the eager chunk loop is as fast and bit-identical to earlier runs).
+    ``liger`` needs ``liger_kernel`` (extra ``hybridtrain[cuda]``)."""
+    if mode not in FUSED_LOSS_CHOICES:
+        raise ValueError(f"training.fused_loss: {mode!r} is not one of {', '.join(FUSED_LOSS_CHOICES)}")
+    has_liger = importlib.util.find_spec("liger_kernel") is not None
+    if mode == "liger" and not has_liger:
+        raise ValueError("training.fused_loss: liger needs the liger-kernel package (pip install "
+                         "'hybridtrain[cuda]' or liger-kernel); set it to auto, compiled or torch")
+    if mode != "auto":
+        return mode
+    if torch.device(device).type != "cuda":
+        return "torch"
+    return "liger" if has_liger else "compiled"
+
+
 # -- the auto loss chunk ------------------------------------------------------------------------
-def auto_chunk_size(vocab_size: int) -> int:
+def auto_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
     """Tokens per chunk for ``loss_chunk_size: auto``: about 2^25 logits (128 MiB in fp32) per
     chunk, a multiple of 64 tokens, at least 64. Large enough for full-speed GEMMs, small enough
     that the per-chunk buffers neither spill far out of cache nor churn the allocator: 16 x 512
     tokens of the 48M MoE (vocabulary 32000) took 7-9 s per bf16 step with 4096-token chunks
     (glibc returned the 0.5 GiB buffers and page-faulted them in again every step) and 5.3 s
-    with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory."""
-    return max(64, AUTO_CHUNK_LOGITS // max(vocab_size, 1) // 64 * 64)
+    with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory.
+
+    On CUDA about 2^28 logits (2048 tokens at 131k; 0.5 GiB in bf16): each chunk reads and
+    writes the fp32 weight gradient once (2.8 GB for a 131k x 2688 head, ~1 ms of HBM time), so
+    256-token chunks spent ~30 ms of an H100 step on it alone."""
+    budget = AUTO_CHUNK_LOGITS_CUDA if device_type == "cuda" else AUTO_CHUNK_LOGITS
+    return max(64, budget // max(vocab_size, 1) // 64 * 64)

@@ -264,7 +264,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
     for dt, dname in zip(dtypes, dtype_names):
-        configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
+        configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
+                          fused_loss=t.fused_loss, mamba_kernels=t.mamba_kernels)
         train_step = make_train_step(b.plan, autocast_dtype(dt))
         peak = peak_for(dt)
         if opts["data"] == "recipe":

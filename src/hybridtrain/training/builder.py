@@ -295,7 +295,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     spec = model_spec_for(model)
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
-    configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
+    configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
+                      fused_loss=t.fused_loss, mamba_kernels=t.mamba_kernels)
     autocast_dtype = autocast_dtype_of(compute_dtype)
     save_dtype = resolve_save_dtype(cfg.checkpoint.save_dtype, model)  # before LoRA / sharding
     if tokenizer is not None and len(tokenizer) > model_config.vocab_size:
