@@ -159,7 +159,17 @@ def test_backend_recipe_keys_reach_the_run_and_its_config_yaml(restore_settings)
     assert backend.settings().mamba_kernels is False and backend.settings().fused_loss == "compiled"
 
 
-def test_the_old_mamba_kernels_variable_is_refused(restore_settings, monkeypatch):
+def test_the_mamba_kernels_variable_sets_the_recipe_default(monkeypatch):
+    """``HYBRIDTRAIN_MAMBA_KERNELS`` only sets the default of ``training.mamba_kernels``: the
+    resolved value is in config.yaml, and the recipe's own value wins."""
+    import yaml
+
+    from hybridtrain.config import build_config
+    from tests.helpers.recipes import tiny_recipe
+
     monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")
-    with pytest.raises(ValueError, match="training.mamba_kernels"):
-        configure_backend("cpu", torch.float32, cpu_allocator="system")
+    cfg = build_config(tiny_recipe(), allowed_target_prefixes=["tests."])
+    assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] is False
+    cfg = build_config(tiny_recipe(), ["--training.mamba_kernels=auto"],
+                       allowed_target_prefixes=["tests."])
+    assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] == "auto"

@@ -90,9 +90,6 @@ def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_all
         raise ValueError(f"training.grouped_mm: {grouped_mm!r} is not true or false")
     if mamba_kernels not in (True, False, "auto"):
         raise ValueError(f"training.mamba_kernels: {mamba_kernels!r} is not one of auto, true, false")
-    if "HYBRIDTRAIN_MAMBA_KERNELS" in os.environ:  # read no more: the recipe records the choice
-        raise ValueError("HYBRIDTRAIN_MAMBA_KERNELS is no longer read; unset it and set the recipe key "
-                         "training.mamba_kernels (auto, true or false; e.g. --training.mamba_kernels=false)")
     device = torch.device(device)
     if mamba_kernels is True and device.type != "cuda":
         raise ValueError(f"training.mamba_kernels: true needs a CUDA device (this run computes on "
