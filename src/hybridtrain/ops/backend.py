@@ -19,6 +19,10 @@ precision. What is tuned, with its recipe key:
 * **grouped expert GEMMs on CUDA** (``training.grouped_mm``): bf16 experts through one
   ``torch.nn.functional.grouped_mm`` per projection (no host sync) instead of a loop over experts;
   :func:`disable_grouped_mm` turns it off for the process where the kernel fails.
+* **fp32 CPU decoding forms** (:func:`cpu_decode_forms`, :func:`few_rows_linear`,
+  :func:`transposed_head`): the product forms MKL runs fastest for a step's few rows, the fused
+  Mamba2 step and the host-grouped MoE step, where a decoding step runs eagerly in fp32 on CPU.
+* **decoding as one CUDA graph** (:func:`decode_graph`): a step captured once and replayed.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ __all__ = [
     "BackendSettings", "configure_backend", "settings", "using", "disable_grouped_mm",
     "pad_rows", "unpad_rows", "configure_cpu_allocator", "cpu_bf16_flags", "cpu_has_native_bf16",
     "auto_dtype", "auto_chunk_size", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
+    "cpu_decode_forms", "few_rows_linear", "transposed_head", "decode_graph",
 ]
 
 CPU_LOWP_ROW_MULTIPLE = 64
@@ -55,6 +60,8 @@ class BackendSettings:
     gemm_row_multiple: int = 1  # rows of varying-count GEMM operands are padded to this multiple
     grouped_mm: bool = True  # CUDA bf16 experts: torch grouped_mm (else a loop over experts)
     cpu_allocator: str = "system"  # in effect: heap, system, or "system (not glibc)"
+    cpu_decode_forms: bool = True  # eager fp32 CPU decoding: the forms measured fastest there
+    decode_graph: bool = True  # CUDA decoding: the step captured once as a CUDA graph, replayed
 
 
 _settings = BackendSettings()
@@ -253,3 +260,49 @@ def auto_chunk_size(vocab_size: int) -> int:
     (glibc returned the 0.5 GiB buffers and page-faulted them in again every step) and 5.3 s
     with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory."""
     return max(64, AUTO_CHUNK_LOGITS // max(vocab_size, 1) // 64 * 64)
+
+
+# -- decoding -----------------------------------------------------------------------------------
+# A decoding step multiplies a few rows by every weight, and there the form of the product
+# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
+# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
+# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
+#   rows           1     2     4     8
+#   x @ W^T      5.8  12.5  20.3  23.0
+#   W @ x^T      5.7   9.5   8.7  14.3
+#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
+TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
+
+
+def cpu_decode_forms(x: torch.Tensor) -> bool:
+    """Whether a decoding step over ``x`` takes the eager fp32 CPU forms (the product forms
+    below, the fused Mamba2 step, the MoE step grouped on the host): ``cpu_decode_forms`` is on,
+    ``x`` is fp32 on CPU outside autocast, and the step is not being compiled (the CPU forms
+    read a few ints on the host; a compiled step takes the device forms)."""
+    return (_settings.cpu_decode_forms and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the few rows of a decoding step: W @ x^T for 2+ rows where
+    :func:`cpu_decode_forms` holds (see the table above), else ``F.linear``."""
+    rows = x.numel() // x.shape[-1]
+    if rows < 2 or not cpu_decode_forms(x):
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def transposed_head(x: torch.Tensor, steps: int) -> bool:
+    """Whether the LM head of a decoding of ``steps`` steps over rows like ``x`` [b, H] runs
+    against a transposed copy of its weight (one row or two, fp32 CPU, long enough to pay)."""
+    return (x.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and steps >= TRANSPOSED_HEAD_MIN_STEPS
+            and cpu_decode_forms(x))
+
+
+def decode_graph(device: torch.device | str) -> bool:
+    """Whether decoding on ``device`` captures its step once as a CUDA graph and replays it."""
+    return _settings.decode_graph and torch.device(device).type == "cuda"

@@ -201,3 +201,60 @@ class MoE(nn.Module):
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         return y.view(shape) + self.shared_experts(hidden_states)
+
+    # ------------------------------------------------------------------ cached decoding
+    def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer for the few tokens of a decoding step (one per row): the chosen experts
+        only, as :meth:`forward`. With the local experts and no eager fp32 CPU forms
+        (``ops.backend.cpu_decode_forms``): each token's k experts as one batched product over
+        their gathered weights, all on the device (no sort, no host sync: a captured CUDA graph
+        replays it); else grouped by expert on the host (a few ints) instead of by sort /
+        bincount / scatter kernels, through the token dispatcher (expert parallelism)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, idx = self.route(x)
+        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        local = type(self.experts) is Experts and type(self.token_dispatcher) is LocalDispatcher
+        if local and not backend.cpu_decode_forms(x):
+            y = self._experts_gathered(h, weights, idx)
+        else:
+            y = self._experts_host_grouped(h, weights, idx, local)
+        y = y.to(hidden_states.dtype)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y)
+        return y.view(shape) + self.shared_experts.step(hidden_states)
+
+    def _experts_gathered(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Gate-weighted sum (fp32) of each token's k experts, h [T, H], idx [T, k]: the chosen
+        experts' weights gathered, one batched product per projection."""
+        T, k = idx.shape
+        ex = self.experts
+        e = idx.reshape(-1)
+        up, down = local_tensor(ex.up_proj)[e], local_tensor(ex.down_proj)[e]  # [T k, I, H], [T k, H, I]
+        hk = h[:, None].expand(T, k, h.shape[-1]).reshape(T * k, -1, 1)
+        y = torch.bmm(down, ex.act_fn(torch.bmm(up, hk.to(up.dtype))))  # [T k, H, 1]
+        return (y.view(T, k, -1).float() * weights[:, :, None].float()).sum(1)
+
+    def _experts_host_grouped(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                              local: bool) -> torch.Tensor:
+        """As :meth:`_experts_gathered`, the copies grouped by expert on the host."""
+        T, k = idx.shape
+        flat = idx.view(-1).tolist()
+        if T == 1 and local:
+            # one token (batch 1): its k experts one after the other, no grouping at all
+            ex = self.experts
+            ys = [F.linear(ex.act_fn(F.linear(h, ex.up_proj[e])), ex.down_proj[e]) for e in flat]
+            return (torch.cat(ys).float() * weights[0, :, None].float()).sum(0, keepdim=True)
+        order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
+        counts = [0] * self.experts.num_experts
+        for e in flat:
+            counts[e] += 1
+        # every row of the sorted copies is the one token when T == 1: no gather
+        sorted_h = h.expand(k, -1) if T == 1 else h[torch.tensor([i // k for i in order], device=h.device)]
+        y_sorted = self.token_dispatcher(self.experts, sorted_h, torch.tensor(counts, device=h.device))
+        inverse = [0] * (T * k)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        # as unpermute: back to the k copies of each token, gate-weighted sum over them in fp32
+        y = y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1).float() * weights[:, :, None].float()
+        return y.sum(dim=1)
