@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
 from hybridtrain.ops import backend
@@ -204,8 +205,10 @@ class StepGraph:
 
 def graph_decodable(model, device: torch.device) -> bool:
     """Whether ``ops.backend`` captures decoding on ``device`` and the model's step can be
-    captured: whole, local experts, plain (not tensor-parallel or sharded) parameters."""
+    captured: local experts, plain (not tensor-parallel or sharded) parameters, no FSDP2 unit
+    (whose hooks would run inside the capture)."""
     return (backend.decode_graph(device)
+            and not any(isinstance(m, FSDPModule) for m in model.modules())
             and all(type(m.experts) is Experts and type(m.token_dispatcher) is LocalDispatcher
                     for m in model.modules() if isinstance(m, MoE))
             and all(local_tensor(p) is p for p in model.parameters()))
