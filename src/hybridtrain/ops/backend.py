@@ -44,7 +44,7 @@ __all__ = [
     "BackendSettings", "configure_backend", "settings", "using", "disable_grouped_mm",
     "pad_rows", "unpad_rows", "configure_cpu_allocator", "cpu_bf16_flags", "cpu_has_native_bf16",
     "auto_dtype", "auto_chunk_size", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
-    "cpu_decode_forms", "few_rows_linear", "transposed_head", "decode_graph",
+    "cpu_decode_forms", "few_rows_linear", "transposed_head", "decode_graph", "grouped_experts",
 ]
 
 CPU_LOWP_ROW_MULTIPLE = 64
@@ -107,6 +107,16 @@ def disable_grouped_mm(reason: str) -> None:
     if _settings.grouped_mm:
         warnings.warn(f"{reason}; using the per-expert loop from now on", stacklevel=2)
         _settings = dataclasses.replace(_settings, grouped_mm=False)
+
+
+def grouped_experts(x: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs over the sorted token rows ``x`` (in the compute dtype) run as
+    one ``torch.nn.functional.grouped_mm`` per projection (offsets on the device, no host sync):
+    ``grouped_mm`` is on, the kernel is there, ``x`` is bf16 (the kernel's dtype), on CUDA or in
+    a block being compiled. Else a loop over the experts' row counts (eager) or every expert
+    over every row, masked (compiled fp32)."""
+    return (_settings.grouped_mm and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
+            and (x.is_cuda or torch.compiler.is_compiling()))
 
 
 # -- GEMM row alignment -------------------------------------------------------------------------

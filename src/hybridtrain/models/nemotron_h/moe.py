@@ -97,7 +97,9 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (not bincount: its output shape depends on the data, a graph break under torch.compile;
+    # a comparison, not a scatter: deterministic without atomics)
+    counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)
     return x[order // k], order, counts
 
 
@@ -130,21 +132,23 @@ class Experts(nn.Module):
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
         up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)
-        if backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-            # CUDA bf16: one grouped GEMM per projection, no host sync
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            try:
-                h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
-                return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
-            except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
-                backend.disable_grouped_mm(f"torch grouped_mm failed ({e})")
-        # fallback: a loop over experts on contiguous slices (never over tokens). The stacked
-        # weights are split once (one gradient buffer in backward, not a zero-filled [E, ...]
-        # buffer per expert) and, under autocast, cast once rather than per expert.
+        # under autocast the stacked weights are cast once, not per expert
         device_type = sorted_x.device.type
         if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
+        if backend.grouped_experts(sorted_x):
+            # one grouped GEMM per projection, offsets on the device: no host sync
+            if torch.compiler.is_compiling():
+                return self._grouped(sorted_x, up, down, counts)
+            try:
+                return self._grouped(sorted_x, up, down, counts)
+            except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
+                backend.disable_grouped_mm(f"torch grouped_mm failed ({e})")
+        if torch.compiler.is_compiling():
+            return self._dense_masked(sorted_x, up, down, counts)
+        # a loop over experts on contiguous slices (never over tokens). The stacked weights are
+        # split once (one gradient buffer in backward, not a zero-filled [E, ...] buffer per expert)
         ups, downs = up.unbind(0), down.unbind(0)
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
@@ -157,6 +161,25 @@ class Experts(nn.Module):
         if not outs:
             return zero_rows_output(self, sorted_x, up.shape[2])
         return torch.cat(outs, dim=0)
+
+    def _grouped(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
+        return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
+
+    def _dense_masked(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+        """The compiled form where ``grouped_mm`` does not apply (it takes bf16 only): every
+        expert over every row, each row keeping its own expert's output. No host count, E times
+        the FLOPs of the loop."""
+        ends = torch.cumsum(counts, 0)
+        expert = torch.searchsorted(ends, torch.arange(sorted_x.shape[0], device=ends.device), right=True)
+        y = torch.zeros(sorted_x.shape[0], up.shape[2], dtype=sorted_x.dtype, device=sorted_x.device)
+        for e in range(up.shape[0]):
+            ye = F.linear(self.act_fn(F.linear(sorted_x, up[e])), down[e])
+            y = torch.where((expert == e)[:, None], ye, y)
+        return y
 
 
 class MoE(nn.Module):

@@ -84,8 +84,18 @@ def _mul(a, b, layout):
     shape = torch.broadcast_shapes(a.shape, b.shape)
     out = torch.empty([shape[d] for d in layout], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
     inverse = sorted(range(len(layout)), key=layout.__getitem__)
-    torch.mul(a, b, out=out.permute(inverse))
+    _mul_into(a, b, out.permute(inverse))
     return out
+
+
+def _mul_into(a, b, out):
+    """``torch.mul(a, b, out=out)`` where ``out`` may be a permuted view (one pass in eager);
+    while compiling as ``out.copy_(a * b)``: dynamo traces no ``out=`` into a non-contiguous
+    tensor, and the compiler fuses the two into one pass."""
+    if torch.compiler.is_compiling():
+        out.copy_(a * b)
+    else:
+        torch.mul(a, b, out=out)
 
 
 def _lowp(t, dtype):
@@ -200,7 +210,7 @@ class _ChunkScan(torch.autograd.Function):
         yo = Cm @ start.to(mdt).reshape(b, c, g, -1, j * p)  # [b, c, g, l, (j p)]
         u = _ChunkScan._start_weights(a, start_doc)
         y = torch.empty_like(xdt)
-        torch.mul(yo.view(b, c, g, l, j, p), u.permute(0, 1, 2, 4, 3)[..., None], out=y.permute(0, 1, 3, 2, 4, 5))
+        _mul_into(yo.view(b, c, g, l, j, p), u.permute(0, 1, 2, 4, 3)[..., None], y.permute(0, 1, 3, 2, 4, 5))
         y.permute(0, 1, 3, 4, 2, 5).add_(yd)
         return y, final
 
@@ -266,7 +276,7 @@ class _ChunkScan(torch.autograd.Function):
         gB += xw.view(b, c, g, l, j * p).to(mdt) @ gsm.transpose(-1, -2)
         gxdt = torch.empty_like(xdt)
         wT = w.permute(0, 1, 2, 4, 3)[..., None]
-        torch.mul(gxw, wT, out=gxdt.permute(0, 1, 3, 2, 4, 5))
+        _mul_into(gxw, wT, gxdt.permute(0, 1, 3, 2, 4, 5))
         gxdt.permute(0, 1, 3, 4, 2, 5).add_(gxh)
         gw = (gxw * xdt.permute(0, 1, 3, 2, 4, 5)).sum(-1).mul_(wT[..., 0]).transpose(-1, -2)  # [b, c, g, j, l]
         ga -= gw
