@@ -3,9 +3,9 @@ MoE routing, token counts and the grouped-GEMM offsets stay on the device), with
 forward's outputs and gradients (fp32, 1e-5). ``aot_eager``: the traced graphs run as traced (no
 C++ compiler needed).
 
-Not yet whole (as of 2026-11-26): the Mamba2 block (the SSD scan's hand-written backward redoes
-its small state passing with a nested ``torch.autograd.grad``) and attention over packed rows
-(``document_spans`` reads the document boundaries on the host)."""
+Mamba2 also on packed rows (``seq_idx``: documents restart the conv and the state). Not yet
+whole (as of 2026-11-26): attention over packed rows (``document_spans`` reads the document
+boundaries on the host)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hybridtrain.distributed.compile import compile_enabled
 from hybridtrain.models.nemotron_h import tiny_config
 from hybridtrain.models.nemotron_h.model import SequenceInfo
 
-BLOCK_TYPES = ["full_attention", "mlp", "moe"]
+CASES = [("linear_attention", True), ("full_attention", False), ("mlp", False), ("moe", False)]  # (type, packed)
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,13 @@ def _run(block, fn, x, info):
     return y.detach(), x.grad, {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("block_type", BLOCK_TYPES)
-def test_block_compiles_whole_and_matches_eager(model, block_type):
+@pytest.mark.parametrize("block_type,packed", CASES)
+def test_block_compiles_whole_and_matches_eager(model, block_type, packed):
     torch._dynamo.reset()
     block = next(b for b in model.backbone.layers.values() if b.block_type == block_type)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 24, model.config.hidden_size, generator=g)
-    info = SequenceInfo()
+    info = SequenceInfo(seq_idx=torch.tensor([[0] * 10 + [1] * 14, [2] * 24], dtype=torch.int32) if packed else None)
     eager = _run(block, block, x, info)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=False)
     t0 = time.perf_counter()

@@ -151,6 +151,35 @@ class _ChunkScan(torch.autograd.Function):
         return new_states[:, :-1], new_states[:, -1]
 
     @staticmethod
+    def _pass_states_backward(states, a_last, init, same_doc, gstart, gfinal):
+        """The gradients of :meth:`_pass_states` (states, a_last, init or None) by hand, for a
+        compiled backward (eager differentiates it with autograd: the same function)."""
+        S = torch.cat([states.new_zeros(states[:, :1].shape) if init is None else init, states], dim=1)
+        seg = segsum(F.pad(a_last.permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, i (to), z (from)]
+        if same_doc is not None:
+            seg = seg.masked_fill(~same_doc[:, None, None], -torch.inf)
+        decay = torch.exp2(seg)
+        gnew = torch.cat([gstart, gfinal[:, None]], dim=1)  # [b, c+1, g, n, j, p]
+        gS = torch.einsum("bgjiz,bignjp->bzgnjp", decay, gnew)
+        gseg = torch.einsum("bignjp,bzgnjp->bgjiz", gnew, S) * decay * LN2  # 0 where seg is -inf
+        # seg[i, z] = sum of x[z+1..i]: x[k] gets the gseg[i, z] with z < k <= i
+        T = seg.shape[-1]
+        strict = torch.tril(torch.ones(T, T, device=seg.device, dtype=torch.bool), diagonal=-1)
+        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(~strict, 0).sum(-1)  # [b, g, j, c+1]
+        return gS[:, 1:], gx[..., 1:].permute(0, 3, 1, 2), (gS[:, :1] if init is not None else None)
+
+    @staticmethod
+    def _log2_decays_backward(dt, A, ga):
+        """The gradients of :meth:`_log2_decays` (dt, A) for ``ga`` [b, c, g, j, l], by hand (a
+        compiled backward; eager uses autograd)."""
+        b, L, h = dt.shape
+        c, l = ga.shape[1], ga.shape[-1]
+        gdA = ga.flip(-1).cumsum(-1).flip(-1).permute(0, 1, 4, 2, 3).reshape(b, c * l, h)[:, :L]
+        gdt = gdA * (A * LOG2E)[None, None, :]
+        gA = (gdA * dt).sum((0, 1)) * LOG2E
+        return gdt, gA
+
+    @staticmethod
     def _decay(a):
         """2^min(a_l - a_s, 0): [b, c, g, j, l, s]. a is non-increasing along a chunk (dt >= 0,
         A < 0), so a_l - a_s <= 0 for l >= s; above the diagonal it may be large and is clamped to
@@ -219,10 +248,14 @@ class _ChunkScan(torch.autograd.Function):
         xdt, dt, A, C, B, mask, last_doc, start_doc, same_doc, init = ctx.saved_tensors
         mdt = ctx.mdt
         b, c, l, g, j, p = xdt.shape
-        with torch.enable_grad():
-            dt_A = [dt.detach().requires_grad_(), A.detach().requires_grad_()]
-            a_graph = _ChunkScan._log2_decays(*dt_A, (c, l, g, j))
-        a = a_graph.detach()
+        compiling = torch.compiler.is_compiling()  # (no nested autograd in a traced backward)
+        if compiling:
+            a = _ChunkScan._log2_decays(dt, A, (c, l, g, j))
+        else:
+            with torch.enable_grad():
+                dt_A = [dt.detach().requires_grad_(), A.detach().requires_grad_()]
+                a_graph = _ChunkScan._log2_decays(*dt_A, (c, l, g, j))
+            a = a_graph.detach()
         cdt = xdt.dtype
         Cm, Bm = C.to(mdt), B.to(mdt)
         gy = gy.contiguous()
@@ -249,12 +282,15 @@ class _ChunkScan(torch.autograd.Function):
         # 2./3. recompute the chunk-end states and redo the (small) state passing with autograd
         w = _ChunkScan._state_weights(a, last_doc)
         states, xw = _ChunkScan._states(xdt, w, B)
-        with torch.enable_grad():
-            leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
-            if init is not None:
-                leaves.append(init.detach().requires_grad_())
-            start, final = _ChunkScan._pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None,
-                                                   same_doc)
+        if compiling:
+            start, _ = _ChunkScan._pass_states(states, a[..., -1], init, same_doc)
+        else:
+            with torch.enable_grad():
+                leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
+                if init is not None:
+                    leaves.append(init.detach().requires_grad_())
+                start, final = _ChunkScan._pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None,
+                                                       same_doc)
         # 4. y_l += u_l C_l . S_start
         u = _ChunkScan._start_weights(a, start_doc)
         uT = u.permute(0, 1, 2, 4, 3)[..., None]  # [b, c, g, l, j, 1]
@@ -267,9 +303,13 @@ class _ChunkScan(torch.autograd.Function):
         gC += gyu @ startm.transpose(-1, -2)
         gstart = (Cm.transpose(-1, -2) @ gyu).view(b, c, g, -1, j, p).to(cdt)
         del gyu, startm
-        grads = torch.autograd.grad([start, final], leaves, [gstart, gfinal])
-        gstates, ga_last = grads[0], grads[1]
-        ginit = grads[2] if init is not None else None
+        if compiling:
+            gstates, ga_last, ginit = _ChunkScan._pass_states_backward(states, a[..., -1], init, same_doc,
+                                                                       gstart, gfinal)
+        else:
+            grads = torch.autograd.grad([start, final], leaves, [gstart, gfinal])
+            gstates, ga_last = grads[0], grads[1]
+            ginit = grads[2] if init is not None else None
         # 2. states = B^T (xdt * w)
         gsm = gstates.to(mdt).reshape(b, c, g, -1, j * p)
         gxw = (Bm @ gsm).view(b, c, g, l, j, p)  # [b, c, g, l, j, p]
@@ -283,7 +323,10 @@ class _ChunkScan(torch.autograd.Function):
         ga[..., -1] += gw.sum(-1)
         ga.mul_(LN2)  # every term above differentiated 2^x as 2^x: d/dx 2^x = ln 2 * 2^x
         ga[..., -1] += ga_last
-        gdt, gA = torch.autograd.grad(a_graph, dt_A, ga)
+        if compiling:
+            gdt, gA = _ChunkScan._log2_decays_backward(dt, A, ga)
+        else:
+            gdt, gA = torch.autograd.grad(a_graph, dt_A, ga)
         return gxdt, gdt, gA, gC, gB, None, None, None, None, ginit, None
 
 
