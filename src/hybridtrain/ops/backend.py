@@ -285,13 +285,15 @@ TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to th
 TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
 
 
-def cpu_decode_forms(x: torch.Tensor) -> bool:
-    """Whether a decoding step over ``x`` takes the eager fp32 CPU forms (the product forms
-    below, the fused Mamba2 step, the MoE step grouped on the host): ``cpu_decode_forms`` is on,
-    ``x`` is fp32 on CPU outside autocast, and the step is not being compiled (the CPU forms
-    read a few ints on the host; a compiled step takes the device forms)."""
-    return (_settings.cpu_decode_forms and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+def cpu_decode_forms(x: torch.Tensor, fp32: bool = True) -> bool:
+    """Whether a decoding step over ``x`` takes the eager CPU forms (the product forms below and
+    the fused Mamba2 step, measured for fp32: ``fp32``; the MoE step grouped on the host, for any
+    dtype: ``fp32=False``): ``cpu_decode_forms`` is on, ``x`` is on CPU (fp32 outside autocast
+    where ``fp32``), and the step is not being compiled (the CPU forms read a few ints on the
+    host; a compiled or captured step takes the device forms)."""
+    if not (_settings.cpu_decode_forms and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+        return False
+    return not fp32 or (x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -228,17 +228,17 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ cached decoding
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layer for the few tokens of a decoding step (one per row): the chosen experts
-        only, as :meth:`forward`. With the local experts and no eager fp32 CPU forms
+        only, as :meth:`forward`. With the local experts, outside the eager CPU forms
         (``ops.backend.cpu_decode_forms``): each token's k experts as one batched product over
         their gathered weights, all on the device (no sort, no host sync: a captured CUDA graph
         replays it); else grouped by expert on the host (a few ints) instead of by sort /
-        bincount / scatter kernels, through the token dispatcher (expert parallelism)."""
+        counting / scatter kernels, through the token dispatcher (expert parallelism)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, idx = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         local = type(self.experts) is Experts and type(self.token_dispatcher) is LocalDispatcher
-        if local and not backend.cpu_decode_forms(x):
+        if local and not backend.cpu_decode_forms(x, fp32=False):
             y = self._experts_gathered(h, weights, idx)
         else:
             y = self._experts_host_grouped(h, weights, idx, local)
