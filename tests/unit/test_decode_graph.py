@@ -23,21 +23,6 @@ def device_forms():
     return backend.using(dataclasses.replace(backend.settings(), cpu_decode_forms=False))
 
 
-def compiled_capture(fn, warmup):
-    """A CPU stand-in for ``cuda_graph_capture``: ``fn`` compiled whole, warmed up, and replayed
-    under a stance that fails on any recompilation (a replay may depend on no host value)."""
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=False)
-    for _ in range(warmup):
-        compiled()
-    out = compiled()
-
-    def replay():
-        with torch.compiler.set_stance("fail_on_recompile"):
-            out.copy_(compiled())
-
-    return replay, out
-
-
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -76,9 +61,17 @@ def test_step_graph_replays_generate_the_eager_tokens(kind):
     with torch.no_grad():
         logits, cache = G.prefill(model, ids, max_length=ids.shape[1] + 8)
         before = [t.clone() for t in cache.mutable_tensors()]
-        graph = G.StepGraph(model, cache, ids[:, -1], capture=compiled_capture)
+        graph = G.StepGraph(model, cache, ids[:, -1], capture=G.compiled_capture)
         # the capture's warm-up left the cache as prefill made it
         assert all(torch.equal(a, b) for a, b in zip(before, cache.mutable_tensors()))
         out = decode(lambda: logits, lambda tok: G.decode_step(model, cache, tok, graph), ids, config)
     assert torch.equal(out, expected)
     assert cache.length == int(cache.position) == ids.shape[1] + 7
+    # a cache with room for one step only: the capture's warm-up steps fit too
+    short = model.generate(ids, max_new_tokens=2)
+    with torch.no_grad():
+        logits, cache = G.prefill(model, ids, max_length=ids.shape[1] + 2)
+        graph = G.StepGraph(model, cache, ids[:, -1], capture=G.compiled_capture)
+        out = decode(lambda: logits, lambda tok: G.decode_step(model, cache, tok, graph), ids,
+                     GenerationConfig(max_new_tokens=2))
+    assert torch.equal(out, short)

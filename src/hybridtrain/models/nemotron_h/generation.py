@@ -164,38 +164,65 @@ def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor, graph: "Step
 
 
 # ---------------------------------------------------------------------------------- CUDA graph
-Capture = Callable[[Callable[[], torch.Tensor], int], tuple[Callable[[], None], torch.Tensor]]
+Capture = Callable[[Callable[[], torch.Tensor], Callable[[], None], int], tuple[Callable[[], None], torch.Tensor]]
 
 
-def cuda_graph_capture(fn: Callable[[], torch.Tensor], warmup: int) -> tuple[Callable[[], None], torch.Tensor]:
-    """``fn`` run ``warmup`` times on a side stream, then captured as a CUDA graph: returns
-    (replay, the output tensor every replay rewrites)."""
+def cuda_graph_capture(step: Callable[[], torch.Tensor], restore: Callable[[], None], warmup: int
+                       ) -> tuple[Callable[[], None], torch.Tensor]:
+    """``step`` run ``warmup`` times on a side stream (each followed by ``restore``, which puts
+    back the state it changed), then captured as a CUDA graph: returns (replay, the output
+    tensor every replay rewrites)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            fn()
+            step()
+            restore()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fn()
+        out = step()
     return graph.replay, out
+
+
+def compiled_capture(step: Callable[[], torch.Tensor], restore: Callable[[], None], warmup: int,
+                     backend: str = "aot_eager") -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for :func:`cuda_graph_capture` on any device (tests, a benchmark's CPU dry
+    run): ``step`` compiled whole (``fullgraph``: no graph break, no host sync), warmed up, and
+    replayed under a stance that fails on any recompilation, so a replay may depend on no host
+    value, as a CUDA graph's. (Its capture runs the step: the caller restores after it.)"""
+    compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=False)
+    for _ in range(warmup):
+        compiled()
+        restore()
+    out = compiled()
+
+    def replay():
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out.copy_(compiled())
+
+    return replay, out
 
 
 class StepGraph:
     """The decoding steps of one cache as one captured graph: the step reads its tokens from a
     static buffer and the static cache, writes the logits to a static output, so each token is
     a copy into the buffer and a replay. The warm-up runs that capture needs change the cache;
-    it is restored after them. ``capture`` (default :func:`cuda_graph_capture`) is a parameter
-    so that the same logic runs on CPU under a compiled stand-in (tests)."""
+    it is restored after each (a step needs room for one token only). ``capture`` (default
+    :func:`cuda_graph_capture`) is a parameter so that the same logic runs on CPU under a
+    compiled stand-in (:func:`compiled_capture`)."""
 
     def __init__(self, model, cache: NemotronHCache, tokens: torch.Tensor, capture: Capture = cuda_graph_capture,
                  warmup: int = 2):
         self.tokens = torch.zeros_like(tokens)
         saved = [t.clone() for t in cache.mutable_tensors()]
-        self.replay, self.out = capture(lambda: _step(model, cache, self.tokens), warmup)
-        for t, s in zip(cache.mutable_tensors(), saved):
-            t.copy_(s)
+
+        def restore():
+            for t, s in zip(cache.mutable_tensors(), saved):
+                t.copy_(s)
+
+        self.replay, self.out = capture(lambda: _step(model, cache, self.tokens), restore, warmup)
+        restore()
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
