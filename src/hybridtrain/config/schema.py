@@ -132,7 +132,8 @@ TRAINING = {
                                          "'all', k (every k-th block), layer types "
                                          "['mamba', 'moe'] (see distributed/activation_checkpoint)",
                                   (bool, int, str, list, dict)),
-    "compile": K(False, "torch.compile the model layers"),
+    "compile": K("auto", "torch.compile each block (distributed/compile.py); auto -> on CUDA, off "
+                         "on CPU", (bool, str), choices=("auto",)),
     "deterministic": K(False, "torch.use_deterministic_algorithms + deterministic kernels"),
     "gc_every_steps": K(None, "run gc.collect() every N steps (null: Python default)",
                         _OPT_INT),

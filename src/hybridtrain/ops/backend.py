@@ -26,6 +26,10 @@ precision. What is tuned, with its recipe key:
 * **the Mamba kernels** (``training.mamba_kernels``): ``auto`` -> the ``mamba_ssm`` /
   ``causal_conv1d`` kernels for CUDA tensors where they import; ``true`` -> always (a missing
   package is an error); ``false`` -> the PyTorch path.
+* **fp32 CPU decoding forms** (:func:`cpu_decode_forms`, :func:`few_rows_linear`,
+  :func:`transposed_head`): the product forms MKL runs fastest for a step's few rows, the fused
+  Mamba2 step and the host-grouped MoE step, where a decoding step runs eagerly in fp32 on CPU.
+* **decoding as one CUDA graph** (:func:`decode_graph`): a step captured once and replayed.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ __all__ = [
     "BackendSettings", "configure_backend", "settings", "using", "disable_grouped_mm",
     "pad_rows", "unpad_rows", "configure_cpu_allocator", "cpu_bf16_flags", "cpu_has_native_bf16",
     "auto_dtype", "auto_chunk_size", "resolve_fused_loss", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
-    "FUSED_LOSS_CHOICES",
+    "FUSED_LOSS_CHOICES", "cpu_decode_forms", "few_rows_linear", "transposed_head", "decode_graph",
+    "grouped_experts",
 ]
 
 CPU_LOWP_ROW_MULTIPLE = 64
@@ -69,6 +74,8 @@ class BackendSettings:
     cpu_allocator: str = "system"  # in effect: heap, system, or "system (not glibc)"
     fused_loss: str = "torch"  # the linear cross-entropy: torch, compiled or liger
     mamba_kernels: bool | str = "auto"  # mamba_ssm / causal_conv1d: auto (CUDA tensors), True, False
+    cpu_decode_forms: bool = True  # eager fp32 CPU decoding: the forms measured fastest there
+    decode_graph: bool = True  # CUDA decoding: the step captured once as a CUDA graph, replayed
 
 
 _settings = BackendSettings()
@@ -123,6 +130,16 @@ def disable_grouped_mm(reason: str) -> None:
     if _settings.grouped_mm:
         warnings.warn(f"{reason}; using the per-expert loop from now on", stacklevel=2)
         _settings = dataclasses.replace(_settings, grouped_mm=False)
+
+
+def grouped_experts(x: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs over the sorted token rows ``x`` (in the compute dtype) run as
+    one ``torch.nn.functional.grouped_mm`` per projection (offsets on the device, no host sync):
+    ``grouped_mm`` is on, the kernel is there, ``x`` is bf16 (the kernel's dtype), on CUDA or in
+    a block being compiled. Else a loop over the experts' row counts (eager) or every expert
+    over every row, masked (compiled fp32)."""
+    return (_settings.grouped_mm and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
+            and (x.is_cuda or torch.compiler.is_compiling()))
 
 
 # -- GEMM row alignment -------------------------------------------------------------------------
@@ -301,3 +318,51 @@ def auto_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
     256-token chunks spent ~30 ms of an H100 step on it alone."""
     budget = AUTO_CHUNK_LOGITS_CUDA if device_type == "cuda" else AUTO_CHUNK_LOGITS
     return max(64, budget // max(vocab_size, 1) // 64 * 64)
+
+
+# -- decoding -----------------------------------------------------------------------------------
+# A decoding step multiplies a few rows by every weight, and there the form of the product
+# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
+# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
+# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
+#   rows           1     2     4     8
+#   x @ W^T      5.8  12.5  20.3  23.0
+#   W @ x^T      5.7   9.5   8.7  14.3
+#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
+TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
+
+
+def cpu_decode_forms(x: torch.Tensor, fp32: bool = True) -> bool:
+    """Whether a decoding step over ``x`` takes the eager CPU forms (the product forms below and
+    the fused Mamba2 step, measured for fp32: ``fp32``; the MoE step grouped on the host, for any
+    dtype: ``fp32=False``): ``cpu_decode_forms`` is on, ``x`` is on CPU (fp32 outside autocast
+    where ``fp32``), and the step is not being compiled (the CPU forms read a few ints on the
+    host; a compiled or captured step takes the device forms)."""
+    if not (_settings.cpu_decode_forms and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+        return False
+    return not fp32 or (x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the few rows of a decoding step: W @ x^T for 2+ rows where
+    :func:`cpu_decode_forms` holds (see the table above), else ``F.linear``."""
+    rows = x.numel() // x.shape[-1]
+    if rows < 2 or not cpu_decode_forms(x):
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def transposed_head(x: torch.Tensor, steps: int) -> bool:
+    """Whether the LM head of a decoding of ``steps`` steps over rows like ``x`` [b, H] runs
+    against a transposed copy of its weight (one row or two, fp32 CPU, long enough to pay)."""
+    return (x.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and steps >= TRANSPOSED_HEAD_MIN_STEPS
+            and cpu_decode_forms(x))
+
+
+def decode_graph(device: torch.device | str) -> bool:
+    """Whether decoding on ``device`` captures its step once as a CUDA graph and replays it."""
+    return _settings.decode_graph and torch.device(device).type == "cuda"
