@@ -2,6 +2,7 @@
 
 ::
 
+    out_dir = run_folder_path(cfg.checkpoint.dir)   # absolute; ValueError if a file is in the way
     with RunLock(out_dir):        # RunFolderBusy (a ValueError) if another live process holds it
         ...                       # the lock file goes when the block ends
 
@@ -22,7 +23,7 @@ import os
 import socket
 import time
 
-__all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "LOCK_NAME"]
+__all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "LOCK_NAME", "run_folder_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,20 @@ class TrainingStopped(RuntimeError):
 
 class RunFolderBusy(ValueError):
     """Another live run holds the run folder."""
+
+
+def run_folder_path(folder: str | os.PathLike, key: str = "checkpoint.dir") -> str:
+    """``folder`` made absolute; a ``ValueError`` naming ``key`` when it, or the nearest part
+    of it that exists, is not a folder (a run could not create its folder there)."""
+    path = os.path.abspath(os.fspath(folder))
+    part = path
+    while not os.path.exists(part) and os.path.dirname(part) != part:
+        part = os.path.dirname(part)
+    if not os.path.isdir(part):
+        what = "is a file" if part == path else f"lies under {part}, which is a file"
+        raise ValueError(f"{key}: {path} {what}, not a folder; give a folder for the run's "
+                         "output (it is created if missing)")
+    return path
 
 
 def _alive(pid: int) -> bool:

@@ -237,12 +237,21 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
 
 
 def _latest_in(run_dir: str) -> str | None:
+    """The ``step_N`` folder of ``run_dir`` its ``latest`` file names (None without one). The
+    file is data, not a path to follow: a name other than ``step_N``, or a ``step_N`` that is a
+    link out of the run folder, is refused."""
     path = os.path.join(run_dir, LATEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        name = f.read().strip()
+    with open(path, errors="replace") as f:
+        name = f.read(256).strip()
     ckpt = os.path.join(run_dir, name)
+    inside = os.path.realpath(ckpt).startswith(os.path.realpath(run_dir) + os.sep)
+    if not _STEP_RE.match(name) or not inside:
+        raise ValueError(
+            f"{path} names {name!r}, not a step_N folder of the run folder {run_dir} (it would "
+            "lead out of it); rewrite it with the step to resume (e.g. step_100), or pass the "
+            "checkpoint itself: --checkpoint.resume=PATH/step_N")
     if not os.path.isdir(ckpt):
         raise ValueError(f"{path} names {name!r}, which does not exist in {run_dir}")
     return ckpt
