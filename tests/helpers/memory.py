@@ -17,13 +17,11 @@ import os
 
 import torch
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from hybridtrain.distributed.utils import local_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 

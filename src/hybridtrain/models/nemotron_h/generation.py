@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
+from hybridtrain.distributed.expert_parallel import LocalDispatcher
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops.attention import document_causal_attention
 from hybridtrain.ops.sampling import GenerationConfig, decode
 
