@@ -163,8 +163,15 @@ def test_latest_that_leads_out_of_the_run_folder_is_refused(tmp_path, pointer):
     if pointer == "step_9":
         (run / "step_9").symlink_to(elsewhere, target_is_directory=True)
     (run / "latest").write_text(pointer + "\n")
+    from hybridtrain.recipes.generate import resolve_export
+    from hybridtrain.training.checkpoint import convert
+
     folder = Checkpointer(str(run))
+    refused = r"latest names .*not a step_N folder of the run folder .* \(it would lead out of it\)"
     for resume in ("auto", str(run)):
-        with pytest.raises(ValueError, match=r"latest names .*not a step_N folder of the run "
-                                             r"folder .* \(it would lead out of it\)"):
+        with pytest.raises(ValueError, match=refused):
             folder.resolve_resume(resume)
+    with pytest.raises(ValueError, match=refused):  # generate / evaluate --model RUN_DIR
+        resolve_export(str(run))
+    with pytest.raises(ValueError, match=refused):  # hybridtrain convert RUN_DIR OUT
+        convert(str(run), str(tmp_path / "out"))

@@ -22,7 +22,7 @@ from typing import Any
 
 from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
-from hybridtrain.runfolder import run_folder_path
+from hybridtrain.runfolder import latest_checkpoint, run_folder_path
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,7 @@ def _write(out_dir: str, rec: dict[str, Any]) -> None:
 def _step_dir(path: str) -> str:
     """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's latest)."""
     path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
+    path = latest_checkpoint(path) or path
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise ValueError(f"hybridtrain evaluate with several processes: --checkpoint {path} is not a "
                          "step_N checkpoint or a run folder holding one (no trainer_state.json); "
