@@ -136,8 +136,8 @@ _ENGLISH_MODULES = (
 def tokenizer_corpus() -> list[str]:
     """The test tokenizer's training text, generated here (the same with or without
     ``../shared``): the synthetic SQuAD world, its questions in the SQuAD prompt template, chat
-    role words, and English from the docstrings of a fixed list of stdlib modules (the vocabulary
-reaches its 3000 on any recent Python)."""
+    role words, and English from the docstrings of a fixed list of stdlib modules (enough text
+    for the full 3000-token vocabulary on any recent Python)."""
     from hybridtrain.data import synthetic_squad, synthetic_texts
     from hybridtrain.data.squad import DEFAULT_PROMPT_TEMPLATE
 
