@@ -100,12 +100,6 @@ def malloc_mmapped() -> int:
     return _glibc().mallinfo2().hblkhd
 
 
-def malloc_in_use() -> int:
-    """Bytes glibc's malloc has handed out and not had back: mmapped blocks + heap in use."""
-    info = _glibc().mallinfo2()
-    return info.hblkhd + info.uordblks
-
-
 def malloc_mmap_peak() -> int:
     """The most bytes this process has held in glibc's mmapped blocks at once, so far (the
     ``max mmap bytes`` of ``malloc_stats()``, which prints it on stderr: read from there)."""
