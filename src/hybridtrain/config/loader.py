@@ -87,12 +87,16 @@ def _record_locations(node: yaml.Node, path: tuple, locs: dict, source: str,
             _record_locations(item, path + (i,), locs, source, budget)
 
 
-def _yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
-    """``source:LINE: invalid YAML: what`` (PyYAML's own text names ``<unicode string>``)."""
+class _InvalidYAML(ConfigError):
+    """Text that is not YAML: ``source:LINE: invalid YAML: what``."""
+
+
+def _yaml_error(e: yaml.YAMLError, source: str) -> _InvalidYAML:
+    """PyYAML's error named by file and line (its own text says ``<unicode string>``)."""
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     where = f"{source}:{mark.line + 1}" if mark is not None else source
     what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
-    return ConfigError(f"{where}: invalid YAML: {what or e}")
+    return _InvalidYAML(f"{where}: invalid YAML: {what or e}")
 
 
 def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tuple, str]]:
@@ -124,12 +128,8 @@ def parse_scalar(text: str) -> Any:
         return ""
     try:
         value = _read_yaml(text, "a command-line value")[0]
-    except yaml.YAMLError:
+    except _InvalidYAML:
         return text
-    except ConfigError as e:
-        if "invalid YAML" in str(e):
-            return text
-        raise
     if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
         return text  # e.g. "#tag" is a YAML comment, not null
     return value
