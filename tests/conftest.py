@@ -34,10 +34,10 @@ _reading_fixtures: set[str] = set()  # fixtures that touched it while being set 
 
 def _under_shared(path) -> bool:
     try:
-        path = os.fsdecode(os.fspath(path))
+        real = os.path.realpath(os.fsdecode(os.fspath(path)))
     except TypeError:  # a file descriptor
         return False
-    return os.path.realpath(path) == SHARED_ROOT or os.path.realpath(path).startswith(SHARED_ROOT + os.sep)
+    return real == SHARED_ROOT or real.startswith(SHARED_ROOT + os.sep)
 
 
 def _audit(event: str, args: tuple) -> None:
