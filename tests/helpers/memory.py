@@ -13,6 +13,7 @@ those alive at once."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -74,7 +75,9 @@ def status(key: str) -> int:
     raise KeyError(key)
 
 
+@functools.cache
 def _glibc():
+    """This process's C library when it is glibc >= 2.33 (``mallinfo2``), else None."""
     import ctypes
 
     libc = ctypes.CDLL(None)
