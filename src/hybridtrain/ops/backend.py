@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import importlib.util
 import logging
-import os
 import time
 import warnings
 

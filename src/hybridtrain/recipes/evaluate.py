@@ -22,6 +22,7 @@ from typing import Any
 
 from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.runfolder import latest_checkpoint, run_folder_path
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,7 @@ def _write(out_dir: str, rec: dict[str, Any]) -> None:
 def _step_dir(path: str) -> str:
     """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's latest)."""
     path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
+    path = latest_checkpoint(path) or path
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise ValueError(f"hybridtrain evaluate with several processes: --checkpoint {path} is not a "
                          "step_N checkpoint or a run folder holding one (no trainer_state.json); "
@@ -61,7 +60,7 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
     from hybridtrain.distributed.utils import main_process_first
     from hybridtrain.training.builder import build, build_checkpointer, instantiate_with, make_evaluator
 
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     path = _step_dir(checkpoint or out_dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
     with process_group(cfg) as info:
@@ -87,7 +86,7 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_laid_out(cfg, checkpoint)
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
     device = resolve_device(cfg.training.device)
     hf_dir, adapter = resolve_export(ckpt)

@@ -27,6 +27,7 @@ import torch
 
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.data.templates import apply_template
+from hybridtrain.runfolder import latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,7 @@ def resolve_export(path: str) -> tuple[str, str | None]:
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such folder")
-    if os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
+    path = latest_checkpoint(path) or path
     for sub in ("merged_hf", "hf"):
         if os.path.isfile(os.path.join(path, sub, "config.json")):
             return os.path.join(path, sub), None

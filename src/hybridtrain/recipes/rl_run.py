@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridtrain.config import ConfigNode
 from hybridtrain.fileio import atomic_write
+from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.preemption import Preempted, RunStop
 
@@ -31,7 +32,7 @@ class RLRun:
         from hybridtrain.rl import Policy
 
         self.cfg, self.name = cfg, name
-        self.out_dir = os.path.abspath(cfg.checkpoint.dir)
+        self.out_dir = run_folder_path(cfg.checkpoint.dir)
         self.t_start = time.perf_counter()
         _, clear = _check_run_folder(cfg, self.out_dir)
         self.policy = Policy(cfg)

@@ -29,7 +29,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -49,13 +48,13 @@ from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_
 from hybridtrain.fileio import (WriteError, atomic_write, atomic_write_json, read_json,
                                 unique_tmp_path, write_error)
 from hybridtrain.models.spec import model_spec_for
+from hybridtrain.runfolder import STEP_RE, latest_checkpoint
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 FINAL = "final"  # symlink to the step folder holding the finished run's export
-_STEP_RE = re.compile(r"^step_(\d+)$")
 # Config keys that do not change the model's function; ignored when comparing on resume.
 _CONFIG_IGNORE = {
     "transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "auto_map",
@@ -97,10 +96,10 @@ def _describe(exc: BaseException) -> str:
 def _previous_checkpoint(ckpt: str) -> str | None:
     """The newest complete ``step_M`` (M < N) beside the checkpoint ``.../step_N``."""
     run_dir, name = os.path.split(os.path.abspath(ckpt))
-    m = _STEP_RE.match(name)
+    m = STEP_RE.match(name)
     if m is None or not os.path.isdir(run_dir):
         return None
-    older = [int(k.group(1)) for k in map(_STEP_RE.match, os.listdir(run_dir))
+    older = [int(k.group(1)) for k in map(STEP_RE.match, os.listdir(run_dir))
              if k and int(k.group(1)) < int(m.group(1))
              and os.path.isfile(os.path.join(run_dir, k.group(0), "trainer_state.json"))]
     return os.path.join(run_dir, f"step_{max(older)}") if older else None
@@ -236,18 +235,6 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
     barrier()
 
 
-def _latest_in(run_dir: str) -> str | None:
-    path = os.path.join(run_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    ckpt = os.path.join(run_dir, name)
-    if not os.path.isdir(ckpt):
-        raise ValueError(f"{path} names {name!r}, which does not exist in {run_dir}")
-    return ckpt
-
-
 def default_export(model: torch.nn.Module, step_dir: str, tokenizer=None,
                    final: bool = False, dtype: torch.dtype | None = None) -> str:
     """The export written into a checkpoint: ``hf/`` (in ``dtype``). Collective."""
@@ -325,12 +312,12 @@ class Checkpointer:
     # -- discovery ---------------------------------------------------------------------------
     def latest(self) -> str | None:
         """The folder ``latest`` names, or None."""
-        return _latest_in(self.dir)
+        return latest_checkpoint(self.dir)
 
     def steps(self) -> list[int]:
         out = []
         for name in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             if m and os.path.isdir(os.path.join(self.dir, name)):
                 out.append(int(m.group(1)))
         return sorted(out)
@@ -344,7 +331,7 @@ class Checkpointer:
             return self.latest()
         path = os.path.abspath(str(resume))
         if os.path.isfile(os.path.join(path, LATEST)):
-            return _latest_in(path)
+            return latest_checkpoint(path)
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             raise ValueError(
                 f"checkpoint.resume={resume!r}: {path} is not a checkpoint folder (no "
@@ -558,7 +545,7 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
     Works in one process whatever parallel layout wrote the checkpoint."""
     path = os.path.abspath(ckpt_dir)
     if os.path.isfile(os.path.join(path, LATEST)):
-        path = _latest_in(path)
+        path = latest_checkpoint(path)
     state_path = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_path):
         raise ValueError(f"{ckpt_dir} is not a checkpoint (no trainer_state.json) nor a run "

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
+from hybridtrain.distributed.expert_parallel import LocalDispatcher
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 from hybridtrain.ops.sampling import GenerationConfig, decode
 

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import local_tensor
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 
 from . import context_parallel as cpl

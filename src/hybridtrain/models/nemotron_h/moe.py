@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor, zero_rows_output
+from hybridtrain.distributed.expert_parallel import LocalDispatcher, zero_rows_output
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 from hybridtrain.ops.backend import pad_rows, unpad_rows
 

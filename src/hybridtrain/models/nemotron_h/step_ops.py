@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import local_tensor
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 
 from .norms import RMSNorm
