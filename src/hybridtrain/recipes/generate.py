@@ -5,7 +5,8 @@
         [--batch-size B] [--output OUT.jsonl] [--dtype D] [--device D]
 
 ``--model``: a Hugging Face folder, or a run folder / ``step_N`` checkpoint (its export:
-``merged_hf/``, ``hf/``, or ``adapter/`` on the base recorded in the adapter). ``--prompts``:
+``merged_hf/``, ``hf/``, or ``adapter/`` on the base recorded in the adapter; a step without an
+export: its sharded checkpoint, read as ``hybridtrain convert`` reads it). ``--prompts``:
 JSONL records with ``prompt`` (text) or ``messages`` (a chat, always rendered with the chat
 template). ``--chat`` renders each text prompt as one user turn with the tokenizer's chat template
 and its generation prompt. Greedy unless ``--temperature`` or ``--top-k``/``--top-p`` is given.
@@ -65,13 +66,47 @@ def resolve_export(path: str) -> tuple[str, str | None]:
                      "or run folder with an export (hf/, merged_hf/ or adapter/)")
 
 
+def unexported_checkpoint(path: str) -> str | None:
+    """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's ``latest``) when it
+    holds no export (``hf/``, ``merged_hf/``, ``adapter/``); else None."""
+    from hybridtrain.training.checkpoint import LATEST, _latest_in
+
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, LATEST)):
+        path = _latest_in(path)
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return None
+    exported = any(os.path.isfile(os.path.join(path, sub, name)) for sub, name in
+                   (("merged_hf", "config.json"), ("hf", "config.json"),
+                    ("adapter", "adapter_config.json")))
+    return None if exported else path
+
+
 def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu"):
     """(model, tokenizer) for generation: the model class registered for the folder's
-    ``model_type``, with a PEFT adapter applied when given (not merged)."""
+    ``model_type``, with a PEFT adapter applied when given (not merged); a ``step_N`` checkpoint
+    without an export: the model its sharded checkpoint holds, with its tokenizer."""
     from hybridtrain.data import load_tokenizer
     from hybridtrain.models.spec import get_model_spec
 
+    step_dir = unexported_checkpoint(model_dir)
+    if step_dir is not None:
+        from hybridtrain.config.dtypes import to_torch_dtype
+        from hybridtrain.training.checkpoint import load_checkpoint_model
+
+        if adapter_dir:
+            raise ValueError(f"--adapter {adapter_dir}: {step_dir} is a training checkpoint (it "
+                             "holds its own adapters, if any); pass a Hugging Face folder as --model")
+        tok_dir = os.path.join(step_dir, "tokenizer")
+        if not os.path.isdir(tok_dir):
+            raise ValueError(f"{step_dir} has no tokenizer/ (its run had no tokenizer); export it "
+                             f"with `hybridtrain convert {step_dir} OUT_DIR` and add one")
+        model, _ = load_checkpoint_model(step_dir)
+        logger.info("%s has no export: loaded its sharded checkpoint", step_dir)
+        if dtype is not None:
+            model = model.to(to_torch_dtype(dtype, "--dtype"))
+        return model.to(device).eval(), load_tokenizer(tok_dir)
     hf_dir, found_adapter = resolve_export(model_dir)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
@@ -190,7 +225,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ValueError("--chat: the tokenizer has no chat template")
     prompts = [encode_prompt(tok, r, args.chat) for r in records]
     do_sample = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
-    hf_dir, _ = resolve_export(args.model)
+    hf_dir = None if unexported_checkpoint(args.model) else resolve_export(args.model)[0]
     results = complete(model, tok, prompts, batch_size=args.batch_size,
                        stop_ids=stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records)),
                        max_new_tokens=args.max_new_tokens, do_sample=do_sample,
