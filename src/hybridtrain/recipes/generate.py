@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -192,8 +193,15 @@ def complete(model, tokenizer, prompts: list[list[int]], *, batch_size: int = 8,
     return out
 
 
+def _plain(doc: str) -> str:
+    """Docstring text for a terminal: reStructuredText ````literals```` without their quotes."""
+    return re.sub(r"``([^`]*)``", r"\1", doc)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridtrain generate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="hybridtrain generate",
+                                description="Complete prompts with a trained model.\n\n"
+                                + _plain(__doc__.split("\n\n", 2)[2]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder, run folder or step_N checkpoint")
     p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder to apply")
@@ -201,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="one prompt (text)")
     src.add_argument("--prompts", metavar="FILE.jsonl", help="JSONL with 'prompt' or 'messages' per line")
     p.add_argument("--chat", action="store_true", help="render text prompts with the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
@@ -209,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
     p.add_argument("--output", default=None, help="write JSONL here instead of stdout")
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="default: as stored")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available, else cpu")
     return p
 
 
