@@ -78,7 +78,7 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
 
 
 def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
-    from hybridtrain.training.builder import instantiate_with, as_config, resolve_device
+    from hybridtrain.training.builder import as_config, check_input_paths, instantiate_with, resolve_device
     from hybridtrain.recipes.generate import load_model, resolve_export, unexported_checkpoint
     from hybridtrain.training.evaluation import evaluator_from_config
     from hybridtrain.training.precision import autocast_dtype, resolve_dtype
@@ -86,6 +86,7 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
     cfg: ConfigNode = as_config(cfg)
     if cfg.validation_dataset is None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")
+    check_input_paths(cfg, ("validation_dataset",))  # before the model is loaded
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_laid_out(cfg, checkpoint)
     out_dir = os.path.abspath(cfg.checkpoint.dir)

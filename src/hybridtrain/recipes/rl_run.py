@@ -41,11 +41,13 @@ class RLRun:
                  loss_label: str = "loss"):
         from hybridtrain.recipes.finetune import _check_run_folder
         from hybridtrain.rl import Policy
+        from hybridtrain.training.builder import check_input_paths
 
         self.cfg, self.name = cfg, name
         self.out_dir = os.path.abspath(cfg.checkpoint.dir)
         self.t_start = time.perf_counter()
         _, clear = _check_run_folder(cfg, self.out_dir)
+        check_input_paths(cfg)  # before two models are built
         self.policy = Policy(cfg)
         t0 = time.perf_counter()
         with _info_lines_off():  # the same build again: its log would repeat the policy's

@@ -79,6 +79,34 @@ def _build_tokenizer(cfg: ConfigNode, is_main: bool):
     return main_process_first(build, is_main)
 
 
+def check_input_paths(cfg: ConfigNode,
+                      sections: tuple[str, ...] = ("tokenizer", "dataset", "validation_dataset")
+                      ) -> None:
+    """Fails before anything is built when a local input the recipe names is missing: a
+    dataset's ``path`` (a file, a folder or a glob; not one a nested ``_target_`` writes), a
+    ``chat_template_path``, a loaded tokenizer's folder."""
+    import glob
+
+    from hybridtrain.data.io import DataError
+
+    for section in sections:
+        node = cfg.get(section)
+        if not isinstance(node, Mapping):
+            continue
+        is_tokenizer = str(node.get("_target_", "")).endswith("load_tokenizer")
+        for key, kind in (("path", "folder" if is_tokenizer else "data file, folder or glob"),
+                          ("chat_template_path", "file")):
+            value = node.get(key)
+            if not isinstance(value, str) or not value:
+                continue
+            path = os.path.expanduser(value)
+            found = os.path.isdir(path) if is_tokenizer and key == "path" else (
+                os.path.exists(path) or (key == "path" and bool(glob.glob(path))))
+            if not found:
+                raise DataError(f"{node.where(key)}: {section}.{key} {value!r}: no such {kind} "
+                                f"(relative paths are read from {os.getcwd()})")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -279,7 +307,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
 
-    # tokenizer, model
+    # inputs first (a missing file is reported before minutes of building), tokenizer, model
+    if data or tokenizer:
+        check_input_paths(cfg, ("tokenizer", "dataset", "validation_dataset") if data
+                          else ("tokenizer",))
     tokenizer = _build_tokenizer(cfg, is_main) if (data if tokenizer is None else tokenizer) else None
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
