@@ -227,3 +227,17 @@ def test_the_build_recorder_sees_a_complete_recipe_build(tmp_path, tok_dir):
            "dataset": {"_target_": CHAT, "path": str(train), "seq_length": 64},
            "training": {"device": "cpu", "global_batch_size": 2, "micro_batch_size": 1}})
     assert BUILD_EVENTS == ["tokenizer", "model"]
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_names_the_key(tmp_path):
+    """E.g. a model recipe whose folder default holds only config.json (enough to plan)."""
+    from hybridtrain.config import load_config
+    from hybridtrain.data.io import DataError
+    from hybridtrain.training.builder import check_input_paths
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"tokenizer:\n  _target_: hybridtrain.data.load_tokenizer\n  path: {tmp_path / 'model'}\n")
+    with pytest.raises(DataError, match=r"r.yaml:3: tokenizer.path .* holds no tokenizer"):
+        check_input_paths(load_config(recipe))

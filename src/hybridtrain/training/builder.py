@@ -79,6 +79,10 @@ def _build_tokenizer(cfg: ConfigNode, is_main: bool):
     return main_process_first(build, is_main)
 
 
+# a Hugging Face tokenizer folder holds at least one of these
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def check_input_paths(cfg: ConfigNode,
                       sections: tuple[str, ...] = ("tokenizer", "dataset", "validation_dataset")
                       ) -> None:
@@ -105,6 +109,11 @@ def check_input_paths(cfg: ConfigNode,
             if not found:
                 raise DataError(f"{node.where(key)}: {section}.{key} {value!r}: no such {kind} "
                                 f"(relative paths are read from {os.getcwd()})")
+            if is_tokenizer and key == "path" and not any(
+                    os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+                raise DataError(f"{node.where(key)}: {section}.{key} {value!r} holds no tokenizer "
+                                f"(none of {', '.join(_TOKENIZER_FILES)}); point it at the model's "
+                                "folder (a recipe's ${env:VAR,default} names the variable to set)")
 
 
 def resolve_device(name: str) -> torch.device:
