@@ -317,10 +317,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         torch.use_deterministic_algorithms(True)
 
     # inputs first (a missing file is reported before minutes of building), tokenizer, model
-    if data or tokenizer:
-        check_input_paths(cfg, ("tokenizer", "dataset", "validation_dataset") if data
-                          else ("tokenizer",))
-    tokenizer = _build_tokenizer(cfg, is_main) if (data if tokenizer is None else tokenizer) else None
+    with_tokenizer = data if tokenizer is None else tokenizer
+    check_input_paths(cfg, (("tokenizer",) if with_tokenizer else ())
+                      + (("dataset", "validation_dataset") if data else ()))
+    tokenizer = _build_tokenizer(cfg, is_main) if with_tokenizer else None
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
