@@ -70,11 +70,9 @@ def resolve_export(path: str) -> tuple[str, str | None]:
 def unexported_checkpoint(path: str) -> str | None:
     """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's ``latest``) when it
     holds no export (``hf/``, ``merged_hf/``, ``adapter/``); else None."""
-    from hybridtrain.training.checkpoint import LATEST, Checkpointer
+    from hybridtrain.training.checkpoint import step_folder
 
-    path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, LATEST)):
-        path = Checkpointer(path).latest()
+    path = step_folder(path)
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         return None
     exported = any(os.path.isfile(os.path.join(path, sub, name)) for sub, name in

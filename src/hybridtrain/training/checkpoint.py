@@ -552,12 +552,16 @@ def _import_model_class(dotted: str):
     return getattr(importlib.import_module(module), name)
 
 
+def step_folder(path: str) -> str:
+    """The absolute ``step_N`` folder ``path`` names: itself, or a run folder's ``latest``."""
+    path = os.path.abspath(path)
+    return _latest_in(path) if os.path.isfile(os.path.join(path, LATEST)) else path
+
+
 def _open_checkpoint(ckpt_dir: str) -> tuple[str, dict, type, Any]:
     """(step folder, trainer state, model class, model config) of a ``step_N`` folder or a run
     folder (its ``latest``)."""
-    path = os.path.abspath(ckpt_dir)
-    if os.path.isfile(os.path.join(path, LATEST)):
-        path = _latest_in(path)
+    path = step_folder(ckpt_dir)
     state_path = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_path):
         raise ValueError(f"{ckpt_dir} is not a checkpoint (no trainer_state.json) nor a run "
