@@ -300,7 +300,8 @@ class Built:
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None,
           loss: nn.Module | None = None, tokenizer: bool | None = None) -> Built:
-    """Builds a recipe's parts in a fixed order: seeds -> tokenizer -> model (random init from
+    """Builds a recipe's parts in a fixed order: seeds -> input paths checked
+    (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
     layout -> train step -> optimizer.
 
