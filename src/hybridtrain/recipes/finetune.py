@@ -5,8 +5,8 @@ metrics from a recipe, and train.
     summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
 
 Order of events: process group (when launched with several ranks) -> start-up checks (layout,
-run-folder lock, earlier run or resume point) -> :func:`build` (seeds ->
-tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
+run-folder lock, earlier run or resume point) -> :func:`build` (seeds -> the input files and
+folders the recipe names exist -> tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
 datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
 scheduler -> checkpointer and resume -> (only now writes: config.yaml, clearing an overwritten
 run) train -> final checkpoint with the HF (or PEFT adapter) export and the ``final`` link ->

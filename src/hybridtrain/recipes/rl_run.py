@@ -4,6 +4,7 @@ curves), the final checkpoint with its export, and the summary."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -20,6 +21,19 @@ from hybridtrain.training.preemption import Preempted, RunStop
 logger = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _info_lines_off():
+    """hybridtrain's INFO lines off for the block (warnings stay; DEBUG logging shows all)."""
+    log = logging.getLogger("hybridtrain")
+    level = log.level
+    if log.getEffectiveLevel() == logging.INFO:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class RLRun:
     """``Policy`` + frozen reference (the same recipe: the same initial weights) + metrics in
     ``checkpoint.dir``. A new run there replaces an earlier one only with
@@ -30,13 +44,19 @@ class RLRun:
                  loss_label: str = "loss"):
         from hybridtrain.recipes.finetune import _check_run_folder
         from hybridtrain.rl import Policy
+        from hybridtrain.training.builder import check_input_paths
 
         self.cfg, self.name = cfg, name
         self.out_dir = run_folder_path(cfg.checkpoint.dir)
         self.t_start = time.perf_counter()
         _, clear = _check_run_folder(cfg, self.out_dir)
+        check_input_paths(cfg)  # before two models are built
         self.policy = Policy(cfg)
-        self.reference = Policy(cfg)  # never trained: the reference policy
+        t0 = time.perf_counter()
+        with _info_lines_off():  # the same build again: its log would repeat the policy's
+            self.reference = Policy(cfg)  # never trained: the reference policy
+        logger.info("reference policy: the recipe's model built again and kept frozen (%.1fs)",
+                    time.perf_counter() - t0)
         self.is_main = self.policy.built.is_main
         if clear:
             self.policy.checkpointer(self.out_dir).clear()
@@ -101,8 +121,12 @@ class RLRun:
         """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0)."""
         self.stop.restore()
         ckpt = None
-        if self.cfg.checkpoint.enabled:
-            ckpt = self.policy.save_checkpoint(self.out_dir, export=self.cfg.checkpoint.save_hf_at_end)
+        if self.cfg.checkpoint.enabled:  # step_N: N = the logged steps (GRPO: rollout steps)
+            step = self.history[-1]["step"] if self.history else self.policy.step
+            export = self.cfg.checkpoint.save_hf_at_end
+            ckpt = self.policy.save_checkpoint(self.out_dir, export=export, step=step)
+            if export:  # final/: the finished run's export, as finetune's
+                self.policy.checkpointer(self.out_dir).mark_final(ckpt)
         plot = self.metrics.close()
         losses = [r["loss"] for r in self.history if math.isfinite(r.get("loss", math.nan))]
         summary = {"steps": len(self.history), "first_loss": losses[0] if losses else None,
@@ -112,7 +136,9 @@ class RLRun:
         if self.is_main:
             print(f"hybridtrain {self.name}: {headline(self.history)}\noutputs in "
                   f"{self.out_dir}/ (training.jsonl, loss.png"
-                  + (f", {os.path.relpath(ckpt, self.out_dir)}/" if ckpt else "") + ")", flush=True)
+                  + (f", {os.path.relpath(ckpt, self.out_dir)}/" if ckpt else "")
+                  + (", final/" if os.path.islink(os.path.join(self.out_dir, "final")) else "")
+                  + ")", flush=True)
         return summary
 
 

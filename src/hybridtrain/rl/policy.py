@@ -271,12 +271,14 @@ class Policy:
 
         return build_checkpointer(self.built, path)
 
-    def save_checkpoint(self, dir: str, export: bool = False) -> str:
+    def save_checkpoint(self, dir: str, export: bool = False, step: int | None = None) -> str:
         """Writes ``dir/step_{N}`` (the finetune checkpoint format: model, optimizer, LR schedule,
         RNG; with ``export`` the HF export ``hf/``, or ``adapter/`` for LoRA) and ``dir/latest``;
-        returns the step folder. Collective."""
-        return self.checkpointer(dir).save(self.step, self.model, self.optimizer, self.lr_scheduler,
-                                    tokenizer=self.tokenizer, export=export, final=export)
+        returns the step folder. ``N``: ``step`` (the caller's step count, e.g. GRPO's rollout
+        steps), default the optimizer updates so far. Collective."""
+        return self.checkpointer(dir).save(self.step if step is None else step, self.model,
+                                           self.optimizer, self.lr_scheduler,
+                                           tokenizer=self.tokenizer, export=export, final=export)
 
     def load_checkpoint(self, dir: str) -> None:
         """Restores a checkpoint (a ``step_N`` folder, or a run folder: its ``latest``) written by
