@@ -27,7 +27,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
