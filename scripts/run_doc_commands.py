@@ -243,8 +243,11 @@ def main(argv=None) -> int:
         print(f"no virtual environment at {args.venv}: run `make setup` first", file=sys.stderr)
         return 2
 
-    work = args.keep or Path(tempfile.mkdtemp(prefix="doc-commands-"))
+    scratch = Path(tempfile.mkdtemp(prefix="doc-commands-"))
+    work = args.keep or scratch / "checkout"
     work.mkdir(parents=True, exist_ok=True)
+    if args.keep is None and (ROOT.parent / "shared").is_dir():  # the data some pages read
+        (scratch / "shared").symlink_to((ROOT.parent / "shared").resolve())
     if not (work / "README.md").exists():
         scratch_copy(work, args.venv)
     log_dir = work / "doc-test-logs"
@@ -266,7 +269,9 @@ def main(argv=None) -> int:
     total = time.monotonic() - start
     print(f"{len(seen)} blocks in {total:.0f}s; failed: {', '.join(failed) or 'none'}")
     if args.keep is None and not failed:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    elif args.keep is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     elif failed:
         print(f"logs: {log_dir}")
     return 1 if failed else 0

@@ -74,3 +74,11 @@ def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
     for b in blocks:
         passed, why = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
         assert passed, why
+
+
+def test_the_readme_links_to_pages_that_exist():
+    """mkdocs --strict checks the site's links; the README is outside the site."""
+    import re
+
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert links and all((ROOT / link).is_file() for link in links), links
