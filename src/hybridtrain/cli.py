@@ -65,7 +65,7 @@ overrides (any number, after or before -c):
                              without '+' an unknown key is an error with a suggestion
   --allowed_target_prefixes=[mypkg.]
                              allow _target_ callables under mypkg (besides hybridtrain.,
-                             torch.nn., torch.optim.; README: Safety)
+                             torch.nn., torch.optim.; docs/safety.md)
   ${env:VAR} / ${env:VAR,default} in any string value reads the environment.
 
 recipe sections:
@@ -77,7 +77,7 @@ examples:
   hybridtrain finetune -c recipe.yaml --nproc-per-node 8 --distributed.tp=2
   torchrun --nproc-per-node 8 -m hybridtrain finetune -c recipe.yaml   # runs in-process
 
-environment (README: Environment variables):
+environment (docs/recipes/index.md: Environment variables):
   HYBRIDTRAIN_LOG_LEVEL=DEBUG     log level (rank 0; other ranks log warnings and errors)
   HYBRIDTRAIN_LOG_ALL_RANKS=1     log at that level on every rank
   HYBRIDTRAIN_FILTER_WARNINGS=1   silence Python warnings (shown by default)

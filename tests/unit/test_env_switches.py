@@ -1,5 +1,5 @@
 """``HYBRIDTRAIN_*`` environment variables: each one the package reads is documented in the
-README, and read when it is used, never into a module global at import time."""
+docs (docs/recipes/index.md), and read when it is used, never into a module global at import time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import hybridtrain
 
 PACKAGE = Path(hybridtrain.__file__).parent
-README = PACKAGE.parents[1] / "README.md"
+RECIPES_PAGE = PACKAGE.parents[1] / "docs" / "recipes" / "index.md"
 
 
 def _sources():
@@ -19,9 +19,9 @@ def _sources():
 
 def test_every_variable_is_documented():
     used = {v for p in _sources() for v in re.findall(r"\bHYBRIDTRAIN_[A-Z0-9_]+", p.read_text())}
-    section = README.read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    section = RECIPES_PAGE.read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     missing = sorted(used - set(re.findall(r"HYBRIDTRAIN_[A-Z0-9_]+", section)))
-    assert not missing, f"not in the README's Environment variables section: {missing}"
+    assert not missing, f"not in docs/recipes/index.md's Environment variables section: {missing}"
 
 
 def _module_level_environ_reads(path: Path) -> list[int]:

@@ -3,8 +3,8 @@
 Builds the recipe's model, optimizer and parallel layout as ``finetune`` does, then times full
 training steps (forward, backward, clipping, optimizer step) with the trainer's own step. Options
 live in the recipe's ``benchmark:`` section (or ``--benchmark.KEY=VALUE``); its keys, defaults
-and meanings are in ``src/hybridtrain/config/schema.py`` (``BENCHMARK``, and the README's recipe
-reference).
+and meanings are in ``src/hybridtrain/config/schema.py`` (``BENCHMARK``; docs/recipes/reference.md:
+the recipe reference).
 
 ``--profile`` / ``--measure-peak`` given to the command line (when the CLI passes them) mean
 the same as the keys.

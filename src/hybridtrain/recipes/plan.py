@@ -16,7 +16,7 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
 * **activations**: the model's estimate per micro-batch (``ModelSpec.activation_bytes``) by
   layer type, with activation checkpointing applied per block, times the micro-batches a
   pipeline schedule keeps in flight on that rank; plus the recomputed block's activations under
-  checkpointing. An estimate (README: how it compares with measured peaks).
+  checkpointing. An estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;

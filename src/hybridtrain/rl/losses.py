@@ -1,6 +1,6 @@
 """RL losses on per-token log-probabilities: NLL, clipped policy gradient (PPO / GRPO), DPO.
 
-NeMo-RL's definitions and configuration names (see the README's "RL backend" section). A loss is
+NeMo-RL's definitions and configuration names (see docs/rl.md). A loss is
 called once per micro-batch::
 
     loss, metrics = loss_fn(logprobs, batch, global_valid_seqs, global_valid_toks)

@@ -1,0 +1,84 @@
+"""The docs' command run (scripts/run_doc_commands.py): every shell block of the README and the
+docs site is marked run / check / skip, and the markers mean what the script's docstring says."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("run_doc_commands", ROOT / "scripts" / "run_doc_commands.py")
+rdc = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = rdc  # dataclasses look their module up
+_spec.loader.exec_module(rdc)
+
+
+def test_every_shell_block_of_the_docs_is_marked_and_every_page_is_in_the_nav():
+    files = rdc.doc_files(ROOT)
+    assert files[0] == "README.md"
+    on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    assert on_disk == set(files[1:]), "a page outside mkdocs.yml's nav, or a nav entry missing"
+    blocks = [b for f in files for b in rdc.parse_blocks(f, ROOT)]
+    assert rdc.problems(blocks) == []
+    shell = [b for b in blocks if b.lang in rdc.SHELL_LANGS]
+    assert {b.mode for b in shell} == {"run", "check", "skip"}
+    for b in blocks:
+        if b.lang == "python":
+            compile(b.text, b.where, "exec")
+
+
+def test_markers_are_parsed_and_an_unmarked_block_is_reported(tmp_path):
+    (tmp_path / "page.md").write_text(
+        'text\n\n<!-- doc-test: run expect="a b" expect="c" files="x y" rc="2" -->\n'
+        "```bash\nmake demo\n```\n\n```sh\nhybridtrain plan -c r.yaml\n```\n\n"
+        '<!-- doc-test: skip -->\n```bash\nmake test\n```\n')
+    first, unmarked, skipped = rdc.parse_blocks("page.md", tmp_path)
+    assert (first.mode, first.line, first.text) == ("run", 4, "make demo\n")
+    assert first.attrs == {"expect": ["a b", "c"], "files": ["x y"], "rc": ["2"]}
+    found = rdc.problems([first, unmarked, skipped])
+    assert len(found) == 2 and "page.md:8" in found[0] and "reason" in found[1]
+
+
+def test_check_form_resolves_real_model_commands_without_running_them():
+    text = ("export A=1\n"
+            "hybridtrain finetune -c big.yaml --nproc-per-node 8   # 8 GPUs\n"
+            "torchrun --nproc-per-node 4 -m hybridtrain finetune -c r.yaml \\\n    --distributed.pp=2\n"
+            "sbatch examples/job.sbatch\n"
+            "hybridtrain plan -c big.yaml --nproc-per-node 8\n")
+    assert rdc.check_form(text).splitlines() == [
+        "export A=1",
+        "hybridtrain finetune -c big.yaml --nproc-per-node 8 --print-config > /dev/null",
+        "torchrun --nproc-per-node 4 -m hybridtrain finetune -c r.yaml --distributed.pp=2"
+        " --print-config > /dev/null",
+        "bash -n examples/job.sbatch",
+        "hybridtrain plan -c big.yaml --nproc-per-node 8",
+    ]
+
+
+def test_run_block_checks_exit_status_output_and_files(tmp_path):
+    ok = rdc.Block("p.md", 1, "bash", "echo hello; touch made\n", "run",
+                   {"expect": ["hello"], "files": ["made"]})
+    assert rdc.run_block(ok, tmp_path, tmp_path, timeout=30) == (True, "")
+    bad = rdc.Block("p.md", 9, "bash", "echo bye; false\n", "run",
+                    {"expect": ["hello"], "files": ["absent"]})
+    passed, why = rdc.run_block(bad, tmp_path, tmp_path, timeout=30)
+    assert not passed
+    assert "exit status 1" in why and "'hello'" in why and "missing absent" in why
+
+
+def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
+    """The README's `check` blocks in their cheap form: the 30B recipes and the Slurm script."""
+    blocks = [b for b in rdc.parse_blocks("README.md", ROOT) if b.mode == "check"]
+    assert blocks
+    for b in blocks:
+        passed, why = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
+        assert passed, why
+
+
+def test_the_readme_links_to_pages_that_exist():
+    """mkdocs --strict checks the site's links; the README is outside the site."""
+    import re
+
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert links and all((ROOT / link).is_file() for link in links), links
