@@ -39,13 +39,13 @@ def test_spec_lookup():
 def test_pipeline_stages_run_the_models_forward():
     model = _model()
     spec = model_spec_for(model)
-    names = spec.pipeline_layers(model)
+    names = spec.pipeline.layers(model)
     cut = len(names) // 2
-    first = spec.pipeline_stage(model, names[:cut], True, False)
-    last = spec.pipeline_stage(model, names[cut:], False, True)
+    first = spec.pipeline.stage(model, names[:cut], True, False)
+    last = spec.pipeline.stage(model, names[cut:], False, True)
     assert type(first) is type(model) and type(last) is type(model)
-    assert not spec.is_complete(first) and not spec.is_complete(last)
-    assert spec.is_complete(model)
+    assert not spec.pipeline.is_complete(first) and not spec.pipeline.is_complete(last)
+    assert spec.pipeline.is_complete(model)
     own = {id(p): n for n, p in model.named_parameters()}
     for stage in (first, last):  # the model's own parameter objects, under the same names
         for n, p in stage.named_parameters():

@@ -264,19 +264,19 @@ def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
     plan.parallelize` splits it."""
     from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
 
-    names = spec.pipeline_layers(model)
+    names = spec.pipeline.layers(model)
     if dims.pp == 1:
         return None, 1, [([0], list(range(len(names))), True, model)]
     config = model.config
     sched, num_stages, ranges, _ = pipeline_layout(
-        len(names), dims, distributed, spec.layer_flops(config, seq_len), spec.head_flops(config))
+        len(names), dims, distributed, spec.flops.layer(config, seq_len), spec.flops.head(config))
     per_rank = num_stages // dims.pp
     parts = []
     for r in range(dims.pp):
         ids = stage_ids_for_rank(r, dims.pp, per_rank, sched.style)
         mine = [i for s in ids for i in range(*ranges[s])]
         last = num_stages - 1 in ids
-        parts.append((ids, mine, last, spec.pipeline_stage(
+        parts.append((ids, mine, last, spec.pipeline.stage(
             model, [names[i] for i in mine], 0 in ids, last)))
     return sched, per_rank, parts
 
@@ -288,11 +288,19 @@ def _tp_dims(spec, model: nn.Module, dims) -> dict[int, int]:
 
     if dims.tp == 1:
         return {}
-    if spec.tp_plan is None:
+    tp_plan = _memory_part(spec).tp_plan
+    if tp_plan is None:
         raise ValueError(f"distributed.tp={dims.tp}: the model spec {spec.name!r} has no tensor-parallel "
                          "plan; use tp: 1")
     return {id(model.get_parameter(name)): dim
-            for name, dim in tp_shard_dims(model, spec.tp_plan(model, dims.tp)).items()}
+            for name, dim in tp_shard_dims(model, tp_plan(model, dims.tp)).items()}
+
+
+def _memory_part(spec):
+    """The spec's MemoryPlanSupport (an empty one: no activation estimate, no TP plan)."""
+    from hybridtrain.models.spec import MemoryPlanSupport
+
+    return spec.find(MemoryPlanSupport) or MemoryPlanSupport()
 
 
 def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int], tp_dims: dict[int, int]):
@@ -347,14 +355,15 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     autocast = autocast_dtype(compute)
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
-    names = spec.pipeline_layers(model)
+    names = spec.pipeline.layers(model)
     seq_len = _seq_len(cfg)
     sched, per_rank, parts = _pipeline_parts(spec, model, dims, d, seq_len)
     # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
     rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
     head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
-    act = spec.activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
-                                t.loss_chunk_size, head_trains) if spec.activation_bytes else None
+    activation_bytes = _memory_part(spec).activation_bytes
+    act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
+                           t.loss_chunk_size, head_trains) if activation_bytes else None
     policy = parse_ac_policy(t.activation_checkpointing)
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
@@ -418,7 +427,7 @@ def _units(part: nn.Module, spec, experts: set[int]) -> list[list[nn.Parameter]]
     """FSDP units of a (stage) model, as the model's parallelize function makes them: the
     parameters before the pipeline layers (embeddings), each layer without its stacked experts,
     each layer's experts, the parameters after the layers (final norm, head)."""
-    layers = [part.get_submodule(f"{_layers_path(part)}.{n}") for n in spec.pipeline_layers(part)]
+    layers = [part.get_submodule(f"{_layers_path(part)}.{n}") for n in spec.pipeline.layers(part)]
     in_layers = {id(p) for m in layers for p in m.parameters()}
     first = min((i for i, (_, p) in enumerate(_unique(part)) if id(p) in in_layers), default=0)
     rest = [(i, p) for i, (_, p) in enumerate(_unique(part)) if id(p) not in in_layers]

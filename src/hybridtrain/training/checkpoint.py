@@ -180,13 +180,13 @@ def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | 
     elif "state_dict" in params:
         model.save_pretrained(out_dir, state_dict=state_dict, **kw)
     else:  # gathered full tensors of a sharded model
-        model_spec_for(model).save_hf(state_dict, model.config, out_dir, dtype=dtype)
+        model_spec_for(model).hf.save(state_dict, model.config, out_dir, dtype=dtype)
 
 
 def _state_format(model: torch.nn.Module) -> str | None:
     """The model spec's marker of how the model holds its parameters (None: the plain one)."""
     try:
-        fn = model_spec_for(model).state_format
+        fn = model_spec_for(model).hf.state_format
     except ValueError:  # not a registered model (e.g. a test stand-in)
         return None
     return fn(model) if fn is not None else None
@@ -215,14 +215,14 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
     except ValueError:  # not a registered model (e.g. a test stand-in)
         spec = None
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-    if spec is not None and (sharded or not spec.is_complete(model)):
+    if spec is not None and (sharded or not spec.pipeline.is_complete(model)):
         from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 
         layout = global_layout(model)
         stream = stream_full_tensors(model, layout)
         if get_rank() == 0:
             os.makedirs(out_dir, exist_ok=True)
-            spec.save_hf(layout, model.config, out_dir, dtype=dtype, tensors=stream)
+            spec.hf.save(layout, model.config, out_dir, dtype=dtype, tensors=stream)
         for _ in stream:  # the other ranks' part (and the end of rank 0's)
             pass
     else:
@@ -576,7 +576,7 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
 
         _check_state_format(path, state, model)
         os.makedirs(out_hf_dir, exist_ok=True)
-        model_spec_for(cls).save_hf(model.state_dict(), config, out_hf_dir,
+        model_spec_for(cls).hf.save(model.state_dict(), config, out_hf_dir,
                                     dtype=resolve_save_dtype(dtype, model),
                                     tensors=_dcp_tensors(model.state_dict(),
                                                          os.path.join(path, "dcp")))

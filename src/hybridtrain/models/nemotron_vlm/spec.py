@@ -12,7 +12,9 @@ from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.models.nemotron_h import spec as lm_spec
 from hybridtrain.models.nemotron_h.moe import Experts
 from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
-from hybridtrain.models.spec import ModelSpec, register_model_spec
+from hybridtrain.models.spec import (
+    FlopsCount, HeteroSupport, HFAdapter, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
+    register_model_spec)
 
 from .config import NemotronVLMConfig
 from .hetero import hetero_plan
@@ -105,16 +107,13 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     model_cls=NemotronVLMForConditionalGeneration,
     config_cls=NemotronVLMConfig,
     parallelize_fn=parallelize_vlm,
-    is_complete=is_complete,
-    pipeline_layers=pipeline_layers,
-    pipeline_stage=pipeline_stage,
-    layer_flops=layer_flops,
-    head_flops=head_flops,
-    batch_flops=batch_flops,
-    save_hf=save_hf,
-    expert_modules=(Experts,),
-    hetero_plan=hetero_plan,
-    pipeline_row_inputs=images_by_row,
-    state_format=state_format,
-    init_units=NemotronVLMForConditionalGeneration.init_units,
+    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete,
+                           row_inputs=images_by_row),
+    flops=FlopsCount(layer=layer_flops, head=head_flops, batch=batch_flops),
+    hf=HFAdapter(save=save_hf, state_format=state_format),
+    parts=(
+        PeftSupport(expert_modules=(Experts,)),
+        HeteroSupport(plan=hetero_plan),
+        MetaInit(init_units=NemotronVLMForConditionalGeneration.init_units),
+    ),
 ))
