@@ -34,7 +34,7 @@ from torch import nn
 
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
            "MemoryPlanSupport", "HeteroSupport", "PART_TYPES", "register_model_spec",
-           "get_model_spec", "model_spec_for", "set_train_loss"]
+           "get_model_spec", "model_spec_for", "registered_model_class", "set_train_loss"]
 
 
 def _check(obj: Any, callables: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> None:
@@ -287,6 +287,16 @@ def model_spec_for(model: nn.Module | type) -> ModelSpec:
         f"{cls.__module__}.{cls.__name__} is not a registered model (known: "
         f"{', '.join(s.model_cls.__name__ for s in _SPECS.values())}); a model enters "
         "hybridtrain through a ModelSpec (hybridtrain.models.spec.register_model_spec)")
+
+
+def registered_model_class(dotted: str) -> type[nn.Module]:
+    """The model class of a registered spec named ``module.Class``; ValueError otherwise."""
+    _load_builtins()
+    for spec in _SPECS.values():
+        if f"{spec.model_cls.__module__}.{spec.model_cls.__qualname__}" == dotted:
+            return spec.model_cls
+    raise ValueError(f"checkpoint model class {dotted!r} is not a hybridtrain model nor one "
+                     "whose spec this program registered (register_model_spec)")
 
 
 def set_train_loss(model: nn.Module, loss: nn.Module) -> None:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
 from hybridtrain.fileio import (WriteError, atomic_write, atomic_write_json, read_json,
                                 unique_tmp_path, write_error)
-from hybridtrain.models.spec import model_spec_for
+from hybridtrain.models.spec import model_spec_for, registered_model_class
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -546,8 +546,10 @@ class Checkpointer:
 
 # -- convert ----------------------------------------------------------------------------------
 def _import_model_class(dotted: str):
+    """The model class a checkpoint names: imported when it is hybridtrain's, else a class
+    whose spec this program registered (nothing else is imported)."""
     if not dotted.startswith("hybridtrain."):
-        raise ValueError(f"checkpoint model class {dotted!r} is not a hybridtrain model")
+        return registered_model_class(dotted)
     module, _, name = dotted.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
