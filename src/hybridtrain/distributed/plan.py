@@ -23,7 +23,7 @@ from hybridtrain.distributed.utils import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParallelPlan", "parallelize"]
+__all__ = ["ParallelPlan", "parallelize", "pipeline_split_seq_len"]
 
 
 @dataclass
@@ -47,6 +47,13 @@ class ParallelPlan:
         """Global gradient norm (all meshes, all pipeline stages); clips when ``max_norm``."""
         pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
         return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
+
+
+def pipeline_split_seq_len(packing) -> int:
+    """The row length the pipeline split balances per-layer FLOPs at (``packing``: the
+    recipe's section): the packed length, else 2048. The run and ``hybridtrain plan`` both ask
+    this."""
+    return int(packing.pack_size) if packing.enabled else 2048
 
 
 def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, training, *,

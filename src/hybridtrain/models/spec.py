@@ -156,13 +156,16 @@ class MemoryPlanSupport:
     {"layers": [{"type", "category", "saved", "checkpointed"}, ...], "head": {name: bytes}}``:
     what one micro-batch keeps for backward; ``tp_plan(model, tp) -> {submodule path: style}``:
     how the spec's ``parallelize_fn`` splits a (stage) model over ``tp`` ranks (None: no
-    tensor parallelism)."""
+    tensor parallelism); ``fsdp_units(model) -> (units, expert_units)``: the FSDP2 units
+    ``parallelize_fn`` gives ``distributed.fsdp.apply_fsdp`` (it asks this function too; a
+    unit is a module or a list of modules, the root holds the rest; None: no FSDP2 estimate)."""
 
     activation_bytes: Callable[..., dict] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None
+    fsdp_units: Callable[[nn.Module], tuple[list, list]] | None = None
 
     def __post_init__(self):
-        _check(self, (), ("activation_bytes", "tp_plan"))
+        _check(self, (), ("activation_bytes", "tp_plan", "fsdp_units"))
 
 
 @dataclass(frozen=True)

@@ -151,10 +151,7 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
         with torch.device("meta"):
             return spec, instantiate(model_node)
     if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
-        raise ValueError(
-            f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
-            f"from a model class with a config or Model.from_pretrained; {model_node['_target_']} "
-            "is neither")
+        return _meta_model_of_factory(model_node)
     spec = model_spec_for(owner)
     kwargs = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
     try:
@@ -177,6 +174,21 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     model.to(parse_dtype(dtype, f"{model_node.dotted_path()}.dtype") if dtype
              else _checkpoint_dtype(hf))
     return spec, model
+
+
+def _meta_model_of_factory(model_node) -> tuple[Any, nn.Module]:
+    """(spec, model) of a model factory, built on the meta device as the run builds it."""
+    from hybridtrain.models.spec import model_spec_for
+    from hybridtrain.training.builder import instantiate_with
+
+    with torch.device("meta"):
+        model = instantiate_with(model_node, to_var_kw=False, device="meta")
+    if not isinstance(model, nn.Module) or not all(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
+            f"from a model class with a config, Model.from_pretrained or a factory that builds on "
+            f"the meta device; {model_node['_target_']} is none of them")
+    return model_spec_for(model), model
 
 
 # -- sharding arithmetic -------------------------------------------------------------------------
@@ -338,6 +350,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
                                               resolve_reshard_after_forward)
     from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.distributed.plan import pipeline_split_seq_len
     from hybridtrain.training.builder import as_config
     from hybridtrain.training.precision import autocast_dtype
 
@@ -357,7 +370,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline.layers(model)
     seq_len = _seq_len(cfg)
-    sched, per_rank, parts = _pipeline_parts(spec, model, dims, d, seq_len)
+    sched, per_rank, parts = _pipeline_parts(spec, model, dims, d,
+                                             pipeline_split_seq_len(cfg.packing))
     # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
     rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
     head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
@@ -423,26 +437,25 @@ def _elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _units(part: nn.Module, spec, experts: set[int]) -> list[list[nn.Parameter]]:
-    """FSDP units of a (stage) model, as the model's parallelize function makes them: the
-    parameters before the pipeline layers (embeddings), each layer without its stacked experts,
-    each layer's experts, the parameters after the layers (final norm, head)."""
-    layers = [part.get_submodule(f"{_layers_path(part)}.{n}") for n in spec.pipeline.layers(part)]
-    in_layers = {id(p) for m in layers for p in m.parameters()}
-    first = min((i for i, (_, p) in enumerate(_unique(part)) if id(p) in in_layers), default=0)
-    rest = [(i, p) for i, (_, p) in enumerate(_unique(part)) if id(p) not in in_layers]
-    units = [[p for i, p in rest if i < first]]
-    for m in layers:
-        ps = list(m.parameters())
-        units += [[p for p in ps if id(p) not in experts], [p for p in ps if id(p) in experts]]
-    return [u for u in units + [[p for i, p in rest if i > first]] if u]
-
-
-def _layers_path(part: nn.Module) -> str:
-    for name, m in part.named_modules():
-        if isinstance(m, nn.ModuleDict):
-            return name
-    raise AssertionError("a model's pipeline layers live in a ModuleDict")
+def _units(part: nn.Module, spec) -> list[list[nn.Parameter]]:
+    """The parameters of each FSDP2 unit of a (stage) model: the units the spec's
+    ``fsdp_units`` gives (the run's parallelize function asks it too), in the order FSDP2
+    claims them (stacked experts first, each unit's parameters not claimed before), and the
+    root's rest. The order does not matter to the estimate."""
+    fn = _memory_part(spec).fsdp_units
+    if fn is None:
+        raise ValueError(f"the model spec {spec.name!r} names no FSDP2 units "
+                         "(MemoryPlanSupport.fsdp_units); plan it with dp_shard 1")
+    units, expert_units = fn(part)
+    claimed: set[int] = set()
+    out = []
+    for unit in [*expert_units, *units]:
+        params = [p for m in (unit if isinstance(unit, (list, tuple)) else [unit])
+                  for p in m.parameters() if id(p) not in claimed]
+        out.append(list({id(p): p for p in params}.values()))
+        claimed.update(id(p) for p in params)
+    out.append([p for _, p in _unique(part) if id(p) not in claimed])
+    return [u for u in out if u]
 
 
 def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard, reduce_bytes):
@@ -460,7 +473,7 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
         # reshard (distributed/fsdp.py): then only the unit computing and the one prefetched.
         stage_kept = dims.pp_enabled and not reshard
         sizes, kept, grad_sizes, accumulated, in_flight = [], [], [], 0.0, 0.0
-        for unit in _units(part, spec, experts):
+        for unit in _units(part, spec):
             # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
             full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()

@@ -113,13 +113,12 @@ def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.de
     same path for one process and many (``dims``: its degrees, default the section's over
     ``world_size`` ranks)."""
     from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.distributed.plan import parallelize
+    from hybridtrain.distributed.plan import parallelize, pipeline_split_seq_len
 
     if dims is None:
         dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
-    seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
     return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
-                       autocast_dtype=autocast_dtype, seq_len=seq_len)
+                       autocast_dtype=autocast_dtype, seq_len=pipeline_split_seq_len(cfg.packing))
 
 
 def _weight_source(model: nn.Module, seed: int) -> dict:

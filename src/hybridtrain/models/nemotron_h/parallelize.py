@@ -116,10 +116,18 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
     if training.compile:
         apply_compile(layers)
     if dims.fsdp_enabled:
-        # the final norm and the head: one unit, gathered when the norm runs (the loss reads the
-        # head's weight), so a rank does not hold the head through the whole step as the root
-        head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
-        units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
-        apply_fsdp(model, [u for u in units if u is not None], dims, distributed,
-                   autocast_dtype=autocast_dtype,
-                   expert_units=[b.mixer.experts for b in moe_blocks])
+        units, expert_units = fsdp_units(model)
+        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype,
+                   expert_units=expert_units)
+
+
+def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
+    """(dense FSDP2 units in forward order, stacked-expert units) of a (stage) model, the root
+    holding the rest: the embeddings, each block, and the final norm with the head as one unit
+    (gathered when the norm runs: the loss reads the head's weight, so a rank does not hold the
+    head through the whole step as the root would)."""
+    layers = model.backbone.layers
+    head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
+    units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
+    experts = [b.mixer.experts for b in layers.values() if b.block_type == "moe"]
+    return [u for u in units if u is not None], experts

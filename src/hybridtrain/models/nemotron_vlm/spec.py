@@ -11,10 +11,11 @@ from hybridtrain.distributed.compile import apply_compile
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.models.nemotron_h import spec as lm_spec
 from hybridtrain.models.nemotron_h.moe import Experts
+from hybridtrain.models.nemotron_h.parallelize import fsdp_units as lm_fsdp_units
 from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
 from hybridtrain.models.spec import (
-    FlopsCount, HeteroSupport, HFAdapter, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
-    register_model_spec)
+    FlopsCount, HeteroSupport, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport,
+    PipelineSplit, register_model_spec)
 
 from .config import NemotronVLMConfig
 from .hetero import hetero_plan
@@ -31,16 +32,27 @@ def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: to
     pipeline stage after the first holds no ViT or projector."""
     parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
                            autocast_dtype=autocast_dtype)
-    units = []
     if model.vision_model is not None:  # not on a later pipeline stage
         blocks = model.vision_model.blocks
         if training.activation_checkpointing:
             apply_activation_checkpointing(blocks, "all")
         if training.compile:
             apply_compile(blocks)
-        units = list(blocks.values()) + [model.projector]
     if dims.fsdp_enabled:
-        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)
+        apply_fsdp(model, _vision_units(model), dims, distributed, autocast_dtype=autocast_dtype)
+
+
+def _vision_units(model: nn.Module) -> list[nn.Module]:
+    if model.vision_model is None:
+        return []
+    return list(model.vision_model.blocks.values()) + [model.projector]
+
+
+def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
+    """The FSDP2 units :func:`parallelize_vlm` makes: the language model's (its own root,
+    the language model, one unit), then the ViT blocks and the projector."""
+    lm_units, experts = lm_fsdp_units(model.language_model)
+    return lm_units + [model.language_model] + _vision_units(model), experts
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -115,5 +127,6 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
         PeftSupport(expert_modules=(Experts,)),
         HeteroSupport(plan=hetero_plan),
         MetaInit(init_units=NemotronVLMForConditionalGeneration.init_units),
+        MemoryPlanSupport(fsdp_units=fsdp_units),
     ),
 ))
