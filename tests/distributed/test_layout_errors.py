@@ -221,7 +221,8 @@ def test_activation_checkpointing_is_bitwise_and_keeps_state_dict_keys():
         torch.manual_seed(0)
         m = NemotronHForCausalLM(tiny_config("mixed"))
         keys = list(m.state_dict())
-        chosen = apply_activation_checkpointing(m.backbone.layers, policy) if policy else []
+        chosen = apply_activation_checkpointing(m.backbone.layers, policy,
+                                                lambda b: b.block_type) if policy else []
         assert list(m.backbone.layers) == [str(i) for i in range(7)]  # same keys, wrapped blocks
         assert list(m.state_dict()) == keys
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -130,18 +130,22 @@ def state_dict_name(name: str) -> str:
 def apply_activation_checkpointing(
     layers: nn.ModuleDict,
     policy: Any,
-    layer_type: Callable[[nn.Module], str | None] = lambda b: getattr(b, "block_type", None),
+    layer_type: Callable[[nn.Module], str | None] | None = None,
 ) -> list[int]:
     """Replace the blocks of ``layers`` that ``policy`` selects by checkpoint-wrapped blocks
     (same keys); returns the selected indices.
 
     ``layers``' keys are the blocks' indices in the whole model (so every-k-th is the same under
     pipeline parallelism, where a stage holds a slice of the blocks); ``layer_type(block)`` names
-    a block's type for a per-type policy. Call it before FSDP / compile wrap the blocks.
+    a block's type for a per-type policy (the model's parallelize function gives it; a
+    per-type policy without it is an error). Call it before FSDP / compile wrap the blocks.
     """
     policy = parse_ac_policy(policy)
     if policy.mode == "none":
         return []
+    if policy.mode == "types" and layer_type is None:
+        raise ValueError(f"activation checkpointing by layer type ({', '.join(policy.layer_types)}):"
+                         " this model does not name its layers' types; use true or {every: k}")
     wrapper, impl = _checkpoint_wrapper()
     chosen = []
     for key, block in list(layers.items()):

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.compile import apply_compile
-from hybridtrain.distributed.context_parallel import apply_context_parallel
+from hybridtrain.distributed.context_parallel import ContextParallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
@@ -103,16 +103,18 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
     if dims.tp > 1:
         apply_tp(model, tp_mesh(dims), distributed.sequence_parallel)
     if dims.cp > 1:
-        apply_context_parallel(model, dims.group("cp"))
+        model.context_parallel = ContextParallel(dims.group("cp"))
     layers = model.backbone.layers
     moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
     if dims.ep > 1:
         check_ep_backend(distributed.ep_backend, device.type)
         dims.check_experts(model.config.n_routed_experts)
         for block in moe_blocks:
-            apply_expert_parallel(block.mixer, dims.mesh("ep"))
+            block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
+                                                                 dims.mesh("ep"))
     if training.activation_checkpointing:
-        apply_activation_checkpointing(layers, training.activation_checkpointing)
+        apply_activation_checkpointing(layers, training.activation_checkpointing,
+                                       layer_type=lambda block: block.block_type)
     if training.compile:
         apply_compile(layers)
     if dims.fsdp_enabled:
