@@ -241,21 +241,6 @@ def _unique(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 # -- the plan ------------------------------------------------------------------------------------
-def _in_flight(schedule, pp: int, pp_rank: int, stages_per_rank: int, n_mb: int) -> float:
-    """Micro-batches whose activations a rank holds at once, in units of the rank's whole part
-    (a stage-micro-batch of a rank running ``v`` stages counts ``1/v``)."""
-    if pp == 1:
-        return 1.0
-    v = stages_per_rank
-    if schedule.name in ("gpipe", "loopedbfs"):
-        return float(n_mb)
-    if not schedule.multi:  # 1F1B
-        return float(min(n_mb, pp - pp_rank))
-    # interleaved / zero-bubble / V: torch's warm-up of the interleaved 1F1B schedule, + 1
-    warmup = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
-    return min(n_mb * v, warmup) / v
-
-
 def _compute_dtype(training, device_type: str) -> torch.dtype:
     from hybridtrain.training.precision import parse_dtype
 
@@ -395,7 +380,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         stage_ids, positions, is_last, part = parts[c["pp"]]
         per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
                              if act is not None else ({}, 0.0))
-        flight = _in_flight(sched, dims.pp, c["pp"], per_rank, n_mb)
+        # the schedule's in-flight micro-batches (the schedule table the run resolves)
+        flight = 1.0 if sched is None else sched.in_flight(dims.pp, c["pp"], per_rank, n_mb)
         activations = sum(per_mb.values()) * flight + recompute
         if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
             for k, v in act["head"].items():
