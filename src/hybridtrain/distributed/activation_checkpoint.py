@@ -151,7 +151,7 @@ def apply_activation_checkpointing(
     for key, block in list(layers.items()):
         assert not hasattr(block, _WRAPPED_PREFIX[:-1]), f"block {key} is checkpointed already"
         i = int(key)
-        if policy.selects(i, layer_type(block)):
+        if policy.selects(i, layer_type(block) if layer_type is not None else None):
             layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True)
             chosen.append(i)
     return chosen
