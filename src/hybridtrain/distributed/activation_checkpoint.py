@@ -144,8 +144,9 @@ def apply_activation_checkpointing(
     if policy.mode == "none":
         return []
     if policy.mode == "types" and layer_type is None:
-        raise ValueError(f"activation checkpointing by layer type ({', '.join(policy.layer_types)}):"
-                         " this model does not name its layers' types; use true or {every: k}")
+        types = ", ".join(policy.layer_types)
+        raise ValueError(f"activation checkpointing by layer type ({types}): this model does "
+                         "not name its layers' types; use true or {every: k}")
     wrapper, impl = _checkpoint_wrapper()
     chosen = []
     for key, block in list(layers.items()):
