@@ -66,9 +66,9 @@ def test_nemotron_layer_costs_and_layouts():
 
     spec = get_model_spec("nemotron_h")
     cfg = tiny_config("mixed")  # M * - E M * E
-    costs = spec.layer_flops(cfg, 4096)
+    costs = spec.flops.layer(cfg, 4096)
     assert costs[1] > costs[2]  # attention at 4k tokens costs more than the MLP
-    head = spec.head_flops(cfg)
+    head = spec.flops.head(cfg)
 
     def layout(dims, **distributed):
         return pipeline_layout(7, dims, config_section("distributed", distributed), costs, head)
@@ -152,10 +152,10 @@ def test_pipeline_stages_are_the_model_without_its_unowned_parts():
     torch.manual_seed(0)
     model = NemotronHForCausalLM(tiny_config("mixed"))
     spec = model_spec_for(model)
-    layers = spec.pipeline_layers(model)
+    layers = spec.pipeline.layers(model)
     assert layers == [str(i) for i in range(7)]
-    first = spec.pipeline_stage(model, layers[:3], True, False)
-    last = spec.pipeline_stage(model, layers[3:], False, True)
+    first = spec.pipeline.stage(model, layers[:3], True, False)
+    last = spec.pipeline.stage(model, layers[3:], False, True)
     assert type(first) is type(model) and type(last) is type(model)
     assert first.lm_head is None and first.backbone.norm_f is None
     assert last.backbone.embeddings is None and last.loss is model.loss
@@ -221,7 +221,8 @@ def test_activation_checkpointing_is_bitwise_and_keeps_state_dict_keys():
         torch.manual_seed(0)
         m = NemotronHForCausalLM(tiny_config("mixed"))
         keys = list(m.state_dict())
-        chosen = apply_activation_checkpointing(m.backbone.layers, policy) if policy else []
+        chosen = apply_activation_checkpointing(m.backbone.layers, policy,
+                                                lambda b: b.block_type) if policy else []
         assert list(m.backbone.layers) == [str(i) for i in range(7)]  # same keys, wrapped blocks
         assert list(m.state_dict()) == keys
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))

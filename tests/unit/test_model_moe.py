@@ -201,4 +201,4 @@ def test_expert_parallel_needs_experts_divisible_by_ep():
 
     cfg, moe = _moe()
     with pytest.raises(ValueError, match=f"{cfg.n_routed_experts} routed experts are not divisible by ep=3"):
-        apply_expert_parallel(moe, Mesh())
+        apply_expert_parallel(moe.experts, Mesh())

@@ -18,7 +18,6 @@ from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
 from hybridtrain.models.spec import get_model_spec, model_spec_for
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "hybridtrain"
-GENERIC = ("training", "recipes", "peft", "data", "config", "distributed", "ops")
 
 
 def _model(seed: int = 0) -> NemotronHForCausalLM:
@@ -39,13 +38,13 @@ def test_spec_lookup():
 def test_pipeline_stages_run_the_models_forward():
     model = _model()
     spec = model_spec_for(model)
-    names = spec.pipeline_layers(model)
+    names = spec.pipeline.layers(model)
     cut = len(names) // 2
-    first = spec.pipeline_stage(model, names[:cut], True, False)
-    last = spec.pipeline_stage(model, names[cut:], False, True)
+    first = spec.pipeline.stage(model, names[:cut], True, False)
+    last = spec.pipeline.stage(model, names[cut:], False, True)
     assert type(first) is type(model) and type(last) is type(model)
-    assert not spec.is_complete(first) and not spec.is_complete(last)
-    assert spec.is_complete(model)
+    assert not spec.pipeline.is_complete(first) and not spec.pipeline.is_complete(last)
+    assert spec.pipeline.is_complete(model)
     own = {id(p): n for n, p in model.named_parameters()}
     for stage in (first, last):  # the model's own parameter objects, under the same names
         for n, p in stage.named_parameters():
@@ -88,11 +87,43 @@ def _sources(*packages: str):
             yield path, path.read_text()
 
 
-def test_generic_packages_name_no_model_family():
-    hits = [f"{p.relative_to(SRC)}:{i}" for p, text in _sources(*GENERIC)
-            for i, line in enumerate(text.splitlines(), 1)
-            if re.search(r"nemotron", line, re.IGNORECASE)]
-    assert not hits, f"generic modules name the model family: {hits}"
+def _dense_spec(**changes):
+    """The test family's spec (tests/families/dense.py) with ``changes``."""
+    import dataclasses
+
+    from tests.families.dense import DENSE
+
+    return dataclasses.replace(DENSE, name="dense_variant", **changes)
+
+
+def test_registration_names_a_missing_or_ill_typed_piece():
+    from hybridtrain.models.spec import FlopsCount, HFAdapter, MemoryPlanSupport, register_model_spec
+
+    with pytest.raises(ValueError, match="'dense_variant': flops must be a FlopsCount"):
+        register_model_spec(_dense_spec(flops=None))
+    with pytest.raises(ValueError, match="'dense_variant': pipeline must be a PipelineSplit"):
+        register_model_spec(_dense_spec(pipeline=lambda m: []))
+    with pytest.raises(ValueError, match="'dense_variant': part dict is not one of"):
+        register_model_spec(_dense_spec(parts=({"tp_plan": None},)))
+    with pytest.raises(ValueError, match="two MemoryPlanSupport parts"):
+        register_model_spec(_dense_spec(parts=(MemoryPlanSupport(), MemoryPlanSupport())))
+    with pytest.raises(ValueError, match="model_cls must be an nn.Module class"):
+        register_model_spec(_dense_spec(model_cls=dict))
+    with pytest.raises(ValueError, match="HFAdapter.save must be callable"):
+        HFAdapter(save="model.safetensors")
+    with pytest.raises(ValueError, match="FlopsCount.head must be callable"):
+        FlopsCount(layer=len, head=1.0, batch=len)
+
+
+def test_a_missing_optional_part_is_named_with_the_spec():
+    from hybridtrain.models.spec import HeteroSupport, MemoryPlanSupport, MetaInit
+
+    spec = _dense_spec()
+    assert isinstance(spec.part(MetaInit, "meta init"), MetaInit)
+    assert spec.find(MemoryPlanSupport) is None
+    with pytest.raises(ValueError, match="encoder_ranks needs the model spec 'dense_variant' to "
+                                         "have a HeteroSupport part; it has MetaInit, PeftSupport"):
+        spec.part(HeteroSupport, "distributed.encoder_ranks")
 
 
 def test_no_runtime_patching():

@@ -130,24 +130,29 @@ def state_dict_name(name: str) -> str:
 def apply_activation_checkpointing(
     layers: nn.ModuleDict,
     policy: Any,
-    layer_type: Callable[[nn.Module], str | None] = lambda b: getattr(b, "block_type", None),
+    layer_type: Callable[[nn.Module], str | None] | None = None,
 ) -> list[int]:
     """Replace the blocks of ``layers`` that ``policy`` selects by checkpoint-wrapped blocks
     (same keys); returns the selected indices.
 
     ``layers``' keys are the blocks' indices in the whole model (so every-k-th is the same under
     pipeline parallelism, where a stage holds a slice of the blocks); ``layer_type(block)`` names
-    a block's type for a per-type policy. Call it before FSDP / compile wrap the blocks.
+    a block's type for a per-type policy (the model's parallelize function gives it; a
+    per-type policy without it is an error). Call it before FSDP / compile wrap the blocks.
     """
     policy = parse_ac_policy(policy)
     if policy.mode == "none":
         return []
+    if policy.mode == "types" and layer_type is None:
+        types = ", ".join(policy.layer_types)
+        raise ValueError(f"activation checkpointing by layer type ({types}): this model does "
+                         "not name its layers' types; use true or {every: k}")
     wrapper, impl = _checkpoint_wrapper()
     chosen = []
     for key, block in list(layers.items()):
         assert not hasattr(block, _WRAPPED_PREFIX[:-1]), f"block {key} is checkpointed already"
         i = int(key)
-        if policy.selects(i, layer_type(block)):
+        if policy.selects(i, layer_type(block) if layer_type is not None else None):
             layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True)
             chosen.append(i)
     return chosen

@@ -5,7 +5,6 @@
     shard_batch(batch, rank, size, length=None) -> dict   # this rank's slice of a collated batch
     shard_batches(batches, rank, size)      # ... of several, one padded length on every rank
     ContextParallel(group)                                  # this rank's place in the cp group
-    apply_context_parallel(model, group)    # the model's forward then takes slices
     gather_sequence(x, dim, cp)         # all-gather along the sequence (backward: reduce-scatter)
     halo_from_previous(x, width, dim, cp)   # the ``width`` positions before this rank's slice
     pass_states(state, decay, cp)       # the state entering this rank's slice (a recurrence)
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from hybridtrain.data.batch import IGNORE_INDEX
 
-__all__ = ["ContextParallel", "apply_context_parallel", "shard_batch", "shard_batches", "gather_sequence", "halo_from_previous",
+__all__ = ["ContextParallel", "shard_batch", "shard_batches", "gather_sequence", "halo_from_previous",
            "pass_states"]
 
 _DROP = ("cu_seqlens", "max_seqlen", "num_tokens", "num_label_tokens")
@@ -63,16 +62,6 @@ class ContextParallel:
         t = torch.empty_like(like, memory_format=torch.contiguous_format)
         dist.recv(t, group=self.group, group_src=frm, tag=tag)
         return t
-
-
-def apply_context_parallel(model, group) -> ContextParallel:
-    """Make ``model`` (a model whose spec supports it: it has a ``context_parallel``
-    attribute, None by default) run on this rank's slices of the cp group's sequences."""
-    if not hasattr(model, "context_parallel"):
-        raise ValueError(f"{type(model).__name__} does not support context parallelism; set "
-                         "distributed.cp: 1")
-    model.context_parallel = ContextParallel(group)
-    return model.context_parallel
 
 
 # -- batches ----------------------------------------------------------------------------------

@@ -166,35 +166,29 @@ class AllToAllDispatcher:
         return ep_combine(experts(x_local, local_counts), state, self.group)
 
 
-def apply_expert_parallel(moe: nn.Module, ep_mesh) -> None:
-    """Shard ``moe.experts`` over ``ep_mesh`` and route ``moe``'s tokens through all-to-all.
+def apply_expert_parallel(experts: nn.Module, ep_mesh) -> AllToAllDispatcher:
+    """Shard ``experts`` over ``ep_mesh``; returns the dispatcher the MoE layer then sends its
+    sorted rows through (``dispatcher(experts, x_sorted, num_tokens_per_expert)``, in place of
+    a :class:`LocalDispatcher`): all-to-all over ``ep_mesh``.
 
-    The interface ``moe`` must have:
-
-    * ``moe.experts``: a module whose own parameters are stacked over the experts (leading dim
-      = number of experts), called as ``experts(x_sorted, num_tokens_per_expert)`` and computing
-      with :func:`local_tensor` of its parameters; it must give every parameter a (zero)
-      gradient when it receives no rows, so that an FSDP reduce-scatter over the ranks that
-      shard the same experts stays in step;
-    * ``moe.token_dispatcher``: the callable ``moe`` sends its sorted rows through,
-      ``token_dispatcher(experts, x_sorted, num_tokens_per_expert)`` (a :class:`LocalDispatcher`
-      by default); set here to an :class:`AllToAllDispatcher` on ``ep_mesh``.
+    ``experts``: a module whose own parameters are stacked over the experts (leading dim =
+    number of experts), called as ``experts(x_sorted, num_tokens_per_expert)`` and computing
+    with :func:`local_tensor` of its parameters; it must give every parameter a (zero)
+    gradient when it receives no rows, so that an FSDP reduce-scatter over the ranks that
+    shard the same experts stays in step.
 
     The experts' parameters become ``Shard(0)`` DTensors (same names, full shapes in
     checkpoints). ``ValueError`` when the number of experts does not split evenly over the mesh.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    experts = moe.experts
     params = dict(experts.named_parameters(recurse=False))
-    assert params and hasattr(moe, "token_dispatcher"), (
-        f"{type(moe).__name__} does not offer the expert-parallel interface "
-        "(stacked experts.* parameters and a token_dispatcher attribute)")
+    assert params, f"{type(experts).__name__} holds no stacked expert parameters"
     n_experts = next(iter(params.values())).shape[0]
     ep = ep_mesh.size()
     if n_experts % ep:
         raise ValueError(
-            f"{type(moe).__name__}: {n_experts} routed experts are not divisible by ep={ep}: each "
+            f"{type(experts).__name__}: {n_experts} routed experts are not divisible by ep={ep}: each "
             "expert-parallel rank must hold the same number of experts; choose an ep that "
             f"divides {n_experts}"
         )
@@ -204,4 +198,4 @@ def apply_expert_parallel(moe: nn.Module, ep_mesh) -> None:
         )
         d = nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]), p.requires_grad)
         experts.register_parameter(name, d)
-    moe.token_dispatcher = AllToAllDispatcher(ep_mesh.get_group())
+    return AllToAllDispatcher(ep_mesh.get_group())

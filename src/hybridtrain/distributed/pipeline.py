@@ -61,6 +61,20 @@ class ScheduleSpec:
     style: str  # "loop" or "v"
     split_backward: bool = False  # zero-bubble: input and weight gradients in two passes
 
+    def in_flight(self, pp: int, pp_rank: int, stages_per_rank: int, n_mb: int) -> float:
+        """Micro-batches whose activations pp rank ``pp_rank`` holds at once under this
+        schedule (``n_mb`` micro-batches a step), in units of the rank's whole part (a
+        stage-micro-batch of a rank running ``v`` stages counts ``1/v``): what ``hybridtrain
+        plan`` multiplies one micro-batch's activations by."""
+        v = stages_per_rank
+        if self.name in ("gpipe", "loopedbfs"):  # every forward before the first backward
+            return float(n_mb)
+        if not self.multi:  # 1F1B: pp - rank forwards before the steady state
+            return float(min(n_mb, pp - pp_rank))
+        # interleaved / zero-bubble / V: torch's warm-up of the interleaved 1F1B schedule, + 1
+        warmup = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
+        return min(n_mb * v, warmup) / v
+
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     "1f1b": ScheduleSpec("1f1b", "Schedule1F1B", False, "loop"),

@@ -1,6 +1,6 @@
 """From a model and a layout to what one rank trains: :func:`parallelize` -> :class:`ParallelPlan`.
 
-    pipeline split (spec.pipeline_stage) -> spec.parallelize_fn on every stage
+    pipeline split (spec.pipeline.stage) -> spec.parallelize_fn on every stage
     (TP -> EP -> activation checkpointing -> compile -> FSDP2)
 
 Every run goes through it, one process included (degrees of 1 do nothing), so the code a
@@ -23,7 +23,7 @@ from hybridtrain.distributed.utils import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParallelPlan", "parallelize"]
+__all__ = ["ParallelPlan", "parallelize", "pipeline_split_seq_len"]
 
 
 @dataclass
@@ -49,6 +49,13 @@ class ParallelPlan:
         return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
 
 
+def pipeline_split_seq_len(packing) -> int:
+    """The row length the pipeline split balances per-layer FLOPs at (``packing``: the
+    recipe's section): the packed length, else 2048. The run and ``hybridtrain plan`` both ask
+    this."""
+    return int(packing.pack_size) if packing.enabled else 2048
+
+
 def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, training, *,
                 device: torch.device, autocast_dtype: torch.dtype | None,
                 seq_len: int = 2048) -> ParallelPlan:
@@ -60,15 +67,15 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
     if dims.world_size > 1:
         assert dims.built, "ParallelDims.build_mesh() must run before parallelize"
     config = model.config
-    layer_names = spec.pipeline_layers(model)
+    layer_names = spec.pipeline.layers(model)
     if dims.pp > 1:
         sched, num_stages, ranges, stage_ids = pipeline_layout(
-            len(layer_names), dims, distributed, spec.layer_flops(config, seq_len),
-            spec.head_flops(config))
-        stages = [spec.pipeline_stage(model, layer_names[slice(*ranges[s])], s == 0,
+            len(layer_names), dims, distributed, spec.flops.layer(config, seq_len),
+            spec.flops.head(config))
+        stages = [spec.pipeline.stage(model, layer_names[slice(*ranges[s])], s == 0,
                                       s == num_stages - 1) for s in stage_ids]
         mine = [n for s in stage_ids for n in layer_names[slice(*ranges[s])]]
-        model = spec.pipeline_stage(model, mine, 0 in stage_ids, num_stages - 1 in stage_ids)
+        model = spec.pipeline.stage(model, mine, 0 in stage_ids, num_stages - 1 in stage_ids)
         logger.info("pipeline: %d stages, layer ranges %s; this rank runs stages %s (%s)",
                     num_stages, ranges, stage_ids, sched.name)
     else:
@@ -85,9 +92,9 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
             next(model.parameters()).dtype  # the dtype the stages compute and exchange in
         pipeline = PipelineTrainStep(
             stages, stage_ids, num_stages, dims.group("pp"), device,
-            hidden_size=config.hidden_size, hidden_dtype=hidden_dtype,
+            hidden_size=spec.pipeline.hidden_size(config), hidden_dtype=hidden_dtype,
             schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size,
-            row_inputs=spec.pipeline_row_inputs and functools.partial(spec.pipeline_row_inputs,
+            row_inputs=spec.pipeline.row_inputs and functools.partial(spec.pipeline.row_inputs,
                                                                       config),
             shape_group=dims.ranks_group)
     return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline)

@@ -35,7 +35,7 @@ from torch import nn
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
 from hybridtrain.fileio import apply_umask, open_safetensors, read_json
-from hybridtrain.models.spec import get_model_spec, model_spec_for
+from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from .lora import (
     expert_types,
@@ -106,15 +106,17 @@ def _adapted_hub_modules(model: nn.Module) -> list[str]:
     return out
 
 
-def _target_modules(adapted: list[str], candidates: list[str]) -> list[str] | str:
+def _target_modules(adapted: list[str], candidates: list[str],
+                    stack_prefixes: tuple[str, ...] = ()) -> list[str] | str:
     """PEFT ``target_modules`` naming exactly the ``adapted`` Hub module names."""
     leaves = {n.rsplit(".", 1)[-1] for n in adapted}
     if {n for n in candidates if n.rsplit(".", 1)[-1] in leaves} == set(adapted):
         return sorted(leaves)
-    # exact set; names relative to the decoder stack so that transformers' `model.layers...` match too
+    # exact set; names relative to the decoder stack (``stack_prefixes``: the spec's prefixes of
+    # it, ours and the transformers implementation's) so that either implementation's match
     rel = []
     for n in adapted:
-        n = re.sub(r"^(backbone|model)\.", "", n)
+        n = next((n[len(p):] for p in stack_prefixes if n.startswith(p)), n)
         e = _HUB_EXPERT.match(n)
         rel.append(re.escape(e.group(1)) + r"\.\d+\." + e.group(3) if e else re.escape(n))
     return r"(?:.*\.)?(?:" + "|".join(dict.fromkeys(rel)) + r")"
@@ -123,7 +125,21 @@ def _target_modules(adapted: list[str], candidates: list[str]) -> list[str] | st
 def _adapter_meta(model: nn.Module) -> dict:
     """What the adapter config needs from this rank's part of the model."""
     return {"settings": lora_settings(model) if has_lora(model) else None,
-            "adapted": _adapted_hub_modules(model), "candidates": _hub_modules(model)}
+            "adapted": _adapted_hub_modules(model), "candidates": _hub_modules(model),
+            "stack_prefixes": _stack_prefixes(model)}
+
+
+def _peft_part(model: nn.Module) -> PeftSupport:
+    """The model spec's PEFT part (an empty one for a model without: no experts, no notes)."""
+    try:
+        return model_spec_for(model).find(PeftSupport) or PeftSupport()
+    except ValueError:  # not a registered model (a test stand-in)
+        return PeftSupport()
+
+
+def _stack_prefixes(model: nn.Module) -> tuple[str, ...]:
+    prefixes = _peft_part(model).module_prefixes
+    return tuple(dict.fromkeys([*prefixes, *prefixes.values()]))
 
 
 def _combine_meta(metas: list[dict]) -> dict:
@@ -134,7 +150,8 @@ def _combine_meta(metas: list[dict]) -> dict:
     s = {k: settings[0][k] for k in ("dim", "alpha", "dropout")}
     assert all({k: o[k] for k in s} == s for o in settings), settings
     return {"settings": s, "adapted": list(dict.fromkeys(n for m in metas for n in m["adapted"])),
-            "candidates": list(dict.fromkeys(n for m in metas for n in m["candidates"]))}
+            "candidates": list(dict.fromkeys(n for m in metas for n in m["candidates"])),
+            "stack_prefixes": metas[0]["stack_prefixes"]}
 
 
 def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None, meta: dict | None = None) -> dict:
@@ -149,7 +166,7 @@ def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None,
         "r": s["dim"],
         "lora_alpha": s["alpha"],
         "lora_dropout": s["dropout"],
-        "target_modules": _target_modules(meta["adapted"], meta["candidates"]),
+        "target_modules": _target_modules(meta["adapted"], meta["candidates"], meta["stack_prefixes"]),
         "exclude_modules": None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -187,7 +204,7 @@ def _hub_layout(model: nn.Module, to_hub: bool):
     """``(our name, tensor) -> tensor`` in the Hugging Face layout (``to_hub``) or back (the
     spec's ``hub_layout``; the identity for a model without one)."""
     try:
-        fn = model_spec_for(model).hub_layout
+        fn = model_spec_for(model).hf.hub_layout
     except ValueError:  # not a registered model (a test stand-in)
         fn = None
     if fn is None:
@@ -237,7 +254,7 @@ _NOTED = False
 def _note_peft_compat(model: nn.Module, adapted: list[str]) -> None:
     """Say once what PEFT's ``PeftModel`` on the transformers model cannot take (the spec's)."""
     global _NOTED
-    notes = model_spec_for(model).lora_export_notes
+    notes = _peft_part(model).export_notes
     note = notes(adapted) if notes is not None else None
     if note and not _NOTED:
         _NOTED = True
@@ -305,7 +322,7 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     stream = stream_full_tensors(model, layout, items)
     if get_rank() == 0:
         plain = {n: layout[n] for n, _, _ in items}
-        spec.save_hf(plain, model.config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+        spec.hf.save(plain, model.config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
                      tensors=stream)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.fspath(out_dir))
@@ -358,7 +375,7 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight "
                              "(expected '<module>.lora_A.weight' / '<module>.lora_B.weight')")
         mod, ab = m.group(1), m.group(2)
-        for theirs, ours in model_spec_for(model).peft_module_prefixes.items():
+        for theirs, ours in _peft_part(model).module_prefixes.items():
             if mod.startswith(theirs) and not mod.startswith(ours):  # another implementation's names
                 mod = ours + mod[len(theirs):]
         e = _HUB_EXPERT.match(mod)

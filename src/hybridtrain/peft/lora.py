@@ -45,7 +45,7 @@ from hybridtrain.distributed.expert_parallel import zero_rows_output
 from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
-from hybridtrain.models.spec import model_spec_for
+from hybridtrain.models.spec import PeftSupport, model_spec_for
 
 __all__ = [
     "LoRALinear",
@@ -163,7 +163,8 @@ def expert_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The model's stacked-expert module classes (its spec's ``expert_modules``, and
     :class:`LoRAExperts`, which takes their place)."""
     try:
-        return model_spec_for(model).expert_modules + (LoRAExperts,)
+        peft = model_spec_for(model).find(PeftSupport)
+        return (peft.expert_modules if peft else ()) + (LoRAExperts,)
     except ValueError:  # not a registered model: plain linear layers only
         return ()
 

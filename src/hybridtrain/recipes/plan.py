@@ -151,10 +151,7 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
         with torch.device("meta"):
             return spec, instantiate(model_node)
     if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
-        raise ValueError(
-            f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
-            f"from a model class with a config or Model.from_pretrained; {model_node['_target_']} "
-            "is neither")
+        return _meta_model_of_factory(model_node)
     spec = model_spec_for(owner)
     kwargs = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
     try:
@@ -177,6 +174,21 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     model.to(parse_dtype(dtype, f"{model_node.dotted_path()}.dtype") if dtype
              else _checkpoint_dtype(hf))
     return spec, model
+
+
+def _meta_model_of_factory(model_node) -> tuple[Any, nn.Module]:
+    """(spec, model) of a model factory, built on the meta device as the run builds it."""
+    from hybridtrain.models.spec import model_spec_for
+    from hybridtrain.training.builder import instantiate_with
+
+    with torch.device("meta"):
+        model = instantiate_with(model_node, to_var_kw=False, device="meta")
+    if not isinstance(model, nn.Module) or not all(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
+            f"from a model class with a config, Model.from_pretrained or a factory that builds on "
+            f"the meta device; {model_node['_target_']} is none of them")
+    return model_spec_for(model), model
 
 
 # -- sharding arithmetic -------------------------------------------------------------------------
@@ -229,21 +241,6 @@ def _unique(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 # -- the plan ------------------------------------------------------------------------------------
-def _in_flight(schedule, pp: int, pp_rank: int, stages_per_rank: int, n_mb: int) -> float:
-    """Micro-batches whose activations a rank holds at once, in units of the rank's whole part
-    (a stage-micro-batch of a rank running ``v`` stages counts ``1/v``)."""
-    if pp == 1:
-        return 1.0
-    v = stages_per_rank
-    if schedule.name in ("gpipe", "loopedbfs"):
-        return float(n_mb)
-    if not schedule.multi:  # 1F1B
-        return float(min(n_mb, pp - pp_rank))
-    # interleaved / zero-bubble / V: torch's warm-up of the interleaved 1F1B schedule, + 1
-    warmup = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
-    return min(n_mb * v, warmup) / v
-
-
 def _compute_dtype(training, device_type: str) -> torch.dtype:
     from hybridtrain.training.precision import parse_dtype
 
@@ -264,19 +261,19 @@ def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
     plan.parallelize` splits it."""
     from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
 
-    names = spec.pipeline_layers(model)
+    names = spec.pipeline.layers(model)
     if dims.pp == 1:
         return None, 1, [([0], list(range(len(names))), True, model)]
     config = model.config
     sched, num_stages, ranges, _ = pipeline_layout(
-        len(names), dims, distributed, spec.layer_flops(config, seq_len), spec.head_flops(config))
+        len(names), dims, distributed, spec.flops.layer(config, seq_len), spec.flops.head(config))
     per_rank = num_stages // dims.pp
     parts = []
     for r in range(dims.pp):
         ids = stage_ids_for_rank(r, dims.pp, per_rank, sched.style)
         mine = [i for s in ids for i in range(*ranges[s])]
         last = num_stages - 1 in ids
-        parts.append((ids, mine, last, spec.pipeline_stage(
+        parts.append((ids, mine, last, spec.pipeline.stage(
             model, [names[i] for i in mine], 0 in ids, last)))
     return sched, per_rank, parts
 
@@ -288,11 +285,19 @@ def _tp_dims(spec, model: nn.Module, dims) -> dict[int, int]:
 
     if dims.tp == 1:
         return {}
-    if spec.tp_plan is None:
+    tp_plan = _memory_part(spec).tp_plan
+    if tp_plan is None:
         raise ValueError(f"distributed.tp={dims.tp}: the model spec {spec.name!r} has no tensor-parallel "
                          "plan; use tp: 1")
     return {id(model.get_parameter(name)): dim
-            for name, dim in tp_shard_dims(model, spec.tp_plan(model, dims.tp)).items()}
+            for name, dim in tp_shard_dims(model, tp_plan(model, dims.tp)).items()}
+
+
+def _memory_part(spec):
+    """The spec's MemoryPlanSupport (an empty one: no activation estimate, no TP plan)."""
+    from hybridtrain.models.spec import MemoryPlanSupport
+
+    return spec.find(MemoryPlanSupport) or MemoryPlanSupport()
 
 
 def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int], tp_dims: dict[int, int]):
@@ -330,6 +335,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
                                               resolve_reshard_after_forward)
     from hybridtrain.distributed.layout import parallel_dims_from_config
+    from hybridtrain.distributed.plan import pipeline_split_seq_len
     from hybridtrain.training.builder import as_config
     from hybridtrain.training.precision import autocast_dtype
 
@@ -347,14 +353,16 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     autocast = autocast_dtype(compute)
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
-    names = spec.pipeline_layers(model)
+    names = spec.pipeline.layers(model)
     seq_len = _seq_len(cfg)
-    sched, per_rank, parts = _pipeline_parts(spec, model, dims, d, seq_len)
+    sched, per_rank, parts = _pipeline_parts(spec, model, dims, d,
+                                             pipeline_split_seq_len(cfg.packing))
     # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
     rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
     head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
-    act = spec.activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
-                                t.loss_chunk_size, head_trains) if spec.activation_bytes else None
+    activation_bytes = _memory_part(spec).activation_bytes
+    act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
+                           t.loss_chunk_size, head_trains) if activation_bytes else None
     policy = parse_ac_policy(t.activation_checkpointing)
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
@@ -372,7 +380,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         stage_ids, positions, is_last, part = parts[c["pp"]]
         per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
                              if act is not None else ({}, 0.0))
-        flight = _in_flight(sched, dims.pp, c["pp"], per_rank, n_mb)
+        # the schedule's in-flight micro-batches (the schedule table the run resolves)
+        flight = 1.0 if sched is None else sched.in_flight(dims.pp, c["pp"], per_rank, n_mb)
         activations = sum(per_mb.values()) * flight + recompute
         if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
             for k, v in act["head"].items():
@@ -414,26 +423,25 @@ def _elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _units(part: nn.Module, spec, experts: set[int]) -> list[list[nn.Parameter]]:
-    """FSDP units of a (stage) model, as the model's parallelize function makes them: the
-    parameters before the pipeline layers (embeddings), each layer without its stacked experts,
-    each layer's experts, the parameters after the layers (final norm, head)."""
-    layers = [part.get_submodule(f"{_layers_path(part)}.{n}") for n in spec.pipeline_layers(part)]
-    in_layers = {id(p) for m in layers for p in m.parameters()}
-    first = min((i for i, (_, p) in enumerate(_unique(part)) if id(p) in in_layers), default=0)
-    rest = [(i, p) for i, (_, p) in enumerate(_unique(part)) if id(p) not in in_layers]
-    units = [[p for i, p in rest if i < first]]
-    for m in layers:
-        ps = list(m.parameters())
-        units += [[p for p in ps if id(p) not in experts], [p for p in ps if id(p) in experts]]
-    return [u for u in units + [[p for i, p in rest if i > first]] if u]
-
-
-def _layers_path(part: nn.Module) -> str:
-    for name, m in part.named_modules():
-        if isinstance(m, nn.ModuleDict):
-            return name
-    raise AssertionError("a model's pipeline layers live in a ModuleDict")
+def _units(part: nn.Module, spec) -> list[list[nn.Parameter]]:
+    """The parameters of each FSDP2 unit of a (stage) model: the units the spec's
+    ``fsdp_units`` gives (the run's parallelize function asks it too), in the order FSDP2
+    claims them (stacked experts first, each unit's parameters not claimed before), and the
+    root's rest. The order does not matter to the estimate."""
+    fn = _memory_part(spec).fsdp_units
+    if fn is None:
+        raise ValueError(f"the model spec {spec.name!r} names no FSDP2 units "
+                         "(MemoryPlanSupport.fsdp_units); plan it with dp_shard 1")
+    units, expert_units = fn(part)
+    claimed: set[int] = set()
+    out = []
+    for unit in [*expert_units, *units]:
+        params = [p for m in (unit if isinstance(unit, (list, tuple)) else [unit])
+                  for p in m.parameters() if id(p) not in claimed]
+        out.append(list({id(p): p for p in params}.values()))
+        claimed.update(id(p) for p in params)
+    out.append([p for _, p in _unique(part) if id(p) not in claimed])
+    return [u for u in out if u]
 
 
 def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard, reduce_bytes):
@@ -451,7 +459,7 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
         # reshard (distributed/fsdp.py): then only the unit computing and the one prefetched.
         stage_kept = dims.pp_enabled and not reshard
         sizes, kept, grad_sizes, accumulated, in_flight = [], [], [], 0.0, 0.0
-        for unit in _units(part, spec, experts):
+        for unit in _units(part, spec):
             # a unit gathers its parameters over dp_shard·cp (experts: over efsdp, after ep)
             full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()

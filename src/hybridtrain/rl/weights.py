@@ -51,7 +51,7 @@ def full_state_dict(model: nn.Module, spec) -> dict[str, torch.Tensor]:
     """The whole model's state dict in its own names, full tensors, LoRA merged (the state dict
     of the plain model), on every rank. Collective."""
     sd = _local_full(model)
-    if get_world_size() > 1 and not spec.is_complete(model):
+    if get_world_size() > 1 and not spec.pipeline.is_complete(model):
         device = next(iter(sd.values())).device if sd else torch.device("cpu")
         sd = _exchange(sd, device)
     return sd
@@ -62,6 +62,6 @@ def hf_tensors(model: nn.Module, spec, dtype: torch.dtype | None = None
     """``(Hub name, tensor)`` of the whole model, floating-point tensors in ``dtype`` (None: as
     held). Collective: every rank calls it and consumes the whole iterator."""
     sd = full_state_dict(model, spec)
-    items = spec.hub_tensors(sd, model.config) if spec.hub_tensors is not None else sd.items()
+    items = spec.hf.hub_tensors(sd, model.config) if spec.hf.hub_tensors is not None else sd.items()
     for name, t in items:
         yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t

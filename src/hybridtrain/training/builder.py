@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
 from hybridtrain.distributed.utils import main_process_first
-from hybridtrain.models.spec import model_spec_for, set_train_loss
+from hybridtrain.models.spec import HeteroSupport, MetaInit, model_spec_for, set_train_loss
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.checkpoint import Checkpointer, default_export
@@ -125,7 +125,7 @@ def resolve_device(name: str) -> torch.device:
 def _flops_fn(spec, model_config, loss_chunk_size):
     """Training FLOPs of a collated batch (the spec's count; the LM head on label tokens only
     when the chunked loss is on: it gives logits to nothing else)."""
-    return functools.partial(spec.batch_flops, model_config,
+    return functools.partial(spec.flops.batch, model_config,
                              head_on_label_tokens_only=loss_chunk_size is not None)
 
 
@@ -150,13 +150,12 @@ def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.de
     same path for one process and many (``dims``: its degrees, default the section's over
     ``world_size`` ranks)."""
     from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.distributed.plan import parallelize
+    from hybridtrain.distributed.plan import parallelize, pipeline_split_seq_len
 
     if dims is None:
         dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
-    seq_len = cfg.packing.pack_size if cfg.packing.enabled else 2048
     return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
-                       autocast_dtype=autocast_dtype, seq_len=seq_len)
+                       autocast_dtype=autocast_dtype, seq_len=pipeline_split_seq_len(cfg.packing))
 
 
 def _weight_source(model: nn.Module, seed: int) -> dict:
@@ -173,14 +172,16 @@ def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> 
     from hybridtrain.peft.lora import adapter_init_units
 
     units = [InitUnit(*u) for u in adapter_init_units(model)]
+    meta = spec.part(MetaInit, "building the model on the meta device")
     read = None
     if source["checkpoint"]:
-        assert spec.hf_slice_reader is not None, f"model spec {spec.name} has no hf_slice_reader"
-        read = spec.hf_slice_reader(source["checkpoint"])
+        if meta.hf_slice_reader is None:
+            raise ValueError(f"model spec {spec.name!r}: its MetaInit part has no hf_slice_reader "
+                             f"to read {source['checkpoint']} shard by shard")
+        read = meta.hf_slice_reader(source["checkpoint"])
     else:
-        assert spec.init_units is not None, f"model spec {spec.name} has no init_units"
         twin = source["twin"]
-        units += module_init_units(twin, spec.init_units(twin))
+        units += module_init_units(twin, meta.init_units(twin))
     t0 = time.perf_counter()
     materialize(model, device, read=read, read_names=source["names"], units=units,
                 seed=source["seed"])
@@ -367,11 +368,11 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     if cfg.distributed.encoder_ranks:
-        if spec.hetero_plan is None:
+        if spec.find(HeteroSupport) is None:
             raise ValueError(f"distributed.encoder_ranks={cfg.distributed.encoder_ranks}: "
                              f"{type(model).__name__} has no encoder to place on its own ranks; "
                              "set it to 0")
-        plan = spec.hetero_plan(
+        plan = spec.find(HeteroSupport).plan(
             model, cfg.distributed, world_size, device=device,
             parallelize=lambda m, dims: _parallelize(cfg, spec, m, world_size, device,
                                                      autocast_dtype, dims))

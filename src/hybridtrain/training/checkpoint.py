@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
 from hybridtrain.fileio import (WriteError, atomic_write, atomic_write_json, read_json,
                                 unique_tmp_path, write_error)
-from hybridtrain.models.spec import model_spec_for
+from hybridtrain.models.spec import model_spec_for, registered_model_class
 from hybridtrain.runfolder import STEP_RE, latest_checkpoint
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
@@ -179,13 +179,13 @@ def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | 
     elif "state_dict" in params:
         model.save_pretrained(out_dir, state_dict=state_dict, **kw)
     else:  # gathered full tensors of a sharded model
-        model_spec_for(model).save_hf(state_dict, model.config, out_dir, dtype=dtype)
+        model_spec_for(model).hf.save(state_dict, model.config, out_dir, dtype=dtype)
 
 
 def _state_format(model: torch.nn.Module) -> str | None:
     """The model spec's marker of how the model holds its parameters (None: the plain one)."""
     try:
-        fn = model_spec_for(model).state_format
+        fn = model_spec_for(model).hf.state_format
     except ValueError:  # not a registered model (e.g. a test stand-in)
         return None
     return fn(model) if fn is not None else None
@@ -214,14 +214,14 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
     except ValueError:  # not a registered model (e.g. a test stand-in)
         spec = None
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-    if spec is not None and (sharded or not spec.is_complete(model)):
+    if spec is not None and (sharded or not spec.pipeline.is_complete(model)):
         from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 
         layout = global_layout(model)
         stream = stream_full_tensors(model, layout)
         if get_rank() == 0:
             os.makedirs(out_dir, exist_ok=True)
-            spec.save_hf(layout, model.config, out_dir, dtype=dtype, tensors=stream)
+            spec.hf.save(layout, model.config, out_dir, dtype=dtype, tensors=stream)
         for _ in stream:  # the other ranks' part (and the end of rank 0's)
             pass
     else:
@@ -533,8 +533,10 @@ class Checkpointer:
 
 # -- convert ----------------------------------------------------------------------------------
 def _import_model_class(dotted: str):
+    """The model class a checkpoint names: imported when it is hybridtrain's, else a class
+    whose spec this program registered (nothing else is imported)."""
     if not dotted.startswith("hybridtrain."):
-        raise ValueError(f"checkpoint model class {dotted!r} is not a hybridtrain model")
+        return registered_model_class(dotted)
     module, _, name = dotted.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
@@ -587,7 +589,7 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
 
         _check_state_format(path, state, model)
         os.makedirs(out_hf_dir, exist_ok=True)
-        model_spec_for(cls).save_hf(model.state_dict(), config, out_hf_dir,
+        model_spec_for(cls).hf.save(model.state_dict(), config, out_hf_dir,
                                     dtype=resolve_save_dtype(dtype, model),
                                     tensors=_dcp_tensors(model.state_dict(),
                                                          os.path.join(path, "dcp")))

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.compile import apply_compile
-from hybridtrain.distributed.context_parallel import apply_context_parallel
+from hybridtrain.distributed.context_parallel import ContextParallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
@@ -103,22 +103,32 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
     if dims.tp > 1:
         apply_tp(model, tp_mesh(dims), distributed.sequence_parallel)
     if dims.cp > 1:
-        apply_context_parallel(model, dims.group("cp"))
+        model.context_parallel = ContextParallel(dims.group("cp"))
     layers = model.backbone.layers
     moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
     if dims.ep > 1:
         check_ep_backend(distributed.ep_backend, device.type)
         dims.check_experts(model.config.n_routed_experts)
         for block in moe_blocks:
-            apply_expert_parallel(block.mixer, dims.mesh("ep"))
+            block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
+                                                                 dims.mesh("ep"))
     if training.activation_checkpointing:
-        apply_activation_checkpointing(layers, training.activation_checkpointing)
+        apply_activation_checkpointing(layers, training.activation_checkpointing,
+                                       layer_type=lambda block: block.block_type)
     apply_compile(layers, training.compile, device)
     if dims.fsdp_enabled:
-        # the final norm and the head: one unit, gathered when the norm runs (the loss reads the
-        # head's weight), so a rank does not hold the head through the whole step as the root
-        head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
-        units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
-        apply_fsdp(model, [u for u in units if u is not None], dims, distributed,
-                   autocast_dtype=autocast_dtype,
-                   expert_units=[b.mixer.experts for b in moe_blocks])
+        units, expert_units = fsdp_units(model)
+        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype,
+                   expert_units=expert_units)
+
+
+def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
+    """(dense FSDP2 units in forward order, stacked-expert units) of a (stage) model, the root
+    holding the rest: the embeddings, each block, and the final norm with the head as one unit
+    (gathered when the norm runs: the loss reads the head's weight, so a rank does not hold the
+    head through the whole step as the root would)."""
+    layers = model.backbone.layers
+    head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
+    units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
+    experts = [b.mixer.experts for b in layers.values() if b.block_type == "moe"]
+    return [u for u in units if u is not None], experts

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridtrain.models.spec import ModelSpec, register_model_spec
+from hybridtrain.models.spec import (
+    FlopsCount, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
+    register_model_spec)
 
 from . import flops
 from .config import NemotronHConfig
@@ -13,7 +15,7 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
-from .parallelize import parallelize_nemotron_h, tp_plan
+from .parallelize import fsdp_units, parallelize_nemotron_h, tp_plan
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -82,21 +84,15 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     model_cls=NemotronHForCausalLM,
     config_cls=NemotronHConfig,
     parallelize_fn=parallelize_nemotron_h,
-    tp_plan=tp_plan,
-    is_complete=is_complete,
-    pipeline_layers=pipeline_layers,
-    pipeline_stage=pipeline_stage,
-    layer_flops=layer_flops,
-    head_flops=head_flops,
-    batch_flops=batch_flops,
-    save_hf=save_hf_checkpoint,
-    expert_modules=(Experts,),
-    lora_export_notes=lora_export_notes,
-    peft_module_prefixes={"model.": "backbone."},
-    activation_bytes=activation_bytes,
-    hub_tensors=hub_tensors,
-    hub_layout=hub_layout,
-    state_format=state_format,
-    init_units=NemotronHForCausalLM.init_units,
-    hf_slice_reader=slice_reader,
+    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete),
+    flops=FlopsCount(layer=layer_flops, head=head_flops, batch=batch_flops),
+    hf=HFAdapter(save=save_hf_checkpoint, hub_tensors=hub_tensors, hub_layout=hub_layout,
+                 state_format=state_format),
+    parts=(
+        PeftSupport(expert_modules=(Experts,), export_notes=lora_export_notes,
+                    module_prefixes={"model.": "backbone."}),
+        MetaInit(init_units=NemotronHForCausalLM.init_units, hf_slice_reader=slice_reader),
+        MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
+                          fsdp_units=fsdp_units),
+    ),
 ))

@@ -11,8 +11,11 @@ from hybridtrain.distributed.compile import apply_compile
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.models.nemotron_h import spec as lm_spec
 from hybridtrain.models.nemotron_h.moe import Experts
+from hybridtrain.models.nemotron_h.parallelize import fsdp_units as lm_fsdp_units
 from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
-from hybridtrain.models.spec import ModelSpec, register_model_spec
+from hybridtrain.models.spec import (
+    FlopsCount, HeteroSupport, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport,
+    PipelineSplit, register_model_spec)
 
 from .config import NemotronVLMConfig
 from .hetero import hetero_plan
@@ -29,15 +32,26 @@ def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: to
     pipeline stage after the first holds no ViT or projector."""
     parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
                            autocast_dtype=autocast_dtype)
-    units = []
     if model.vision_model is not None:  # not on a later pipeline stage
         blocks = model.vision_model.blocks
         if training.activation_checkpointing:
             apply_activation_checkpointing(blocks, "all")
         apply_compile(blocks, training.compile, device)
-        units = list(blocks.values()) + [model.projector]
     if dims.fsdp_enabled:
-        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)
+        apply_fsdp(model, _vision_units(model), dims, distributed, autocast_dtype=autocast_dtype)
+
+
+def _vision_units(model: nn.Module) -> list[nn.Module]:
+    if model.vision_model is None:
+        return []
+    return list(model.vision_model.blocks.values()) + [model.projector]
+
+
+def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
+    """The FSDP2 units :func:`parallelize_vlm` makes: the language model's (its own root,
+    the language model, one unit), then the ViT blocks and the projector."""
+    lm_units, experts = lm_fsdp_units(model.language_model)
+    return lm_units + [model.language_model] + _vision_units(model), experts
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -104,16 +118,14 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     model_cls=NemotronVLMForConditionalGeneration,
     config_cls=NemotronVLMConfig,
     parallelize_fn=parallelize_vlm,
-    is_complete=is_complete,
-    pipeline_layers=pipeline_layers,
-    pipeline_stage=pipeline_stage,
-    layer_flops=layer_flops,
-    head_flops=head_flops,
-    batch_flops=batch_flops,
-    save_hf=save_hf,
-    expert_modules=(Experts,),
-    hetero_plan=hetero_plan,
-    pipeline_row_inputs=images_by_row,
-    state_format=state_format,
-    init_units=NemotronVLMForConditionalGeneration.init_units,
+    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete,
+                           row_inputs=images_by_row),
+    flops=FlopsCount(layer=layer_flops, head=head_flops, batch=batch_flops),
+    hf=HFAdapter(save=save_hf, state_format=state_format),
+    parts=(
+        PeftSupport(expert_modules=(Experts,)),
+        HeteroSupport(plan=hetero_plan),
+        MetaInit(init_units=NemotronVLMForConditionalGeneration.init_units),
+        MemoryPlanSupport(fsdp_units=fsdp_units),
+    ),
 ))
