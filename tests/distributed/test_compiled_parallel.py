@@ -53,7 +53,8 @@ def _ep_worker(rank, world):
 @pytest.mark.distributed
 def test_ep2_compiled_moe_breaks_only_at_the_exchange_and_matches_eager():
     for rank, (eager, compiled, graphs, reasons, seconds) in enumerate(run_distributed(_ep_worker, 2)):
-        print(f"\n[compile] ep=2 moe rank {rank}: {graphs} graphs, breaks {reasons}, first compiled step {seconds:.1f} s")
+        print(f"\n[compile] ep=2 moe rank {rank}: {graphs} graphs, breaks {reasons}, "
+              f"first compiled step {seconds:.1f} s")
         assert reasons == ["ep_dispatch", "ep_combine"] and graphs == 3, reasons
         torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-5)
