@@ -3,9 +3,8 @@ MoE routing, token counts and the grouped-GEMM offsets stay on the device), with
 forward's outputs and gradients (fp32, 1e-5). ``aot_eager``: the traced graphs run as traced (no
 C++ compiler needed).
 
-Mamba2 also on packed rows (``seq_idx``: documents restart the conv and the state). Not yet
-whole (as of 2026-11-26): attention over packed rows (``document_spans`` reads the document
-boundaries on the host)."""
+Mamba2 and attention also on packed rows (``seq_idx``: documents restart the conv and the state;
+attention's document mask is built on the device when compiled)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ from hybridtrain.distributed.compile import compile_enabled
 from hybridtrain.models.nemotron_h import tiny_config
 from hybridtrain.models.nemotron_h.model import SequenceInfo
 
-CASES = [("linear_attention", True), ("full_attention", False), ("mlp", False), ("moe", False)]  # (type, packed)
+CASES = [("linear_attention", True), ("full_attention", False), ("full_attention", True), ("mlp", False),
+         ("moe", False)]  # (type, packed)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,33 @@ def test_compiled_scan_with_initial_and_final_state_matches_eager():
         leaves = [t.clone().requires_grad_() for t in args]
         loss = f(*leaves)
         results.append([loss.detach()] + list(torch.autograd.grad(loss, leaves)))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_compiled_document_attention_with_offset_queries_matches_eager(grad):
+    """Packed documents, queries offset into the keys (a context-parallel rank), grouped-query
+    heads: the compiled path (dense device mask with a gradient on the CPU; flex_attention's block
+    mask without) against the eager per-document path."""
+    from hybridtrain.ops.attention import document_causal_attention
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 24, 8, generator=g) for h in (4, 2, 2))
+    q = q[:, :, 9:]  # the queries are keys 9..23
+    seq_idx = torch.tensor([[0] * 5 + [1] * 7 + [2] * 12, [4] * 24])
+
+    def fn(q, k, v):
+        return document_causal_attention(q, k, v, seq_idx, q_offset=9)
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=False)):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            out = f(*leaves)
+            results.append([out.detach()] + (list(torch.autograd.grad(out.sin().sum(), leaves)) if grad else []))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()

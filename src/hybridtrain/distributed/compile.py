@@ -8,7 +8,8 @@ from torch import nn
 
 def compile_enabled(setting: bool | str, device: torch.device | str) -> bool:
     """``training.compile`` on ``device``: true/false as given; ``auto`` -> on CUDA (blocks
-    compile into one graph each: no host syncs inside them), off on CPU (compiling costs more
+    compile into one graph each: no host syncs inside them, also under TP and CP; under EP an
+    MoE block into three, its all-to-all exchange running eagerly between), off on CPU (compiling costs more
     than it saves for the CPU's short runs, and eager is what the CPU tests check)."""
     if isinstance(setting, bool):
         return setting

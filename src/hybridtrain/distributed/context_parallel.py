@@ -155,7 +155,17 @@ class _GatherSequence(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, dim: int, cp: ContextParallel) -> torch.Tensor:
     """The whole sequence from every rank's slice ``x`` (concatenated along ``dim`` in rank
-    order); backward reduce-scatters the gradient back to the slices."""
+    order); backward reduce-scatters the gradient back to the slices. Under ``torch.compile``
+    the same exchange as a functional collective (traceable; its bytes counted as the forward
+    runs)."""
+    if torch.compiler.is_compiling():
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        xs = x.movedim(dim, 0).contiguous()
+        cp._count("gather", xs)
+        if x.requires_grad and torch.is_grad_enabled():
+            cp.bytes_sent["gather_grad"] += cp.size * xs.numel() * xs.element_size()
+        return all_gather_tensor_autograd(xs, 0, cp.group).movedim(0, dim)
     return _GatherSequence.apply(x, dim, cp)
 
 
@@ -186,6 +196,9 @@ def halo_from_previous(x: torch.Tensor, width: int, dim: int, cp: ContextParalle
     ranks) takes its halo from the ends of all earlier slices (an all-gather of ``width`` or
     fewer positions per rank)."""
     n = x.shape[dim]
+    if n >= width and torch.compiler.is_compiling():  # traceable: every rank's tail, all-gathered
+        tails = _gathered(x.narrow(dim, n - width, width), "halo", cp)
+        return _used(tails[cp.rank - 1] if cp.rank else torch.zeros_like(tails[0]), tails)
     if n >= width:
         return _Halo.apply(x.narrow(dim, n - width, width), cp)
     before = gather_sequence(x, dim, cp).narrow(dim, 0, cp.rank * n)  # every earlier position
@@ -237,4 +250,27 @@ def pass_states(state: torch.Tensor, decay: torch.Tensor, cp: ContextParallel) -
     next -- bytes independent of the sequence length. Backward sends the gradient of the
     entering state back along the chain."""
     assert decay.dim() == state.dim(), (decay.shape, state.shape)
+    if torch.compiler.is_compiling():  # traceable: every rank's state and decay, all-gathered
+        both = _gathered(torch.stack([state, decay.expand_as(state)]), "state", cp)  # one exchange
+        enter = torch.zeros_like(state)
+        for r in range(cp.rank):
+            enter = both[r, 0] + both[r, 1] * enter
+        return _used(enter, both)
     return _PassStates.apply(state, decay, cp)
+
+
+def _used(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """``out`` tied with a zero weight to all of ``gathered``: every rank's backward then runs
+    the all-gather's reduce-scatter (also a rank that reads none of the gathered values)."""
+    return out + gathered.sum() * 0
+
+
+def _gathered(x: torch.Tensor, kind: str, cp: ContextParallel) -> torch.Tensor:
+    """[cp.size, *x.shape]: ``x`` of every rank (a functional all-gather, traceable by
+    ``torch.compile``; backward reduce-scatters the gradients to their ranks). The compiled
+    form of the point-to-point exchanges (dynamo does not trace send/recv): ``cp.size`` times
+    the bytes of one hop, for the few small tensors a halo or a state is."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    cp._count(kind, x)
+    return all_gather_tensor_autograd(x.contiguous()[None], 0, cp.group)

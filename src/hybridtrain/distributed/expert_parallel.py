@@ -20,6 +20,11 @@ through the MoE layer's combine, of the router are exact. Expert weights become 
 ``Shard(0)`` on the ``ep`` mesh, so checkpoints hold the full expert tensors and load under any
 layout.
 
+Under ``torch.compile`` the exchange is the one deliberate boundary of a compiled MoE block:
+:func:`ep_dispatch` and :func:`ep_combine` run eagerly (``torch.compiler.disable``: the split
+sizes are host integers, different every step), the routing and permutation before, the local
+experts between and the weighting after compile into one graph each, without breaks.
+
 An optional DeepEP path (``ep_backend: deepep``) fails fast when requested and not usable.
 """
 
@@ -94,6 +99,7 @@ class EPDispatchState:
         self.inv_perm = inv_perm
 
 
+@torch.compiler.disable
 def ep_dispatch(
     x_sorted: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
@@ -128,6 +134,7 @@ def ep_dispatch(
     return x_local, local_counts, EPDispatchState(input_splits, output_splits, perm, inv_perm)
 
 
+@torch.compiler.disable
 def ep_combine(y_local: torch.Tensor, state: EPDispatchState, group: dist.ProcessGroup):
     """Inverse of :func:`ep_dispatch`: rows back to their source ranks, in sorted order."""
     y_recv = y_local.index_select(0, state.inv_perm)

@@ -17,6 +17,14 @@ A document that starts before the queries is attended in query blocks of ``block
 
 On CUDA with ``flash_attn`` installed (and no queries offset into earlier keys) one varlen call
 runs all documents of the batch; the per-document path is always there and is the one tested.
+
+Under ``torch.compile`` the document boundaries are never read on the host (no graph break): the
+mask "same document and causal" is a function of ``seq_idx`` on the device. On CUDA (and
+wherever no gradient is needed) it is a ``flex_attention`` block mask (blocks across documents
+are skipped: the work stays about the documents' causal squares); where a gradient is needed on
+the CPU (flex_attention has no CPU backward) or with dropout, a dense ``[b, 1, Lq, Lk]`` mask for
+``scaled_dot_product_attention``. The flash-attn varlen call needs the host's document lengths,
+so compiled blocks do not take it.
 """
 
 from __future__ import annotations
@@ -101,6 +109,38 @@ def _flash(q, k, v, spans, dropout_p):  # pragma: no cover - CUDA only
     return out.view(b, L, h, d).transpose(1, 2)
 
 
+def _document_mask(seq_idx: torch.Tensor, q_offset: int):
+    """``mask_mod(b, h, q, k)``: key ``k`` is in query ``q``'s document and not after it (the
+    query at key position ``q + q_offset``); any index tensors broadcast."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_pos = q_idx + q_offset
+        return (seq_idx[b, q_pos] == seq_idx[b, kv_idx]) & (kv_idx <= q_pos)
+    return mask_mod
+
+
+def _flex_wanted(q, k, v, dropout_p: float) -> bool:
+    """flex_attention: on CUDA, or anywhere no gradient is taken (no CPU backward); no dropout."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return dropout_p == 0.0 and (q.is_cuda or not grad)
+
+
+def _traced_document_attention(q, k, v, seq_idx, q_offset: int, dropout_p: float):
+    """:func:`document_causal_attention` with the document mask built on the device (the path
+    under ``torch.compile``: no host reads, one graph)."""
+    b, _, Lq, _ = q.shape
+    Lk = k.shape[-2]
+    mask_mod = _document_mask(seq_idx, q_offset)
+    if _flex_wanted(q, k, v, dropout_p):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        block_mask = create_block_mask(mask_mod, b, None, Lq, Lk, device=q.device)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[-3] != k.shape[-3])
+    rows = torch.arange(b, device=q.device)[:, None, None, None]
+    q_idx = torch.arange(Lq, device=q.device)[None, None, :, None]
+    kv_idx = torch.arange(Lk, device=q.device)[None, None, None, :]
+    return _sdpa(q, k, v, dropout_p, mask=mask_mod(rows, None, q_idx, kv_idx))
+
+
 def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               seq_idx: torch.Tensor | None = None, q_offset: int = 0,
                               dropout_p: float = 0.0, block: int = QUERY_BLOCK) -> torch.Tensor:
@@ -117,6 +157,8 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return _sdpa(q, k, v, dropout_p, causal=True)
         end = q_offset + Lq
         return _offset_causal(q, k[..., :end, :], v[..., :end, :], q_offset, 0, dropout_p, block)
+    if torch.compiler.is_compiling():
+        return _traced_document_attention(q, k, v, seq_idx, q_offset, dropout_p)
     spans = document_spans(seq_idx, q_offset, Lq)
     if _flash_ok(q, k, q_offset):  # pragma: no cover
         return _flash(q, k, v, spans, dropout_p)

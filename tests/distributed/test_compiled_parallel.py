@@ -1,0 +1,128 @@
+"""Compiled blocks under model parallelism (2 gloo ranks, ``aot_eager``): the graphs a compiled
+block breaks into, and its outputs and gradients against eager (fp32, 1e-5).
+
+Expert parallelism: the all-to-all exchange (host split sizes) is the one deliberate boundary,
+two breaks per MoE block (dispatch, combine); everything else compiles without a break. Tensor
+parallelism (DTensor weights) and context parallelism (K/V all-gather, the Mamba conv halo and
+state passing as functional collectives when compiled): every block one graph, no break, on
+packed rows."""
+
+import time
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+
+def _forward_backward(fn, module, x, w):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = fn(x)
+    (y * w).sum().backward()
+    grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in module.named_parameters()}
+    return y.detach(), x.grad, grads
+
+
+def _ep_worker(rank, world):
+    from hybridtrain.distributed.expert_parallel import apply_expert_parallel
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+    from hybridtrain.models.nemotron_h import tiny_config
+    from hybridtrain.models.nemotron_h.moe import MoE
+
+    dims = ParallelDims(world_size=world, ep=2).build_mesh("cpu")
+    torch.manual_seed(0)
+    moe = MoE(tiny_config("mixed"), layer_idx=3)
+    moe.reset_parameters()
+    apply_expert_parallel(moe, dims.mesh("ep"))
+    g = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)
+    eager = _forward_backward(moe, moe, x, w)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(moe)(x)
+    # a break at a disabled exchange function -> its name; any other break -> its whole reason
+    reasons = [next((fn for fn in ("ep_dispatch", "ep_combine") if fn in str(r.reason) and "disable" in str(r.reason)),
+                    str(r.reason)) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    compiled = _forward_backward(torch.compile(moe, backend="aot_eager", dynamic=False), moe, x, w)
+    seconds = time.perf_counter() - t0
+    return eager, compiled, explained.graph_count, reasons, seconds
+
+
+@pytest.mark.distributed
+def test_ep2_compiled_moe_breaks_only_at_the_exchange_and_matches_eager():
+    for rank, (eager, compiled, graphs, reasons, seconds) in enumerate(run_distributed(_ep_worker, 2)):
+        print(f"\n[compile] ep=2 moe rank {rank}: {graphs} graphs, breaks {reasons}, "
+              f"first compiled step {seconds:.1f} s")
+        assert reasons == ["ep_dispatch", "ep_combine"] and graphs == 3, reasons
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-5)
+        for n, g in eager[2].items():
+            torch.testing.assert_close(compiled[2][n], g, rtol=1e-5, atol=1e-5, msg=n)
+
+
+def _compare_blocks(model, x, w, info, types):
+    """{block type: (graphs, break reasons, max |compiled - eager| over the output and all
+    gradients, seconds of the first compiled step)} of one block of each type."""
+    out = {}
+    for block_type in types:
+        block = next(b for b in model.backbone.layers.values() if b.block_type == block_type)
+        fwd = lambda fn: (lambda h: fn(h, info))  # noqa: E731
+        eager = _forward_backward(fwd(block), block, x, w)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(block)(x, info)
+        reasons = [str(r.reason).split("\n")[0] for r in explained.break_reasons]
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        compiled = _forward_backward(fwd(torch.compile(block, backend="aot_eager", dynamic=False)), block, x, w)
+        seconds = time.perf_counter() - t0
+        pairs = [(compiled[0], eager[0]), (compiled[1], eager[1])] + [(compiled[2][n], g) for n, g in eager[2].items()]
+        err = max(float((a - b).abs().max()) for a, b in pairs)
+        out[block_type] = (explained.graph_count, reasons, err, seconds)
+        torch._dynamo.reset()
+    return out
+
+
+def _tp_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridtrain.models.nemotron_h import tiny_config
+    from hybridtrain.models.nemotron_h.model import SequenceInfo
+    from hybridtrain.models.nemotron_h.parallelize import apply_tp
+    from tests.helpers.models import perturbed_model
+
+    model = perturbed_model(tiny_config("mixed"), seed=1)
+    apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    g = torch.Generator().manual_seed(2)
+    x, w = (torch.randn(2, 24, model.config.hidden_size, generator=g) for _ in range(2))
+    info = SequenceInfo(seq_idx=torch.tensor([[0] * 10 + [1] * 14, [2] * 24], dtype=torch.int32))
+    return _compare_blocks(model, x, w, info, ("linear_attention", "full_attention", "mlp", "moe"))
+
+
+def _cp_worker(rank, world):
+    import torch.distributed as dist
+
+    from hybridtrain.distributed.context_parallel import apply_context_parallel
+    from hybridtrain.models.nemotron_h import tiny_config
+    from tests.helpers.models import perturbed_model
+
+    model = perturbed_model(tiny_config("mixed"), seed=1)
+    apply_context_parallel(model, dist.new_group(list(range(world))))
+    g = torch.Generator().manual_seed(2)
+    x, w = (torch.randn(2, 24, model.config.hidden_size, generator=g)[:, rank * 12:(rank + 1) * 12] for _ in range(2))
+    # packed rows: documents of 10 and 14 tokens (the second crosses the ranks), and one of 24
+    pos = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]), torch.arange(24)])[:, rank * 12:(rank + 1) * 12]
+    info = model.sequence_info(2, 12, x.device, position_ids=pos)
+    return _compare_blocks(model, x, w, info, ("linear_attention", "full_attention"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_blocks_compile_under_model_parallelism(layout):
+    for rank, res in enumerate(run_distributed({"tp2": _tp_worker, "cp2": _cp_worker}[layout], 2)):
+        for block_type, (graphs, reasons, err, seconds) in res.items():
+            print(f"\n[compile] {layout} rank {rank} {block_type}: {graphs} graphs, breaks {reasons}, "
+                  f"max |compiled - eager| {err:.1e}, first compiled step {seconds:.1f} s")
+            assert graphs == 1 and not reasons, (layout, block_type, reasons)
+            assert err <= 1e-5, (layout, block_type, err)
