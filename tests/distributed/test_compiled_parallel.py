@@ -34,7 +34,7 @@ def _ep_worker(rank, world):
     torch.manual_seed(0)
     moe = MoE(tiny_config("mixed"), layer_idx=3)
     moe.reset_parameters()
-    apply_expert_parallel(moe, dims.mesh("ep"))
+    moe.token_dispatcher = apply_expert_parallel(moe.experts, dims.mesh("ep"))
     g = torch.Generator().manual_seed(rank)
     x, w = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)
     eager = _forward_backward(moe, moe, x, w)
