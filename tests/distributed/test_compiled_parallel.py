@@ -103,12 +103,12 @@ def _tp_worker(rank, world):
 def _cp_worker(rank, world):
     import torch.distributed as dist
 
-    from hybridtrain.distributed.context_parallel import apply_context_parallel
+    from hybridtrain.distributed.context_parallel import ContextParallel
     from hybridtrain.models.nemotron_h import tiny_config
     from tests.helpers.models import perturbed_model
 
     model = perturbed_model(tiny_config("mixed"), seed=1)
-    apply_context_parallel(model, dist.new_group(list(range(world))))
+    model.context_parallel = ContextParallel(dist.new_group(list(range(world))))
     g = torch.Generator().manual_seed(2)
     x, w = (torch.randn(2, 24, model.config.hidden_size, generator=g)[:, rank * 12:(rank + 1) * 12] for _ in range(2))
     # packed rows: documents of 10 and 14 tokens (the second crosses the ranks), and one of 24
