@@ -16,6 +16,10 @@ precision. What is tuned, with its recipe key:
 * **glibc allocator** (``training.cpu_allocator``, :func:`configure_cpu_allocator`).
 * **``training.dtype: auto``** (:func:`auto_dtype`, ``training.cpu_bf16``).
 * **the ``auto`` loss chunk** (``training.loss_chunk_size: auto``, :func:`auto_chunk_size`).
+* **FSDP2's all-gather buffer on CPU** (:attr:`BackendSettings.fsdp_free_all_gather`): with
+  synchronous CPU collectives nothing overlaps an all-gather, so each FSDP2 unit's all-gather
+  output is freed right after its copy-out (``distributed.fsdp.free_all_gather_after_copy_out``)
+  instead of being kept until the next unit's all-gather; on GPUs FSDP2's default overlap stays.
 * **grouped expert GEMMs on CUDA** (``training.grouped_mm``): bf16 experts through one
   ``torch.nn.functional.grouped_mm`` per projection (no host sync) instead of a loop over experts;
   :func:`disable_grouped_mm` turns it off for the process where the kernel fails.
@@ -55,6 +59,7 @@ class BackendSettings:
     gemm_row_multiple: int = 1  # rows of varying-count GEMM operands are padded to this multiple
     grouped_mm: bool = True  # CUDA bf16 experts: torch grouped_mm (else a loop over experts)
     cpu_allocator: str = "system"  # in effect: heap, system, or "system (not glibc)"
+    fsdp_free_all_gather: bool = False  # FSDP2 units free their all-gather output after copy-out
 
 
 _settings = BackendSettings()
@@ -76,7 +81,8 @@ def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_all
     lowp_cpu = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     _settings = BackendSettings(gemm_row_multiple=CPU_LOWP_ROW_MULTIPLE if lowp_cpu else 1,
                                 grouped_mm=grouped_mm,
-                                cpu_allocator=configure_cpu_allocator(cpu_allocator, device))
+                                cpu_allocator=configure_cpu_allocator(cpu_allocator, device),
+                                fsdp_free_all_gather=device.type == "cpu")
     log.info("backend: %s", _settings)
     return _settings
 
