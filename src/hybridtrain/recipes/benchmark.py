@@ -6,6 +6,9 @@ live in the recipe's ``benchmark:`` section (or ``--benchmark.KEY=VALUE``); its 
 and meanings are in ``hybridtrain/config/schema.py`` (``BENCHMARK``, and the README's recipe
 reference).
 
+With ``benchmark.profile`` the traced steps' top operators/kernels by device time (CPU time on
+a CPU) are printed after the MFU line, as a table like ``torch.profiler``'s ``key_averages``.
+
 ``--profile`` / ``--measure-peak`` given to the command line (when the CLI passes them) mean
 the same as the keys.
 
@@ -201,7 +204,7 @@ PROFILE_ROWS = 30
 
 def top_operators(prof, device: torch.device, steps: int) -> str:
     """The profiler's table of the operators and kernels taking the most time, by device time
-    on CUDA (CPU time elsewhere), per traced step of ``steps``."""
+    on CUDA (CPU time elsewhere), summed over the ``steps`` traced steps."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60)
     where = "device (CUDA) time" if device.type == "cuda" else "CPU time"
