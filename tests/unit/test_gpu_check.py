@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~1.5 min on an idle 2-core CPU; six processes, each importing torch
 def test_gpu_check_dry_run_prints_one_table(tmp_path):
     env = dict(os.environ, PY=sys.executable, OUT=str(tmp_path), HYBRIDTRAIN_MAMBA_KERNELS="0",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
