@@ -76,6 +76,15 @@ def test_configure_backend_pads_only_cpu_low_precision(restore_settings):
         configure_backend("cpu", torch.float32, cpu_allocator="jemalloc")
 
 
+def test_fsdp_all_gather_release_is_a_cpu_setting(restore_settings):
+    # synchronous CPU collectives: free each unit's all-gather output after its copy-out; GPUs
+    # keep FSDP2's overlap (the setting is what distributed.fsdp.apply_fsdp reads)
+    assert not BackendSettings().fsdp_free_all_gather
+    assert configure_backend("cpu", torch.float32, cpu_allocator="system").fsdp_free_all_gather
+    assert configure_backend("cpu", torch.bfloat16, cpu_allocator="system").fsdp_free_all_gather
+    assert not configure_backend("meta", torch.bfloat16, cpu_allocator="system").fsdp_free_all_gather
+
+
 def test_pad_rows_and_unpad_rows(restore_settings):
     x, labels = torch.randn(70, 3), torch.arange(70)
     assert pad_rows(x) is x and unpad_rows(x, 70) is x  # default: nothing to do, nothing in the graph

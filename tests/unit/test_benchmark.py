@@ -43,6 +43,9 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
     assert main["peak_tflops"] == on_disk["matmul_peak_tflops_measured"]["torch.float32"]
     assert main["mfu"] == pytest.approx(main["tflops_per_device"] / main["peak_tflops"])
     assert os.path.isfile(main["profile"]) and json.load(open(main["profile"]))["traceEvents"]
+    # the top operators by time are printed beside the MFU line, the matmuls among them
+    assert "top 30 operators/kernels by self CPU time" in out and "aten::mm" in out
+    assert out.index("MFU") < out.index("top 30 operators")
     growth = on_disk["cost_growth"]["torch.float32"]
     assert [g["seq_len"] for g in growth] == [16, 64]
     assert res["output"] == str(tmp_path / "run" / "benchmark.json")

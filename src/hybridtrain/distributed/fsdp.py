@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybridtrain.config.dtypes import to_torch_dtype
 from hybridtrain.distributed.utils import local_tensor
+from hybridtrain.ops import backend
 
 __all__ = [
     "apply_fsdp",
@@ -113,8 +114,8 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
     ``distributed``: the recipe section (``fsdp_param_dtype`` ``auto`` = ``autocast_dtype``,
     i.e. bf16 all-gathers and compute in bf16 runs; ``fsdp_reduce_dtype``,
     ``fsdp_reshard_after_forward``, ``fsdp_backward_prefetch``, ``cpu_offload``). Gradients are summed, never averaged.
-    On CPU each unit's all-gather buffer is freed right after its copy-out
-    (:func:`free_all_gather_after_copy_out`).
+    Where the backend settings say so (CPU: ``ops.backend``'s ``fsdp_free_all_gather``), each
+    unit's all-gather buffer is freed right after its copy-out (:func:`free_all_gather_after_copy_out`).
     """
     from torch.distributed.tensor import Shard
 
@@ -139,7 +140,7 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
         if rf and dims.pp_enabled:
             reshard_in_pipeline_backward(unit)
     shard_module(model, mesh, mp, reshard_after_forward=False, cpu_offload=offload)
-    if mesh.device_type == "cpu":
+    if backend.settings().fsdp_free_all_gather:
         for unit in [*expert_units, *units]:
             free_all_gather_after_copy_out(unit)
     sum_gradients(model)

@@ -16,6 +16,10 @@ precision. What is tuned, with its recipe key:
 * **glibc allocator** (``training.cpu_allocator``, :func:`configure_cpu_allocator`).
 * **``training.dtype: auto``** (:func:`auto_dtype`, ``training.cpu_bf16``).
 * **the ``auto`` loss chunk** (``training.loss_chunk_size: auto``, :func:`auto_chunk_size`).
+* **FSDP2's all-gather buffer on CPU** (:attr:`BackendSettings.fsdp_free_all_gather`): with
+  synchronous CPU collectives nothing overlaps an all-gather, so each FSDP2 unit's all-gather
+  output is freed right after its copy-out (``distributed.fsdp.free_all_gather_after_copy_out``)
+  instead of being kept until the next unit's all-gather; on GPUs FSDP2's default overlap stays.
 * **grouped expert GEMMs on CUDA** (``training.grouped_mm``): bf16 experts through one
   ``torch.nn.functional.grouped_mm`` per projection (no host sync) instead of a loop over experts;
   :func:`disable_grouped_mm` turns it off for the process where the kernel fails.
@@ -75,6 +79,7 @@ class BackendSettings:
     mamba_kernels: bool | str = "auto"  # mamba_ssm / causal_conv1d: auto (CUDA tensors), True, False
     cpu_decode_forms: bool = True  # eager fp32 CPU decoding: the forms measured fastest there
     decode_graph: bool = True  # CUDA decoding: the step captured once as a CUDA graph, replayed
+    fsdp_free_all_gather: bool = False  # FSDP2 units free their all-gather output after copy-out
 
 
 _settings = BackendSettings()
@@ -105,7 +110,8 @@ def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_all
                                 grouped_mm=grouped_mm,
                                 cpu_allocator=configure_cpu_allocator(cpu_allocator, device),
                                 fused_loss=resolve_fused_loss(fused_loss, device),
-                                mamba_kernels=mamba_kernels)
+                                mamba_kernels=mamba_kernels,
+                                fsdp_free_all_gather=device.type == "cpu")
     log.info("backend: %s", _settings)
     return _settings
 

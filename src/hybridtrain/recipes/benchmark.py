@@ -6,6 +6,9 @@ live in the recipe's ``benchmark:`` section (or ``--benchmark.KEY=VALUE``); its 
 and meanings are in ``src/hybridtrain/config/schema.py`` (``BENCHMARK``; docs/recipes/reference.md:
 the recipe reference).
 
+With ``benchmark.profile`` the traced steps' top operators/kernels by device time (CPU time on
+a CPU) are printed after the MFU line, as a table like ``torch.profiler``'s ``key_averages``.
+
 ``--profile`` / ``--measure-peak`` given to the command line (when the CLI passes them) mean
 the same as the keys.
 
@@ -171,6 +174,7 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
         trace = os.path.join(profile_dir, f"trace_{name}_rank{rank}.json")
         prof.export_chrome_trace(trace)
         logger.info("profiler trace: %s", trace)
+        top = top_operators(prof, b.device, n_prof)
     time_s = sum(r["step_time_s"] for r in records)
     tokens = sum(r["num_tokens"] for r in records)
     world = b.plan.dims.world_size
@@ -192,7 +196,20 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
         "peak_memory_gb": max(mem.peak - base, 0) / 2**30,
         "loss": records[-1]["loss"],
         "profile": trace if n_prof else None,
+        "profile_top": top if n_prof else None,
     }
+
+
+PROFILE_ROWS = 30
+
+
+def top_operators(prof, device: torch.device, steps: int) -> str:
+    """The profiler's table of the operators and kernels taking the most time, by device time
+    on CUDA (CPU time elsewhere), summed over the ``steps`` traced steps."""
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60)
+    where = "device (CUDA) time" if device.type == "cuda" else "CPU time"
+    return f"top {PROFILE_ROWS} operators/kernels by self {where}, {steps} traced step(s):\n{table}"
 
 
 # -- the recipe -----------------------------------------------------------------------------
@@ -312,6 +329,8 @@ def _print_run(r: dict, is_main: bool) -> None:
           f"{_fmt(r['tflops_per_device'], '.3g')} TFLOP/s/device, MFU {_fmt(r['mfu'], '.3f')} "
           f"(peak {_fmt(r.get('peak_tflops'), '.3g')}), peak memory {r['peak_memory_gb']:.2f} GB, "
           f"{r['tokens_per_step']:.0f} tokens/step, {r['step_time_s']:.2f} s/step", flush=True)
+    if r.get("profile_top"):
+        print(r["profile_top"], flush=True)
 
 
 def _growth(runs: list[dict]) -> dict[str, list[dict]]:

@@ -1,0 +1,67 @@
+"""benchmarks/step_anatomy.py: the GPU time model of a training step from a CPU trace."""
+
+import pytest
+
+from benchmarks import anatomy, step_anatomy
+
+
+def test_roofline_cost_of_a_gemm_a_cast_and_an_in_place_add():
+    hw = anatomy.Hardware(gemm_flops=1e12, bandwidth=1e9, launch_s=1e-6)
+    mm = anatomy.Kernel("aten::mm", "GEMM + attention", [([64, 128], 2), ([128, 256], 2)])
+    assert mm.flops == 2 * 64 * 128 * 256
+    assert (mm.read_bytes, mm.write_bytes) == ((64 * 128 + 128 * 256) * 2, 64 * 256 * 2)
+    assert mm.seconds(hw) == pytest.approx(max(mm.flops / 1e12, mm.bytes / 1e9) + 1e-6)
+    cast = anatomy.Kernel("aten::copy_", "casts", [([10, 10], 2), ([10, 10], 4)], cast=True)
+    assert (cast.read_bytes, cast.write_bytes) == (400, 200)  # reads fp32, writes bf16
+    add = anatomy.Kernel("aten::add_", "other", [([10, 10], 4), ([10, 10], 4)])
+    assert (add.read_bytes, add.write_bytes) == (800, 400)
+    adam = anatomy.Kernel("aten::_fused_adamw_", "optimizer", [], [[[1000], [24]]] * 4 + [[], [[], []]])
+    assert (adam.read_bytes, adam.write_bytes, adam.launches) == (4 * 1024 * 4, 3 * 1024 * 4, 1)
+
+
+def test_extrapolate_grows_the_dimensions_that_differ():
+    small = [anatomy.Kernel("aten::mm", "GEMM + attention", [([32, 8], 2), ([8, 4], 2)])]
+    large = [anatomy.Kernel("aten::mm", "GEMM + attention", [([32, 16], 2), ([16, 8], 2)])]
+    real = anatomy.extrapolate(small, large, 8)[0]
+    assert real.tensors == [([32, 128], 2), ([128, 64], 2)]  # 32 (a count of rows) stays
+    assert real.flops == 2 * 32 * 128 * 64
+    with pytest.raises(ValueError, match="different operator sequences"):
+        anatomy.extrapolate(small, [anatomy.Kernel("aten::bmm", "x", [])], 8)
+
+
+def test_tiny_step_is_traced_by_category_with_its_casts():
+    kw, _, batch = step_anatomy.recipe_model(str(step_anatomy.HERE / "gpu" / "nano8.yaml"))
+    kernels = step_anatomy.trace({**kw, **step_anatomy.SMALL}, 32, batch, 16, "autocast")
+    rows = anatomy.by_category(kernels, anatomy.Hardware())
+    for cat in ("GEMM + attention", "loss", "casts", "norms/activations", "Mamba scan + conv",
+                "MoE routing/permutation", "optimizer"):
+        assert rows[cat].count > 0 and rows[cat].seconds > 0, cat
+    assert rows["GEMM + attention"].flops > 0 and rows["optimizer"].names["aten::_fused_adamw_"] > 0
+    n, nbytes = anatomy.casts(kernels)
+    casts = [k for k in kernels if k.cast]
+    assert n == len(casts) > 0 and nbytes == sum(k.bytes for k in casts)
+    assert all(k.name == "aten::copy_" and k.tensors[0][1] != k.tensors[1][1] for k in casts)
+    # bf16 autocast over fp32 weights: the head's fp32 weight [vocab 512, hidden 64] is cast
+    assert any(k.tensors[1] == ([512, 64], 4) and k.tensors[0][1] == 2 for k in casts)
+    table = anatomy.table(kernels, anatomy.Hardware())
+    assert all(cat in table for cat in anatomy.CATEGORIES) and "total" in table
+
+
+def test_each_weight_is_cast_to_bf16_once_per_micro_batch():
+    # autocast's cast cache: one bf16 copy of each fp32 weight per forward (48 tokens per row
+    # make no activation of a weight's shape)
+    kw, _, batch = step_anatomy.recipe_model(str(step_anatomy.HERE / "gpu" / "nano8.yaml"))
+    kw = {**kw, **step_anatomy.SMALL}
+    kernels = step_anatomy.trace(kw, 48, batch, 16, "autocast")
+    model = step_anatomy.build(kw, 16)
+    shapes: dict = {}
+    for p in model.parameters():
+        if p.dim() >= 2:
+            shapes[tuple(p.shape)] = shapes.get(tuple(p.shape), 0) + 1
+    down = {}
+    for k in (k for k in kernels if k.cast):
+        (dst, dst_b), (src, src_b) = k.tensors[0], k.tensors[1]
+        if src_b == 4 and dst_b == 2 and tuple(src) in shapes:
+            down[tuple(src)] = down.get(tuple(src), 0) + 1
+    assert down, "no weight was cast"
+    assert all(n <= shapes[s] for s, n in down.items()), (down, shapes)
