@@ -1,7 +1,7 @@
 """`hybridtrain dpo` / `grpo` stopped by a signal (exit 75, lock released, `step_k` saved) and
 resumed with `--checkpoint.resume=auto` (or a `step_N` path) log exactly the uninterrupted run's
 steps: the same pairs / prompts, the same sampled completions, the same losses, rewards and
-learning rates, and no line twice. The signal is sent once step 1 is logged (from the run's own
+learning rates, and no line twice. The signal is sent once step 2 is logged (from the run's own
 thread: no timing)."""
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from hybridtrain.recipes import rl_run
 from hybridtrain.runfolder import LOCK_NAME
 from hybridtrain.training.preemption import EXIT_PREEMPTED
 
-STEPS = 3
+STEPS = 4
+STOP = 2  # the step after which the signal comes
 # what must match the uninterrupted run's, step by step
 COMPARED = {"dpo": ("loss", "grad_norm", "lr", "accuracy", "reward_margin"),
-            "grpo": ("loss", "grad_norm", "lr", "reward", "reward_std", "kl", "ratio")}
+            "grpo": ("loss", "grad_norm", "lr", "reward", "reward_std", "accuracy", "kl", "ratio")}
 
 
 def _write_recipe(tmp_path, name: str) -> str:
@@ -36,9 +37,9 @@ def _write_recipe(tmp_path, name: str) -> str:
     else:
         cfg = _recipe(tmp_path, {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100},
                       grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
-                            "max_new_tokens": 2, "updates_per_rollout": 2})
+                            "max_new_tokens": 3, "updates_per_rollout": 2})
     cfg["training"]["max_steps"] = STEPS
-    cfg["lr_scheduler"] = {"lr_decay_style": "cosine", "lr_warmup_steps": 1}
+    cfg["lr_scheduler"] = {"lr_decay_style": "cosine", "lr_warmup_steps": 2, "lr_decay_steps": 20}
     cfg["metrics"]["plot"] = False
     cfg["checkpoint"]["save_hf_at_end"] = False
     path = tmp_path / "recipe.yaml"
@@ -84,11 +85,11 @@ def test_a_stopped_run_resumes_exactly(tmp_path, capsys, monkeypatch, uninterrup
     name, recipe, whole = uninterrupted
     out = tmp_path / "run"
     with monkeypatch.context() as m:
-        _signal_after_step(m, signal.SIGUSR1, 1)
+        _signal_after_step(m, signal.SIGUSR1, STOP)
         assert _run(name, recipe, out) == EXIT_PREEMPTED
-    assert f"SIGUSR1 received: {name} stopped after step 1 of {STEPS}; saved {out}/step_1" in \
-        capsys.readouterr().err
-    assert (out / "latest").read_text().strip() == "step_1"
+    assert f"SIGUSR1 received: {name} stopped after step {STOP} of {STEPS}; saved " \
+        f"{out}/step_{STOP}" in capsys.readouterr().err
+    assert (out / "latest").read_text().strip() == f"step_{STOP}"
     assert not (out / LOCK_NAME).exists()  # released with the stop
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     assert _run(name, recipe, out, "--checkpoint.resume=auto") == 0
@@ -99,12 +100,11 @@ def test_a_stopped_run_resumes_exactly(tmp_path, capsys, monkeypatch, uninterrup
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.parametrize("uninterrupted", ["grpo"], indirect=True)  # the path is RLRun's
 def test_resume_from_a_step_folder_redoes_the_steps_after_it(tmp_path, uninterrupted):
     """Periodic checkpoints (``training.ckpt_every_steps``) change nothing in the run; resuming
     the finished run from its ``step_1`` drops the lines after step 1 and redoes them."""
     name, recipe, whole = uninterrupted
-    if name == "dpo":
-        pytest.skip("one recipe is enough: the resume path is RLRun's")
     out = tmp_path / "run"
     assert _run(name, recipe, out, "--training.ckpt_every_steps=1") == 0
     assert sorted(p.name for p in out.glob("step_*")) == [f"step_{i}" for i in range(1, STEPS + 1)]

@@ -10,7 +10,9 @@ pairs (micro-batches of ``training.micro_batch_size`` pairs), the frozen referen
 model as the recipe builds it. ``training.jsonl`` logs ``loss``, ``accuracy`` (pairs the policy
 prefers the right way, measured on the step's batch before its update), ``reward_margin`` and
 the rest of the loss's metrics; validation (``val_every_steps`` and at the end) the same on the
-validation pairs. ``loss.png`` shows loss and accuracy.
+validation pairs. ``loss.png`` shows loss and accuracy. The pairs' order (its generator and the
+pairs left of the current pass) goes into every checkpoint, so a run resumed with
+``checkpoint.resume`` (see :mod:`~hybridtrain.recipes.rl_run`) takes the uninterrupted run's pairs.
 """
 
 from __future__ import annotations

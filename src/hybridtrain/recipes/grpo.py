@@ -34,7 +34,9 @@ nothing exported).
 Seeding: the step's prompts come from ``random.Random(training.seed)`` (the same on every rank),
 and sample ``i`` of the step's ``P·G`` (group-major) is drawn with a generator of its own seeded
 by :func:`rollout_seed` ``(training.seed, step, i)``, so the rollouts do not depend on how many
-ranks share them out: any layout samples what one process samples.
+ranks share them out: any layout samples what one process samples. The prompt generator's state
+goes into every checkpoint, so a run resumed with ``checkpoint.resume`` (see
+:mod:`~hybridtrain.recipes.rl_run`) draws and samples what the uninterrupted run does.
 """
 
 from __future__ import annotations

@@ -95,16 +95,12 @@ class RLRun:
         self.policy = Policy(cfg)
         self.reference = Policy(cfg)  # never trained: the reference policy
         self.is_main = self.policy.built.is_main
-        if clear:
-            self.policy.checkpointer(self.out_dir).clear()
+        self._clear = clear
         m = cfg.metrics
         self.metrics = MetricsLogger(self.out_dir, is_main=self.is_main, tensorboard=m.tensorboard,
                                      tensorboard_dir=m.tensorboard_dir, progress=m.progress_bar,
                                      jsonl=m.jsonl, plot=m.plot, plot_extra=plot_extra,
                                      loss_label=loss_label)
-        if self.is_main:
-            os.makedirs(self.out_dir, exist_ok=True)
-            atomic_write(os.path.join(self.out_dir, "config.yaml"), cfg.to_yaml())
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         self.step = 0  # the recipe's steps done (the last logged one)
@@ -117,14 +113,19 @@ class RLRun:
         """Before the step loop (after everything is built). ``loop_state()``: what the recipe's
         loop needs to go on exactly (its own generators, data order; JSON), saved with every
         checkpoint. A resumed run restores the Policy and :attr:`step` from ``checkpoint.resume``
-        and gets the loop state saved there; a new run gets ``{}``. Opens the metrics files
-        (a resumed run's lose their lines past the resumed step). Collective."""
+        and gets the loop state saved there; a new run gets ``{}``. Only then writes into the run
+        folder: clears an earlier run (``checkpoint.overwrite``), writes ``config.yaml``, opens
+        the metrics files (a resumed run's lose their lines past the resumed step). Collective."""
         self.loop_state = loop_state
         saved: dict = {}
         if self.resume_from is not None:
             state = self.policy.load_checkpoint(self.resume_from)
             self.step = self._saved_step = int(state["step"])
             saved = state["extra"].get("loop", {})
+        if self._clear:
+            self.policy.checkpointer(self.out_dir).clear()
+        if self.is_main:
+            atomic_write(os.path.join(self.out_dir, "config.yaml"), self.cfg.to_yaml())
         self.metrics.open(self.step, self.cfg.training.max_steps)
         if self.step:  # the run so far, for the summary
             self.history = [x for x in read_jsonl(self.metrics.train_path)
