@@ -122,8 +122,9 @@ def test_resume_refuses_another_recipes_checkpoint(tmp_path, capsys):
     recipe = _write_recipe(tmp_path, "grpo")
     assert _run("grpo", recipe, out, "--checkpoint.resume=auto") == 2
     err = capsys.readouterr().err
-    assert f"{out}/step_4 was written by `hybridtrain finetune`" in err
-    assert "continues a run of the same recipe (grpo)" in err
+    assert f"{out}/step_4 is not a checkpoint of a `hybridtrain grpo` run (`hybridtrain " \
+        "finetune` wrote it" in err
+    assert "set model.local_dir to its export" in err
     assert not (out / LOCK_NAME).exists()
 
 

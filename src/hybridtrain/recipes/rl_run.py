@@ -64,14 +64,18 @@ def rl_run(cfg: ConfigNode, name: str, **kwargs) -> Iterator["RLRun"]:
 
 def _check_resumable(path: str, name: str) -> None:
     """Refuses to resume ``name`` from a checkpoint that another recipe wrote."""
-    state = read_json(os.path.join(path, "trainer_state.json"))
-    wrote = (state.get("extra") or {}).get("recipe", "finetune")
+    state_path = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(state_path):
+        return  # Checkpointer.load names the broken checkpoint
+    wrote = (read_json(state_path).get("extra") or {}).get("recipe")
     if wrote != name:
         raise ValueError(
-            f"checkpoint.resume: {path} was written by `hybridtrain {wrote}`, and resume "
-            f"continues a run of the same recipe ({name}). To start {name} from that model, set "
-            f"model.local_dir to its export (`hybridtrain convert {path} OUT_DIR`) and use a new "
-            "checkpoint.dir")
+            f"checkpoint.resume: {path} is not a checkpoint of a `hybridtrain {name}` run ("
+            + (f"`hybridtrain {wrote}` wrote it" if wrote else "`hybridtrain finetune` wrote it, "
+               "or a dpo/grpo run of a version that did not resume")
+            + f"); resume continues a run of the same recipe. To start {name} from that model, "
+            f"set model.local_dir to its export (`hybridtrain convert {path} OUT_DIR`) and use a "
+            "new checkpoint.dir")
 
 
 class RLRun:
