@@ -7,7 +7,10 @@ rose and the peak's neighbourhood (README: "Where FSDP2 × 4's training peak goe
 
 CHECKPOINT_DIR: a bf16 checkpoint written by ``benchmarks/load_memory.py`` (its ``--dir``).
 The recipe is the benchmark's (tests/helpers/memory.py ``lora_recipe``, 2 steps); MB above
-the rank's resident memory after loading. A unit counts as gathered while a module of it holds
+the rank's state after loading, as resident memory (rss, its peak) and as bytes allocated
+(glibc's mmapped blocks, which hold every block of 64 KiB or more under the fixed mmap
+threshold: ``alloc`` now, ``alloc peak`` their peak so far; what the tests bound, see
+tests/helpers/memory.py: resident pages also move with machine settings). A unit counts as gathered while a module of it holds
 another parameter than its sharded one.
 """
 
@@ -47,7 +50,8 @@ def _worker(rank: int, world: int, ckpt: str, layout: dict) -> list[tuple]:
     def mark(tag):
         gathered = [n for n, ps in owner.items()
                     if any(id(getattr(m, p)) not in sharded for m, p in ps)]
-        log.append((tag, mem.status("VmRSS"), mem.status("VmHWM"), gathered))
+        log.append((tag, mem.status("VmRSS"), mem.status("VmHWM"), gathered, mem.malloc_mmapped(),
+                    mem.malloc_mmap_peak()))
 
     for name, m in units.items():
         m.register_forward_pre_hook(lambda mod, a, n=name: mark("forward " + n))
@@ -77,15 +81,17 @@ def main() -> None:
     res = run_distributed(_worker, 4, args.checkpoint, ast.literal_eval(args.layout),
                           timeout=3600)
     for rank, log in enumerate(res):
-        base = log[0][1]
+        base, alloc_base = log[0][1], log[0][4]
         peak = max(e[2] for e in log)
         at = next(i for i, e in enumerate(log) if e[2] == peak)
         print(f"== rank {rank}: peak {(peak - base) / 1e6:.1f} MB above the loaded state, "
               f"reached before '{log[at][0]}'")
         prev = log[0][2]
-        for i, (tag, rss, hwm, gathered) in enumerate(log):
+        for i, (tag, rss, hwm, gathered, alloc, alloc_peak) in enumerate(log):
             if hwm > prev + 2e6 or abs(i - at) <= 3 or tag.startswith("optimizer"):
                 print(f"  {tag:48s} rss {(rss - base) / 1e6:7.1f}  peak {(hwm - base) / 1e6:7.1f}"
+                      f"  alloc {(alloc - alloc_base) / 1e6:7.1f}"
+                      f"  alloc peak {(alloc_peak - alloc_base) / 1e6:7.1f}"
                       f"  gathered: {', '.join(gathered) or '-'}")
             prev = hwm
 

@@ -33,8 +33,8 @@ from plan_activations import _status, recipe  # noqa: E402  (the same model and 
 def _rank(rank: int, world: int, port: int, sp: bool, seq_len: int, outdir: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
+    from hybridtrain.distributed.utils import local_tensor
     from hybridtrain.training.builder import build
 
     torch.set_num_threads(1)
@@ -49,10 +49,7 @@ def _rank(rank: int, world: int, port: int, sp: bool, seq_len: int, outdir: str)
     model(ids[:, :64], labels=ids[:, :64]).backward()  # warm up kernels and allocator
     model.zero_grad(set_to_none=True)
 
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    grads = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    grads = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
     dist.barrier()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

@@ -1,13 +1,84 @@
 """Suite-wide settings: one intra-op thread. The tests use tiny shapes, for which a second
 thread only adds synchronisation (measured up to 10x slower on a loaded 2-core machine), and
-multi-process tests run one thread per rank anyway. Fixtures shared by the test files."""
+multi-process tests run one thread per rank anyway. Fixtures shared by the test files.
+
+Reference data (``../shared``) watch: an audit hook sees every file this process opens or lists
+there and notes the test (and the fixture) that did. With ``HYBRIDTRAIN_TEST_SHARED_REPORT=FILE``
+the ids of those tests (and of every test using a fixture that did) are written to FILE at the
+end, so that CI can run exactly them again with ``HYBRIDTRAIN_TEST_SHARED=0``. Under that switch
+any such access fails the test: a test must reach the data through
+``tests.helpers.data.require_shared``, which skips instead."""
+
+import os
+import sys
 
 import pytest
 import torch
 
-from tests.helpers.data import bpe_tokenizer
+from tests.helpers.data import (
+    SHARED_DATA,
+    SHARED_EVENT,
+    SHARED_SWITCH,
+    bpe_tokenizer,
+    shared_data_enabled,
+)
 
 torch.set_num_threads(1)
+
+SHARED_ROOT = os.path.realpath(SHARED_DATA.parent)
+REPORT_ENV = "HYBRIDTRAIN_TEST_SHARED_REPORT"
+_now = {"test": None, "fixture": None}
+_readers: set[str] = set()  # node ids of tests that touched ../shared
+_reading_fixtures: set[str] = set()  # fixtures that touched it while being set up
+
+
+def _under_shared(path) -> bool:
+    try:
+        real = os.path.realpath(os.fsdecode(os.fspath(path)))
+    except TypeError:  # a file descriptor
+        return False
+    return real == SHARED_ROOT or real.startswith(SHARED_ROOT + os.sep)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event not in ("open", "os.listdir", "os.scandir", SHARED_EVENT) or _now["test"] is None:
+        return
+    if not args or args[0] is None or not _under_shared(args[0]):
+        return
+    if not shared_data_enabled() and event != SHARED_EVENT:
+        raise PermissionError(f"{_now['test']} opened {args[0]} under {SHARED_SWITCH}=0: reach "
+                              "../shared only through tests.helpers.data.require_shared (it skips)")
+    _readers.add(_now["test"])
+    if _now["fixture"] is not None:
+        _reading_fixtures.add(_now["fixture"])
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _now["test"] = item.nodeid
+    yield
+    _now["test"] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    outer, _now["fixture"] = _now["fixture"], fixturedef.argname
+    yield
+    _now["fixture"] = outer
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    ids = set(_readers)
+    ids.update(item.nodeid for item in session.items
+               if _reading_fixtures.intersection(getattr(item, "fixturenames", ())))
+    with open(path, "w") as f:
+        f.writelines(f"{i}\n" for i in sorted(ids))
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,6 @@ environment (README: Environment variables):
   HYBRIDTRAIN_LOG_ALL_RANKS=1     log at that level on every rank
   HYBRIDTRAIN_FILTER_WARNINGS=1   silence Python warnings (shown by default)
   HYBRIDTRAIN_DATA_CACHE=DIR      tokenized-dataset cache of datasets without a cache_dir
-  HYBRIDTRAIN_MAMBA_KERNELS=0     pure-PyTorch Mamba path even where the CUDA kernels import
 """
 
 

@@ -2,6 +2,8 @@
 
 ::
 
+    out_dir = run_folder_path(cfg.checkpoint.dir)   # absolute; ValueError if a file is in the way
+    latest_checkpoint(out_dir)    # its step_N folder that `latest` names (None without one)
     with RunLock(out_dir):        # RunFolderBusy (a ValueError) if another live process holds it
         ...                       # the lock file goes when the block ends
 
@@ -19,14 +21,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import socket
 import time
 
-__all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "LOCK_NAME"]
+__all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "LOCK_NAME", "STEP_RE",
+           "latest_checkpoint", "run_folder_path"]
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+STEP_RE = re.compile(r"^step_(\d+)$")  # a checkpoint folder of the run folder
 
 
 class TrainingStopped(RuntimeError):
@@ -35,6 +40,41 @@ class TrainingStopped(RuntimeError):
 
 class RunFolderBusy(ValueError):
     """Another live run holds the run folder."""
+
+
+def run_folder_path(folder: str | os.PathLike, key: str = "checkpoint.dir") -> str:
+    """``folder`` made absolute; a ``ValueError`` naming ``key`` when it, or the nearest part
+    of it that exists, is not a folder (a run could not create its folder there)."""
+    path = os.path.abspath(os.fspath(folder))
+    part = path
+    while not os.path.exists(part) and os.path.dirname(part) != part:
+        part = os.path.dirname(part)
+    if not os.path.isdir(part):
+        what = "is a file" if part == path else f"lies under {part}, which is a file"
+        raise ValueError(f"{key}: {path} {what}, not a folder; give a folder for the run's "
+                         "output (it is created if missing)")
+    return path
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The ``step_N`` folder of ``run_dir`` its ``latest`` file names (None without one). The
+    file is data, not a path to follow: a name other than ``step_N``, or a ``step_N`` that is a
+    link out of the run folder, is refused."""
+    path = os.path.join(run_dir, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path, errors="replace") as f:
+        name = f.read(256).strip()
+    ckpt = os.path.join(run_dir, name)
+    inside = os.path.realpath(ckpt).startswith(os.path.realpath(run_dir) + os.sep)
+    if not STEP_RE.match(name) or not inside:
+        raise ValueError(
+            f"{path} names {name!r}, not a step_N folder of the run folder {run_dir} (it would "
+            "lead out of it); rewrite it with the step to resume (e.g. step_100), or pass the "
+            "checkpoint itself: --checkpoint.resume=PATH/step_N")
+    if not os.path.isdir(ckpt):
+        raise ValueError(f"{path} names {name!r}, which does not exist in {run_dir}")
+    return ckpt
 
 
 def _alive(pid: int) -> bool:

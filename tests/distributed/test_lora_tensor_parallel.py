@@ -21,13 +21,14 @@ LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
 def _perturb_lora_b(model):
     """Non-zero ``lora_B`` (0 at init), the same full tensor per name in every layout: each rank
     writes its region of it."""
-    from hybridtrain.distributed.materialize import local_region, local_tensor_of
+    from hybridtrain.distributed.materialize import local_region
+    from hybridtrain.distributed.utils import local_tensor
 
     for n, p in model.named_parameters():
         if "lora_B" in n:
             g = torch.Generator().manual_seed(zlib.crc32(n.encode()))
             full = torch.randn(p.shape, generator=g) * 0.05
-            local_tensor_of(p).copy_(full[local_region(p)])
+            local_tensor(p).copy_(full[local_region(p)])
 
 
 def _run(layout, world, packed, out_dir=None):

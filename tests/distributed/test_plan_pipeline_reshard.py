@@ -13,11 +13,13 @@ import torch
 from tests.helpers import parity as pu
 from tests.helpers.distributed import run_distributed
 
+from hybridtrain.distributed.utils import local_tensor
+
 POLICIES = ("default", "always")
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if hasattr(t, "to_local") else t
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 

@@ -1,5 +1,11 @@
 """Test data: the synthetic SFT generator, batches made by the project's collators, the test
-tokenizer and the reference SQuAD subset.
+tokenizer and the reference data of ``../shared/data``.
+
+The reference data is optional: a test that needs it gets its path from :func:`require_shared`,
+which skips the test (with the reason) when the folder is absent, or when
+``HYBRIDTRAIN_TEST_SHARED=0`` asks the suite to behave as if it were (``tests/conftest.py`` then
+also fails any test that opens a file there by another way). Every other test builds what it
+needs, the test tokenizer included, so its outcome is the same with and without the folder.
 
 ::
 
@@ -11,7 +17,11 @@ tokenizer and the reference SQuAD subset.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +33,8 @@ from hybridtrain.data import IGNORE_INDEX, build_collator, pack_dataset
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
 SQUAD_SUBSET = SHARED_DATA / "squad-v2-dev-subset.json"
+SHARED_SWITCH = "HYBRIDTRAIN_TEST_SHARED"  # "0": behave as if ../shared were absent
+SHARED_EVENT = "hybridtrain.tests.require_shared"  # audit event: a test asked for the data
 
 VOCAB = 48  # the tiny models' vocabulary
 PAD = 0  # the synthetic data's pad token (never a content token)
@@ -87,39 +99,91 @@ def label_tokens(example) -> list[int]:
     return labels[labels != IGNORE_INDEX].tolist()
 
 
-# -- tokenizer and reference data --------------------------------------------------------------
+# -- reference data (optional) and the test tokenizer ----------------------------------------
 _TOKENIZERS: dict[str, object] = {}
 
 
+def shared_data_enabled() -> bool:
+    """Whether the tests may use ``../shared/data`` (``HYBRIDTRAIN_TEST_SHARED=0`` says no)."""
+    return os.environ.get(SHARED_SWITCH, "1") != "0"
+
+
+def require_shared(path: Path) -> Path:
+    """``path`` (a file of ``../shared/data``), or skip the calling test saying why."""
+    sys.audit(SHARED_EVENT, str(path))  # the suite's watch notes the test (tests/conftest.py)
+    if not shared_data_enabled():
+        pytest.skip(f"reference data switched off ({SHARED_SWITCH}=0): {path}")
+    if not path.is_file():
+        pytest.skip(f"reference data not found: {path} (the ../shared/data folder is absent)")
+    return path
+
+
 def require_squad_subset() -> Path:
-    if not SQUAD_SUBSET.is_file():
-        pytest.skip(f"reference data not found: {SQUAD_SUBSET} (the ../shared/data folder is absent)")
-    return SQUAD_SUBSET
+    return require_shared(SQUAD_SUBSET)
 
 
-def _training_texts() -> list[str]:
-    texts = []
-    if SQUAD_SUBSET.is_file():
-        doc = json.loads(SQUAD_SUBSET.read_text())
-        for art in doc["data"]:
-            for par in art["paragraphs"]:
-                texts.append(par["context"])
-                texts.extend(qa["question"] for qa in par["qas"])
-    from hybridtrain.data import synthetic_texts
+# stdlib modules whose docstrings give the test tokenizer plain English words
+_ENGLISH_MODULES = (
+    "argparse", "ast", "base64", "bisect", "calendar", "codecs", "collections", "contextlib",
+    "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions",
+    "functools", "hashlib", "heapq", "inspect", "itertools", "json", "locale", "logging", "os",
+    "pathlib", "pickle", "queue", "random", "re", "shutil", "socket", "sqlite3", "statistics",
+    "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "unittest", "uuid",
+    "zipfile",
+)
 
-    texts += synthetic_texts(400, seed=0)
+
+def tokenizer_corpus() -> list[str]:
+    """The test tokenizer's training text, generated here (the same with or without
+    ``../shared``): the synthetic SQuAD world, its questions in the SQuAD prompt template, chat
+    role words, and English from the docstrings of a fixed list of stdlib modules (enough text
+    for the full 3000-token vocabulary on any recent Python)."""
+    from hybridtrain.data import synthetic_squad, synthetic_texts
+    from hybridtrain.data.squad import DEFAULT_PROMPT_TEMPLATE
+
+    texts = synthetic_texts(400, seed=0)
     texts += ["system user assistant tool Hello! How are you? I am fine, thanks."] * 5
+    for article in synthetic_squad(400, seed=1)["data"]:
+        for par in article["paragraphs"]:
+            for qa in par["qas"]:
+                prompt = DEFAULT_PROMPT_TEMPLATE.format(context=par["context"], question=qa["question"])
+                texts.append(f"{prompt} {qa['answers'][0]['text']}")
+    for name in _ENGLISH_MODULES:
+        module = importlib.import_module(name)
+        docs = [module.__doc__] + [inspect.getdoc(obj) for _, obj in sorted(vars(module).items())
+                                   if inspect.isfunction(obj) or inspect.isclass(obj)]
+        # one line each: runs of whitespace would teach merges that piece-wise tokenization
+        # (the chat-mask oracles) does not reproduce
+        texts += [" ".join(d.split()) for d in docs if d]
     return texts
 
 
 def bpe_tokenizer(tmp_path_factory, vocab_size: int = 3000):
-    """A byte-level BPE trained on the SQuAD subset (when present) and synthetic text; cached."""
+    """A byte-level BPE trained on :func:`tokenizer_corpus`; cached per process."""
     key = f"bpe{vocab_size}"
     if key not in _TOKENIZERS:
         from hybridtrain.data import build_bpe_tokenizer
 
         out = tmp_path_factory.mktemp("tokenizer")
-        _TOKENIZERS[key] = build_bpe_tokenizer(_training_texts(), out, vocab_size=vocab_size)
+        _TOKENIZERS[key] = build_bpe_tokenizer(tokenizer_corpus(), out, vocab_size=vocab_size)
+    return _TOKENIZERS[key]
+
+
+def squad_subset_tokenizer(tmp_path_factory, vocab_size: int = 3000):
+    """A byte-level BPE trained on the reference SQuAD subset's text (skips without it), for the
+    tests that read that subset; cached per process."""
+    path = require_squad_subset()
+    key = f"squad{vocab_size}"
+    if key not in _TOKENIZERS:
+        from hybridtrain.data import build_bpe_tokenizer
+
+        texts = []
+        for article in json.loads(path.read_text())["data"]:
+            for par in article["paragraphs"]:
+                texts.append(par["context"])
+                texts.extend(qa["question"] for qa in par["qas"])
+        out = tmp_path_factory.mktemp("squad_tokenizer")
+        _TOKENIZERS[key] = build_bpe_tokenizer(texts + tokenizer_corpus(), out, vocab_size=vocab_size)
     return _TOKENIZERS[key]
 
 
@@ -135,12 +199,6 @@ FAMILY_SPECIAL_TOKENS = [
     "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
 ]
-
-
-def require_shared(path: Path) -> Path:
-    if not path.is_file():
-        pytest.skip(f"reference data not found: {path} (the ../shared/data folder is absent)")
-    return path
 
 
 def chat_tokenizer(tmp_path_factory):

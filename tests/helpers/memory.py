@@ -1,22 +1,28 @@
 """Memory of a rank: bytes it really holds in local shards of parameters, gradients and
-optimizer state (what ``hybridtrain plan`` predicts); host-memory measurements
-(``/proc/self/status``) and the random bf16 Hub checkpoints they load: the layer pattern of a
-hybrid MoE model at a chosen width, written one tensor at a time (the writer never holds the
-model)."""
+optimizer state (what ``hybridtrain plan`` predicts); host-memory measurements (resident pages
+from ``/proc/self/status``; bytes glibc's malloc handed out) and the random bf16 Hub checkpoints
+they load: the layer pattern of a hybrid MoE model at a chosen width, written one tensor at a
+time (the writer never holds the model).
+
+Resident memory (``VmHWM``) counts pages, so it moves with the machine: transparent huge pages
+(``always`` rounds sparse regions up to 2 MiB), file pages mapped in (page cache), freed memory
+an allocator keeps. :func:`malloc_mmap_peak` counts what the run asked for: with glibc's mmap
+threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``) every block of 64 KiB or more -- all tensor
+storage and read buffers of a model -- is its own mapping, and glibc keeps the largest sum of
+those alive at once."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from hybridtrain.distributed.utils import local_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -67,6 +73,60 @@ def status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+@functools.cache
+def _glibc():
+    """This process's C library when it is glibc >= 2.33 (``mallinfo2``), else None."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    return libc
+
+
+def _mallinfo2_struct():
+    import ctypes
+
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+             "fordblks", "keepcost")
+    return type("Mallinfo2", (ctypes.Structure,), {"_fields_": [(n, ctypes.c_size_t) for n in names]})
+
+
+_Mallinfo2 = _mallinfo2_struct()
+
+
+def malloc_mmapped() -> int:
+    """Bytes in glibc's mmapped blocks now (``mallinfo2().hblkhd``)."""
+    return _glibc().mallinfo2().hblkhd
+
+
+def malloc_mmap_peak() -> int:
+    """The most bytes this process has held in glibc's mmapped blocks at once, so far (the
+    ``max mmap bytes`` of ``malloc_stats()``, which prints it on stderr: read from there)."""
+    import tempfile
+
+    libc = _glibc()
+    with tempfile.TemporaryFile() as f:
+        libc.fflush(None)
+        saved = os.dup(2)
+        try:
+            os.dup2(f.fileno(), 2)
+            libc.malloc_stats()
+            libc.fflush(None)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        text = f.read().decode()
+    return int(text.split("max mmap bytes")[1].split("=")[1].split()[0])
+
+
+def glibc_malloc() -> bool:
+    """Whether this process's malloc is glibc's (the ``malloc_*`` measures need it)."""
+    return _glibc() is not None
 
 
 def reset_peak() -> None:

@@ -101,3 +101,23 @@ class TinyLM(torch.nn.Module):
 def standin_model(seed: int = 0) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(TinyConfig())
+
+
+# what the recorded_* recipe targets built, in order (tests of what runs before what)
+BUILD_EVENTS: list[str] = []
+
+
+def recorded_tokenizer(path: str):
+    """``load_tokenizer`` as a recipe target that records its call in :data:`BUILD_EVENTS`."""
+    from hybridtrain.data import load_tokenizer
+
+    BUILD_EVENTS.append("tokenizer")
+    return load_tokenizer(path)
+
+
+def recorded_model(vocab_size: int):
+    """The tiny Nemotron-H as a recipe target that records its build in :data:`BUILD_EVENTS`."""
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+
+    BUILD_EVENTS.append("model")
+    return NemotronHForCausalLM(tiny_config("mixed", **{**TINY_MIXED, "vocab_size": vocab_size}))

@@ -114,3 +114,62 @@ def test_ops_imports_only_ops():
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("hybridtrain") and not a.name.startswith(LEAVES)
                                for a in node.names), path.name
+
+
+def test_fused_loss_is_chosen_per_device(restore_settings):
+    import importlib.util
+
+    has_liger = importlib.util.find_spec("liger_kernel") is not None
+    assert backend.resolve_fused_loss("auto", "cpu") == "torch"  # bit-identical to earlier runs
+    assert backend.resolve_fused_loss("auto", "cuda") == ("liger" if has_liger else "compiled")
+    assert backend.resolve_fused_loss("compiled", "cpu") == "compiled"  # forced (tests)
+    assert configure_backend("cpu", torch.float32, cpu_allocator="system").fused_loss == "torch"
+    with pytest.raises(ValueError, match="training.fused_loss"):
+        configure_backend("cpu", torch.float32, cpu_allocator="system", fused_loss="triton")
+    if not has_liger:
+        with pytest.raises(ValueError, match="liger-kernel"):
+            backend.resolve_fused_loss("liger", "cuda")
+
+
+def test_mamba_kernels_setting(restore_settings):
+    for value in ("auto", False):
+        assert configure_backend("cpu", torch.float32, cpu_allocator="system", mamba_kernels=value).mamba_kernels == value
+    with pytest.raises(ValueError, match="training.mamba_kernels: true needs a CUDA device"):
+        configure_backend("cpu", torch.float32, cpu_allocator="system", mamba_kernels=True)
+    with pytest.raises(ValueError, match="training.mamba_kernels"):
+        configure_backend("cpu", torch.float32, cpu_allocator="system", mamba_kernels="yes")
+
+
+def test_backend_recipe_keys_reach_the_run_and_its_config_yaml(restore_settings):
+    """``training.mamba_kernels`` / ``fused_loss`` are recipe keys like any other: defaults in the
+    resolved config (so in config.yaml), overrides reach the backend the build configures."""
+    import yaml
+
+    from hybridtrain.config import build_config
+    from hybridtrain.training.builder import build
+    from tests.helpers.recipes import tiny_recipe
+
+    cfg = build_config(tiny_recipe(), allowed_target_prefixes=["tests."])
+    written = yaml.safe_load(cfg.to_yaml())["training"]
+    assert written["mamba_kernels"] == "auto" and written["fused_loss"] == "auto"
+    cfg = build_config(tiny_recipe(), ["--training.mamba_kernels=false", "--training.fused_loss=compiled"],
+                       allowed_target_prefixes=["tests."])
+    assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] is False
+    build(cfg, "cpu", data=False)
+    assert backend.settings().mamba_kernels is False and backend.settings().fused_loss == "compiled"
+
+
+def test_the_mamba_kernels_variable_sets_the_recipe_default(monkeypatch):
+    """``HYBRIDTRAIN_MAMBA_KERNELS`` only sets the default of ``training.mamba_kernels``: the
+    resolved value is in config.yaml, and the recipe's own value wins."""
+    import yaml
+
+    from hybridtrain.config import build_config
+    from tests.helpers.recipes import tiny_recipe
+
+    monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")
+    cfg = build_config(tiny_recipe(), allowed_target_prefixes=["tests."])
+    assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] is False
+    cfg = build_config(tiny_recipe(), ["--training.mamba_kernels=auto"],
+                       allowed_target_prefixes=["tests."])
+    assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] == "auto"

@@ -183,3 +183,61 @@ def test_a_recipe_that_is_not_utf8_names_its_line(tmp_path, capsys):
     path.write_bytes(b"training:\n  max_steps: 2  # " + LATIN1 + b"\n")
     assert main(["finetune", "-c", str(path), "--print-config"]) == 2
     assert f"{path}: line 2: column 22: bytes b'\\xe9' are not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["finetune", "dpo"])
+@pytest.mark.parametrize("missing", ["dataset.path", "validation_dataset.path",
+                                     "dataset.chat_template_path", "tokenizer.path"])
+def test_a_missing_input_fails_before_anything_is_built(tmp_path, tok_dir, capsys, command, missing):
+    """A missing data file, chat template or tokenizer folder is refused before the tokenizer and
+    the model are built (the order of events, not the time), naming the key and its line."""
+    from tests.helpers.models import BUILD_EVENTS
+
+    train = write_jsonl(tmp_path / "train.jsonl", [chat_rec()] * 4)
+    data = {"_target_": CHAT, "path": str(train), "seq_length": 64}
+    recipe = {
+        "allowed_target_prefixes": ["tests.helpers."],
+        "tokenizer": {"_target_": "tests.helpers.models.recorded_tokenizer", "path": str(tok_dir)},
+        "model": {"_target_": "tests.helpers.models.recorded_model", "vocab_size": 300},
+        "dataset": dict(data), "validation_dataset": dict(data),
+        "training": {"device": "cpu", "max_steps": 1},
+        "metrics": {"progress_bar": False, "plot": False},
+    }
+    section, key = missing.split(".")
+    recipe[section][key] = str(tmp_path / "nowhere" / "x")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    BUILD_EVENTS.clear()
+    assert main([command, "-c", str(path), f"--checkpoint.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} '{tmp_path / 'nowhere' / 'x'}': no such" in err and f"{path}:" in err
+    assert BUILD_EVENTS == []
+
+
+def test_the_build_recorder_sees_a_complete_recipe_build(tmp_path, tok_dir):
+    """The control of the test above: with every input present, tokenizer then model are built."""
+    from tests.helpers.models import BUILD_EVENTS
+    from hybridtrain.training.builder import build
+
+    train = write_jsonl(tmp_path / "train.jsonl", [chat_rec()] * 4)
+    BUILD_EVENTS.clear()
+    build({"allowed_target_prefixes": ["tests.helpers."],
+           "tokenizer": {"_target_": "tests.helpers.models.recorded_tokenizer", "path": str(tok_dir)},
+           "model": {"_target_": "tests.helpers.models.recorded_model", "vocab_size": 300},
+           "dataset": {"_target_": CHAT, "path": str(train), "seq_length": 64},
+           "training": {"device": "cpu", "global_batch_size": 2, "micro_batch_size": 1}})
+    assert BUILD_EVENTS == ["tokenizer", "model"]
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_names_the_key(tmp_path):
+    """E.g. a model recipe whose folder default holds only config.json (enough to plan)."""
+    from hybridtrain.config import load_config
+    from hybridtrain.data.io import DataError
+    from hybridtrain.training.builder import check_input_paths
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"tokenizer:\n  _target_: hybridtrain.data.load_tokenizer\n  path: {tmp_path / 'model'}\n")
+    with pytest.raises(DataError, match=r"r.yaml:3: tokenizer.path .* holds no tokenizer"):
+        check_input_paths(load_config(recipe))

@@ -37,7 +37,7 @@ def write_base(path: Path, records: list[dict]) -> None:
     bpe = build_bpe_tokenizer(texts, path / "bpe", vocab_size=1000, chat_template=None)
     tok = AutoTokenizer.from_pretrained(bpe.name_or_path, local_files_only=True)
     tok.add_special_tokens({"additional_special_tokens": FAMILY_SPECIAL_TOKENS[:6]})
-    tok.chat_template = NEMOTRON3_NANO_TEMPLATE.read_text()
+    tok.chat_template = require_shared(NEMOTRON3_NANO_TEMPLATE).read_text()
     tok.save_pretrained(path)
     cfg = transformers.NemotronHConfig(
         hybrid_override_pattern=PATTERN, vocab_size=1024, hidden_size=64,

@@ -143,6 +143,17 @@ def test_lora_checkpoint_holds_adapters_only(tmp_path):
     out = convert(str(tmp_path / "run"), str(tmp_path / "adapter"))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
 
+    # read back whole (generate / evaluate of a step without an export): the recorded base
+    # model's weights with the checkpoint's adapters
+    from hybridtrain.training.checkpoint import load_checkpoint_model
+
+    tiny_model(0).save_pretrained(str(tmp_path / "base"))
+    Checkpointer(str(tmp_path / "run2"), state_extra={
+        "peft": peft, "base_model_name_or_path": str(tmp_path / "base")}).save(1, model, opt)
+    loaded, _ = load_checkpoint_model(str(tmp_path / "run2"))
+    for (n, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), n
+
 
 def test_refuses_different_peft_settings(tmp_path):
     model, opt, lrs, sched = _state()

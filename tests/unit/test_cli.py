@@ -80,6 +80,41 @@ def test_command_help_lists_common_options(capsys, command):
         assert word in out
 
 
+def _parsers_of(command: str, monkeypatch) -> list:
+    """Every argparse parser ``hybridtrain COMMAND --help`` builds (generate and merge build
+    their own)."""
+    import argparse
+
+    seen = []
+    real = argparse.ArgumentParser.parse_known_args
+
+    def record(self, *a, **kw):
+        seen.append(self)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", record)
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    return seen
+
+
+@pytest.mark.parametrize("command", ["finetune", "benchmark", "dpo", "grpo", "evaluate", "plan",
+                                     "convert", "generate", "merge"])
+def test_every_option_of_every_command_has_help(command, monkeypatch, capsys):
+    import argparse
+
+    parsers = _parsers_of(command, monkeypatch)
+    sub = [a for p in parsers for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers += [sp for a in sub for name, sp in a.choices.items() if name == command]
+    options = [(p.prog, a) for p in parsers for a in p._actions
+               if not isinstance(a, argparse._SubParsersAction)]
+    assert len(options) > 3
+    bare = [(prog, a.option_strings or a.dest) for prog, a in options if not a.help]
+    assert not bare, f"options without a help string: {bare}"
+    out = capsys.readouterr().out
+    assert "``" not in out  # no reStructuredText markup in the help
+
+
 def test_python_dash_m_help():
     out = subprocess.run([sys.executable, "-m", "hybridtrain", "--help"], capture_output=True,
                          text=True, check=True).stdout

@@ -100,10 +100,32 @@ def test_duplicate_key_and_bad_yaml(tmp_path):
     with pytest.raises(ValueError, match=r"duplicate key 'training.seed' in .*recipe.yaml:3 "
                                          r"\(first set at line 2\)"):
         load_config(write(tmp_path, "training:\n  seed: 1\n  seed: 2\n"))
-    with pytest.raises(ValueError, match="recipe.yaml: invalid YAML"):
+    with pytest.raises(ValueError, match=r"recipe.yaml:2: invalid YAML: .*expected the node content") as e:
         load_config(write(tmp_path, "training: [\n"))
+    assert "<unicode string>" not in str(e.value)
+    with pytest.raises(ValueError, match=r"recipe.yaml:3: invalid YAML: .*mapping values"):
+        load_config(write(tmp_path, "training:\n  seed: 1\n  lr: a: b\n"))
     with pytest.raises(ValueError, match="recipe file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.timeout(60)
+def test_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    """Nested aliases ("billion laughs": 10**9 values from 10 lines) are refused, naming the
+    file; so is one in a command-line value; a few aliases stay fine."""
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    with pytest.raises(ValueError, match=r"bomb.yaml: the YAML expands to more than 100000 values"):
+        load_config(write(tmp_path, "\n".join(lines) + "\n", "bomb.yaml"))
+    with pytest.raises(ValueError, match="a command-line value: the YAML expands"):
+        load_config(write(tmp_path, "training:\n  seed: 1\n"),
+                    ["--+model.x={" + ", ".join(line.replace(": ", ": ", 1) for line in lines) + "}"])
+    cycle = write(tmp_path, "model: &m\n  x: *m\n", "cycle.yaml")
+    with pytest.raises(ValueError, match="cycle.yaml: the YAML"):
+        load_config(cycle)
+    cfg = load_config(write(tmp_path, "model:\n  _target_: x.y\n  a: &a [1, 2]\n  b: *a\n"),
+                      allowed_target_prefixes=["x."])
+    assert cfg.model.b == [1, 2]
 
 
 def test_target_section_takes_any_keys_and_fixed_section_may_be_target(tmp_path):

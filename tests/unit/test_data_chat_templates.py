@@ -236,13 +236,13 @@ def oracle_nemotron_9b_v2(messages, tools, train_on, kwargs):
 
 
 def template_text(name):
-    return {
-        "chatml": CHATML_TEMPLATE,
-        "chatml_no_markers": CHATML_TEMPLATE_NO_GENERATION,
-        "llama3": LLAMA3_TEMPLATE,
-        "nemotron3_nano": require_shared(NEMOTRON3_NANO_TEMPLATE).read_text(),
-        "nemotron_nano_9b_v2": require_shared(NEMOTRON_NANO_9B_V2_TEMPLATE).read_text(),
-    }[name]
+    """The template's text; the families' own templates come from ../shared (else a skip)."""
+    shared = {"nemotron3_nano": NEMOTRON3_NANO_TEMPLATE,
+              "nemotron_nano_9b_v2": NEMOTRON_NANO_9B_V2_TEMPLATE}
+    if name in shared:
+        return require_shared(shared[name]).read_text()
+    return {"chatml": CHATML_TEMPLATE, "chatml_no_markers": CHATML_TEMPLATE_NO_GENERATION,
+            "llama3": LLAMA3_TEMPLATE}[name]
 
 
 ORACLES = {"chatml": oracle_chatml, "chatml_no_markers": oracle_chatml, "llama3": oracle_llama3,

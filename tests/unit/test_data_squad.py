@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from tests.helpers.data import label_tokens, require_squad_subset
+from tests.helpers.data import label_tokens, require_squad_subset, squad_subset_tokenizer
 
 from hybridtrain.data import (
     build_squad_dataset,
@@ -14,6 +14,12 @@ from hybridtrain.data import (
     write_synthetic_squad,
 )
 from hybridtrain.data import squad as squad_mod
+
+
+@pytest.fixture(scope="module")
+def squad_tok(tmp_path_factory):
+    """A BPE trained on the real subset (its tests measure how much of it fits a length)."""
+    return squad_subset_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +59,8 @@ def _check_fixed(ds, tok, L, answers):
 
 
 @pytest.mark.parametrize("L, max_dropped", [(256, 5), (96, 60)])
-def test_real_subset_fixed_length(tok, subset_answers, caplog, L, max_dropped):
+def test_real_subset_fixed_length(squad_tok, subset_answers, caplog, L, max_dropped):
+    tok = squad_tok
     path = require_squad_subset()
     with caplog.at_level(logging.WARNING, logger="hybridtrain.data"):
         ds = build_squad_dataset(
@@ -74,7 +81,8 @@ def test_real_subset_fixed_length(tok, subset_answers, caplog, L, max_dropped):
         assert (ds.lengths == 96).sum() > len(ds) // 2
 
 
-def test_real_subset_too_short_drops_with_one_warning(tok, subset_answers, caplog):
+def test_real_subset_too_short_drops_with_one_warning(squad_tok, subset_answers, caplog):
+    tok = squad_tok
     path = require_squad_subset()
     with caplog.at_level(logging.WARNING, logger="hybridtrain.data"):
         ds = build_squad_dataset(path, tok, seq_length=40, padding="max_length", cache_dir=False)
@@ -117,7 +125,8 @@ def test_variable_length_and_no_truncation(tok, tmp_path):
     assert (ds2.lengths <= short).all()
 
 
-def test_unanswerable_answer_string(tok, subset_answers):
+def test_unanswerable_answer_string(squad_tok, subset_answers):
+    tok = squad_tok
     path = require_squad_subset()
     ds = build_squad_dataset(path, tok, seq_length=96, padding="max_length",
                              unanswerable_answer="unanswerable", cache_dir=False)

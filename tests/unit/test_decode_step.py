@@ -1,9 +1,11 @@
-"""The few-row forms of a decoding step (``models/nemotron_h/generation.py``) compute what the
-layers' own forwards compute: the projections' CPU product forms, the MoE step (one token and
-several), the fused block norm, and the LM head against its transposed copy on a long
-generation (cached logits = the full forward's)."""
+"""The few-row forms of a decoding step (the mixers' ``step`` methods, ``step_ops``) compute what
+the layers' own forwards compute: the projections' CPU product forms, the MoE step (one token and
+several; host-grouped and gathered on the device), the fused block norm, and the LM head against
+its transposed copy on a long generation (cached logits = the full forward's)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,8 +13,14 @@ from tests.helpers.models import perturbed_model
 from torch import nn
 
 from hybridtrain.models.nemotron_h import generation as G
-from hybridtrain.models.nemotron_h import tiny_config
+from hybridtrain.models.nemotron_h import step_ops, tiny_config
 from hybridtrain.models.nemotron_h.recurrent import ssd_step_torch
+from hybridtrain.ops import backend
+
+
+def device_forms():
+    """The decoding forms of a captured step (no fp32 CPU forms)."""
+    return backend.using(dataclasses.replace(backend.settings(), cpu_decode_forms=False))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
@@ -20,17 +28,18 @@ def test_few_row_linear_matches_the_module(rows):
     torch.manual_seed(0)
     lin = nn.Linear(48, 80)
     x = torch.randn(rows, 1, 48)
-    assert torch.allclose(G.linear(lin, x), lin(x), atol=1e-6, rtol=1e-5)
-    assert G.linear(lin, x).is_contiguous()
+    assert torch.allclose(step_ops.linear(lin, x), lin(x), atol=1e-6, rtol=1e-5)
+    assert step_ops.linear(lin, x).is_contiguous()
 
 
+@pytest.mark.parametrize("host_grouped", [True, False])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_moe_step_matches_the_layer(tokens):
+def test_moe_step_matches_the_layer(tokens, host_grouped):
     model = perturbed_model(tiny_config("moe"), seed=4)
     moe = next(b.mixer for b in model.backbone.layers.values() if b.block_type == "moe")
     x = torch.randn(tokens, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert torch.allclose(G.moe_step(moe, x), moe(x), atol=1e-6, rtol=1e-5)
+    with torch.no_grad(), (backend.using(backend.settings()) if host_grouped else device_forms()):
+        assert torch.allclose(moe.step(x), moe(x), atol=1e-6, rtol=1e-5)
 
 
 def test_block_norm_of_a_step_matches_the_module():
@@ -38,7 +47,7 @@ def test_block_norm_of_a_step_matches_the_module():
     norm = model.backbone.layers["0"].norm
     x = torch.randn(3, 1, model.config.hidden_size)
     with torch.no_grad():
-        assert torch.allclose(G._norm(norm, x, decoding=True), norm(x), atol=1e-6, rtol=1e-5)
+        assert torch.allclose(step_ops.norm(norm, x), norm(x), atol=1e-6, rtol=1e-5)
 
 
 def test_ssd_step_matches_the_per_head_recurrence():
@@ -58,7 +67,7 @@ def test_ssd_step_matches_the_per_head_recurrence():
 def test_long_generation_uses_the_transposed_head_and_matches_the_full_forward():
     model = perturbed_model(tiny_config("mixed"), seed=8)
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(9))
-    n = G.TRANSPOSED_HEAD_MIN_STEPS + 2
+    n = backend.TRANSPOSED_HEAD_MIN_STEPS + 2
     out = model.generate(ids, max_new_tokens=n)
     with torch.no_grad():
         full = model(out)
@@ -93,9 +102,9 @@ def test_fused_mamba_step_equals_the_generic_step(rows, conv_bias):
     with torch.no_grad():
         _, cache = G.prefill(model, ids, max_length=12)
         fused, generic = cache.layers[name], copy.deepcopy(cache.layers[name])
-        generic.step = False  # the generic path
+        generic.step = None  # the generic path
+        assert fused.step is not None  # prefill chose the fused path
         for t in range(3):
             x = torch.randn(rows, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(t))
-            assert torch.equal(G.mamba_step(block.mixer, x, fused), G.mamba_step(block.mixer, x, generic))
-        assert fused.step  # the fused path ran
+            assert torch.equal(block.mixer.step(x, fused), block.mixer.step(x, generic))
         assert torch.equal(fused.conv, generic.conv) and torch.equal(fused.ssm, generic.ssm)

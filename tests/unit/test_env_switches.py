@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import hybridtrain
-from hybridtrain.models.nemotron_h import kernels
 
 PACKAGE = Path(hybridtrain.__file__).parent
 README = PACKAGE.parents[1] / "README.md"
@@ -40,16 +39,3 @@ def test_no_variable_is_read_at_import_time():
     found = {str(p.relative_to(PACKAGE)): lines for p in _sources()
              for lines in [_module_level_environ_reads(p)] if lines}
     assert not found, f"environment read at import time (file: lines): {found}"
-
-
-def test_mamba_kernels_switch_is_read_at_call_time(monkeypatch):
-    monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")
-    assert not kernels.kernels_enabled()
-    monkeypatch.delenv("HYBRIDTRAIN_MAMBA_KERNELS")
-    assert kernels.kernels_enabled()
-    try:
-        kernels.set_kernels_enabled(False)  # an explicit call wins over the environment
-        assert not kernels.kernels_enabled()
-    finally:
-        kernels.set_kernels_enabled(None)
-    assert kernels.kernels_enabled()

@@ -175,6 +175,31 @@ def test_demo_recipe_evaluates_and_the_cli_generates(tmp_path, capsys):
     assert ev["exact_match"] == pytest.approx(vals[-1]["exact_match"]) and ev["f1"] == pytest.approx(vals[-1]["f1"])
     assert (out / "evaluation.jsonl").exists()
 
+    # a step without an export (step_2: only the last step has hf/): its sharded checkpoint, read
+    # by convert's reader; evaluate gives the run's validation at that step, generate completes
+    assert not (out / "step_2" / "hf").exists()
+    assert main(["evaluate", "-c", str(RECIPE), *args, "--checkpoint", str(out / "step_2")]) == 0
+    ev2 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev2["step"] == 2 and ev2["checkpoint"] == str(out / "step_2")
+    assert ev2["exact_match"] == pytest.approx(vals[1]["exact_match"]) and ev2["f1"] == pytest.approx(vals[1]["f1"])
+    assert main(["generate", "--model", str(out / "step_2"), "--prompt", "Context: x\nQuestion: y\nAnswer:",
+                 "--max-new-tokens", "3"]) == 0
+    assert 1 <= json.loads(capsys.readouterr().out.strip().splitlines()[-1])["new_tokens"] <= 3
+
+
+def test_a_checkpoint_loads_as_its_export(tmp_path):
+    """load_checkpoint_model (a step's sharded dcp/ in one process) gives the HF export's tensors."""
+    from tests.helpers.models import tiny_model
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+    from hybridtrain.training.checkpoint import Checkpointer, load_checkpoint_model
+
+    step = Checkpointer(str(tmp_path)).save(3, tiny_model(), None, export=True)
+    loaded, path = load_checkpoint_model(str(tmp_path))  # the run folder: its latest
+    assert path == step
+    exported = NemotronHForCausalLM.from_pretrained(f"{step}/hf").state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == exported.keys() and all(torch.equal(got[k], exported[k]) for k in got)
+
 
 def test_without_references_only_samples_are_written(tmp_path):
     """A dataset without reference answers (e.g. chat): replies and their references, no EM/F1."""

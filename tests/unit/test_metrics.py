@@ -41,3 +41,13 @@ def test_other_ranks_write_nothing(tmp_path):
     m.log_val({"step": 1, "val_loss": 1.0})
     m.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_validation_line_is_rounded_and_the_file_is_not(tmp_path, caplog):
+    m = MetricsLogger(str(tmp_path), progress=False, plot=False)
+    m.open()
+    with caplog.at_level("INFO", logger="hybridtrain.training.metrics"):
+        m.log_val({"step": 30, "val_loss": 6.270185196341914, "exact_match": 3.125})
+    m.close(plot=False)
+    assert "step 30: val_loss 6.2702, exact_match 3.1250" in caplog.text
+    assert read_jsonl(str(tmp_path / "validation.jsonl"))[0]["val_loss"] == 6.270185196341914

@@ -100,12 +100,25 @@ def test_moe_equals_per_token_reference_forward_and_backward(over):
     assert (gx - rx).abs().max() < 1e-5 and (gup - rup).abs().max() < 1e-5
 
 
-def test_unused_experts_are_fine():
+def test_unused_experts_get_zero_gradients_and_used_ones_not():
+    """One token: its top-k experts get (non-zero) gradients, every other expert's rows of
+    every expert weight are exactly zero (present, not None: optimizers and gradient reductions
+    see the whole tensor)."""
     cfg, moe = _moe(seed=2)
     x = torch.randn(1, 1, cfg.hidden_size)  # one token: most experts get no rows
     y = moe(x)
     y.sum().backward()
-    assert torch.isfinite(moe.experts.up_proj.grad).all()
+    _, _, idx = moe.gate(x.reshape(-1, cfg.hidden_size))
+    used = set(idx.flatten().tolist())
+    assert len(used) == cfg.num_experts_per_tok < cfg.n_routed_experts
+    for name in ("up_proj", "down_proj"):
+        grad = getattr(moe.experts, name).grad
+        assert grad is not None and grad.shape[0] == cfg.n_routed_experts
+        for e in range(cfg.n_routed_experts):
+            if e in used:
+                assert grad[e].abs().sum() > 0, (name, e)
+            else:
+                assert torch.equal(grad[e], torch.zeros_like(grad[e])), (name, e)
 
 
 def test_cpu_bf16_expert_gemms_have_aligned_rows(monkeypatch):

@@ -234,3 +234,14 @@ def test_pipeline_plan_gives_both_reshard_policies_and_advises_always(nano_dir):
               if "fsdp_reshard_after_forward=always" in a["change"]]
     assert always and always[0]["fits"] and always[0]["peak"] == peaks["always"]
     assert plan_memory(pu.recipe({}, False), 1, device_type="cpu").reshard_peaks == {}
+
+
+@pytest.mark.parametrize("name", ["nemotron3_nano_squad", "nemotron3_nano_lora_chat"])
+def test_the_documented_plan_works_without_the_model(name, monkeypatch, capsys):
+    """NEMOTRON3_NANO_DIR unset: the recipe's default is the Hub config shipped with the examples,
+    so the README's plan command runs as written (from the repository root)."""
+    monkeypatch.delenv("NEMOTRON3_NANO_DIR", raising=False)
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["plan", "-c", f"examples/{name}.yaml", "--nproc-per-node", "8",
+                     "--device-memory", "80GB"]) == 0
+    assert "fits 80.00 GiB per device" in capsys.readouterr().out

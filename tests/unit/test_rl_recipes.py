@@ -4,6 +4,7 @@ the toy task, and short end-to-end runs of ``hybridtrain dpo`` / ``hybridtrain g
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -123,8 +124,10 @@ def _recipe(tmp_path, texts, **sections):
     }
 
 
-def test_dpo_recipe_runs(tmp_path):
+def test_dpo_recipe_runs(tmp_path, caplog):
     from hybridtrain.recipes.dpo import run
+
+    caplog.set_level("INFO")
 
     texts = {"_target_": "hybridtrain.data.synthetic_preference_texts", "num_pairs": 200}
     data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
@@ -138,6 +141,11 @@ def test_dpo_recipe_runs(tmp_path):
     val = [json.loads(line) for line in open(tmp_path / "run" / "validation.jsonl")]
     assert val[0]["val_loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference
     assert summary["loss_png"] and (tmp_path / "run" / "step_2" / "hf" / "config.json").exists()
+    assert (tmp_path / "run" / "final" / "hf" / "config.json").exists()  # final -> step_2
+    # the reference policy's build (the same recipe again) is one line, not a second build log
+    built = [r.message for r in caplog.records if r.name == "hybridtrain.training.builder"
+             and r.message.startswith("model ")]
+    assert len(built) == 1 and "reference policy" in caplog.text
 
 
 def test_grpo_recipe_runs(tmp_path):
@@ -151,6 +159,9 @@ def test_grpo_recipe_runs(tmp_path):
     for key in ("reward", "kl", "clip_fraction", "entropy", "ratio", "loss", "grad_norm"):
         assert isinstance(recs[-1][key], float), key
     assert (tmp_path / "run" / "loss.png").exists()
+    # the checkpoint is named by the logged (rollout) steps, not the 4 optimizer updates
+    assert sorted(p.name for p in (tmp_path / "run").glob("step_*")) == ["step_2"]
+    assert os.path.realpath(tmp_path / "run" / "final") == str((tmp_path / "run" / "step_2").resolve())
 
 
 def _grpo_recipe(tmp_path, task, **training):

@@ -134,3 +134,44 @@ def test_lora_without_targets_is_refused_naming_the_keys(tmp_path, capsys, print
     recipe["peft"] = {"dim": 4, "target_modules": ["q_proj"]}
     path.write_text(yaml.safe_dump(recipe))
     assert main(["finetune", "-c", str(path), "--print-config"]) == 0
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_checkpoint_dir_that_is_a_file_is_refused_naming_the_key(tmp_path, capsys, where):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    out = tmp_path / "notes.txt" if where == "file" else tmp_path / "notes.txt" / "run"
+    assert main(_args(tmp_path, out)) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir: {out}" in err and "not a folder" in err
+    assert "Traceback" not in err and "FileExistsError" not in err
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("pointer", ["../elsewhere/step_9", "ABSOLUTE", "step_9", "final"])
+def test_latest_that_leads_out_of_the_run_folder_is_refused(tmp_path, pointer):
+    """``latest`` names a step_N folder of its run folder: a relative path out, an absolute
+    path, a step_N that is a link out, or any other name is refused before anything is read."""
+    from hybridtrain.training.checkpoint import Checkpointer
+
+    elsewhere = tmp_path / "elsewhere" / "step_9"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "trainer_state.json").write_text("{}")
+    run = tmp_path / "run"
+    run.mkdir()
+    if pointer == "ABSOLUTE":
+        pointer = str(elsewhere)
+    if pointer == "step_9":
+        (run / "step_9").symlink_to(elsewhere, target_is_directory=True)
+    (run / "latest").write_text(pointer + "\n")
+    from hybridtrain.recipes.generate import resolve_export
+    from hybridtrain.training.checkpoint import convert
+
+    folder = Checkpointer(str(run))
+    refused = r"latest names .*not a step_N folder of the run folder .* \(it would lead out of it\)"
+    for resume in ("auto", str(run)):
+        with pytest.raises(ValueError, match=refused):
+            folder.resolve_resume(resume)
+    with pytest.raises(ValueError, match=refused):  # generate / evaluate --model RUN_DIR
+        resolve_export(str(run))
+    with pytest.raises(ValueError, match=refused):  # hybridtrain convert RUN_DIR OUT
+        convert(str(run), str(tmp_path / "out"))

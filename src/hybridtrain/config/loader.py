@@ -56,7 +56,19 @@ _Loader.add_implicit_resolver(
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _record_locations(node: yaml.Node, path: tuple, locs: dict, source: str) -> None:
+# the most nodes a recipe's YAML may expand to once its aliases (``*name``) are followed: a real
+# recipe has a few hundred; nested aliases (a "billion laughs") would expand to billions
+MAX_YAML_NODES = 100_000
+
+
+def _record_locations(node: yaml.Node, path: tuple, locs: dict, source: str,
+                      budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ConfigError(
+            f"{source}: the YAML expands to more than {MAX_YAML_NODES} values once its aliases "
+            "(*name) are followed; a recipe is far smaller: write the values out, or use fewer "
+            "nested aliases")
     if isinstance(node, yaml.MappingNode):
         first_line: dict[Any, int] = {}
         for key_node, value_node in node.value:
@@ -70,24 +82,42 @@ def _record_locations(node: yaml.Node, path: tuple, locs: dict, source: str) -> 
                     f"(first set at line {first_line[key]}); keep only one")
             first_line[key] = line
             locs[path + (key,)] = f"{source}:{line}"
-            _record_locations(value_node, path + (key,), locs, source)
+            _record_locations(value_node, path + (key,), locs, source, budget)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             locs[path + (i,)] = f"{source}:{item.start_mark.line + 1}"
-            _record_locations(item, path + (i,), locs, source)
+            _record_locations(item, path + (i,), locs, source, budget)
 
 
-def _read_yaml(text: str, source: str) -> tuple[Any, dict[tuple, str]]:
+class _InvalidYAML(ConfigError):
+    """Text that is not YAML: ``source:LINE: invalid YAML: what``."""
+
+
+def _yaml_error(e: yaml.YAMLError, source: str) -> _InvalidYAML:
+    """PyYAML's error named by file and line (its own text says ``<unicode string>``)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{source}:{mark.line + 1}" if mark is not None else source
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+    return _InvalidYAML(f"{where}: invalid YAML: {what or e}")
+
+
+def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tuple, str]]:
+    """The document of ``text`` (``empty`` when it has none) and the ``file:line`` of each key;
+    refuses a document whose aliases expand past :data:`MAX_YAML_NODES` before building it."""
     loader = _Loader(text)
+    loader.name = source  # PyYAML's marks would say "<unicode string>"
     try:
         node = loader.get_single_node()
         if node is None:
-            return {}, {}
+            return empty, {}
         locs: dict[tuple, str] = {}
-        _record_locations(node, (), locs, source)
+        _record_locations(node, (), locs, source, [MAX_YAML_NODES])
         data = loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML: {e}") from None
+        raise _yaml_error(e, source) from None
+    except RecursionError:  # a key that is its own ancestor (&a [*a]) or absurd nesting
+        raise ConfigError(f"{source}: the YAML nests too deeply (or an alias refers to a value "
+                          "that contains it); a recipe is a few levels deep") from None
     finally:
         loader.dispose()
     return data, locs
@@ -99,8 +129,8 @@ def parse_scalar(text: str) -> Any:
     if text == "":
         return ""
     try:
-        value = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
+        value = _read_yaml(text, "a command-line value")[0]
+    except _InvalidYAML:
         return text
     if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
         return text  # e.g. "#tag" is a YAML comment, not null
@@ -468,8 +498,10 @@ def load_config(
         text = read_text(source)
     except FileNotFoundError:
         raise ConfigError(f"recipe file not found: {source}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"recipe {source} is a folder; give the YAML file in it") from None
     except EncodingError as e:
         raise ConfigError(str(e)) from None
-    data, locs = _read_yaml(text, source)
+    data, locs = _read_yaml(text, source, empty={})
     return build_config(data, overrides, source=source, locs=locs,
                         allowed_target_prefixes=allowed_target_prefixes, environ=environ)

@@ -27,6 +27,7 @@ null) or no ``peft`` key leaves it off.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class K:
     types: tuple[type, ...] | None = None
     choices: tuple[str, ...] | None = None
     minimum: float | None = None  # numbers below it are refused (null stays allowed)
+    env: str | None = None  # an environment variable that, when set, replaces the default
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,17 @@ TRAINING = {
                           "override the detection (ops/backend.py)", (bool, str)),
     "grouped_mm": K(True, "CUDA bf16 MoE experts through torch grouped_mm; false -> a loop over "
                           "experts (ops/backend.py)"),
+    "fused_loss": K("auto", "the linear cross-entropy's implementation: torch (chunked PyTorch "
+                            "loop), compiled (its chunk functions under torch.compile), liger "
+                            "(Liger-Kernel's fused Triton kernel, extra hybridtrain[cuda]); auto -> "
+                            "liger on CUDA where it imports, else compiled on CUDA, torch on CPU "
+                            "(ops/backend.py)", choices=("auto", "torch", "compiled", "liger")),
+    "mamba_kernels": K("auto", "Mamba2 through the mamba_ssm / causal_conv1d CUDA kernels: auto -> "
+                               "where they import, for CUDA tensors; true -> always (a missing "
+                               "package is an error; CUDA only); false -> the PyTorch path "
+                               "(ops/backend.py); the environment variable "
+                               "HYBRIDTRAIN_MAMBA_KERNELS (auto, 1, 0) sets the default",
+                       (bool, str), choices=("auto",), env="HYBRIDTRAIN_MAMBA_KERNELS"),
     "loss_chunk_size": K("auto", "tokens per chunk of the linear cross-entropy (logits never "
                                  "materialised whole); auto -> 2^25 logits per chunk (128 MiB in "
                                  "fp32): 1024 tokens at a 32k vocabulary, 256 at 131k; null -> "
@@ -119,7 +132,8 @@ TRAINING = {
                                          "'all', k (every k-th block), layer types "
                                          "['mamba', 'moe'] (see distributed/activation_checkpoint)",
                                   (bool, int, str, list, dict)),
-    "compile": K(False, "torch.compile the model layers"),
+    "compile": K("auto", "torch.compile each block (distributed/compile.py); auto -> on CUDA, off "
+                         "on CPU", (bool, str), choices=("auto",)),
     "deterministic": K(False, "torch.use_deterministic_algorithms + deterministic kernels"),
     "gc_every_steps": K(None, "run gc.collect() every N steps (null: Python default)",
                         _OPT_INT),
@@ -447,7 +461,20 @@ TOP_LEVEL_KEYS: dict[str, K] = {
 
 
 def section_defaults(name: str) -> dict[str, Any]:
-    """A fresh dict of the defaults of a fixed section (lists copied)."""
+    """A fresh dict of the defaults of a fixed section (lists copied; a key's ``env`` variable,
+    when set, replaces its default as a YAML scalar)."""
     import copy
 
-    return {k: copy.deepcopy(spec.default) for k, spec in SECTIONS[name].keys.items()}
+    out = {}
+    for k, spec in SECTIONS[name].keys.items():
+        text = os.environ.get(spec.env) if spec.env else None
+        out[k] = copy.deepcopy(spec.default) if text is None else _env_scalar(text)
+    return out
+
+
+def _env_scalar(text: str) -> Any:
+    """An environment variable's value as a recipe scalar ("0"/"1" as false/true)."""
+    import yaml
+
+    value = yaml.safe_load(text) if text.strip() else None
+    return {0: False, 1: True}.get(value, value) if isinstance(value, int) else value

@@ -20,13 +20,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from hybridtrain.ops.labels import IGNORE_INDEX
+
 if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["IGNORE_INDEX", "MODEL_INPUT_KEYS", "Batch", "model_inputs", "count_label_tokens",
            "count_tokens"]
 
-IGNORE_INDEX = -100
 # Batch keys the model's forward takes besides ``input_ids``; the others (labels, attention_mask,
 # counts) stay with the trainer.
 MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens", "pixel_values", "image_grid")

@@ -65,11 +65,9 @@ from .batch import IGNORE_INDEX
 from .dataset import (
     SourceDataset,
     Stats,
-    build_cached,
+    build_source,
     check_padding,
-    report,
     shifted_labels,
-    source_key,
     tokenize_records,
 )
 from .chat_masks import assistant_spans, end_of_turn
@@ -83,7 +81,7 @@ from .io import (
     resolve_data_files,
 )
 from .templates import apply_template, template_origin
-from .tokenizer import as_tokenizer, template_has_generation_markers, tokenizer_fingerprint
+from .tokenizer import as_tokenizer, template_has_generation_markers
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -468,13 +466,8 @@ def _build_chat(
         )
     if strategy == "placeholder" and not getattr(tokenizer, "is_fast", False):
         raise ValueError("mask_strategy='placeholder' needs a fast tokenizer (character offsets)")
-    if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
 
-    source, src_key = source_key(path, split)
     key = {
-        "source": src_key,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": template,
         "template_kwargs": template_kwargs,
         "strategy": strategy,
@@ -510,9 +503,7 @@ def _build_chat(
                       skipped={}, turns_skipped={"empty_assistant_content": empty})
         return ds, stats
 
-    ds, stats, cache_path = build_cached("chat", key, cache_dir, build)
-    report(stats, source, seq_length)
-    return ds, stats, cache_path, tokenizer.pad_token_id
+    return build_source("chat", path, split, tokenizer, seq_length, cache_dir, key, build)
 
 
 class ChatDataset(SourceDataset):

@@ -223,6 +223,23 @@ def build_cached(
     return load()
 
 
+def build_source(kind: str, path, split: str | None, tokenizer, seq_length: int | None,
+                 cache_dir, key_parts: Mapping[str, Any], build: Callable[[], tuple[Any, dict]]):
+    """The common end of a data source's builder: the cache entry of ``kind`` keyed by
+    ``key_parts`` plus the source's and the tokenizer's fingerprints (``build()`` on a miss, see
+    :func:`build_cached`), then :func:`report`. Returns ``(dataset, stats, cache path or None,
+    pad id)``."""
+    from .tokenizer import tokenizer_fingerprint
+
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
+    source, src_key = source_key(path, split)
+    key = {"source": src_key, "tokenizer": tokenizer_fingerprint(tokenizer), **key_parts}
+    ds, stats, cache_path = build_cached(kind, key, cache_dir, build)
+    report(stats, source, seq_length)
+    return ds, stats, cache_path, tokenizer.pad_token_id
+
+
 # Why single turns of a kept example are not trained on (``stats["turns_skipped"]``).
 TURN_SKIP_HELP = {"empty_assistant_content": "an empty answer teaches the model to say nothing"}
 

@@ -45,10 +45,8 @@ from .batch import IGNORE_INDEX
 from .dataset import (
     SourceDataset,
     Stats,
-    build_cached,
+    build_source,
     check_padding,
-    report,
-    source_key,
     tokenize_records,
 )
 from .io import (
@@ -60,7 +58,7 @@ from .io import (
     require,
     resolve_data_files,
 )
-from .tokenizer import as_tokenizer, encode_batch, tokenizer_fingerprint
+from .tokenizer import as_tokenizer, encode_batch
 
 DEFAULT_PROMPT_TEMPLATE = "Context: {context}\nQuestion: {question}\nAnswer:"
 DEFAULT_COMPLETION_TEMPLATE = " {answer}"
@@ -375,13 +373,8 @@ def _build_squad(
         raise ValueError(f"completion_template must contain {{answer}}: {completion_template!r}")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token; SQuAD completions end with eos")
-    if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
 
-    source, src_key = source_key(path, split)
     key = {
-        "source": src_key,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
         "seq_length": seq_length,
         "truncation": truncation,
         "prompt_template": prompt_template,
@@ -426,9 +419,7 @@ def _build_squad(
         )
         return ds, stats
 
-    ds, stats, cache_path = build_cached("squad", key, cache_dir, build)
-    report(stats, source, seq_length)
-    return ds, stats, cache_path, tokenizer.pad_token_id
+    return build_source("squad", path, split, tokenizer, seq_length, cache_dir, key, build)
 
 
 class SquadDataset(SourceDataset):

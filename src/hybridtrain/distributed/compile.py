@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
-def apply_compile(layers: nn.ModuleDict) -> None:
-    """Compile every block (``nn.Module.compile``: the module and its parameter names stay)."""
+def compile_enabled(setting: bool | str, device: torch.device | str) -> bool:
+    """``training.compile`` on ``device``: true/false as given; ``auto`` -> on CUDA (blocks
+    compile into one graph each: no host syncs inside them), off on CPU (compiling costs more
+    than it saves for the CPU's short runs, and eager is what the CPU tests check)."""
+    if isinstance(setting, bool):
+        return setting
+    if str(setting).lower() != "auto":
+        raise ValueError(f"training.compile: {setting!r} is not one of auto, true, false")
+    return torch.device(device).type == "cuda"
+
+
+def apply_compile(layers: nn.ModuleDict, setting: bool | str = True, device: torch.device | str = "cpu") -> None:
+    """Compile every block (``nn.Module.compile``: the module and its parameter names stay)
+    where :func:`compile_enabled` says so."""
+    if not compile_enabled(setting, device):
+        return
     for block in layers.values():
         block.compile()

@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybridtrain.distributed.utils import local_tensor
+
 __all__ = [
     "EPDispatchState",
     "ep_dispatch",
     "ep_combine",
     "LocalDispatcher",
     "AllToAllDispatcher",
-    "local_tensor",
     "zero_rows_output",
     "apply_expert_parallel",
     "check_ep_backend",
@@ -142,14 +143,6 @@ def zero_rows_output(experts: nn.Module, sorted_x: torch.Tensor, out_dim: int) -
     experts unit's FSDP post-backward (which runs when its inputs' gradient is computed)."""
     zero = sum(local_tensor(p).reshape(-1)[:1].sum() * 0 for p in experts.parameters(recurse=False))
     return sorted_x.new_zeros(sorted_x.shape[0], out_dim) + (zero + sorted_x.sum() * 0)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (differentiable), or ``t`` itself: what an experts module
-    computes with, so that it runs unchanged with or without expert parallelism."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class LocalDispatcher:

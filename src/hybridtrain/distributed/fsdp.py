@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybridtrain.config.dtypes import to_torch_dtype
+from hybridtrain.distributed.utils import local_tensor
 
 __all__ = [
     "apply_fsdp",
@@ -124,8 +125,7 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
     mesh = dims.dense_fsdp_mesh()
     expert_mesh = dims.expert_fsdp_mesh() if dims.ep > 1 else mesh
     for experts in expert_units:
-        local = next(experts.parameters())
-        local = local.to_local() if hasattr(local, "to_local") else local
+        local = local_tensor(next(experts.parameters()))
         # too few local experts to shard dim 0 evenly over the expert-FSDP ranks: shard dim 1
         placement = (lambda p: Shard(1)) if local.shape[0] % dims.efsdp else None
         # a mesh of one rank "gathers" by copying: never keep that second copy after forward

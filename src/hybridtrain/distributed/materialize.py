@@ -30,8 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Region", "InitUnit", "SafetensorsReader", "local_region", "local_tensor_of",
-           "module_init_units", "unit_seed", "materialize"]
+from hybridtrain.distributed.utils import local_tensor
+
+__all__ = ["Region", "InitUnit", "SafetensorsReader", "local_region", "module_init_units",
+           "unit_seed", "materialize"]
 
 Region = tuple[slice, ...]
 
@@ -49,11 +51,6 @@ def _compute_local_shape_and_global_offset():
             f"compute_local_shape_and_global_offset, which torch {torch.__version__} does not "
             "provide (torch 2.5 - 2.13 do)") from e
     return compute_local_shape_and_global_offset
-
-
-def local_tensor_of(t: torch.Tensor) -> torch.Tensor:
-    """This rank's local tensor of ``t`` (a DTensor's local shard, else ``t``)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def local_region(t: torch.Tensor) -> Region:
@@ -182,7 +179,7 @@ def materialize(model: nn.Module, device: torch.device | str, *,
         for name, t in targets.items():
             if name not in read_names:
                 continue
-            local = local_tensor_of(t.detach())
+            local = local_tensor(t.detach())
             if local.numel():
                 local.copy_(read(name, local_region(t)))
             del pending[name]
@@ -195,7 +192,7 @@ def materialize(model: nn.Module, device: torch.device | str, *,
             full = unit.make()
         for n in need:
             t = pending.pop(n)
-            local = local_tensor_of(t.detach())
+            local = local_tensor(t.detach())
             if local.numel():
                 local.copy_(full[n][local_region(t)])
         del full

@@ -45,6 +45,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hybridtrain.distributed.utils import local_tensor
+
 __all__ = ["tp_mesh", "column_parallel", "row_parallel", "vocab_parallel_embedding",
            "vocab_parallel_head", "apply_tensor_parallel", "shard_parameters", "LocalSlice",
            "check_divisible", "apply_tp_plan", "tp_shard_dims", "AdaptedLinearParallel",
@@ -299,7 +301,7 @@ class SequenceParallel:
 
         def pack(t):
             with torch.no_grad():
-                local = t.to_local() if isinstance(t, DTensor) else t
+                local = local_tensor(t)
                 try:
                     if local.untyped_storage().data_ptr() != ptr:
                         return t

@@ -5,6 +5,7 @@
   (no process group started).
 - ``main_process_first(fn)``: rank 0 runs ``fn`` first (writes files, fills caches), then the
   other ranks; every rank returns its own result.
+- ``local_tensor(t)``: a DTensor's local shard (differentiable), any other tensor itself.
 - ``grad_norm``, ``clip_grad_norm_``: gradient norm/clipping over meshes and pipeline stages.
 """
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["barrier", "clip_grad_norm_", "clip_grads_with_norm_", "get_rank", "get_world_size",
-           "grad_norm", "is_distributed", "is_main_process", "main_process_first"]
+           "grad_norm", "is_distributed", "is_main_process", "local_tensor", "main_process_first"]
 
 T = TypeVar("T")
 
@@ -53,6 +54,15 @@ def main_process_first(fn: Callable[[], T], is_main: bool | None = None) -> T:
     out = fn() if is_main else None
     barrier()
     return out if is_main else fn()
+
+
+# -- tensors --------------------------------------------------------------------------------------
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of a DTensor (differentiable), or ``t`` itself: what a module
+    computes with, so that the same code runs with and without a parallel layout."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # -- gradient norms -------------------------------------------------------------------------------

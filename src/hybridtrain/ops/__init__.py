@@ -2,8 +2,12 @@
 
 * :mod:`hybridtrain.ops.loss`: the chunked linear cross-entropy and per-token log-probabilities
   (:class:`~hybridtrain.ops.loss.LinearCrossEntropy`, ``cross_entropy_sum``, ``token_logprobs``).
+  Its implementation (``training.fused_loss``): the PyTorch chunk loop, its chunk functions under
+  ``torch.compile``, or :mod:`hybridtrain.ops.liger` (Liger-Kernel's fused Triton kernel).
 * :mod:`hybridtrain.ops.backend`: hardware tuning (GEMM row alignment, the glibc allocator, the
-  ``training.dtype: auto`` rule, the ``auto`` loss chunk, grouped GEMMs), configured once per
-  process by the recipe with :func:`~hybridtrain.ops.backend.configure_backend`.
+  ``training.dtype: auto`` rule, the ``auto`` loss chunk, grouped GEMMs, the loss implementation,
+  the Mamba kernel switch), configured once per process by the recipe with
+  :func:`~hybridtrain.ops.backend.configure_backend`.
+* :mod:`hybridtrain.ops.labels`: ``IGNORE_INDEX``, the label convention shared with ``data/``.
 * :mod:`hybridtrain.ops.base2`: the base-2 constants of the fused autograd functions.
 """

@@ -19,6 +19,17 @@ precision. What is tuned, with its recipe key:
 * **grouped expert GEMMs on CUDA** (``training.grouped_mm``): bf16 experts through one
   ``torch.nn.functional.grouped_mm`` per projection (no host sync) instead of a loop over experts;
   :func:`disable_grouped_mm` turns it off for the process where the kernel fails.
+* **the linear cross-entropy's implementation** (``training.fused_loss``, :func:`resolve_fused_loss`):
+  ``torch`` (the chunked PyTorch loop of ``ops.loss``), ``compiled`` (its chunk functions under
+  ``torch.compile``), ``liger`` (Liger-Kernel's fused linear cross-entropy, a Triton kernel);
+  ``auto`` -> liger on CUDA where it imports, else compiled on CUDA, torch elsewhere.
+* **the Mamba kernels** (``training.mamba_kernels``): ``auto`` -> the ``mamba_ssm`` /
+  ``causal_conv1d`` kernels for CUDA tensors where they import; ``true`` -> always (a missing
+  package is an error); ``false`` -> the PyTorch path.
+* **fp32 CPU decoding forms** (:func:`cpu_decode_forms`, :func:`few_rows_linear`,
+  :func:`transposed_head`): the product forms MKL runs fastest for a step's few rows, the fused
+  Mamba2 step and the host-grouped MoE step, where a decoding step runs eagerly in fp32 on CPU.
+* **decoding as one CUDA graph** (:func:`decode_graph`): a step captured once and replayed.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import importlib.util
 import logging
 import time
 import warnings
@@ -39,13 +51,17 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BackendSettings", "configure_backend", "settings", "using", "disable_grouped_mm",
     "pad_rows", "unpad_rows", "configure_cpu_allocator", "cpu_bf16_flags", "cpu_has_native_bf16",
-    "auto_dtype", "auto_chunk_size", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
+    "auto_dtype", "auto_chunk_size", "resolve_fused_loss", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
+    "FUSED_LOSS_CHOICES", "cpu_decode_forms", "few_rows_linear", "transposed_head", "decode_graph",
+    "grouped_experts",
 ]
 
 CPU_LOWP_ROW_MULTIPLE = 64
 CPU_BF16_MIN_HIDDEN = 256
 AUTO_CHUNK_LOGITS = 1 << 25
+AUTO_CHUNK_LOGITS_CUDA = 1 << 28
 ALLOCATOR_CHOICES = ("auto", "heap", "system")
+FUSED_LOSS_CHOICES = ("auto", "torch", "compiled", "liger")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +71,10 @@ class BackendSettings:
     gemm_row_multiple: int = 1  # rows of varying-count GEMM operands are padded to this multiple
     grouped_mm: bool = True  # CUDA bf16 experts: torch grouped_mm (else a loop over experts)
     cpu_allocator: str = "system"  # in effect: heap, system, or "system (not glibc)"
+    fused_loss: str = "torch"  # the linear cross-entropy: torch, compiled or liger
+    mamba_kernels: bool | str = "auto"  # mamba_ssm / causal_conv1d: auto (CUDA tensors), True, False
+    cpu_decode_forms: bool = True  # eager fp32 CPU decoding: the forms measured fastest there
+    decode_graph: bool = True  # CUDA decoding: the step captured once as a CUDA graph, replayed
 
 
 _settings = BackendSettings()
@@ -65,18 +85,27 @@ def settings() -> BackendSettings:
 
 
 def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_allocator: str = "auto",
-                      grouped_mm: bool = True) -> BackendSettings:
+                      grouped_mm: bool = True, fused_loss: str = "auto",
+                      mamba_kernels: bool | str = "auto") -> BackendSettings:
     """Tunes this process for training on ``device`` with compute ``dtype`` (the resolved
-    ``training.dtype``); ``cpu_allocator`` / ``grouped_mm``: the ``training.`` keys of those
-    names. The allocator setting is process-wide and not undone. Returns the settings in effect."""
+    ``training.dtype``); ``cpu_allocator`` / ``grouped_mm`` / ``fused_loss`` / ``mamba_kernels``:
+    the ``training.`` keys of those names. The allocator setting is process-wide and not undone.
+    Returns the settings in effect."""
     global _settings
     if not isinstance(grouped_mm, bool):
         raise ValueError(f"training.grouped_mm: {grouped_mm!r} is not true or false")
+    if mamba_kernels not in (True, False, "auto"):
+        raise ValueError(f"training.mamba_kernels: {mamba_kernels!r} is not one of auto, true, false")
     device = torch.device(device)
+    if mamba_kernels is True and device.type != "cuda":
+        raise ValueError(f"training.mamba_kernels: true needs a CUDA device (this run computes on "
+                         f"{device.type}); set it to auto or false")
     lowp_cpu = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     _settings = BackendSettings(gemm_row_multiple=CPU_LOWP_ROW_MULTIPLE if lowp_cpu else 1,
                                 grouped_mm=grouped_mm,
-                                cpu_allocator=configure_cpu_allocator(cpu_allocator, device))
+                                cpu_allocator=configure_cpu_allocator(cpu_allocator, device),
+                                fused_loss=resolve_fused_loss(fused_loss, device),
+                                mamba_kernels=mamba_kernels)
     log.info("backend: %s", _settings)
     return _settings
 
@@ -100,6 +129,16 @@ def disable_grouped_mm(reason: str) -> None:
     if _settings.grouped_mm:
         warnings.warn(f"{reason}; using the per-expert loop from now on", stacklevel=2)
         _settings = dataclasses.replace(_settings, grouped_mm=False)
+
+
+def grouped_experts(x: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs over the sorted token rows ``x`` (in the compute dtype) run as
+    one ``torch.nn.functional.grouped_mm`` per projection (offsets on the device, no host sync):
+    ``grouped_mm`` is on, the kernel is there, ``x`` is bf16 (the kernel's dtype), on CUDA or in
+    a block being compiled. Else a loop over the experts' row counts (eager) or every expert
+    over every row, masked (compiled fp32)."""
+    return (_settings.grouped_mm and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
+            and (x.is_cuda or torch.compiler.is_compiling()))
 
 
 # -- GEMM row alignment -------------------------------------------------------------------------
@@ -244,12 +283,85 @@ def auto_dtype(device: torch.device | str, hidden_size: int | None = None,
     return torch.bfloat16, why
 
 
+# -- the linear cross-entropy's implementation --------------------------------------------------
+def resolve_fused_loss(mode: str, device: torch.device | str) -> str:
+    """``training.fused_loss`` -> ``torch``, ``compiled`` or ``liger`` for a run on ``device``.
+    ``auto``: liger on CUDA where ``liger_kernel`` imports, else compiled on CUDA (no fp32
+    logits chunk in memory: the chunk's softmax and gradient fuse into one or two kernels), torch
+    elsewhere (on CPU the eager chunk loop is as fast and bit-identical to earlier runs).
+    ``liger`` needs ``liger_kernel`` (extra ``hybridtrain[cuda]``)."""
+    if mode not in FUSED_LOSS_CHOICES:
+        raise ValueError(f"training.fused_loss: {mode!r} is not one of {', '.join(FUSED_LOSS_CHOICES)}")
+    has_liger = importlib.util.find_spec("liger_kernel") is not None
+    if mode == "liger" and not has_liger:
+        raise ValueError("training.fused_loss: liger needs the liger-kernel package (pip install "
+                         "'hybridtrain[cuda]' or liger-kernel); set it to auto, compiled or torch")
+    if mode != "auto":
+        return mode
+    if torch.device(device).type != "cuda":
+        return "torch"
+    return "liger" if has_liger else "compiled"
+
+
 # -- the auto loss chunk ------------------------------------------------------------------------
-def auto_chunk_size(vocab_size: int) -> int:
+def auto_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
     """Tokens per chunk for ``loss_chunk_size: auto``: about 2^25 logits (128 MiB in fp32) per
     chunk, a multiple of 64 tokens, at least 64. Large enough for full-speed GEMMs, small enough
     that the per-chunk buffers neither spill far out of cache nor churn the allocator: 16 x 512
     tokens of the 48M MoE (vocabulary 32000) took 7-9 s per bf16 step with 4096-token chunks
     (glibc returned the 0.5 GiB buffers and page-faulted them in again every step) and 5.3 s
-    with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory."""
-    return max(64, AUTO_CHUNK_LOGITS // max(vocab_size, 1) // 64 * 64)
+    with 1024; at 4 x 512 tokens 1024 was as fast as 4096 with 10 % less memory.
+
+    On CUDA about 2^28 logits (2048 tokens at 131k; 0.5 GiB in bf16): each chunk reads and
+    writes the fp32 weight gradient once (2.8 GB for a 131k x 2688 head, ~1 ms of HBM time), so
+    256-token chunks spent ~30 ms of an H100 step on it alone."""
+    budget = AUTO_CHUNK_LOGITS_CUDA if device_type == "cuda" else AUTO_CHUNK_LOGITS
+    return max(64, budget // max(vocab_size, 1) // 64 * 64)
+
+
+# -- decoding -----------------------------------------------------------------------------------
+# A decoding step multiplies a few rows by every weight, and there the form of the product
+# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
+# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
+# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
+#   rows           1     2     4     8
+#   x @ W^T      5.8  12.5  20.3  23.0
+#   W @ x^T      5.7   9.5   8.7  14.3
+#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
+TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
+
+
+def cpu_decode_forms(x: torch.Tensor, fp32: bool = True) -> bool:
+    """Whether a decoding step over ``x`` takes the eager CPU forms (the product forms below and
+    the fused Mamba2 step, measured for fp32: ``fp32``; the MoE step grouped on the host, for any
+    dtype: ``fp32=False``): ``cpu_decode_forms`` is on, ``x`` is on CPU (fp32 outside autocast
+    where ``fp32``), and the step is not being compiled (the CPU forms read a few ints on the
+    host; a compiled or captured step takes the device forms)."""
+    if not (_settings.cpu_decode_forms and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+        return False
+    return not fp32 or (x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the few rows of a decoding step: W @ x^T for 2+ rows where
+    :func:`cpu_decode_forms` holds (see the table above), else ``F.linear``."""
+    rows = x.numel() // x.shape[-1]
+    if rows < 2 or not cpu_decode_forms(x):
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def transposed_head(x: torch.Tensor, steps: int) -> bool:
+    """Whether the LM head of a decoding of ``steps`` steps over rows like ``x`` [b, H] runs
+    against a transposed copy of its weight (one row or two, fp32 CPU, long enough to pay)."""
+    return (x.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and steps >= TRANSPOSED_HEAD_MIN_STEPS
+            and cpu_decode_forms(x))
+
+
+def decode_graph(device: torch.device | str) -> bool:
+    """Whether decoding on ``device`` captures its step once as a CUDA graph and replays it."""
+    return _settings.decode_graph and torch.device(device).type == "cuda"

@@ -21,6 +21,14 @@ gradient is accumulated over chunks in fp32 and returned in the weight's dtype.
 
 Labels are aligned with ``hidden`` (the caller shifts them for next-token prediction).
 
+Implementation (``training.fused_loss``, read from ``ops.backend.settings()`` in one place,
+:func:`_implementation`): ``torch``, the chunk loop below (CPU default; fp32 bit-identical to
+earlier runs); ``compiled``, the same loop with its chunk functions under ``torch.compile`` (on
+CUDA the softmax and the logit gradient fuse after the matmul: no fp32 chunk in memory);
+``liger``, Liger-Kernel's fused linear cross-entropy (:mod:`hybridtrain.ops.liger`; per-token
+log-probs too; ``recompute=True`` takes the compiled chunks, Liger holds its gradients from
+forward). A vocab-parallel head always takes the torch loop.
+
 Vocab-parallel head: when the weight is a DTensor sharded over the vocabulary (``Shard(0)`` on a
 1-D tensor-parallel mesh), each rank forms only its vocabulary slice of every chunk's logits; the
 row maximum and then the sum of exponentials and the label's logit are all-reduced over the
@@ -30,6 +38,7 @@ gradient is summed over the group once; the weight gradient stays with the rank'
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,9 +46,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.data.batch import IGNORE_INDEX
+from hybridtrain.ops import backend, liger
 from hybridtrain.ops.backend import auto_chunk_size, pad_rows, unpad_rows
 from hybridtrain.ops.base2 import LOG2E
+from hybridtrain.ops.labels import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_SIZE", "LinearCrossEntropy", "cross_entropy_sum", "token_logprobs",
            "topk_logits", "vocab_shard"]
@@ -121,11 +131,14 @@ def cross_entropy_sum(
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     hidden, labels, _ = _label_rows(hidden, labels, ignore_index)
     chunk_size = chunk_size or max(hidden.shape[0], 1)  # a vocab-parallel head: one chunk
+    impl = _implementation(tp, hidden)
+    if impl == "liger" and not recompute:
+        return liger.linear_cross_entropy(hidden, weight, labels, ignore_index, _compute_dtype(hidden, weight), "sum")
+    vocab = _vocab(labels, ignore_index, tp, weight, compiled=impl != "torch")
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.no_grad():
-            return _chunked(hidden, weight, labels, chunk_size, ignore_index, _compute_dtype(hidden, weight),
-                            tp=tp)[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, recompute, tp)
+            return _forward_pass(hidden, weight, chunk_size, _compute_dtype(hidden, weight), vocab)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, chunk_size, vocab, recompute)
 
 
 def token_logprobs(
@@ -153,7 +166,13 @@ def token_logprobs(
     n = labels.shape[0]
     rows, row_labels, idx = _label_rows(hidden, labels, ignore_index)
     chunk_size = chunk_size or max(rows.shape[0], 1)
-    logp = _ChunkedTokenLogprobs.apply(rows, weight, row_labels, chunk_size, ignore_index, tp)
+    impl = _implementation(tp, rows)
+    if impl == "liger":  # (Liger's per-token losses: lse - logit, 0 at ignored rows)
+        logp = liger.linear_cross_entropy(rows, weight, row_labels, ignore_index, _compute_dtype(rows, weight),
+                                          "none").neg()
+    else:
+        logp = _ChunkedTokenLogprobs.apply(rows, weight, chunk_size,
+                                           _vocab(row_labels, ignore_index, tp, weight, compiled=impl != "torch"))
     logp = unpad_rows(logp, n if idx is None else idx.shape[0])
     if idx is not None:  # back to every position (ignored ones 0)
         logp = logp.new_zeros(n).index_copy(0, idx, logp)
@@ -250,7 +269,7 @@ def _resolve(hidden, weight, labels, chunk_size, name):
         _check_chunk_size(chunk_size)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    return auto_chunk_size(weight.shape[0]) if chunk_size == "auto" else chunk_size
+    return auto_chunk_size(weight.shape[0], hidden.device.type) if chunk_size == "auto" else chunk_size
 
 
 def _label_rows(hidden, labels, ignore_index):
@@ -282,103 +301,252 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-# -- the fused pass -------------------------------------------------------------------------------
-def _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=None, grad_hidden=None, weight_grad=False,
-             scale=None, token_out=None, tp=None):
-    """One pass over the chunks, with autocast off and the matmuls in ``dtype``; the loop of both
-    autograd functions below.
+# -- the chunk passes ----------------------------------------------------------------------------
+# Three passes over the chunks, one per mode: ``_forward_pass`` (loss and log-sum-exp, no
+# gradient), ``_fused_pass`` (forward with the gradients at unit scale, for
+# ``recompute=False``), ``_recompute_pass`` (gradients from a saved log-sum-exp). Each takes the
+# per-chunk math from a vocabulary object: :class:`_Vocab` (the whole vocabulary on this rank;
+# its functions may be compiled: ``_compiled_chunk_fns``) or :class:`_VocabShard` (a
+# vocab-parallel head: the reductions over the vocabulary are all-reduced).
+# Softmax in base 2 (see ``ops.base2``): ``exp(x - m) = 2^(x log2(e) - m log2(e))``, one fused
+# pass from the matmul output to the fp32 exponent, then exp2.
 
-    Returns ``(loss_sum, lse, grad_weight)``. When ``lse`` is given (a per-token fp32
-    log-sum-exp from an earlier pass) the logits are not reduced again. When ``grad_hidden``
-    ([N, H], written to) is given and/or ``weight_grad`` is set, the gradients of
-    ``sum_t scale_t * (lse_t - logit_t[label_t])`` are formed (``scale``: a scalar, or one value
-    per token); the weight's is summed over chunks in fp32 ([V, H], else None). ``token_out``
-    ([N], written to): ``logit_t[label_t] - lse_t`` per token, 0 at ignored ones.
+def _chunks(n: int, chunk_size: int):
+    return ((start, min(start + chunk_size, n)) for start in range(0, n, chunk_size))
 
-    Softmax in base 2 (see ``ops.base2``): ``exp(x - m) = 2^(x log2(e) - m log2(e))``, one fused
-    pass from the matmul output to the fp32 exponent, then exp2.
 
-    ``tp = (group, offset)``: ``weight`` holds the vocabulary rows ``offset ..`` of a head sharded
-    over ``group`` (see :func:`vocab_shard`); the reductions over the vocabulary are all-reduced.
-    """
-    n = hidden.shape[0]
-    acc = _acc_dtype(dtype)
-    valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # 0 stands in; masked below
-    own = valid  # labels whose logit this rank forms
-    if tp is not None:
-        shifted = labels - tp[1]
-        own = valid & (shifted >= 0) & (shifted < weight.shape[0])
-        safe_labels = torch.where(own, shifted, torch.zeros_like(labels))
+def _row_weights(ok: torch.Tensor, scale: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """d total / d row: ``scale`` (a scalar or one value per token) on label rows, else 0."""
+    return torch.where(ok, scale if scale.dim() == 0 else scale[start:end], 0.0)
+
+
+def _forward_pass(hidden, weight, chunk_size, dtype, vocab, token_out=None):
+    """(fp32 sum over label rows of ``lse - logit[label]``, per-row fp32 log-sum-exp [N]);
+    ``token_out`` ([N], written to): ``logit[label] - lse`` per row, 0 at ignored ones."""
+    n, acc = hidden.shape[0], _acc_dtype(dtype)
     total = torch.zeros((), dtype=acc, device=hidden.device)
-    out_lse = lse if lse is not None else torch.empty(n, dtype=acc, device=hidden.device)
-    want_grads = grad_hidden is not None or weight_grad
-    grad_weight = None
+    lse = torch.empty(n, dtype=acc, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
+        for start, end in _chunks(n, chunk_size):
+            chunk_lse, target = vocab.logsumexp(hidden[start:end].to(dtype), w, start, end)
+            ok = vocab.valid[start:end]
+            lse[start:end] = chunk_lse
+            total += torch.where(ok, chunk_lse - target, 0.0).sum()
+            if token_out is not None:
+                token_out[start:end] = torch.where(ok, target - chunk_lse, 0.0)
+    return total, lse
+
+
+def _fused_pass(hidden, weight, chunk_size, dtype, vocab, need_hidden, need_weight):
+    """(the loss sum as :func:`_forward_pass`, grad hidden or None, fp32 grad weight or None):
+    the gradients of the sum, formed from each chunk's softmax while it is at hand."""
+    n, acc = hidden.shape[0], _acc_dtype(dtype)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    one = torch.ones((), dtype=acc, device=hidden.device)
+    grads = _Grads(hidden, weight, dtype, need_hidden, need_weight)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start, end in _chunks(n, chunk_size):
+            h, ok = hidden[start:end].to(dtype), vocab.valid[start:end]
+            chunk_lse, target, g = vocab.softmax_grad(h, w, start, end, _row_weights(ok, one, start, end))
+            total += torch.where(ok, chunk_lse - target, 0.0).sum()
+            grads.add(start, end, g, h, w)
+    return (total,) + grads.result(vocab)
+
+
+def _recompute_pass(hidden, weight, lse, scale, chunk_size, dtype, vocab, need_hidden, need_weight):
+    """(grad hidden or None, fp32 grad weight or None) of ``sum_t scale_t (lse_t -
+    logit_t[label_t])`` (``scale``: a scalar or one value per row), the chunk logits recomputed
+    and shifted by the saved ``lse``."""
+    grads = _Grads(hidden, weight, dtype, need_hidden, need_weight)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start, end in _chunks(hidden.shape[0], chunk_size):
             h = hidden[start:end].to(dtype)
-            y, ok = safe_labels[start:end], valid[start:end]
-            logits = h @ w.t()
-            rows = torch.arange(end - start, device=logits.device)
-            if want_grads:  # d total / d row
-                weight_rows = torch.where(ok, scale if scale.dim() == 0 else scale[start:end], 0.0)
-            if lse is None:
-                target = logits[rows, y].to(acc)
-                if not want_grads and tp is None:
-                    chunk_lse = torch.logsumexp(logits.to(acc), dim=-1)
-                else:
-                    # e = exp(logits - max) in fp32 (the buffer becomes the gradient),
-                    # lse = max + log(sum e), softmax = e / sum e
-                    m = logits.amax(dim=-1, keepdim=True).to(acc)
-                    if tp is not None:
-                        target = torch.where(own[start:end], target, 0.0)
-                        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp[0])
-                    e = _exp_shifted(logits, m)
-                    s = e.sum(dim=-1, keepdim=True)
-                    if tp is not None:  # one all-reduce for the exp sums and the label logits
-                        both = torch.cat([s, target[:, None]], dim=1)
-                        dist.all_reduce(both, group=tp[0])
-                        s, target = both[:, :1], both[:, 1]
-                    chunk_lse = (m + s.log()).squeeze(1)
-                    if want_grads:
-                        g = e.mul_(weight_rows[:, None] / s)
-                out_lse[start:end] = chunk_lse
-                total += torch.where(ok, chunk_lse - target, 0.0).sum()
-                if token_out is not None:
-                    token_out[start:end] = torch.where(ok, target - chunk_lse, 0.0)
-            else:
-                g = _exp_shifted(logits, lse[start:end, None]).mul_(weight_rows[:, None])
-            if not want_grads:
-                continue
-            # d(lse - logit[label]) / d logits = softmax - onehot(label); zero on ignored rows.
-            # (under a vocab-parallel head only the label's owner holds its logit)
-            g[rows, y] -= weight_rows if tp is None else torch.where(own[start:end], weight_rows, 0.0)
-            g = g.to(dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = g @ w
-            if weight_grad:
-                if grad_weight is None:  # the first chunk's product starts the fp32 sum
-                    grad_weight = (g.t() @ h).to(acc)
-                elif dtype == acc:  # (the out= form, not addmm_, so FlopCounterMode sees it)
-                    torch.addmm(grad_weight, g.t(), h, out=grad_weight)
-                else:  # bf16 partial product, summed into the fp32 buffer
-                    grad_weight.add_(g.t() @ h)
-            del g, logits
-    if weight_grad and grad_weight is None:  # no rows at all
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    if tp is not None and grad_hidden is not None and n:  # every rank's vocabulary slice
-        dist.all_reduce(grad_hidden, group=tp[0])
-    return total, out_lse, grad_weight
+            weight_rows = _row_weights(vocab.valid[start:end], scale, start, end)
+            grads.add(start, end, vocab.recomputed_grad(h, w, start, end, lse[start:end], weight_rows), h, w)
+    return grads.result(vocab)
+
+
+class _Grads:
+    """The gradients of hidden ([N, H], written chunk by chunk) and of the head weight (the
+    chunks' products summed in fp32: bf16 partial sums would lose bits) from each chunk's
+    logit gradient ``g`` (in the matmul dtype)."""
+
+    def __init__(self, hidden, weight, dtype, need_hidden: bool, need_weight: bool):
+        self.hidden = torch.empty_like(hidden) if need_hidden else None
+        self.need_weight, self.weight = need_weight, None
+        self.dtype, self.acc, self.shape, self.device = dtype, _acc_dtype(dtype), weight.shape, weight.device
+
+    def add(self, start: int, end: int, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        if self.hidden is not None:
+            self.hidden[start:end] = g @ w
+        if not self.need_weight:
+            return
+        if self.weight is None:  # the first chunk's product starts the fp32 sum
+            self.weight = (g.t() @ h).to(self.acc)
+        elif self.dtype == self.acc:  # (the out= form, not addmm_, so FlopCounterMode sees it)
+            torch.addmm(self.weight, g.t(), h, out=self.weight)
+        else:  # low-precision partial product, summed into the fp32 buffer
+            self.weight.add_(g.t() @ h)
+
+    def result(self, vocab) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.need_weight and self.weight is None:  # no rows at all
+            self.weight = torch.zeros(self.shape, dtype=self.acc, device=self.device)
+        if self.hidden is not None and self.hidden.shape[0]:
+            vocab.reduce_grad_hidden(self.hidden)
+        return self.hidden, self.weight
+
+
+def _pick(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``logits[t, labels[t]]`` in ``acc``."""
+    return logits[torch.arange(logits.shape[0], device=logits.device), labels].to(acc)
 
 
 def _exp_shifted(logits, shift):
     """fp32 exp(logits - shift) as 2^(logits log2(e) - shift log2(e)): one pass to the exponent
-    (in place for fp32 logits) and exp2. shift [rows, 1] fp32 (fp64 for fp64 logits)."""
+    (in place for fp32 logits) and exp2. shift [rows, 1] fp32 (fp64 for fp64 logits). Under
+    torch.compile the functional form, which the compiler fuses into one pass (written as a
+    difference: inductor on CPU, torch 2.13, folds ``add(.., mm, alpha=)`` into a wrong addmm)."""
+    if torch.compiler.is_compiling():
+        return (logits.to(shift.dtype) * LOG2E - shift * LOG2E).exp2()
     out = logits if logits.dtype == shift.dtype else torch.empty(logits.shape, dtype=shift.dtype,
                                                                   device=logits.device)
     return torch.add(shift * -LOG2E, logits, alpha=LOG2E, out=out).exp2_()
+
+
+def _sub_label(g: torch.Tensor, labels: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
+    """``g - weight_rows * onehot(labels)``, in place: d(lse - logit[label]) / d logits is
+    softmax - onehot(label)."""
+    g[torch.arange(g.shape[0], device=g.device), labels] -= weight_rows
+    return g
+
+
+# The per-chunk math of the whole vocabulary (h [c, H], w [V, H] in the matmul dtype; labels
+# [c] valid ids, 0 standing in at ignored rows; weight_rows [c] zero there). Plain functions of
+# tensors, so that ``_compiled_chunk_fns`` can compile them unchanged.
+def chunk_logsumexp(h, w, labels):
+    """(fp32 log-sum-exp [c], fp32 label logit [c]) of the chunk's logits ``h @ w.T``."""
+    logits = h @ w.t()
+    acc = _acc_dtype(logits.dtype)
+    return torch.logsumexp(logits.to(acc), dim=-1), _pick(logits, labels, acc)
+
+
+def chunk_softmax_grad(h, w, labels, weight_rows):
+    """(log-sum-exp, label logit, d(sum_t weight_rows_t (lse_t - logit_t[label_t])) / d logits
+    in the matmul dtype). The fp32 exponentials buffer becomes the gradient."""
+    logits = h @ w.t()
+    acc = _acc_dtype(logits.dtype)
+    target = _pick(logits, labels, acc)  # before _exp_shifted, which may reuse the logits' memory
+    m = logits.amax(dim=-1, keepdim=True).to(acc)
+    e = _exp_shifted(logits, m)
+    s = e.sum(dim=-1, keepdim=True)
+    g = e.mul_(weight_rows[:, None] / s)
+    return (m + s.log()).squeeze(1), target, _sub_label(g, labels, weight_rows).to(h.dtype)
+
+
+def chunk_recomputed_grad(h, w, labels, lse, weight_rows):
+    """The logit gradient of :func:`chunk_softmax_grad` from the saved log-sum-exp ``lse`` [c]."""
+    g = _exp_shifted(h @ w.t(), lse[:, None]).mul_(weight_rows[:, None])
+    return _sub_label(g, labels, weight_rows).to(h.dtype)
+
+
+class _Vocab:
+    """The head's whole vocabulary on this rank: every reduction over it is local. ``fns``:
+    the three chunk functions (eager, or ``_compiled_chunk_fns``)."""
+
+    def __init__(self, labels: torch.Tensor, ignore_index: int, fns):
+        self.valid = labels != ignore_index
+        self.labels = torch.where(self.valid, labels, torch.zeros_like(labels))  # 0 stands in; masked
+        self.fns = fns
+
+    def logsumexp(self, h, w, start, end):
+        return self.fns[0](h, w, self.labels[start:end])
+
+    def softmax_grad(self, h, w, start, end, weight_rows):
+        return self.fns[1](h, w, self.labels[start:end], weight_rows)
+
+    def recomputed_grad(self, h, w, start, end, lse, weight_rows):
+        return self.fns[2](h, w, self.labels[start:end], lse, weight_rows)
+
+    def reduce_grad_hidden(self, grad_hidden) -> None:
+        pass
+
+
+class _VocabShard:
+    """This rank's vocabulary slice of a vocab-parallel head (``tp = (group, offset)``, see
+    :func:`vocab_shard`): the row maximum, then the exponential sums and the label logits (which
+    only the label's owner forms) are all-reduced over the group, two all-reduces per chunk;
+    the hidden-state gradient is summed over the group once."""
+
+    def __init__(self, labels: torch.Tensor, ignore_index: int, tp: tuple, rows_held: int):
+        self.group, offset = tp
+        self.valid = labels != ignore_index
+        shifted = labels - offset
+        self.own = self.valid & (shifted >= 0) & (shifted < rows_held)  # labels whose logit is here
+        self.labels = torch.where(self.own, shifted, torch.zeros_like(labels))
+
+    def _softmax(self, h, w, start, end):
+        """(exp(logits - max), the group's exp sums [c, 1], lse [c], label logits [c])."""
+        logits = h @ w.t()
+        acc = _acc_dtype(logits.dtype)
+        target = torch.where(self.own[start:end], _pick(logits, self.labels[start:end], acc), 0.0)
+        m = logits.amax(dim=-1, keepdim=True).to(acc)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        e = _exp_shifted(logits, m)
+        both = torch.cat([e.sum(dim=-1, keepdim=True), target[:, None]], dim=1)
+        dist.all_reduce(both, group=self.group)  # one all-reduce for the exp sums and label logits
+        s, target = both[:, :1], both[:, 1]
+        return e, s, (m + s.log()).squeeze(1), target
+
+    def logsumexp(self, h, w, start, end):
+        _, _, lse, target = self._softmax(h, w, start, end)
+        return lse, target
+
+    def softmax_grad(self, h, w, start, end, weight_rows):
+        e, s, lse, target = self._softmax(h, w, start, end)
+        g = e.mul_(weight_rows[:, None] / s)
+        return lse, target, self._sub_own_label(g, start, end, weight_rows).to(h.dtype)
+
+    def recomputed_grad(self, h, w, start, end, lse, weight_rows):
+        g = _exp_shifted(h @ w.t(), lse[:, None]).mul_(weight_rows[:, None])
+        return self._sub_own_label(g, start, end, weight_rows).to(h.dtype)
+
+    def _sub_own_label(self, g, start, end, weight_rows):
+        own = self.own[start:end]
+        return _sub_label(g, self.labels[start:end], torch.where(own, weight_rows, 0.0))
+
+    def reduce_grad_hidden(self, grad_hidden) -> None:
+        dist.all_reduce(grad_hidden, group=self.group)  # every rank's vocabulary slice
+
+
+def _implementation(tp, rows: torch.Tensor) -> str:
+    """The one dispatch point of the chunked functions: ``backend.settings().fused_loss``
+    (``torch``, ``compiled`` or ``liger``, from ``training.fused_loss``). A vocab-parallel head
+    takes the torch loop (its all-reduces sit between the chunk's reductions), and so does a
+    batch without label rows (Liger divides by the row count)."""
+    if tp is not None or rows.shape[0] == 0:
+        return "torch"
+    return backend.settings().fused_loss
+
+
+def _vocab(labels, ignore_index, tp, weight, compiled=False):
+    if tp is not None:
+        return _VocabShard(labels, ignore_index, tp, weight.shape[0])
+    return _Vocab(labels, ignore_index, _compiled_chunk_fns() if compiled else _EAGER_CHUNK_FNS)
+
+
+_EAGER_CHUNK_FNS = (chunk_logsumexp, chunk_softmax_grad, chunk_recomputed_grad)
+
+
+@functools.cache
+def _compiled_chunk_fns():
+    """The chunk functions under ``torch.compile`` (one graph each, shapes dynamic: the label
+    count changes every step). On CUDA the softmax, the loss terms and the logit gradient fuse
+    into one or two kernels after the matmul, so no fp32 ``[chunk, vocab]`` buffer is written;
+    the first call of each compiles (seconds to a minute)."""
+    return tuple(torch.compile(fn, fullgraph=True, dynamic=True) for fn in _EAGER_CHUNK_FNS)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -387,29 +555,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     active) are bit-identical to forward's. The softmax runs in base 2 (``_exp_shifted``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, recompute, tp=None):
+    def forward(ctx, hidden, weight, chunk_size, vocab, recompute):
         dtype = _compute_dtype(hidden, weight)
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.args = (chunk_size, ignore_index, dtype, tp)
+        ctx.args = (chunk_size, dtype, vocab)
         ctx.recompute = recompute
         if recompute:
-            total, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, tp=tp)
-            ctx.save_for_backward(hidden, weight, labels, lse)
+            total, lse = _forward_pass(hidden, weight, chunk_size, dtype, vocab)
+            ctx.save_for_backward(hidden, weight, lse)
             return total
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        one = torch.ones((), dtype=_acc_dtype(dtype), device=hidden.device)
-        total, _, grad_weight = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype,
-                                         grad_hidden=grad_hidden, weight_grad=need_weight, scale=one, tp=tp)
+        total, grad_hidden, grad_weight = _fused_pass(hidden, weight, chunk_size, dtype, vocab,
+                                                      ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.grads = [grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)]
         return total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        dtype = ctx.args[2]
-        scale = grad_total.to(_acc_dtype(dtype))
+        scale = grad_total.to(_acc_dtype(ctx.args[1]))
         if ctx.recompute:
-            return _recomputed_grads(ctx, scale) + (None,) * 5
+            return _recomputed_grads(ctx, scale) + (None,) * 3
         if ctx.grads is None:
             raise RuntimeError(
                 "cross_entropy_sum(recompute=False) gives its gradients to one backward only; "
@@ -417,7 +581,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
         grads, ctx.grads = ctx.grads, None
         # scaled in place (by the fp32 scalar): these buffers were made for this backward
-        return tuple(g.mul_(scale) if g is not None else None for g in grads) + (None,) * 5
+        return tuple(g.mul_(scale) if g is not None else None for g in grads) + (None,) * 3
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -425,30 +589,27 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     cross-entropy's recompute pass with one scale per token, ``-grad`` (``logp = -(lse - logit)``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, tp=None):
+    def forward(ctx, hidden, weight, chunk_size, vocab):
         dtype = _compute_dtype(hidden, weight)
         logp = torch.empty(hidden.shape[0], dtype=_acc_dtype(dtype), device=hidden.device)
-        _, lse, _ = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, token_out=logp, tp=tp)
-        ctx.args = (chunk_size, ignore_index, dtype, tp)
-        ctx.save_for_backward(hidden, weight, labels, lse)
+        _, lse = _forward_pass(hidden, weight, chunk_size, dtype, vocab, token_out=logp)
+        ctx.args = (chunk_size, dtype, vocab)
+        ctx.save_for_backward(hidden, weight, lse)
         return logp
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp):
-        return _recomputed_grads(ctx, -grad_logp.to(_acc_dtype(ctx.args[2]))) + (None,) * 4
+        return _recomputed_grads(ctx, -grad_logp.to(_acc_dtype(ctx.args[1]))) + (None,) * 2
 
 
 def _recomputed_grads(ctx, scale):
     """(grad hidden, grad weight) of ``sum_t scale_t (lse_t - logit_t[label_t])`` from the saved
     inputs and log-sum-exp, the chunk logits recomputed."""
-    chunk_size, ignore_index, dtype, tp = ctx.args
-    hidden, weight, labels, lse = ctx.saved_tensors
-    need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    # the weight gradient is summed over chunks in fp32 (bf16 partial sums would lose bits)
-    _, _, grad_weight = _chunked(hidden, weight, labels, chunk_size, ignore_index, dtype, lse=lse,
-                                 grad_hidden=grad_hidden, weight_grad=need_weight, scale=scale, tp=tp)
+    chunk_size, dtype, vocab = ctx.args
+    hidden, weight, lse = ctx.saved_tensors
+    grad_hidden, grad_weight = _recompute_pass(hidden, weight, lse, scale, chunk_size, dtype, vocab,
+                                               ctx.needs_input_grad[0], ctx.needs_input_grad[1])
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
-from hybridtrain.distributed.expert_parallel import local_tensor, zero_rows_output
+from hybridtrain.distributed.expert_parallel import zero_rows_output
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
 from hybridtrain.models.spec import model_spec_for

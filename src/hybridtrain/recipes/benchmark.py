@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import Built, as_config, build, make_train_step
 from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
 from hybridtrain.ops.backend import configure_backend
@@ -238,7 +239,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
             return peaks_measured[str(dt)]
         return peak_tflops(device, dt)
 
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     profile_dir = None
     if opts["profile"]:
         profile_dir = opts["profile"] if isinstance(opts["profile"], str) else os.path.join(out_dir, "profile")
@@ -264,7 +265,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
     for dt, dname in zip(dtypes, dtype_names):
-        configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
+        configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
+                          fused_loss=t.fused_loss, mamba_kernels=t.mamba_kernels)
         train_step = make_train_step(b.plan, autocast_dtype(dt))
         peak = peak_for(dt)
         if opts["data"] == "recipe":

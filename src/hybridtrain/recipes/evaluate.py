@@ -3,8 +3,9 @@ when it has none) on a checkpoint: answers generated for its validation examples
 match / F1, sample replies.
 
 ``--checkpoint``: a Hugging Face folder, a ``step_N`` checkpoint or a run folder (default: the
-recipe's ``checkpoint.dir``, i.e. its latest checkpoint). The tokenizer is the export's. The
-record (with the checkpoint's path and step) is printed and appended to
+recipe's ``checkpoint.dir``, i.e. its latest checkpoint): its export, or, for a step without one,
+its sharded checkpoint (read as ``hybridtrain convert`` reads it). The tokenizer is the export's
+(the checkpoint's). The record (with the checkpoint's path and step) is printed and appended to
 ``<checkpoint.dir>/evaluation.jsonl``; replies go to the evaluation's ``samples_file`` there.
 
 With several processes (``--nproc-per-node N`` or torchrun) the model is built under the recipe's
@@ -22,12 +23,13 @@ from typing import Any
 
 from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.runfolder import latest_checkpoint, run_folder_path
 
 logger = logging.getLogger(__name__)
 
 
-def _step_of(hf_dir: str) -> int | None:
-    state = os.path.join(os.path.dirname(hf_dir), "trainer_state.json")
+def _step_of(step_dir: str) -> int | None:
+    state = os.path.join(step_dir, "trainer_state.json")
     try:
         with open(state) as f:
             return int(json.load(f).get("step"))
@@ -45,9 +47,7 @@ def _write(out_dir: str, rec: dict[str, Any]) -> None:
 def _step_dir(path: str) -> str:
     """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's latest)."""
     path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
+    path = latest_checkpoint(path) or path
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise ValueError(f"hybridtrain evaluate with several processes: --checkpoint {path} is not a "
                          "step_N checkpoint or a run folder holding one (no trainer_state.json); "
@@ -61,7 +61,7 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
     from hybridtrain.distributed.utils import main_process_first
     from hybridtrain.training.builder import build, build_checkpointer, instantiate_with, make_evaluator
 
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     path = _step_dir(checkpoint or out_dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
     with process_group(cfg) as info:
@@ -77,26 +77,32 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
 
 
 def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
-    from hybridtrain.training.builder import instantiate_with, as_config, resolve_device
-    from hybridtrain.recipes.generate import load_model, resolve_export
+    from hybridtrain.training.builder import as_config, check_input_paths, instantiate_with, resolve_device
+    from hybridtrain.recipes.generate import load_model, resolve_export, unexported_checkpoint
     from hybridtrain.training.evaluation import evaluator_from_config
     from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 
     cfg: ConfigNode = as_config(cfg)
     if cfg.validation_dataset is None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")
+    check_input_paths(cfg, ("validation_dataset",))  # before the model is loaded
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_laid_out(cfg, checkpoint)
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
     device = resolve_device(cfg.training.device)
-    hf_dir, adapter = resolve_export(ckpt)
+    step_dir = unexported_checkpoint(ckpt)
+    if step_dir is None:
+        hf_dir, adapter = resolve_export(ckpt)
+        source = adapter or hf_dir
+        step = _step_of(os.path.dirname(source))
+    else:
+        source, step = step_dir, _step_of(step_dir)
     model, tokenizer = load_model(ckpt, device=device)
     dtype = resolve_dtype(cfg.training.dtype, device, model.config.hidden_size, cfg.training.cpu_bf16)
     val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
-    step = _step_of(adapter or hf_dir)
     evaluator = evaluator_from_config(section, val_ds, tokenizer, out_dir, autocast_dtype=autocast_dtype(dtype))
-    rec = {"checkpoint": adapter or hf_dir, "step": step, **evaluator(model, step)}
+    rec = {"checkpoint": source, "step": step, **evaluator(model, step)}
     _write(out_dir, rec)
     return rec

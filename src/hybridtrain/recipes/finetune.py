@@ -5,8 +5,8 @@ metrics from a recipe, and train.
     summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
 
 Order of events: process group (when launched with several ranks) -> start-up checks (layout,
-run-folder lock, earlier run or resume point) -> :func:`build` (seeds ->
-tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
+run-folder lock, earlier run or resume point) -> :func:`build` (seeds -> the input files and
+folders the recipe names exist -> tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
 datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
 scheduler -> checkpointer and resume -> (only now writes: config.yaml, clearing an overwritten
 run) train -> final checkpoint with the HF (or PEFT adapter) export and the ``final`` link ->
@@ -53,9 +53,9 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     has passed (only its lock, which goes with the run, and a folder created for it, removed
     again when a check fails)."""
     from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.runfolder import RunLock
+    from hybridtrain.runfolder import RunLock, run_folder_path
 
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     parallel_dims_from_config(cfg.distributed, world_size, device.type, build_mesh=False)
     created = is_main and not os.path.exists(out_dir)
     lock = RunLock(out_dir) if is_main else None

@@ -5,7 +5,8 @@
         [--batch-size B] [--output OUT.jsonl] [--dtype D] [--device D]
 
 ``--model``: a Hugging Face folder, or a run folder / ``step_N`` checkpoint (its export:
-``merged_hf/``, ``hf/``, or ``adapter/`` on the base recorded in the adapter). ``--prompts``:
+``merged_hf/``, ``hf/``, or ``adapter/`` on the base recorded in the adapter; a step without an
+export: its sharded checkpoint, read as ``hybridtrain convert`` reads it). ``--prompts``:
 JSONL records with ``prompt`` (text) or ``messages`` (a chat, always rendered with the chat
 template). ``--chat`` renders each text prompt as one user turn with the tokenizer's chat template
 and its generation prompt. Greedy unless ``--temperature`` or ``--top-k``/``--top-p`` is given.
@@ -19,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ import torch
 
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.data.templates import apply_template
+from hybridtrain.runfolder import latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +51,7 @@ def resolve_export(path: str) -> tuple[str, str | None]:
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such folder")
-    if os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
+    path = latest_checkpoint(path) or path
     for sub in ("merged_hf", "hf"):
         if os.path.isfile(os.path.join(path, sub, "config.json")):
             return os.path.join(path, sub), None
@@ -71,13 +72,45 @@ def resolve_export(path: str) -> tuple[str, str | None]:
                      "or run folder with an export (hf/, merged_hf/ or adapter/)")
 
 
+def unexported_checkpoint(path: str) -> str | None:
+    """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's ``latest``) when it
+    holds no export (``hf/``, ``merged_hf/``, ``adapter/``); else None."""
+    from hybridtrain.training.checkpoint import step_folder
+
+    path = step_folder(path)
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return None
+    exported = any(os.path.isfile(os.path.join(path, sub, name)) for sub, name in
+                   (("merged_hf", "config.json"), ("hf", "config.json"),
+                    ("adapter", "adapter_config.json")))
+    return None if exported else path
+
+
 def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu"):
     """(model, tokenizer) for generation: the model class registered for the folder's
-    ``model_type``, with a PEFT adapter applied when given (not merged)."""
+    ``model_type``, with a PEFT adapter applied when given (not merged); a ``step_N`` checkpoint
+    without an export: the model its sharded checkpoint holds, with its tokenizer."""
     from hybridtrain.data import load_tokenizer
     from hybridtrain.models.spec import get_model_spec
 
+    step_dir = unexported_checkpoint(model_dir)
+    if step_dir is not None:
+        from hybridtrain.config.dtypes import to_torch_dtype
+        from hybridtrain.training.checkpoint import load_checkpoint_model
+
+        if adapter_dir:
+            raise ValueError(f"--adapter {adapter_dir}: {step_dir} is a training checkpoint (it "
+                             "holds its own adapters, if any); pass a Hugging Face folder as --model")
+        tok_dir = os.path.join(step_dir, "tokenizer")
+        if not os.path.isdir(tok_dir):
+            raise ValueError(f"{step_dir} has no tokenizer/ (its run had no tokenizer); export it "
+                             f"with `hybridtrain convert {step_dir} OUT_DIR` and add one")
+        model, _ = load_checkpoint_model(step_dir)
+        logger.info("%s has no export: loaded its sharded checkpoint", step_dir)
+        if dtype is not None:
+            model = model.to(to_torch_dtype(dtype, "--dtype"))
+        return model.to(device).eval(), load_tokenizer(tok_dir)
     hf_dir, found_adapter = resolve_export(model_dir)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
@@ -178,8 +211,15 @@ def complete(model, tokenizer, prompts: list[list[int]], *, batch_size: int = 8,
     return out
 
 
+def _plain(doc: str) -> str:
+    """Docstring text for a terminal: reStructuredText ````literals```` without their quotes."""
+    return re.sub(r"``([^`]*)``", r"\1", doc)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridtrain generate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="hybridtrain generate",
+                                description="Complete prompts with a trained model.\n\n"
+                                + _plain(__doc__.split("\n\n", 2)[2]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder, run folder or step_N checkpoint")
     p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder to apply")
@@ -187,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="one prompt (text)")
     src.add_argument("--prompts", metavar="FILE.jsonl", help="JSONL with 'prompt' or 'messages' per line")
     p.add_argument("--chat", action="store_true", help="render text prompts with the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
@@ -195,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
     p.add_argument("--output", default=None, help="write JSONL here instead of stdout")
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="default: as stored")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available, else cpu")
     return p
 
 
@@ -213,7 +254,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     prompts = [encode_prompt(tok, r, args.chat, "--prompt" if args.prompts is None
                              else f"{args.prompts} record {i + 1}") for i, r in enumerate(records)]
     do_sample = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
-    hf_dir, _ = resolve_export(args.model)
+    hf_dir = None if unexported_checkpoint(args.model) else resolve_export(args.model)[0]
     results = complete(model, tok, prompts, batch_size=args.batch_size,
                        stop_ids=stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records)),
                        max_new_tokens=args.max_new_tokens, do_sample=do_sample,

@@ -19,6 +19,10 @@ A finetune recipe (model, tokenizer, optimizer, ...) plus a ``grpo:`` section. E
    (the KL term to the reference with ``reference_policy_kl_penalty``), each on its share of the
    prompt groups.
 
+A step is one rollout (``training.max_steps`` of them); it makes ``updates_per_rollout`` optimizer
+updates. ``training.jsonl``, the summary and the final ``step_N/`` (with ``final`` linking to it)
+count steps, not updates.
+
 ``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``accuracy`` (when the task
 has one), ``loss``, ``kl``,
 ``clip_fraction``, ``entropy``, ``ratio``, ``grad_norm``, ``lr``, ``completion_tokens``,

@@ -30,7 +30,7 @@ from typing import Any
 
 from hybridtrain.config import ConfigNode
 from hybridtrain.fileio import atomic_write, read_json
-from hybridtrain.runfolder import RunLock
+from hybridtrain.runfolder import RunLock, run_folder_path
 from hybridtrain.training.metrics import MetricsLogger, read_jsonl
 from hybridtrain.training.preemption import Preempted, RunStop, stopping_at_once
 
@@ -46,7 +46,7 @@ def rl_run(cfg: ConfigNode, name: str, **kwargs) -> Iterator["RLRun"]:
     (:func:`~hybridtrain.training.preemption.stopping_at_once`)."""
     from hybridtrain.distributed.utils import is_main_process
 
-    out_dir = os.path.abspath(cfg.checkpoint.dir)
+    out_dir = run_folder_path(cfg.checkpoint.dir)
     lock = RunLock(out_dir) if is_main_process() else None
     created = lock is not None and not os.path.exists(out_dir)
     if lock is not None:
@@ -78,6 +78,19 @@ def _check_resumable(path: str, name: str) -> None:
             "new checkpoint.dir")
 
 
+@contextlib.contextmanager
+def _info_lines_off():
+    """hybridtrain's INFO lines off for the block (warnings stay; DEBUG logging shows all)."""
+    log = logging.getLogger("hybridtrain")
+    level = log.level
+    if log.getEffectiveLevel() == logging.INFO:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class RLRun:
     """``Policy`` + frozen reference (the same recipe: the same initial weights) + metrics in
     ``checkpoint.dir``; use it through :func:`rl_run`. An earlier run there is continued with
@@ -89,15 +102,21 @@ class RLRun:
                  loss_label: str = "loss"):
         from hybridtrain.recipes.finetune import _check_run_folder
         from hybridtrain.rl import Policy
+        from hybridtrain.training.builder import check_input_paths
 
         self.cfg, self.name = cfg, name
-        self.out_dir = os.path.abspath(cfg.checkpoint.dir)
+        self.out_dir = run_folder_path(cfg.checkpoint.dir)
         self.t_start = time.perf_counter()
         self.resume_from, clear = _check_run_folder(cfg, self.out_dir)
         if self.resume_from is not None:
             _check_resumable(self.resume_from, name)
+        check_input_paths(cfg)  # before two models are built
         self.policy = Policy(cfg)
-        self.reference = Policy(cfg)  # never trained: the reference policy
+        t0 = time.perf_counter()
+        with _info_lines_off():  # the same build again: its log would repeat the policy's
+            self.reference = Policy(cfg)  # never trained: the reference policy
+        logger.info("reference policy: the recipe's model built again and kept frozen (%.1fs)",
+                    time.perf_counter() - t0)
         self.is_main = self.policy.built.is_main
         self._clear = clear
         m = cfg.metrics
@@ -202,8 +221,11 @@ class RLRun:
         """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0)."""
         self.stop.restore()
         ckpt = None
-        if self.cfg.checkpoint.enabled:
-            ckpt = self.save(export=self.cfg.checkpoint.save_hf_at_end)
+        if self.cfg.checkpoint.enabled:  # step_N: N = the logged steps (GRPO: rollout steps)
+            export = self.cfg.checkpoint.save_hf_at_end
+            ckpt = self.save(export=export)
+            if export:  # final/: the finished run's export, as finetune's
+                self.policy.checkpointer(self.out_dir).mark_final(ckpt)
         plot = self.metrics.close()
         losses = [r["loss"] for r in self.history if math.isfinite(r.get("loss", math.nan))]
         summary = {"steps": len(self.history), "first_loss": losses[0] if losses else None,
@@ -213,7 +235,9 @@ class RLRun:
         if self.is_main:
             print(f"hybridtrain {self.name}: {headline(self.history)}\noutputs in "
                   f"{self.out_dir}/ (training.jsonl, loss.png"
-                  + (f", {os.path.relpath(ckpt, self.out_dir)}/" if ckpt else "") + ")", flush=True)
+                  + (f", {os.path.relpath(ckpt, self.out_dir)}/" if ckpt else "")
+                  + (", final/" if os.path.islink(os.path.join(self.out_dir, "final")) else "")
+                  + ")", flush=True)
         return summary
 
 

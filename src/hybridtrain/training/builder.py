@@ -79,6 +79,43 @@ def _build_tokenizer(cfg: ConfigNode, is_main: bool):
     return main_process_first(build, is_main)
 
 
+# a Hugging Face tokenizer folder holds at least one of these
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_input_paths(cfg: ConfigNode,
+                      sections: tuple[str, ...] = ("tokenizer", "dataset", "validation_dataset")
+                      ) -> None:
+    """Fails before anything is built when a local input the recipe names is missing: a
+    dataset's ``path`` (a file, a folder or a glob; not one a nested ``_target_`` writes), a
+    ``chat_template_path``, a loaded tokenizer's folder."""
+    import glob
+
+    from hybridtrain.data.io import DataError
+
+    for section in sections:
+        node = cfg.get(section)
+        if not isinstance(node, Mapping):
+            continue
+        is_tokenizer = str(node.get("_target_", "")).endswith("load_tokenizer")
+        for key, kind in (("path", "folder" if is_tokenizer else "data file, folder or glob"),
+                          ("chat_template_path", "file")):
+            value = node.get(key)
+            if not isinstance(value, str) or not value:
+                continue
+            path = os.path.expanduser(value)
+            found = os.path.isdir(path) if is_tokenizer and key == "path" else (
+                os.path.exists(path) or (key == "path" and bool(glob.glob(path))))
+            if not found:
+                raise DataError(f"{node.where(key)}: {section}.{key} {value!r}: no such {kind} "
+                                f"(relative paths are read from {os.getcwd()})")
+            if is_tokenizer and key == "path" and not any(
+                    os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+                raise DataError(f"{node.where(key)}: {section}.{key} {value!r} holds no tokenizer "
+                                f"(none of {', '.join(_TOKENIZER_FILES)}); point it at the model's "
+                                "folder (a recipe's ${env:VAR,default} names the variable to set)")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -263,7 +300,8 @@ class Built:
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None,
           loss: nn.Module | None = None, tokenizer: bool | None = None) -> Built:
-    """Builds a recipe's parts in a fixed order: seeds -> tokenizer -> model (random init from
+    """Builds a recipe's parts in a fixed order: seeds -> input paths checked
+    (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
     layout -> train step -> optimizer.
 
@@ -279,8 +317,11 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
 
-    # tokenizer, model
-    tokenizer = _build_tokenizer(cfg, is_main) if (data if tokenizer is None else tokenizer) else None
+    # inputs first (a missing file is reported before minutes of building), tokenizer, model
+    with_tokenizer = data if tokenizer is None else tokenizer
+    check_input_paths(cfg, (("tokenizer",) if with_tokenizer else ())
+                      + (("dataset", "validation_dataset") if data else ()))
+    tokenizer = _build_tokenizer(cfg, is_main) if with_tokenizer else None
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
@@ -295,7 +336,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     spec = model_spec_for(model)
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
-    configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm)
+    configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
+                      fused_loss=t.fused_loss, mamba_kernels=t.mamba_kernels)
     autocast_dtype = autocast_dtype_of(compute_dtype)
     save_dtype = resolve_save_dtype(cfg.checkpoint.save_dtype, model)  # before LoRA / sharding
     if tokenizer is not None and len(tokenizer) > model_config.vocab_size:

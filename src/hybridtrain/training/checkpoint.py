@@ -29,7 +29,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -49,13 +48,13 @@ from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_
 from hybridtrain.fileio import (WriteError, atomic_write, atomic_write_json, read_json,
                                 unique_tmp_path, write_error)
 from hybridtrain.models.spec import model_spec_for
+from hybridtrain.runfolder import STEP_RE, latest_checkpoint
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 FINAL = "final"  # symlink to the step folder holding the finished run's export
-_STEP_RE = re.compile(r"^step_(\d+)$")
 # Config keys that do not change the model's function; ignored when comparing on resume.
 _CONFIG_IGNORE = {
     "transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "auto_map",
@@ -97,10 +96,10 @@ def _describe(exc: BaseException) -> str:
 def _previous_checkpoint(ckpt: str) -> str | None:
     """The newest complete ``step_M`` (M < N) beside the checkpoint ``.../step_N``."""
     run_dir, name = os.path.split(os.path.abspath(ckpt))
-    m = _STEP_RE.match(name)
+    m = STEP_RE.match(name)
     if m is None or not os.path.isdir(run_dir):
         return None
-    older = [int(k.group(1)) for k in map(_STEP_RE.match, os.listdir(run_dir))
+    older = [int(k.group(1)) for k in map(STEP_RE.match, os.listdir(run_dir))
              if k and int(k.group(1)) < int(m.group(1))
              and os.path.isfile(os.path.join(run_dir, k.group(0), "trainer_state.json"))]
     return os.path.join(run_dir, f"step_{max(older)}") if older else None
@@ -236,18 +235,6 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
     barrier()
 
 
-def _latest_in(run_dir: str) -> str | None:
-    path = os.path.join(run_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    ckpt = os.path.join(run_dir, name)
-    if not os.path.isdir(ckpt):
-        raise ValueError(f"{path} names {name!r}, which does not exist in {run_dir}")
-    return ckpt
-
-
 def default_export(model: torch.nn.Module, step_dir: str, tokenizer=None,
                    final: bool = False, dtype: torch.dtype | None = None) -> str:
     """The export written into a checkpoint: ``hf/`` (in ``dtype``). Collective."""
@@ -325,12 +312,12 @@ class Checkpointer:
     # -- discovery ---------------------------------------------------------------------------
     def latest(self) -> str | None:
         """The folder ``latest`` names, or None."""
-        return _latest_in(self.dir)
+        return latest_checkpoint(self.dir)
 
     def steps(self) -> list[int]:
         out = []
         for name in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             if m and os.path.isdir(os.path.join(self.dir, name)):
                 out.append(int(m.group(1)))
         return sorted(out)
@@ -344,7 +331,7 @@ class Checkpointer:
             return self.latest()
         path = os.path.abspath(str(resume))
         if os.path.isfile(os.path.join(path, LATEST)):
-            return _latest_in(path)
+            return latest_checkpoint(path)
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             raise ValueError(
                 f"checkpoint.resume={resume!r}: {path} is not a checkpoint folder (no "
@@ -552,13 +539,16 @@ def _import_model_class(dotted: str):
     return getattr(importlib.import_module(module), name)
 
 
-def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = None) -> str:
-    """Exports a checkpoint (``step_N`` folder, or a run folder -> its ``latest``) as a
-    consolidated Hugging Face folder (a LoRA run's: a PEFT adapter folder), with the tokenizer.
-    Works in one process whatever parallel layout wrote the checkpoint."""
-    path = os.path.abspath(ckpt_dir)
-    if os.path.isfile(os.path.join(path, LATEST)):
-        path = _latest_in(path)
+def step_folder(path: str) -> str:
+    """The absolute ``step_N`` folder ``path`` names: itself, or a run folder's ``latest``."""
+    path = os.path.abspath(path)
+    return latest_checkpoint(path) if os.path.isfile(os.path.join(path, LATEST)) else path
+
+
+def _open_checkpoint(ckpt_dir: str) -> tuple[str, dict, type, Any]:
+    """(step folder, trainer state, model class, model config) of a ``step_N`` folder or a run
+    folder (its ``latest``)."""
+    path = step_folder(ckpt_dir)
     state_path = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_path):
         raise ValueError(f"{ckpt_dir} is not a checkpoint (no trainer_state.json) nor a run "
@@ -568,6 +558,27 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
     cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
     config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
+    return path, state, cls, config
+
+
+def _load_saved_tensors(model: torch.nn.Module, path: str, state: dict) -> None:
+    """Fills the tensors the checkpoint at ``path`` holds (a LoRA run's: the adapters) into the
+    whole, unsharded ``model``, in one process whatever layout wrote them."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    _check_state_format(path, state, model)
+    model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
+    tensors: dict[str, torch.Tensor] = {}
+    _tensors(model_sd, "model", tensors)
+    _dcp_load(tensors, os.path.join(path, "dcp"))
+    set_model_state_dict(model, model_sd, options=_LOAD_OPTIONS)
+
+
+def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = None) -> str:
+    """Exports a checkpoint (``step_N`` folder, or a run folder -> its ``latest``) as a
+    consolidated Hugging Face folder (a LoRA run's: a PEFT adapter folder), with the tokenizer.
+    Works in one process whatever parallel layout wrote the checkpoint."""
+    path, state, cls, config = _open_checkpoint(ckpt_dir)
     peft = state.get("peft")
     if not peft:  # the HF export, read and written one tensor at a time
         with torch.device("meta"):
@@ -589,19 +600,35 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
 
     model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
     apply_lora(model, **peft)
-    _check_state_format(path, state, model)
-    model_sd = get_model_state_dict(model, options=_SD_OPTIONS)
-    tensors: dict[str, torch.Tensor] = {}
-    _tensors(model_sd, "model", tensors)
-    _dcp_load(tensors, os.path.join(path, "dcp"))
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    set_model_state_dict(model, model_sd, options=_LOAD_OPTIONS)
+    _load_saved_tensors(model, path, state)
     os.makedirs(out_hf_dir, exist_ok=True)
     export_peft(model, out_hf_dir, state.get("base_model_name_or_path"))
     _copy_tokenizer(path, out_hf_dir)
     logger.info("exported %s to %s", path, out_hf_dir)
     return out_hf_dir
+
+
+def load_checkpoint_model(ckpt_dir: str) -> tuple[torch.nn.Module, str]:
+    """(model, step folder): the model a checkpoint (``step_N`` or a run folder's ``latest``)
+    holds, whole, in one process, its ``dcp/`` read as :func:`convert` reads it whatever layout
+    wrote it; a LoRA checkpoint's adapters on the base model it records (a Hugging Face folder,
+    relative to the working directory as in training). For a step without an export."""
+    path, state, cls, config = _open_checkpoint(ckpt_dir)
+    peft = state.get("peft")
+    if peft:
+        from hybridtrain.peft.lora import apply_lora
+
+        base = state.get("base_model_name_or_path")
+        if not base or not os.path.isfile(os.path.join(base, "config.json")):
+            raise ValueError(f"{path} is a LoRA checkpoint whose base model ({base!r}) is not a "
+                             "Hugging Face folder here; run from the training's working directory "
+                             f"or export the adapters with `hybridtrain convert {path} OUT_DIR`")
+        model = cls.from_pretrained(base)
+        apply_lora(model, **peft)
+    else:
+        model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
+    _load_saved_tensors(model, path, state)
+    return model, path
 
 
 def _dcp_tensors(layout: dict[str, torch.Tensor], dcp_dir: str):

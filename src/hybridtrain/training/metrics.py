@@ -57,6 +57,15 @@ def _truncate_jsonl(path: str, max_step: int) -> None:
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+# validation.jsonl keys repeated on the log line (the file keeps every key, full precision)
+_VAL_LINE_KEYS = ("val_loss", "val_accuracy", "answer_accuracy", "exact_match", "f1")
+
+
+def _short(value: Any) -> str:
+    """A log line's number: 4 decimals (a float), else as is."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
 class MetricsLogger:
     """Writes the run's metrics. :meth:`open` (called by the trainer at the start of ``fit``)
     starts fresh files, or, on a resumed run, drops records past the resumed step."""
@@ -139,9 +148,8 @@ class MetricsLogger:
         if not self.is_main:
             return
         record = self._write(self.val_path, "val", record)
-        msg = f"step {record['step']}: val_loss {record.get('val_loss')}"
-        if record.get("answer_accuracy") is not None:
-            msg += f", answer_accuracy {record['answer_accuracy']:.3f}"
+        msg = f"step {record['step']}: " + ", ".join(
+            f"{k} {_short(record[k])}" for k in _VAL_LINE_KEYS if record.get(k) is not None)
         if self._bar is not None:
             self._bar.write(msg)
         else:

@@ -8,7 +8,9 @@ from torch import nn
 from hybridtrain.ops.attention import document_causal_attention
 
 from . import context_parallel as cpl
+from .cache import KVCache
 from .config import NemotronHConfig
+from .step_ops import linear
 
 
 class Attention(nn.Module):
@@ -54,3 +56,42 @@ class Attention(nn.Module):
             seq_idx, offset = cp.seq_idx, cp.offset
         out = document_causal_attention(q, k, v, seq_idx, q_offset=offset, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(b, L, -1))
+
+    # ------------------------------------------------------------------ cached decoding
+    def _qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [b, heads, L, head_dim] (this rank's heads under tensor parallelism)."""
+        b, L, _ = hidden_states.shape
+        q, k, v = (linear(p, hidden_states).view(b, L, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.local_kv_heads is not None:
+            k, v = self.local_kv_heads(k), self.local_kv_heads(v)
+        return q, k, v
+
+    def prefill(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
+                max_length: int) -> tuple[torch.Tensor, KVCache]:
+        """The prompt's attention (``seq_idx``: padding and prompt as two documents, or None)
+        and its key/value cache, allocated once with room for ``max_length`` positions."""
+        q, k, v = self._qkv(hidden_states)
+        b, kv_heads, L, d = k.shape
+        cache = KVCache(*(torch.zeros(b, kv_heads, max_length, d, dtype=k.dtype, device=k.device)
+                          for _ in range(2)))
+        cache.k[:, :, :L] = k
+        cache.v[:, :, :L] = v
+        out = document_causal_attention(q, k, v, seq_idx)
+        return self.o_proj(out.transpose(1, 2).reshape(b, L, -1)), cache
+
+    def step(self, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor,
+             position: torch.Tensor) -> torch.Tensor:
+        """One token per row, hidden_states [b, 1, H], written to the cache at ``position`` [1]
+        (a device tensor), attending to the cached positions ``valid`` [b, max_length] marks
+        (this one included) over the whole static cache: no shape depends on the position. The
+        query heads sharing a kv head are the rows of one attention (no causal mask: every valid
+        key precedes the query)."""
+        q, k, v = self._qkv(hidden_states)
+        cache.k.index_copy_(2, position, k)
+        cache.v.index_copy_(2, position, v)
+        b, heads = q.shape[:2]
+        kv_heads = cache.k.shape[1]
+        q = q.reshape(b, kv_heads, heads // kv_heads, self.head_dim)
+        out = torch.nn.functional.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=valid[:, None, None])
+        return linear(self.o_proj, out.reshape(b, 1, heads * self.head_dim))

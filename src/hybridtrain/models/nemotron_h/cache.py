@@ -1,7 +1,9 @@
-"""The decoding state of a Nemotron-H model: per Mamba2 layer its conv window and SSM state (fixed
-size: memory does not grow with the generated length), per attention layer a key/value cache
-allocated once for the whole generation, and which cached positions are real tokens (left
-padding of batched prompts is not)."""
+"""The decoding state of a Nemotron-H model, static for the whole generation: per Mamba2 layer its
+conv window and SSM state (fixed size: memory does not grow with the generated length), per
+attention layer a key/value cache allocated once for ``max_length`` positions, which cached
+positions are real tokens (left padding of batched prompts is not; positions not written yet are
+not), and the position of the next token as a device tensor. A decoding step updates all of it
+in place and changes no shape, so it can run as one captured CUDA graph (``generation``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 class MambaState:
     conv: torch.Tensor  # [b, conv_dim, k - 1]: the last k - 1 conv inputs (zeros before the prompt)
     ssm: torch.Tensor  # [b, h, p, n] fp32: the SSM state after the last token
-    step: object | None = None  # the mixer's parameters as the fp32 CPU step reads them (recurrent.StepConstants)
+    # the mixer's parameters as the fused fp32 CPU step reads them (recurrent.StepConstants),
+    # made at prefill where ops.backend chooses that step; None: the generic step
+    step: object | None = None
 
 
 @dataclass
@@ -25,15 +29,27 @@ class KVCache:
 
 @dataclass
 class NemotronHCache:
-    """State of every layer after ``length`` tokens; ``valid`` [b, max_length] marks the cached
-    positions that are tokens (False: left padding, or not written yet)."""
+    """State of every layer after ``length`` tokens. ``valid`` [b, max_length] marks the cached
+    positions that are tokens (False: left padding, or not written yet); ``position`` [1] (int64,
+    on the device) is where the next token goes: a step writes there and advances it, so a
+    replayed step needs no host input. ``length`` is the host's count of the same."""
 
     valid: torch.Tensor
+    position: torch.Tensor
     length: int = 0
-    padded: bool = False  # some prompt was left-padded: attention masks the invalid positions
     layers: dict[str, MambaState | KVCache] = field(default_factory=dict)
-    head_t: torch.Tensor | None = None  # the LM head's weight transposed (CPU decoding; generation._logits)
+    head_t: torch.Tensor | None = None  # the LM head's weight transposed (ops.backend.transposed_head)
 
     @property
     def max_length(self) -> int:
         return self.valid.shape[1]
+
+    def mutable_tensors(self) -> list[torch.Tensor]:
+        """What a step changes in place besides the key/value slots at ``position`` (those are
+        rewritten by the next step at the same position): to snapshot and restore around the
+        warm-up of a CUDA graph capture."""
+        out = [self.valid, self.position]
+        for s in self.layers.values():
+            if isinstance(s, MambaState):
+                out += [s.conv, s.ssm]
+        return out

@@ -1,7 +1,13 @@
-"""Cached decoding for Nemotron-H: :func:`prefill` runs the prompt once (the chunked scan, with its
-final state kept) and fills a :class:`~.cache.NemotronHCache`; :func:`decode_step` feeds one
-token per row: a Mamba2 layer takes one recurrent step (O(1) work and memory), an attention layer
-attends over its key/value cache. :func:`generate` is ``NemotronHForCausalLM.generate``.
+"""Cached decoding for Nemotron-H, the loop only: :func:`prefill` runs the prompt once (each
+mixer's ``prefill``: the chunked scan with its final state kept, the key/value cache allocated
+for the whole generation) and fills a static :class:`~.cache.NemotronHCache`; :func:`decode_step`
+feeds one token per row through each mixer's ``step`` (a Mamba2 layer takes one recurrent step,
+O(1) work and memory; an attention layer attends over its cache). :func:`generate` is
+``NemotronHForCausalLM.generate``.
+
+A step changes no shape and reads no host value (the position is a device tensor), so on CUDA it
+is captured once per ``generate`` as a CUDA graph and replayed for every token (:class:`StepGraph`,
+chosen by ``ops.backend.decode_graph``): one launch per token instead of hundreds.
 
 Batched prompts are left-padded (``attention_mask`` 0 before each prompt). During prefill the
 padding is a document of its own (``seq_idx``): Mamba's conv and scan restart at the prompt and
@@ -12,222 +18,19 @@ decodes as it would alone.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from collections.abc import Callable
 
-from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor
-from hybridtrain.ops.attention import document_causal_attention
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from hybridtrain.distributed.expert_parallel import LocalDispatcher
+from hybridtrain.distributed.utils import local_tensor
+from hybridtrain.ops import backend
 from hybridtrain.ops.sampling import GenerationConfig, decode
 
-from . import kernels, recurrent
-from .attention import Attention
-from .cache import KVCache, MambaState, NemotronHCache
-from .mamba2 import Mamba2Mixer
-from .mlp import MLP
+from .cache import NemotronHCache
 from .moe import Experts, MoE
-from .norms import RMSNorm, RMSNormGated
-
-
-# ---------------------------------------------------------------------------------- projections
-# A decoding step multiplies a few rows by every weight, and there the form of the product
-# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
-# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
-# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
-#   rows           1     2     4     8
-#   x @ W^T      5.8  12.5  20.3  23.0
-#   W @ x^T      5.7   9.5   8.7  14.3
-#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
-TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
-TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
-
-
-def _plain_linear(lin: nn.Module) -> bool:
-    """An ``nn.Linear`` running ``nn.Linear.forward`` (not a LoRA layer; FSDP2's wrapper class
-    keeps the forward) on a plain, not tensor-parallel, weight."""
-    return (isinstance(lin, nn.Linear) and type(lin).forward is nn.Linear.forward
-            and local_tensor(lin.weight) is lin.weight)
-
-
-def _plain_fp32_cpu(lin: nn.Module, x: torch.Tensor) -> bool:
-    """An ``nn.Linear`` itself (not a subclass such as a LoRA layer: those run their forward),
-    fp32 on CPU, outside autocast: the case the product forms above were measured for."""
-    return (_plain_linear(lin) and x.device.type == "cpu" and lin.weight.dtype == torch.float32
-            and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
-
-
-def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)`` for the few rows of a decoding step: W @ x^T for 2+ rows of a plain fp32 CPU
-    ``nn.Linear`` (see above); ``F.linear`` for another plain ``nn.Linear`` (no module call: the LM
-    head is part of an FSDP2 unit whose hooks must not run here, see :func:`_norm`); else
-    ``lin``'s forward (LoRA, tensor-parallel)."""
-    rows = x.numel() // x.shape[-1]
-    if rows < 2 or not _plain_fp32_cpu(lin, x):
-        if _plain_linear(lin):
-            return F.linear(x, lin.weight, lin.bias)
-        return lin(x)
-    y = torch.mm(lin.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
-    if lin.bias is not None:
-        y += lin.bias
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
-def _mlp(m: MLP, x: torch.Tensor) -> torch.Tensor:
-    return linear(m.down_proj, m.act_fn(linear(m.up_proj, x)))
-
-
-def _logits(model, cache: NemotronHCache, h: torch.Tensor) -> torch.Tensor:
-    """The LM head of a decoding step, h [b, H] -> fp32 logits [b, V]."""
-    head = model.lm_head
-    if h.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and _plain_fp32_cpu(head, h) and head.bias is None:
-        if cache.head_t is None and cache.max_length - cache.length >= TRANSPOSED_HEAD_MIN_STEPS:
-            cache.head_t = head.weight.t().contiguous()
-        if cache.head_t is not None:
-            return h @ cache.head_t
-    return linear(head, h).float()
-
-
-# ---------------------------------------------------------------------------------- Mamba2
-def _mamba_out(m: Mamba2Mixer, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    y = m.norm(y.reshape(z.shape), z)
-    return m.out_proj(y.to(dtype))
-
-
-def mamba_prefill(m: Mamba2Mixer, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
-                  valid: torch.Tensor | None) -> tuple[torch.Tensor, MambaState]:
-    """The mixer's forward over the prompt, returning also the conv window and the final state."""
-    b, L, _ = hidden_states.shape
-    z, xBC, dt = m.project(hidden_states)
-    k = m.conv1d.weight.shape[-1]
-    window = xBC if valid is None else xBC.masked_fill(~valid[..., None], 0)
-    window = window[:, -(k - 1):].transpose(1, 2) if k > 1 else window[:, :0].transpose(1, 2)
-    if window.shape[-1] < k - 1:  # a prompt shorter than the window: zeros before it
-        window = torch.nn.functional.pad(window, (k - 1 - window.shape[-1], 0))
-    xBC = kernels.causal_conv1d(xBC.transpose(1, 2), local_tensor(m.conv1d.weight).squeeze(1),
-                                local_tensor(m.conv1d.bias), seq_idx).transpose(1, 2)
-    x, B, C = m.split_conv_output(xBC)
-    y, ssm = kernels.ssd_scan(
-        x, dt, -torch.exp(local_tensor(m.A_log).float()), B, C, chunk_size=m.chunk_size,
-        D=local_tensor(m.D), dt_bias=local_tensor(m.dt_bias), dt_limit=m.dt_limit, seq_idx=seq_idx,
-        return_final_state=True,
-    )
-    state = MambaState(conv=window.contiguous(), ssm=ssm.float().contiguous())
-    return _mamba_out(m, y, z, hidden_states.dtype), state
-
-
-def _step_constants(m: Mamba2Mixer, x: torch.Tensor) -> recurrent.StepConstants | None:
-    """The mixer's parameters for :func:`recurrent.mixer_step_fp32` when it applies: fp32 on CPU,
-    plain (not LoRA, not tensor-parallel) projections, conv and norm."""
-    if not (_plain_fp32_cpu(m.in_proj, x) and _plain_linear(m.out_proj) and type(m.norm) is RMSNormGated
-            and all(local_tensor(p) is p and p.dtype == torch.float32
-                    for p in (m.conv1d.weight, m.A_log, m.D, m.dt_bias, m.norm.weight))
-            and m.conv1d.weight.shape[-1] > 1):
-        return None
-    return recurrent.StepConstants.make(
-        m.A_log, m.dt_bias, m.dt_limit, m.D, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.norm.weight,
-        m.norm.eps, groups=m.n_groups, head_dim=m.head_dim, n=m.ssm_state_size)
-
-
-def mamba_step(m: Mamba2Mixer, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
-    """One token per row, hidden_states [b, 1, H]; ``state`` is updated in place."""
-    if state.step is None:
-        state.step = _step_constants(m, hidden_states) or False
-    if state.step:  # fp32 CPU: the fused form, its constants made once per generate
-        y = recurrent.mixer_step_fp32(linear(m.in_proj, hidden_states[:, 0]), state.conv, state.ssm, state.step)
-        return linear(m.out_proj, y)[:, None]
-    z, xBC, dt = m.project_output(linear(m.in_proj, hidden_states[:, 0]))
-    xBC = kernels.conv_step(xBC, state.conv, local_tensor(m.conv1d.weight).squeeze(1), local_tensor(m.conv1d.bias))
-    x, B, C = m.split_conv_output(xBC)
-    y = kernels.ssd_step(
-        state.ssm, x, dt, -torch.exp(local_tensor(m.A_log).float()), B, C,
-        D=local_tensor(m.D), dt_bias=local_tensor(m.dt_bias), dt_limit=m.dt_limit,
-    )
-    y = m.norm(y.reshape(z.shape), z)
-    return linear(m.out_proj, y.to(hidden_states.dtype))[:, None]
-
-
-# ---------------------------------------------------------------------------------- attention
-def _qkv(m: Attention, hidden_states: torch.Tensor):
-    """q, k, v [b, heads, L, head_dim] (this rank's heads under tensor parallelism)."""
-    b, L, _ = hidden_states.shape
-    q, k, v = (linear(p, hidden_states).view(b, L, -1, m.head_dim).transpose(1, 2)
-               for p in (m.q_proj, m.k_proj, m.v_proj))
-    if m.local_kv_heads is not None:
-        k, v = m.local_kv_heads(k), m.local_kv_heads(v)
-    return q, k, v
-
-
-def _attend(m: Attention, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-    """One query per row, q [b, heads, 1, d], against the cached k / v [b, kv_heads, t, d]: the
-    query heads sharing a kv head are the rows of one attention (no causal mask: every cached
-    key precedes the query; ``mask`` [b, 1, 1, t] drops padding). Heads are this rank's under
-    tensor parallelism."""
-    b, heads = q.shape[:2]
-    kv_heads = k.shape[1]
-    q = q.reshape(b, kv_heads, heads // kv_heads, m.head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return linear(m.o_proj, out.reshape(b, 1, heads * m.head_dim))
-
-
-def attention_prefill(m: Attention, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
-                      max_length: int) -> tuple[torch.Tensor, KVCache]:
-    """The prompt's attention (``seq_idx``: padding and prompt as two documents, or None) and
-    its key/value cache, with room for ``max_length`` positions."""
-    q, k, v = _qkv(m, hidden_states)
-    b, kv_heads, L, d = k.shape
-    cache = KVCache(*(torch.empty(b, kv_heads, max_length, d, dtype=k.dtype, device=k.device) for _ in range(2)))
-    cache.k[:, :, :L] = k
-    cache.v[:, :, :L] = v
-    out = document_causal_attention(q, k, v, seq_idx)
-    return m.o_proj(out.transpose(1, 2).reshape(b, L, -1)), cache
-
-
-def attention_step(m: Attention, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
-                   t: int) -> torch.Tensor:
-    """One token per row at cache position ``t``, attending to the valid positions <= t (all
-    of them when ``valid`` is None)."""
-    q, k, v = _qkv(m, hidden_states)
-    cache.k[:, :, t] = k[:, :, 0]
-    cache.v[:, :, t] = v[:, :, 0]
-    mask = valid[:, None, None, : t + 1] if valid is not None else None
-    return _attend(m, q, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1], mask)
-
-
-# ---------------------------------------------------------------------------------- MoE
-def moe_step(m: MoE, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The MoE layer for the few tokens of a decoding step (one per row): only the chosen experts
-    run, as in ``MoE.forward``, but the k copies of each token are grouped by expert on the host
-    (a few ints) instead of by sort / bincount / scatter kernels."""
-    shape = hidden_states.shape
-    x = hidden_states.reshape(-1, shape[-1])
-    _, weights, idx = m.route(x)
-    h = m.fc1_latent_proj(x) if m.fc1_latent_proj is not None else x
-    T, k = idx.shape
-    flat = idx.view(-1).tolist()
-    if T == 1 and type(m.experts) is Experts and type(m.token_dispatcher) is LocalDispatcher:
-        # one token (batch 1): its k experts one after the other, no grouping at all
-        ex = m.experts
-        ys = [F.linear(ex.act_fn(F.linear(h, ex.up_proj[e])), ex.down_proj[e]) for e in flat]
-        y = (torch.cat(ys).float() * weights[0, :, None].float()).sum(0, keepdim=True).to(hidden_states.dtype)
-        if m.fc2_latent_proj is not None:
-            y = m.fc2_latent_proj(y)
-        return y.view(shape) + _mlp(m.shared_experts, hidden_states)
-    order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
-    counts = [0] * m.experts.num_experts
-    for e in flat:
-        counts[e] += 1
-    # every row of the sorted copies is the one token when T == 1: no gather
-    sorted_h = h.expand(k, -1) if T == 1 else h[torch.tensor([i // k for i in order], device=h.device)]
-    y_sorted = m.token_dispatcher(m.experts, sorted_h, torch.tensor(counts, device=h.device))
-    inverse = [0] * (T * k)
-    for pos, i in enumerate(order):
-        inverse[i] = pos
-    # as moe.unpermute: back to the k copies of each token, gate-weighted sum over them in fp32
-    y = y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1).float() * weights[:, :, None].float()
-    y = y.sum(dim=1).to(hidden_states.dtype)
-    if m.fc2_latent_proj is not None:
-        y = m.fc2_latent_proj(y)
-    return y.view(shape) + _mlp(m.shared_experts, hidden_states)
+from .step_ops import linear, norm, plain_linear
 
 
 # ---------------------------------------------------------------------------------- model
@@ -272,38 +75,28 @@ def _head(model, h: torch.Tensor) -> torch.Tensor:
     return h if model.lm_head is None else linear(model.lm_head, h[:, -1]).float()
 
 
-def _norm(norm: RMSNorm, x: torch.Tensor, decoding: bool) -> torch.Tensor:
-    """``norm(x)``; in a decoding step of an fp32 model torch's fused ``rms_norm`` (the same
-    function in one kernel instead of six for the one row). A plain (not tensor-parallel) norm
-    runs without its module call: the final norm is part of an FSDP2 unit whose hooks must not
-    run here (FSDP2 wants a forward through the root first; the caller gathered the weights)."""
-    x = x if x.dtype == norm.weight.dtype else x.to(norm.weight.dtype)
-    if (not isinstance(norm, RMSNorm) or type(norm).forward is not RMSNorm.forward
-            or local_tensor(norm.weight) is not norm.weight):
-        return norm(x)
-    if decoding and x.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
-    return norm.normalize(x)
+def _step_logits(model, cache: NemotronHCache, h: torch.Tensor) -> torch.Tensor:
+    """The LM head of a decoding step, h [b, H] -> fp32 logits [b, V] (against the weight's
+    transposed copy where prefill made one: ``ops.backend.transposed_head``)."""
+    if cache.head_t is not None and backend.cpu_decode_forms(h):
+        return h @ cache.head_t
+    return linear(model.lm_head, h).float()
 
 
-def _run_layers(model, h: torch.Tensor, mamba, attention, decoding: bool = False) -> torch.Tensor:
-    """The blocks (pre-norm residual) with the Mamba2 and attention mixers replaced by the cached
-    forms ``mamba(name, mixer, x)`` / ``attention(name, mixer, x)``; then norm_f (if held).
-    ``decoding``: a step of a few rows (the MoE and MLP layers in their few-row forms too)."""
+def _transposed_head(model, h: torch.Tensor, steps: int) -> torch.Tensor | None:
+    head = model.lm_head
+    if (head is not None and plain_linear(head) and head.bias is None and head.weight.dtype == torch.float32
+            and backend.transposed_head(h[:, -1], steps)):
+        return head.weight.t().contiguous()
+    return None
+
+
+def _run_layers(model, h: torch.Tensor, mix: Callable, step: bool) -> torch.Tensor:
+    """The blocks (pre-norm residual) with ``mix(name, block, x)`` in place of each mixer's
+    forward; then norm_f (if held). ``step``: a decoding step (``step_ops.norm``)."""
     for name, block in model.backbone.layers.items():
-        x = _norm(block.norm, h, decoding)
-        if block.block_type == "linear_attention":
-            x = mamba(name, block.mixer, x)
-        elif block.block_type == "full_attention":
-            x = attention(name, block.mixer, x)
-        elif decoding and isinstance(block.mixer, MoE):
-            x = moe_step(block.mixer, x)
-        elif decoding and isinstance(block.mixer, MLP):
-            x = _mlp(block.mixer, x)
-        else:
-            x = block.mixer(x)
-        h = h + x
-    return h if model.backbone.norm_f is None else _norm(model.backbone.norm_f, h, decoding)
+        h = h + mix(name, block, norm(block.norm, h, step))
+    return h if model.backbone.norm_f is None else norm(model.backbone.norm_f, h, step)
 
 
 @torch.no_grad()
@@ -319,40 +112,134 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     max_length = L if max_length is None else max_length
     assert max_length >= L, (max_length, L)
     valid = _prompt_mask((b, L), attention_mask, h.device)
-    seq_idx = None
-    if valid is not None:
-        seq_idx = valid.to(torch.int32)  # padding: document 0, the prompt: document 1
+    seq_idx = None if valid is None else valid.to(torch.int32)  # padding: document 0, the prompt: 1
     cache_valid = torch.zeros(b, max_length, dtype=torch.bool, device=h.device)
     cache_valid[:, :L] = True if valid is None else valid
-    cache = NemotronHCache(valid=cache_valid, length=L, padded=valid is not None)
+    cache = NemotronHCache(valid=cache_valid, position=torch.tensor([L], device=h.device), length=L)
 
-    def mamba(name, m, x):
-        y, cache.layers[name] = mamba_prefill(m, x, seq_idx, valid)
+    def mix(name, block, x):
+        if block.block_type == "linear_attention":
+            y, cache.layers[name] = block.mixer.prefill(x, seq_idx, valid)
+        elif block.block_type == "full_attention":
+            y, cache.layers[name] = block.mixer.prefill(x, seq_idx, max_length)
+        else:
+            y = block.mixer(x)
         return y
 
-    def attention(name, m, x):
-        y, cache.layers[name] = attention_prefill(m, x, seq_idx, max_length)
-        return y
+    h = _run_layers(model, h, mix, step=False)
+    cache.head_t = _transposed_head(model, h, max_length - L)
+    return _head(model, h), cache
 
-    return _head(model, _run_layers(model, h, mamba, attention)), cache
+
+def _step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Tensor:
+    """One decoding step on the static cache, all on the device (what :class:`StepGraph`
+    captures): feeds ``tokens`` [b] (a stage without the embeddings: hidden states [b, 1, H]) at
+    ``cache.position``, advances it, returns the next logits [b, V] fp32 (or the stage's hidden
+    states)."""
+    cache.valid.index_fill_(1, cache.position, True)
+
+    def mix(name, block, x):
+        if block.block_type == "linear_attention":
+            return block.mixer.step(x, cache.layers[name])
+        if block.block_type == "full_attention":
+            return block.mixer.step(x, cache.layers[name], cache.valid, cache.position)
+        return block.mixer.step(x)
+
+    h = _run_layers(model, _embed(model, tokens[:, None] if tokens.dim() == 1 else tokens), mix, step=True)
+    cache.position += 1
+    return h if model.lm_head is None else _step_logits(model, cache, h[:, 0])
 
 
 @torch.no_grad()
-def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Tensor:
+def decode_step(model, cache: NemotronHCache, tokens: torch.Tensor, graph: "StepGraph | None" = None
+                ) -> torch.Tensor:
     """Feed one token per row (tokens [b]); returns the next logits [b, V] (fp32). A pipeline
-    stage takes hidden states [b, 1, H] without the embeddings, returns them without the head."""
-    t = cache.length
-    if t >= cache.max_length:
+    stage takes hidden states [b, 1, H] without the embeddings, returns them without the head.
+    ``graph``: the step captured for this cache (its output buffer is returned: valid until
+    the next step)."""
+    if cache.length >= cache.max_length:
         raise ValueError(f"the cache holds {cache.max_length} tokens and is full; prefill with a larger max_length")
-    cache.valid[:, t] = True
-    h = _run_layers(
-        model, _embed(model, tokens[:, None] if tokens.dim() == 1 else tokens),
-        lambda name, m, x: mamba_step(m, x, cache.layers[name]),
-        lambda name, m, x: attention_step(m, x, cache.layers[name], cache.valid if cache.padded else None, t),
-        decoding=True,
-    )
-    cache.length = t + 1
-    return h if model.lm_head is None else _logits(model, cache, h[:, 0])
+    out = _step(model, cache, tokens) if graph is None else graph(tokens)
+    cache.length += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------- CUDA graph
+Capture = Callable[[Callable[[], torch.Tensor], Callable[[], None], int], tuple[Callable[[], None], torch.Tensor]]
+
+
+def cuda_graph_capture(step: Callable[[], torch.Tensor], restore: Callable[[], None], warmup: int
+                       ) -> tuple[Callable[[], None], torch.Tensor]:
+    """``step`` run ``warmup`` times on a side stream (each followed by ``restore``, which puts
+    back the state it changed), then captured as a CUDA graph: returns (replay, the output
+    tensor every replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+            restore()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph.replay, out
+
+
+def compiled_capture(step: Callable[[], torch.Tensor], restore: Callable[[], None], warmup: int,
+                     backend: str = "aot_eager") -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for :func:`cuda_graph_capture` on any device (tests, a benchmark's CPU dry
+    run): ``step`` compiled whole (``fullgraph``: no graph break, no host sync), warmed up, and
+    replayed under a stance that fails on any recompilation, so a replay may depend on no host
+    value, as a CUDA graph's. (Its capture runs the step: the caller restores after it.)"""
+    compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=False)
+    for _ in range(warmup):
+        compiled()
+        restore()
+    out = compiled()
+
+    def replay():
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out.copy_(compiled())
+
+    return replay, out
+
+
+class StepGraph:
+    """The decoding steps of one cache as one captured graph: the step reads its tokens from a
+    static buffer and the static cache, writes the logits to a static output, so each token is
+    a copy into the buffer and a replay. The warm-up runs that capture needs change the cache;
+    it is restored after each (a step needs room for one token only). ``capture`` (default
+    :func:`cuda_graph_capture`) is a parameter so that the same logic runs on CPU under a
+    compiled stand-in (:func:`compiled_capture`)."""
+
+    def __init__(self, model, cache: NemotronHCache, tokens: torch.Tensor, capture: Capture = cuda_graph_capture,
+                 warmup: int = 2):
+        self.tokens = torch.zeros_like(tokens)
+        saved = [t.clone() for t in cache.mutable_tensors()]
+
+        def restore():
+            for t, s in zip(cache.mutable_tensors(), saved):
+                t.copy_(s)
+
+        self.replay, self.out = capture(lambda: _step(model, cache, self.tokens), restore, warmup)
+        restore()
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.replay()
+        return self.out
+
+
+def graph_decodable(model, device: torch.device) -> bool:
+    """Whether ``ops.backend`` captures decoding on ``device`` and the model's step can be
+    captured: local experts, plain (not tensor-parallel or sharded) parameters, no FSDP2 unit
+    (whose hooks would run inside the capture)."""
+    return (backend.decode_graph(device)
+            and not any(isinstance(m, FSDPModule) for m in model.modules())
+            and all(type(m.experts) is Experts and type(m.token_dispatcher) is LocalDispatcher
+                    for m in model.modules() if isinstance(m, MoE))
+            and all(local_tensor(p) is p for p in model.parameters()))
 
 
 @torch.no_grad()
@@ -379,9 +266,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 cache.append(c)
                 return logits
 
+            use_graph = lockstep_group is None and graph_decodable(model, input_ids.device)
+            graph: list[StepGraph] = []
+
+            def step(tok):
+                if use_graph and not graph:
+                    graph.append(StepGraph(model, cache[0], tok))
+                return decode_step(model, cache[0], tok, graph[0] if graph else None)
+
             def run():
-                return decode(first, lambda tok: decode_step(model, cache[0], tok), input_ids,
-                              config, lockstep_group=lockstep_group)
+                return decode(first, step, input_ids, config, lockstep_group=lockstep_group)
         else:
             caches: dict[int, NemotronHCache] = {}
 

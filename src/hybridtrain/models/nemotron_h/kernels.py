@@ -1,72 +1,108 @@
 """The one dispatch point between the pure-PyTorch Mamba2 path and the optional CUDA kernels
 (``causal_conv1d`` and ``mamba_ssm``, extra ``hybridtrain[cuda]``).
 
-The kernels are used when they import and the tensors are on CUDA, unless disabled with
-:func:`set_kernels_enabled` or, when that was not called, the environment variable
-``HYBRIDTRAIN_MAMBA_KERNELS=0`` (read at each call). Both paths take the same arguments,
-including ``seq_idx`` for packed documents, and compute the same function.
+``training.mamba_kernels`` (``ops.backend.settings().mamba_kernels``) chooses: ``auto`` -> the
+kernels where they import, for CUDA tensors; ``True`` -> always (a missing package raises);
+``False`` -> the PyTorch path. Both paths take the same arguments, including ``seq_idx`` for
+packed documents, and compute the same function.
+
+The kernels are looked up by module name when first needed (:func:`kernel`), so a test can stand
+fake modules in ``sys.modules`` (and call :func:`forget_kernels`). The calls below follow the
+releases people install: mamba_ssm 2.2.2 - 2.3.x (2.2.0/2.2.1's SSD backward returns too few
+gradients) and causal_conv1d 1.4 - 1.6; ``tests/unit/test_mamba_kernel_contracts.py`` holds
+their signatures. ``selective_state_update`` reads ``dt_bias.stride()`` and ``D.stride()``
+unconditionally in every one of them: both are always tensors here.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import importlib
+import logging
 
 import torch
 import torch.nn.functional as F
+
+from hybridtrain.ops import backend
 
 from .numerics import fp32_region
 from .recurrent import conv_step_torch, ssd_step_torch
 from .ssd import causal_conv1d_torch, ssd_chunked
 
-try:  # pragma: no cover - not installed on CPU machines
-    from causal_conv1d import causal_conv1d_fn as _causal_conv1d_fn
-except Exception:  # ImportError, or a broken CUDA build
-    _causal_conv1d_fn = None
-try:  # pragma: no cover
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as _mamba_chunk_scan_combined
-except Exception:
-    _mamba_chunk_scan_combined = None
-try:  # pragma: no cover
-    from causal_conv1d import causal_conv1d_update as _causal_conv1d_update
-except Exception:
-    _causal_conv1d_update = None
-try:  # pragma: no cover
-    from mamba_ssm.ops.triton.selective_state_update import selective_state_update as _selective_state_update
-except Exception:
-    _selective_state_update = None
+log = logging.getLogger(__name__)
 
-_enabled: bool | None = None  # None: as HYBRIDTRAIN_MAMBA_KERNELS says (default on)
+# name -> (module, attribute, package to install)
+KERNELS = {
+    "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn", "causal-conv1d"),
+    "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update", "causal-conv1d"),
+    "mamba_chunk_scan_combined": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined",
+                                  "mamba-ssm"),
+    "selective_state_update": ("mamba_ssm.ops.triton.selective_state_update", "selective_state_update",
+                               "mamba-ssm"),
+}
+_AUTOTUNED = {"mamba_chunk_scan_combined"}  # Triton kernels that autotune on first use
+_announced: set[str] = set()
 
 
-def set_kernels_enabled(enabled: bool | None) -> None:
-    """Turn the CUDA kernels on or off for this process (None: back to the environment's say)."""
-    global _enabled
-    _enabled = None if enabled is None else bool(enabled)
+@functools.cache
+def kernel(name: str):
+    """The kernel function ``name`` (a key of :data:`KERNELS`), or None where its package does
+    not import (not installed, or a CUDA build that fails to load)."""
+    module, attr, _ = KERNELS[name]
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as e:  # ImportError, or a broken CUDA build
+        log.debug("%s unavailable: %s", name, e)
+        return None
 
 
-def kernels_enabled() -> bool:
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get("HYBRIDTRAIN_MAMBA_KERNELS", "1").lower() not in ("0", "false")
+def forget_kernels() -> None:
+    """Look the kernels up again on next use (after installing one, or in tests)."""
+    kernel.cache_clear()
+    _announced.clear()
 
 
 def kernels_available() -> dict[str, bool]:
-    return {"causal_conv1d": _causal_conv1d_fn is not None, "mamba_ssm": _mamba_chunk_scan_combined is not None,
-            "causal_conv1d_update": _causal_conv1d_update is not None,
-            "selective_state_update": _selective_state_update is not None}
+    return {name: kernel(name) is not None for name in KERNELS}
+
+
+def _use(name: str, x: torch.Tensor):
+    """The kernel to call for ``x`` under ``training.mamba_kernels``, or None (PyTorch path)."""
+    mode = backend.settings().mamba_kernels
+    if mode is False or (mode == "auto" and not x.is_cuda):
+        return None
+    fn = kernel(name)
+    if fn is None and mode is True:
+        raise ValueError(f"training.mamba_kernels is true but {KERNELS[name][0]}.{KERNELS[name][1]} "
+                         f"does not import; pip install {KERNELS[name][2]} (or 'hybridtrain[cuda]') "
+                         "or set training.mamba_kernels to auto")
+    if fn is not None and name not in _announced:
+        _announced.add(name)
+        log.info("Mamba2: %s from %s", name, KERNELS[name][0])
+        if name in _AUTOTUNED:
+            log.warning("mamba_ssm Triton kernels autotune on first use (can take ~1-2 min per new "
+                        "sequence shape); later steps reuse the tuned configurations")
+    return fn
 
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_idx: torch.Tensor | None
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) over x [b, d, L]; weight [d, k]."""
-    if x.is_cuda and _causal_conv1d_fn is not None and kernels_enabled():  # pragma: no cover
-        if seq_idx is not None:
-            # the kernel's seq_idx path wants channel-last memory; in_proj output already is
-            x = x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
-            seq_idx = seq_idx.to(torch.int32).contiguous()
-        return _causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
-    return causal_conv1d_torch(x, weight, bias, seq_idx, activation="silu")
+    fn = _use("causal_conv1d_fn", x)
+    channel_last_ok = x.shape[1] % 8 == 0  # the kernel's channel-last layout needs d % 8 == 0
+    if fn is None or not 2 <= weight.shape[-1] <= 4 or (seq_idx is not None and not channel_last_ok):
+        return causal_conv1d_torch(x, weight, bias, seq_idx, activation="silu")
+    if bias is not None:  # the kernel wants the bias in the weight's dtype, contiguous
+        bias = bias.to(weight.dtype).contiguous()
+    if channel_last_ok:  # [b, L, d] memory (in_proj's output already is), strides multiples of 8
+        if not (x.stride(1) == 1 and x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0):
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif x.stride(2) != 1:
+        x = x.contiguous()
+    if seq_idx is not None:  # (only in the channel-last layout)
+        seq_idx = seq_idx.to(torch.int32).contiguous()
+    return fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
 
 
 def ssd_scan(
@@ -89,12 +125,13 @@ def ssd_scan(
     x [b, L, h, p], dt [b, L, h] (raw projection), A [h], B/C [b, L, g, n]. Returns [b, L, h, p]
     (and the final state [b, h, p, n], fp32, when ``return_final_state``); ``initial_state``
     [b, h, p, n] is the state before the first token."""
-    if x.is_cuda and _mamba_chunk_scan_combined is not None and kernels_enabled():  # pragma: no cover
+    fn = _use("mamba_chunk_scan_combined", x)
+    if fn is not None:
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
-        return _mamba_chunk_scan_combined(
+        return fn(
             x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
-            dt_limit=dt_limit, seq_idx=seq_idx, initial_states=initial_state,
+            dt_limit=tuple(dt_limit), seq_idx=seq_idx, initial_states=initial_state,
             return_final_states=return_final_state,
         )
     with fp32_region(dt):  # softplus(dt + dt_bias) and the scan in fp32 (see ssd_chunked)
@@ -115,10 +152,14 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, b
               ) -> torch.Tensor:
     """One token of SiLU(causal depthwise conv): x [b, d], the window of the previous inputs
     ``conv_state`` [b, d, k - 1] (updated in place). Returns [b, d] in x's dtype."""
-    if x.is_cuda and _causal_conv1d_update is not None and kernels_enabled():  # pragma: no cover
-        # the kernel keeps a window of the k - 1 previous inputs as its state, as here
-        return _causal_conv1d_update(x, conv_state, weight, bias, activation="silu")
-    return conv_step_torch(x, conv_state, weight, bias)
+    fn = _use("causal_conv1d_update", x)
+    if fn is None:
+        return conv_step_torch(x, conv_state, weight, bias)
+    # the kernel keeps a window of the k - 1 previous inputs as its state, as here; it wants x in
+    # the state's dtype and the bias in the weight's
+    if bias is not None:
+        bias = bias.to(weight.dtype).contiguous()
+    return fn(x.to(conv_state.dtype), conv_state, weight, bias, activation="silu").to(x.dtype)
 
 
 def ssd_step(
@@ -137,12 +178,17 @@ def ssd_step(
     [b, h] (raw projection), A [h], B/C [b, g, n]. Returns y [b, h, p] fp32, as :func:`ssd_scan`."""
     with fp32_region(dt):
         dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
-        if x.is_cuda and _selective_state_update is not None and kernels_enabled():  # pragma: no cover
-            h, p, n = state.shape[1:]
-            # dt already has its bias, softplus and clamp (the kernel has no clamp)
-            y = _selective_state_update(
-                state, x.float(), dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n),
-                B.float(), C.float(), D=D.float()[:, None].expand(h, p), dt_softplus=False,
-            )
-            return y.float()
-        return ssd_step_torch(state, x, dt, A, B, C, D)
+        fn = _use("selective_state_update", x)
+        if fn is None:
+            return ssd_step_torch(state, x, dt, A, B, C, D)
+        h, p, n = state.shape[1:]
+        # dt already has its bias, softplus and clamp (the kernel has no clamp): a zero dt_bias
+        # (a tensor: every release reads its strides) and dt_softplus=False. Per-head values
+        # broadcast over head_dim (stride 0: the kernel's tied-head_dim path).
+        per_head = lambda t: t[:, None].expand(h, p)  # noqa: E731
+        y = fn(
+            state, x.float(), dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n),
+            B.float(), C.float(), D=per_head(D.float()), z=None,
+            dt_bias=per_head(torch.zeros(h, dtype=torch.float32, device=state.device)), dt_softplus=False,
+        )
+        return y.float()

@@ -17,12 +17,15 @@ import math
 import torch
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import local_tensor
+from hybridtrain.distributed.utils import local_tensor
+from hybridtrain.ops import backend
 
 from . import context_parallel as cpl
-from . import kernels
+from . import kernels, recurrent
+from .cache import MambaState
 from .config import NemotronHConfig
 from .norms import RMSNormGated
+from .step_ops import linear, plain_linear
 
 
 def group_major_rows(config: NemotronHConfig, conv: bool = False) -> torch.Tensor:
@@ -152,3 +155,60 @@ class Mamba2Mixer(nn.Module):
         )
         y = self.norm(y.reshape(b, L, -1), z)
         return self.out_proj(y.to(dtype))
+
+    # ------------------------------------------------------------------ cached decoding
+    def prefill(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
+                valid: torch.Tensor | None) -> tuple[torch.Tensor, MambaState]:
+        """The forward over a prompt [b, L, H] (``seq_idx``: left padding and prompt as two
+        documents; ``valid`` [b, L]: the prompt's positions, None: all), returning also the
+        decoding state: the conv window (zeros where the padding was) and the final SSM state."""
+        z, xBC, dt = self.project(hidden_states)
+        k = self.conv1d.weight.shape[-1]
+        window = xBC if valid is None else xBC.masked_fill(~valid[..., None], 0)
+        window = window[:, -(k - 1):].transpose(1, 2) if k > 1 else window[:, :0].transpose(1, 2)
+        if window.shape[-1] < k - 1:  # a prompt shorter than the window: zeros before it
+            window = torch.nn.functional.pad(window, (k - 1 - window.shape[-1], 0))
+        xBC = kernels.causal_conv1d(xBC.transpose(1, 2), local_tensor(self.conv1d.weight).squeeze(1),
+                                    local_tensor(self.conv1d.bias), seq_idx).transpose(1, 2)
+        x, B, C = self.split_conv_output(xBC)
+        y, ssm = kernels.ssd_scan(
+            x, dt, -torch.exp(local_tensor(self.A_log).float()), B, C, chunk_size=self.chunk_size,
+            D=local_tensor(self.D), dt_bias=local_tensor(self.dt_bias), dt_limit=self.dt_limit,
+            seq_idx=seq_idx, return_final_state=True,
+        )
+        state = MambaState(conv=window.contiguous(), ssm=ssm.float().contiguous(),
+                           step=self._fused_step_constants(hidden_states))
+        y = self.norm(y.reshape(z.shape), z)
+        return self.out_proj(y.to(hidden_states.dtype)), state
+
+    def step(self, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """One token per row, hidden_states [b, 1, H] -> [b, 1, H]; ``state`` is updated in
+        place (no shape changes: a captured CUDA graph replays it)."""
+        if state.step is not None and backend.cpu_decode_forms(hidden_states):
+            # the fused fp32 CPU form, its constants made at prefill (bit-identical to the below)
+            y = recurrent.mixer_step_fp32(linear(self.in_proj, hidden_states[:, 0]), state.conv, state.ssm,
+                                          state.step)
+            return linear(self.out_proj, y)[:, None]
+        z, xBC, dt = self.project_output(linear(self.in_proj, hidden_states[:, 0]))
+        xBC = kernels.conv_step(xBC, state.conv, local_tensor(self.conv1d.weight).squeeze(1),
+                                local_tensor(self.conv1d.bias))
+        x, B, C = self.split_conv_output(xBC)
+        y = kernels.ssd_step(
+            state.ssm, x, dt, -torch.exp(local_tensor(self.A_log).float()), B, C,
+            D=local_tensor(self.D), dt_bias=local_tensor(self.dt_bias), dt_limit=self.dt_limit,
+        )
+        y = self.norm(y.reshape(z.shape), z)
+        return linear(self.out_proj, y.to(hidden_states.dtype))[:, None]
+
+    def _fused_step_constants(self, x: torch.Tensor) -> recurrent.StepConstants | None:
+        """The parameters for :func:`recurrent.mixer_step_fp32` where ``ops.backend`` chooses the
+        fp32 CPU decoding forms for ``x`` and the mixer is plain (not LoRA, not tensor-parallel)."""
+        if not (backend.cpu_decode_forms(x) and plain_linear(self.in_proj) and plain_linear(self.out_proj)
+                and type(self.norm) is RMSNormGated and self.conv1d.weight.shape[-1] > 1
+                and all(local_tensor(p) is p and p.dtype == torch.float32
+                        for p in (self.in_proj.weight, self.conv1d.weight, self.A_log, self.D, self.dt_bias,
+                                  self.norm.weight))):
+            return None
+        return recurrent.StepConstants.make(
+            self.A_log, self.dt_bias, self.dt_limit, self.D, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            self.norm.weight, self.norm.eps, groups=self.n_groups, head_dim=self.head_dim, n=self.ssm_state_size)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .step_ops import linear
+
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
@@ -39,3 +41,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.up_proj(x)))
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward for the few rows of a decoding step (``step_ops``' product forms)."""
+        return linear(self.down_proj, self.act_fn(linear(self.up_proj, x)))

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import LocalDispatcher, local_tensor, zero_rows_output
+from hybridtrain.distributed.expert_parallel import LocalDispatcher, zero_rows_output
+from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 from hybridtrain.ops.backend import pad_rows, unpad_rows
 
@@ -97,7 +98,9 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (not bincount: its output shape depends on the data, a graph break under torch.compile;
+    # a comparison, not a scatter: deterministic without atomics)
+    counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)
     return x[order // k], order, counts
 
 
@@ -130,21 +133,23 @@ class Experts(nn.Module):
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
         up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)
-        if backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-            # CUDA bf16: one grouped GEMM per projection, no host sync
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            try:
-                h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
-                return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
-            except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
-                backend.disable_grouped_mm(f"torch grouped_mm failed ({e})")
-        # fallback: a loop over experts on contiguous slices (never over tokens). The stacked
-        # weights are split once (one gradient buffer in backward, not a zero-filled [E, ...]
-        # buffer per expert) and, under autocast, cast once rather than per expert.
+        # under autocast the stacked weights are cast once, not per expert
         device_type = sorted_x.device.type
         if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
+        if backend.grouped_experts(sorted_x):
+            # one grouped GEMM per projection, offsets on the device: no host sync
+            if torch.compiler.is_compiling():
+                return self._grouped(sorted_x, up, down, counts)
+            try:
+                return self._grouped(sorted_x, up, down, counts)
+            except RuntimeError as e:  # e.g. a GPU/torch build without the kernel
+                backend.disable_grouped_mm(f"torch grouped_mm failed ({e})")
+        if torch.compiler.is_compiling():
+            return self._dense_masked(sorted_x, up, down, counts)
+        # a loop over experts on contiguous slices (never over tokens). The stacked weights are
+        # split once (one gradient buffer in backward, not a zero-filled [E, ...] buffer per expert)
         ups, downs = up.unbind(0), down.unbind(0)
         outs = []
         for e, xe in enumerate(torch.split(sorted_x, counts.tolist())):
@@ -157,6 +162,25 @@ class Experts(nn.Module):
         if not outs:
             return zero_rows_output(self, sorted_x, up.shape[2])
         return torch.cat(outs, dim=0)
+
+    def _grouped(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
+        return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
+
+    def _dense_masked(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+        """The compiled form where ``grouped_mm`` does not apply (it takes bf16 only): every
+        expert over every row, each row keeping its own expert's output. No host count, E times
+        the FLOPs of the loop."""
+        ends = torch.cumsum(counts, 0)
+        expert = torch.searchsorted(ends, torch.arange(sorted_x.shape[0], device=ends.device), right=True)
+        y = torch.zeros(sorted_x.shape[0], up.shape[2], dtype=sorted_x.dtype, device=sorted_x.device)
+        for e in range(up.shape[0]):
+            ye = F.linear(self.act_fn(F.linear(sorted_x, up[e])), down[e])
+            y = torch.where((expert == e)[:, None], ye, y)
+        return y
 
 
 class MoE(nn.Module):
@@ -201,3 +225,60 @@ class MoE(nn.Module):
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         return y.view(shape) + self.shared_experts(hidden_states)
+
+    # ------------------------------------------------------------------ cached decoding
+    def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer for the few tokens of a decoding step (one per row): the chosen experts
+        only, as :meth:`forward`. With the local experts, outside the eager CPU forms
+        (``ops.backend.cpu_decode_forms``): each token's k experts as one batched product over
+        their gathered weights, all on the device (no sort, no host sync: a captured CUDA graph
+        replays it); else grouped by expert on the host (a few ints) instead of by sort /
+        counting / scatter kernels, through the token dispatcher (expert parallelism)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, idx = self.route(x)
+        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        local = type(self.experts) is Experts and type(self.token_dispatcher) is LocalDispatcher
+        if local and not backend.cpu_decode_forms(x, fp32=False):
+            y = self._experts_gathered(h, weights, idx)
+        else:
+            y = self._experts_host_grouped(h, weights, idx, local)
+        y = y.to(hidden_states.dtype)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y)
+        return y.view(shape) + self.shared_experts.step(hidden_states)
+
+    def _experts_gathered(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Gate-weighted sum (fp32) of each token's k experts, h [T, H], idx [T, k]: the chosen
+        experts' weights gathered, one batched product per projection."""
+        T, k = idx.shape
+        ex = self.experts
+        e = idx.reshape(-1)
+        up, down = local_tensor(ex.up_proj)[e], local_tensor(ex.down_proj)[e]  # [T k, I, H], [T k, H, I]
+        hk = h[:, None].expand(T, k, h.shape[-1]).reshape(T * k, -1, 1)
+        y = torch.bmm(down, ex.act_fn(torch.bmm(up, hk.to(up.dtype))))  # [T k, H, 1]
+        return (y.view(T, k, -1).float() * weights[:, :, None].float()).sum(1)
+
+    def _experts_host_grouped(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                              local: bool) -> torch.Tensor:
+        """As :meth:`_experts_gathered`, the copies grouped by expert on the host."""
+        T, k = idx.shape
+        flat = idx.view(-1).tolist()
+        if T == 1 and local:
+            # one token (batch 1): its k experts one after the other, no grouping at all
+            ex = self.experts
+            ys = [F.linear(ex.act_fn(F.linear(h, ex.up_proj[e])), ex.down_proj[e]) for e in flat]
+            return (torch.cat(ys).float() * weights[0, :, None].float()).sum(0, keepdim=True)
+        order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
+        counts = [0] * self.experts.num_experts
+        for e in flat:
+            counts[e] += 1
+        # every row of the sorted copies is the one token when T == 1: no gather
+        sorted_h = h.expand(k, -1) if T == 1 else h[torch.tensor([i // k for i in order], device=h.device)]
+        y_sorted = self.token_dispatcher(self.experts, sorted_h, torch.tensor(counts, device=h.device))
+        inverse = [0] * (T * k)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        # as unpermute: back to the k copies of each token, gate-weighted sum over them in fp32
+        y = y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1).float() * weights[:, :, None].float()
+        return y.sum(dim=1)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtrain.distributed.expert_parallel import local_tensor
+from hybridtrain.distributed.utils import local_tensor
 
 from .numerics import silu_grad
 

@@ -113,8 +113,7 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
             apply_expert_parallel(block.mixer, dims.mesh("ep"))
     if training.activation_checkpointing:
         apply_activation_checkpointing(layers, training.activation_checkpointing)
-    if training.compile:
-        apply_compile(layers)
+    apply_compile(layers, training.compile, device)
     if dims.fsdp_enabled:
         # the final norm and the head: one unit, gathered when the norm runs (the loss reads the
         # head's weight), so a rank does not hold the head through the whole step as the root

@@ -1,7 +1,8 @@
-"""One-token steps of the Mamba2 mixer in pure PyTorch (cached decoding): the causal conv over a
-window of the previous inputs and the recurrent form of the SSD scan (``ssd.ssd_reference``'s
-update). O(1) work and memory per token. The CUDA kernels behind ``kernels.conv_step`` /
-``kernels.ssd_step`` compute the same."""
+"""One-token steps of the Mamba2 mixer in pure PyTorch (cached decoding, ``Mamba2Mixer.step``):
+the causal conv over a window of the previous inputs and the recurrent form of the SSD scan
+(``ssd.ssd_reference``'s update), O(1) work and memory per token, which the CUDA kernels behind
+``kernels.conv_step`` / ``kernels.ssd_step`` compute too; and :func:`mixer_step_fp32`, the same
+step fused for eager fp32 decoding on CPU (chosen by ``ops.backend.cpu_decode_forms``)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class StepConstants:
-    """A Mamba2 mixer's parameters in the layout :func:`mixer_step_fp32` reads, made once per
-    ``generate`` (per step they would cost a few small operators each): ``groups`` B/C groups
+    """A Mamba2 mixer's parameters in the layout :func:`mixer_step_fp32` reads, made once at
+    prefill (per step they would cost a few small operators each): ``groups`` B/C groups
     of ``heads`` heads of ``head_dim`` channels, state size ``n``."""
 
     A: torch.Tensor  # [G, heads] -exp(A_log)

@@ -84,8 +84,18 @@ def _mul(a, b, layout):
     shape = torch.broadcast_shapes(a.shape, b.shape)
     out = torch.empty([shape[d] for d in layout], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
     inverse = sorted(range(len(layout)), key=layout.__getitem__)
-    torch.mul(a, b, out=out.permute(inverse))
+    _mul_into(a, b, out.permute(inverse))
     return out
+
+
+def _mul_into(a, b, out):
+    """``torch.mul(a, b, out=out)`` where ``out`` may be a permuted view (one pass in eager);
+    while compiling as ``out.copy_(a * b)``: dynamo traces no ``out=`` into a non-contiguous
+    tensor, and the compiler fuses the two into one pass."""
+    if torch.compiler.is_compiling():
+        out.copy_(a * b)
+    else:
+        torch.mul(a, b, out=out)
 
 
 def _lowp(t, dtype):
@@ -139,6 +149,35 @@ class _ChunkScan(torch.autograd.Function):
             chunk_seg = chunk_seg.masked_fill(~same_doc[:, None, None], -torch.inf)
         new_states = torch.einsum("bgjiz,bzgnjp->bignjp", torch.exp2(chunk_seg), states)
         return new_states[:, :-1], new_states[:, -1]
+
+    @staticmethod
+    def _pass_states_backward(states, a_last, init, same_doc, gstart, gfinal):
+        """The gradients of :meth:`_pass_states` (states, a_last, init or None) by hand, for a
+        compiled backward (eager differentiates it with autograd: the same function)."""
+        S = torch.cat([states.new_zeros(states[:, :1].shape) if init is None else init, states], dim=1)
+        seg = segsum(F.pad(a_last.permute(0, 2, 3, 1), (1, 0)))  # [b, g, j, i (to), z (from)]
+        if same_doc is not None:
+            seg = seg.masked_fill(~same_doc[:, None, None], -torch.inf)
+        decay = torch.exp2(seg)
+        gnew = torch.cat([gstart, gfinal[:, None]], dim=1)  # [b, c+1, g, n, j, p]
+        gS = torch.einsum("bgjiz,bignjp->bzgnjp", decay, gnew)
+        gseg = torch.einsum("bignjp,bzgnjp->bgjiz", gnew, S) * decay * LN2  # 0 where seg is -inf
+        # seg[i, z] = sum of x[z+1..i]: x[k] gets the gseg[i, z] with z < k <= i
+        T = seg.shape[-1]
+        strict = torch.tril(torch.ones(T, T, device=seg.device, dtype=torch.bool), diagonal=-1)
+        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(~strict, 0).sum(-1)  # [b, g, j, c+1]
+        return gS[:, 1:], gx[..., 1:].permute(0, 3, 1, 2), (gS[:, :1] if init is not None else None)
+
+    @staticmethod
+    def _log2_decays_backward(dt, A, ga):
+        """The gradients of :meth:`_log2_decays` (dt, A) for ``ga`` [b, c, g, j, l], by hand (a
+        compiled backward; eager uses autograd)."""
+        b, L, h = dt.shape
+        c, l = ga.shape[1], ga.shape[-1]
+        gdA = ga.flip(-1).cumsum(-1).flip(-1).permute(0, 1, 4, 2, 3).reshape(b, c * l, h)[:, :L]
+        gdt = gdA * (A * LOG2E)[None, None, :]
+        gA = (gdA * dt).sum((0, 1)) * LOG2E
+        return gdt, gA
 
     @staticmethod
     def _decay(a):
@@ -200,7 +239,7 @@ class _ChunkScan(torch.autograd.Function):
         yo = Cm @ start.to(mdt).reshape(b, c, g, -1, j * p)  # [b, c, g, l, (j p)]
         u = _ChunkScan._start_weights(a, start_doc)
         y = torch.empty_like(xdt)
-        torch.mul(yo.view(b, c, g, l, j, p), u.permute(0, 1, 2, 4, 3)[..., None], out=y.permute(0, 1, 3, 2, 4, 5))
+        _mul_into(yo.view(b, c, g, l, j, p), u.permute(0, 1, 2, 4, 3)[..., None], y.permute(0, 1, 3, 2, 4, 5))
         y.permute(0, 1, 3, 4, 2, 5).add_(yd)
         return y, final
 
@@ -209,10 +248,14 @@ class _ChunkScan(torch.autograd.Function):
         xdt, dt, A, C, B, mask, last_doc, start_doc, same_doc, init = ctx.saved_tensors
         mdt = ctx.mdt
         b, c, l, g, j, p = xdt.shape
-        with torch.enable_grad():
-            dt_A = [dt.detach().requires_grad_(), A.detach().requires_grad_()]
-            a_graph = _ChunkScan._log2_decays(*dt_A, (c, l, g, j))
-        a = a_graph.detach()
+        compiling = torch.compiler.is_compiling()  # (no nested autograd in a traced backward)
+        if compiling:
+            a = _ChunkScan._log2_decays(dt, A, (c, l, g, j))
+        else:
+            with torch.enable_grad():
+                dt_A = [dt.detach().requires_grad_(), A.detach().requires_grad_()]
+                a_graph = _ChunkScan._log2_decays(*dt_A, (c, l, g, j))
+            a = a_graph.detach()
         cdt = xdt.dtype
         Cm, Bm = C.to(mdt), B.to(mdt)
         gy = gy.contiguous()
@@ -239,12 +282,15 @@ class _ChunkScan(torch.autograd.Function):
         # 2./3. recompute the chunk-end states and redo the (small) state passing with autograd
         w = _ChunkScan._state_weights(a, last_doc)
         states, xw = _ChunkScan._states(xdt, w, B)
-        with torch.enable_grad():
-            leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
-            if init is not None:
-                leaves.append(init.detach().requires_grad_())
-            start, final = _ChunkScan._pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None,
-                                                   same_doc)
+        if compiling:
+            start, _ = _ChunkScan._pass_states(states, a[..., -1], init, same_doc)
+        else:
+            with torch.enable_grad():
+                leaves = [states.requires_grad_(), a[..., -1].detach().requires_grad_()]
+                if init is not None:
+                    leaves.append(init.detach().requires_grad_())
+                start, final = _ChunkScan._pass_states(leaves[0], leaves[1], leaves[2] if init is not None else None,
+                                                       same_doc)
         # 4. y_l += u_l C_l . S_start
         u = _ChunkScan._start_weights(a, start_doc)
         uT = u.permute(0, 1, 2, 4, 3)[..., None]  # [b, c, g, l, j, 1]
@@ -257,23 +303,30 @@ class _ChunkScan(torch.autograd.Function):
         gC += gyu @ startm.transpose(-1, -2)
         gstart = (Cm.transpose(-1, -2) @ gyu).view(b, c, g, -1, j, p).to(cdt)
         del gyu, startm
-        grads = torch.autograd.grad([start, final], leaves, [gstart, gfinal])
-        gstates, ga_last = grads[0], grads[1]
-        ginit = grads[2] if init is not None else None
+        if compiling:
+            gstates, ga_last, ginit = _ChunkScan._pass_states_backward(states, a[..., -1], init, same_doc,
+                                                                       gstart, gfinal)
+        else:
+            grads = torch.autograd.grad([start, final], leaves, [gstart, gfinal])
+            gstates, ga_last = grads[0], grads[1]
+            ginit = grads[2] if init is not None else None
         # 2. states = B^T (xdt * w)
         gsm = gstates.to(mdt).reshape(b, c, g, -1, j * p)
         gxw = (Bm @ gsm).view(b, c, g, l, j, p)  # [b, c, g, l, j, p]
         gB += xw.view(b, c, g, l, j * p).to(mdt) @ gsm.transpose(-1, -2)
         gxdt = torch.empty_like(xdt)
         wT = w.permute(0, 1, 2, 4, 3)[..., None]
-        torch.mul(gxw, wT, out=gxdt.permute(0, 1, 3, 2, 4, 5))
+        _mul_into(gxw, wT, gxdt.permute(0, 1, 3, 2, 4, 5))
         gxdt.permute(0, 1, 3, 4, 2, 5).add_(gxh)
         gw = (gxw * xdt.permute(0, 1, 3, 2, 4, 5)).sum(-1).mul_(wT[..., 0]).transpose(-1, -2)  # [b, c, g, j, l]
         ga -= gw
         ga[..., -1] += gw.sum(-1)
         ga.mul_(LN2)  # every term above differentiated 2^x as 2^x: d/dx 2^x = ln 2 * 2^x
         ga[..., -1] += ga_last
-        gdt, gA = torch.autograd.grad(a_graph, dt_A, ga)
+        if compiling:
+            gdt, gA = _ChunkScan._log2_decays_backward(dt, A, ga)
+        else:
+            gdt, gA = torch.autograd.grad(a_graph, dt_A, ga)
         return gxdt, gdt, gA, gC, gB, None, None, None, None, ginit, None
 
 

@@ -34,8 +34,7 @@ def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: to
         blocks = model.vision_model.blocks
         if training.activation_checkpointing:
             apply_activation_checkpointing(blocks, "all")
-        if training.compile:
-            apply_compile(blocks)
+        apply_compile(blocks, training.compile, device)
         units = list(blocks.values()) + [model.projector]
     if dims.fsdp_enabled:
         apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)

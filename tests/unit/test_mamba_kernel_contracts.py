@@ -1,0 +1,306 @@
+"""The Mamba2 kernel dispatch calls mamba_ssm and causal_conv1d as each installed release wants.
+
+Fake ``mamba_ssm`` / ``causal_conv1d`` modules stand in ``sys.modules``. Each fake binds its
+arguments to the signature of one release (copied from state-spaces/mamba v2.2.2, v2.3.2.post1
+and Dao-AILab/causal-conv1d v1.4.0, v1.6.1.post4), repeats that release's checks -- including
+the ``.stride()`` it reads unconditionally (``selective_state_update``: ``dt_bias`` and ``D``),
+so a None there fails as it does on the GPU -- and computes the release's reference math. The
+outputs must equal the PyTorch path's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridtrain.models.nemotron_h import kernels, tiny_config
+from hybridtrain.models.nemotron_h.mamba2 import Mamba2Mixer
+from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_chunked
+from hybridtrain.ops import backend
+
+
+# -- the releases' signatures -------------------------------------------------------------------
+def ssu_2_2(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False): ...
+
+
+def ssu_2_3(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+            state_batch_indices=None): ...
+
+
+def scan_2_2_to_2_3(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                    seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                    return_final_states=False, return_varlen_states=False): ...
+
+
+def conv_fn_1_4_to_1_6(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                       final_states_out=None, activation=None): ...
+
+
+def conv_update_1_4(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None): ...
+
+
+def conv_update_1_5(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                    conv_state_indices=None): ...
+
+
+MAMBA = {"mamba_ssm 2.2.2": (ssu_2_2, scan_2_2_to_2_3), "mamba_ssm 2.3.2": (ssu_2_3, scan_2_2_to_2_3)}
+CONV = {"causal_conv1d 1.4.0": (conv_fn_1_4_to_1_6, conv_update_1_4),
+        "causal_conv1d 1.6.1": (conv_fn_1_4_to_1_6, conv_update_1_5)}
+
+
+def _bind(signature_of, args, kwargs) -> dict:
+    bound = inspect.signature(signature_of).bind(*args, **kwargs)  # TypeError: not this release's
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _strides(*s):
+    return s
+
+
+# -- the fakes: each release's checks, then its reference math ------------------------------------
+def fake_selective_state_update(signature_of, calls):
+    def selective_state_update(*args, **kwargs):
+        a = _bind(signature_of, args, kwargs)
+        calls.append("selective_state_update")
+        state, x, dt, A, B, C, D, z, dt_bias = (a[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z",
+                                                               "dt_bias"))
+        assert state.dim() == 4 and x.dim() == 3, "called with heads, as Nemotron-H is"
+        _, nheads, dim, dstate = state.shape
+        batch, ngroups = x.shape[0], B.shape[1]
+        assert x.shape == (batch, nheads, dim) and dt.shape == x.shape
+        assert A.shape == (nheads, dim, dstate) and nheads % ngroups == 0
+        assert B.shape == (batch, ngroups, dstate) and C.shape == B.shape
+        if D is not None:
+            assert D.shape == (nheads, dim)
+        if dt_bias is not None:
+            assert dt_bias.shape == (nheads, dim)
+        # as the release: tie_hdim reads dt_bias.stride when A and dt are broadcast over head_dim,
+        # and the launch unpacks D's and dt_bias's strides whether or not they are None
+        _ = A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0
+        _strides(*(dt_bias.stride(0), dt_bias.stride(1)) if dt_bias is not None else 0,
+                 *(D.stride(0), D.stride(1)) if D is not None else 0)
+        # selective_state_update_ref
+        if dt_bias is not None:
+            dt = dt + dt_bias
+        dt = F.softplus(dt) if a["dt_softplus"] else dt
+        dA = torch.exp(dt[..., None] * A)
+        B = B.repeat_interleave(nheads // ngroups, dim=1)
+        C = C.repeat_interleave(nheads // ngroups, dim=1)
+        state.copy_(state * dA + (dt[..., None] * B[:, :, None, :]) * x[..., None])
+        out = torch.einsum("bhdn,bhn->bhd", state.to(C.dtype), C)
+        if D is not None:
+            out = out + (x * D).to(out.dtype)
+        out = out if z is None else out * F.silu(z)
+        return out.to(x.dtype)
+    return selective_state_update
+
+
+def fake_mamba_chunk_scan_combined(signature_of, calls):
+    def mamba_chunk_scan_combined(*args, **kwargs):
+        a = _bind(signature_of, args, kwargs)
+        calls.append("mamba_chunk_scan_combined")
+        x, dt, A, B, C, D, dt_bias, seq_idx = (a[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "seq_idx"))
+        batch, seqlen, nheads, headdim = x.shape
+        ngroups, dstate = B.shape[2:]
+        assert nheads % ngroups == 0 and B.shape == (batch, seqlen, ngroups, dstate) and C.shape == B.shape
+        assert dt.shape == (batch, seqlen, nheads) and A.shape == (nheads,)
+        assert a["z"] is None or a["z"].shape == x.shape
+        if D is not None:
+            assert D.shape in ((nheads, headdim), (nheads,))
+        if dt_bias is not None:
+            assert dt_bias.shape == (nheads,)
+        if seq_idx is not None:
+            assert seq_idx.shape == (batch, seqlen) and seq_idx.dtype == torch.int32
+        if a["initial_states"] is not None:
+            assert a["initial_states"].shape == (batch, nheads, headdim, dstate)
+        assert not a["return_varlen_states"] or a["cu_seqlens"] is not None
+        # the reference: dt (+ bias), softplus, clamp to dt_limit, then the scan
+        dt = dt.float() + (dt_bias.float() if dt_bias is not None else 0)
+        dt = (F.softplus(dt) if a["dt_softplus"] else dt).clamp(*a["dt_limit"])
+        out = ssd_chunked(x.float(), dt, A, B.float(), C.float(), a["chunk_size"], D=D, seq_idx=seq_idx,
+                          initial_state=a["initial_states"], return_final_state=a["return_final_states"])
+        if a["return_final_states"]:
+            return out[0].to(x.dtype), out[1]
+        return out.to(x.dtype)
+    return mamba_chunk_scan_combined
+
+
+def fake_causal_conv1d_fn(signature_of, calls):
+    def causal_conv1d_fn(*args, **kwargs):
+        a = _bind(signature_of, args, kwargs)
+        calls.append("causal_conv1d_fn")
+        x, weight, bias, seq_idx = a["x"], a["weight"], a["bias"], a["seq_idx"]
+        assert a["activation"] in (None, "silu", "swish")
+        batch, dim, seqlen = x.shape
+        width = weight.shape[-1]
+        assert weight.shape == (dim, width) and 2 <= width <= 4
+        assert x.stride(2) == 1 or x.stride(1) == 1
+        channel_last = x.stride(1) == 1 and x.stride(2) > 1
+        if channel_last:
+            assert dim % 8 == 0 and x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0
+        if bias is not None:
+            assert bias.dtype == weight.dtype and bias.stride(-1) == 1 and bias.shape == (dim,)
+        if seq_idx is not None:
+            assert channel_last, "seq_idx is only supported for channel last layout"
+            assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous() and seq_idx.shape == (batch, seqlen)
+            assert a["initial_states"] is None and not a["return_final_states"]
+        return causal_conv1d_torch(x, weight, bias, seq_idx, activation="silu" if a["activation"] else None)
+    return causal_conv1d_fn
+
+
+def fake_causal_conv1d_update(signature_of, calls):
+    def causal_conv1d_update(*args, **kwargs):
+        a = _bind(signature_of, args, kwargs)
+        calls.append("causal_conv1d_update")
+        x, conv_state, weight, bias = a["x"], a["conv_state"], a["weight"], a["bias"]
+        assert a["activation"] in (None, "silu", "swish")
+        squeeze = x.dim() == 2
+        x = x.unsqueeze(-1) if squeeze else x
+        batch, dim, seqlen = x.shape
+        width, state_len = weight.shape[-1], conv_state.shape[-1]
+        assert conv_state.dtype == x.dtype, "conv_state must have x's dtype"
+        assert conv_state.shape == (batch, dim, state_len) and state_len >= width - 1
+        assert weight.shape == (dim, width) and 2 <= width <= 4
+        if bias is not None:
+            assert bias.dtype == weight.dtype and bias.stride(-1) == 1 and bias.shape == (dim,)
+        # causal_conv1d_update_ref
+        x_new = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+        conv_state.copy_(x_new[:, :, -state_len:])
+        out = F.conv1d(x_new, weight.unsqueeze(1), bias, padding=0, groups=dim)[:, :, -seqlen:]
+        out = (F.silu(out) if a["activation"] else out).to(x.dtype)
+        return out.squeeze(-1) if squeeze else out
+    return causal_conv1d_update
+
+
+@pytest.fixture(params=[(m, c) for m in MAMBA for c in CONV], ids=lambda p: f"{p[0]}+{p[1]}")
+def releases(request, monkeypatch):
+    """The fake modules of one mamba_ssm and one causal_conv1d release in ``sys.modules``;
+    yields the list of kernel calls."""
+    calls: list[str] = []
+    ssu, scan = MAMBA[request.param[0]]
+    conv_fn, conv_update = CONV[request.param[1]]
+    mods = {
+        "causal_conv1d": dict(causal_conv1d_fn=fake_causal_conv1d_fn(conv_fn, calls),
+                              causal_conv1d_update=fake_causal_conv1d_update(conv_update, calls)),
+        "mamba_ssm": {}, "mamba_ssm.ops": {}, "mamba_ssm.ops.triton": {},
+        "mamba_ssm.ops.triton.ssd_combined": dict(mamba_chunk_scan_combined=fake_mamba_chunk_scan_combined(scan, calls)),
+        "mamba_ssm.ops.triton.selective_state_update": dict(
+            selective_state_update=fake_selective_state_update(ssu, calls)),
+    }
+    for name, attrs in mods.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(__name__=name, **attrs))
+    kernels.forget_kernels()
+    yield calls
+    kernels.forget_kernels()
+
+
+def _mamba_mixer(seed=0):
+    torch.manual_seed(seed)
+    # 4 heads of 4, 1 group of state 8: conv channels 32 (the kernel's channel-last layout needs
+    # a multiple of 8), in_proj width 52 (its rows are not: the dispatch copies to a good layout)
+    cfg = tiny_config("mixed", hidden_size=16, mamba_num_heads=4, mamba_head_dim=4, ssm_state_size=8,
+                      n_groups=1, chunk_size=4)
+    m = Mamba2Mixer(cfg, 0)
+    m.reset_parameters()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+def _with_kernels(mode, fn, *args, **kwargs):
+    with backend.using(backend.BackendSettings(mamba_kernels=mode)):
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
+def test_training_forward_and_backward_through_the_kernels(releases, packed):
+    m = _mamba_mixer()
+    x = torch.randn(2, 10, 16)
+    seq_idx = torch.tensor([[0] * 4 + [1] * 6, [0] * 10]) if packed else None
+    outs = []
+    for mode in (True, False):
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = _with_kernels(mode, m, xi, seq_idx=seq_idx)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, m.in_proj.weight.grad, m.dt_bias.grad))
+    assert sorted(set(releases)) == ["causal_conv1d_fn", "mamba_chunk_scan_combined"]
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_through_the_kernels(releases, dtype):
+    b, h, p, n, g, d, k = 3, 4, 4, 8, 2, 32, 4
+    torch.manual_seed(0)
+    x, dt = torch.randn(b, h, p).to(dtype), torch.randn(b, h).to(dtype)
+    A, D, dt_bias = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
+    B, C = torch.randn(b, g, n).to(dtype), torch.randn(b, g, n).to(dtype)
+    ssm0 = torch.randn(b, h, p, n)
+    xc, conv0 = torch.randn(b, d).to(dtype), torch.randn(b, d, k - 1).to(dtype)
+    w, bias = torch.randn(d, k), torch.randn(d)
+    results = []
+    for mode in (True, False):
+        ssm, conv = ssm0.clone(), conv0.clone()
+        y = _with_kernels(mode, kernels.ssd_step, ssm, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_limit=(0.0, 10.0))
+        yc = _with_kernels(mode, kernels.conv_step, xc, conv, w, bias)
+        results.append((y, ssm, yc, conv))
+    assert sorted(set(releases)) == ["causal_conv1d_update", "selective_state_update"]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_fakes_reject_what_the_releases_reject():
+    """The checks above bite: ``dt_bias=None`` (the call that crashed ``generate`` on CUDA with
+    mamba_ssm 2.3.2) and ``D=None`` fail in every release, an argument a release lacks too."""
+    h, p, n = 2, 3, 4
+    args = (torch.zeros(1, h, p, n), torch.zeros(1, h, p), torch.zeros(1, h, 1).expand(1, h, p),
+            torch.zeros(h, 1, 1).expand(h, p, n), torch.zeros(1, 1, n), torch.zeros(1, 1, n))
+    for ssu, _ in MAMBA.values():
+        fake = fake_selective_state_update(ssu, [])
+        with pytest.raises(AttributeError, match="stride"):
+            fake(*args, D=torch.zeros(h, p), dt_bias=None)
+        with pytest.raises(TypeError):
+            fake(*args, D=None, dt_bias=torch.zeros(h, 1).expand(h, p))
+    with pytest.raises(TypeError):  # 2.2.x has no state_batch_indices
+        fake_selective_state_update(ssu_2_2, [])(*args, D=torch.zeros(h, p), dt_bias=torch.zeros(h, p),
+                                                 state_batch_indices=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(AssertionError, match="dtype"):
+        fake_causal_conv1d_update(conv_update_1_5, [])(torch.zeros(1, 8), torch.zeros(1, 8, 3, dtype=torch.bfloat16),
+                                                      torch.zeros(8, 4))
+
+
+def test_autotune_is_announced_once(releases, caplog):
+    m = _mamba_mixer()
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        for _ in range(2):
+            _with_kernels(True, m, torch.randn(1, 6, 16))
+    notes = [r.getMessage() for r in caplog.records if "autotune" in r.getMessage()]
+    assert len(notes) == 1 and "first use" in notes[0], notes
+
+
+def test_auto_keeps_cpu_tensors_on_the_torch_path(releases):
+    m = _mamba_mixer()
+    _with_kernels("auto", m, torch.randn(1, 6, 16))
+    assert releases == []
+
+
+def test_required_kernels_that_do_not_import_are_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", None)  # import fails
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    kernels.forget_kernels()
+    try:
+        with pytest.raises(ValueError, match="training.mamba_kernels.*causal-conv1d"):
+            _with_kernels(True, _mamba_mixer(), torch.randn(1, 6, 16))
+    finally:
+        kernels.forget_kernels()
