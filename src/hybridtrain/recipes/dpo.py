@@ -10,7 +10,9 @@ pairs (micro-batches of ``training.micro_batch_size`` pairs), the frozen referen
 model as the recipe builds it. ``training.jsonl`` logs ``loss``, ``accuracy`` (pairs the policy
 prefers the right way, measured on the step's batch before its update), ``reward_margin`` and
 the rest of the loss's metrics; validation (``val_every_steps`` and at the end) the same on the
-validation pairs. ``loss.png`` shows loss and accuracy.
+validation pairs. ``loss.png`` shows loss and accuracy. The pairs' order (its generator and the
+pairs left of the current pass) goes into every checkpoint, so a run resumed with
+``checkpoint.resume`` (see :mod:`~hybridtrain.recipes.rl_run`) takes the uninterrupted run's pairs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.training.builder import instantiate_with, as_config
-from hybridtrain.recipes.rl_run import RLRun, fmt, mean_of
+from hybridtrain.training.rng import generator_state, set_generator_state
+from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
 
 __all__ = ["run", "evaluate"]
 
@@ -60,8 +63,8 @@ def run(cfg: Any) -> dict[str, Any]:
                          "preference pairs (hybridtrain.data.build_preference_dataset)")
     from hybridtrain.distributed.init import process_group
 
-    with process_group(cfg):
-        r = RLRun(cfg, "dpo", plot_extra=("accuracy",), loss_label="DPO loss")
+    with process_group(cfg), rl_run(cfg, "dpo", plot_extra=("accuracy",),
+                                    loss_label="DPO loss") as r:
         tok = r.policy.tokenizer
         train_ds = instantiate_with(cfg.dataset, tokenizer=tok)
         val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tok)
@@ -72,23 +75,32 @@ def run(cfg: Any) -> dict[str, Any]:
         g = torch.Generator().manual_seed(t.seed)
         order: list[int] = []
 
+        def loop_state() -> dict:  # the data order: a resumed run takes the same pairs
+            return {"generator": generator_state(g), "order": order}
+
+        saved = r.begin(loop_state)
+        if saved:
+            set_generator_state(g, saved["generator"])
+            order = saved["order"]
+
         def validate(step: int) -> None:
             if val_ds is not None:
                 rec = {"step": step, **evaluate(r.policy, r.reference, val_ds, loss_fn,
                                                  t.global_batch_size)}
                 r.log_val(rec)
 
-        validate(0)
-        for step in range(1, steps + 1):
+        if r.step == 0:
+            validate(0)
+        for step in range(r.step + 1, steps + 1):
             while len(order) < t.global_batch_size:
                 order += torch.randperm(len(train_ds), generator=g).tolist()
             idx, order = order[: t.global_batch_size], order[t.global_batch_size:]
             batch = _with_reference(preference_batch([train_ds[i] for i in idx], pad), r.reference)
             rec = r.train(batch, loss_fn, micro_batch_size=2 * t.micro_batch_size)
             r.log({"step": step, **rec})
-            r.stop_if_requested(last=step == steps)
             if step == steps or (t.val_every_steps and step % t.val_every_steps == 0):
                 validate(step)
+            r.stop_if_requested(last=step == steps)
 
         def headline(hist):
             first, last = mean_of(hist[:5], "accuracy"), mean_of(hist[-5:], "accuracy")

@@ -38,7 +38,9 @@ nothing exported).
 Seeding: the step's prompts come from ``random.Random(training.seed)`` (the same on every rank),
 and sample ``i`` of the step's ``P·G`` (group-major) is drawn with a generator of its own seeded
 by :func:`rollout_seed` ``(training.seed, step, i)``, so the rollouts do not depend on how many
-ranks share them out: any layout samples what one process samples.
+ranks share them out: any layout samples what one process samples. The prompt generator's state
+goes into every checkpoint, so a run resumed with ``checkpoint.resume`` (see
+:mod:`~hybridtrain.recipes.rl_run`) draws and samples what the uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from hybridtrain.config import instantiate
 from hybridtrain.data.preference import response_batch
 from hybridtrain.training.builder import as_config
 from hybridtrain.training.evaluation import left_pad
-from hybridtrain.recipes.rl_run import RLRun, fmt, mean_of
+from hybridtrain.training.rng import generator_state, set_generator_state
+from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
 from hybridtrain.rl.tasks import check_task, method_name, score, task_prompts
 
 logger = logging.getLogger(__name__)
@@ -174,8 +177,8 @@ def run(cfg: Any) -> dict[str, Any]:
     _check_settings(g)
     task = instantiate(g.task) if g.task else CountingTask()
     check_task(task, f"grpo.task ({cfg.source_file})")
-    with process_group(cfg):
-        r = RLRun(cfg, "grpo", plot_extra=("reward", "accuracy"), loss_label="clipped policy-gradient loss + KL")
+    with process_group(cfg), rl_run(cfg, "grpo", plot_extra=("reward", "accuracy"),
+                                    loss_label="clipped policy-gradient loss + KL") as r:
         tok = r.policy.tokenizer
         if tok is None:
             raise ValueError(f"the recipe has no tokenizer section ({cfg.source_file}); GRPO "
@@ -188,7 +191,15 @@ def run(cfg: Any) -> dict[str, Any]:
         P, G, U = g.num_prompts_per_step, g.num_generations_per_prompt, g.updates_per_rollout
         rng = random.Random(t.seed)
         bad_note = None  # the first non-finite reward / advantage, named once
-        for step in range(1, (t.max_steps or 1) + 1):
+
+        def loop_state() -> dict:  # the prompts drawn so far: a resumed run draws the same
+            return {"prompt_rng": generator_state(rng), "bad_note": bad_note}
+
+        saved = r.begin(loop_state)
+        if saved:
+            set_generator_state(rng, saved["prompt_rng"])
+            bad_note = saved["bad_note"]
+        for step in range(r.step + 1, (t.max_steps or 1) + 1):
             prompts = task_prompts(task, P, rng)
             engine.load_state_dict(r.policy.state_dict_full())
             batch, scores = sample_rollouts(

@@ -271,21 +271,30 @@ class Policy:
 
         return build_checkpointer(self.built, path)
 
-    def save_checkpoint(self, dir: str, export: bool = False, step: int | None = None) -> str:
+    def save_checkpoint(self, dir: str, export: bool = False, step: int | None = None,
+                        extra: dict | None = None) -> str:
         """Writes ``dir/step_{N}`` (the finetune checkpoint format: model, optimizer, LR schedule,
         RNG; with ``export`` the HF export ``hf/``, or ``adapter/`` for LoRA) and ``dir/latest``;
         returns the step folder. ``N``: ``step`` (the caller's step count, e.g. GRPO's rollout
-        steps), default the optimizer updates so far. Collective."""
+        steps), default the optimizer updates so far; the updates and the skipped-update streak
+        are saved too, with the caller's JSON ``extra`` (see :meth:`load_checkpoint`). Collective."""
+        extra = {**(extra or {}), "policy": {"updates": self.step,
+                                             "skipped_streak": self.skipped_streak}}
         return self.checkpointer(dir).save(self.step if step is None else step, self.model,
-                                           self.optimizer, self.lr_scheduler,
+                                           self.optimizer, self.lr_scheduler, extra=extra,
                                            tokenizer=self.tokenizer, export=export, final=export)
 
-    def load_checkpoint(self, dir: str) -> None:
+    def load_checkpoint(self, dir: str) -> dict[str, Any]:
         """Restores a checkpoint (a ``step_N`` folder, or a run folder: its ``latest``) written by
-        :meth:`save_checkpoint` or ``hybridtrain finetune`` under any layout. Collective."""
+        :meth:`save_checkpoint` or ``hybridtrain finetune`` under any layout: weights, optimizer,
+        LR schedule, this rank's global RNG states, the update count. Returns the trainer state
+        (``step``: N, ``extra``: what the caller saved). Collective."""
         ck = self.checkpointer(dir)
         path = ck.resolve_resume(dir)
         if path is None:
             raise ValueError(f"load_checkpoint: {dir} holds no checkpoint")
         state = ck.load(path, self.model, self.optimizer, self.lr_scheduler)
-        self.step = int(state.get("step", 0))
+        mine = (state.get("extra") or {}).get("policy", {})
+        self.step = int(mine.get("updates", state.get("step", 0)))
+        self.skipped_streak = int(mine.get("skipped_streak", 0))
+        return state

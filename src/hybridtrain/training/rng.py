@@ -1,6 +1,8 @@
 """Seeding and JSON-serialisable RNG states (python, numpy, torch CPU, torch CUDA).
 
-States are plain JSON (no pickle), one file per rank in a checkpoint.
+States are plain JSON (no pickle), one file per rank in a checkpoint. A recipe's own generator
+(a ``random.Random`` or a ``torch.Generator``) goes to JSON with :func:`generator_state` and back
+with :func:`set_generator_state`.
 """
 
 from __future__ import annotations
@@ -50,3 +52,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def generator_state(gen: random.Random | torch.Generator) -> list:
+    """The JSON-serialisable state of one generator (CPU ``torch.Generator`` or ``random.Random``)."""
+    if isinstance(gen, random.Random):
+        version, internal, gauss = gen.getstate()
+        return [version, list(internal), gauss]
+    return _bytes(gen.get_state())
+
+
+def set_generator_state(gen: random.Random | torch.Generator, state: list) -> None:
+    """Restores what :func:`generator_state` returned."""
+    if isinstance(gen, random.Random):
+        version, internal, gauss = state
+        gen.setstate((version, tuple(internal), gauss))
+    else:
+        gen.set_state(torch.tensor(state, dtype=torch.uint8))
