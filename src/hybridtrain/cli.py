@@ -13,7 +13,8 @@ Commands::
                                 (arguments defined by hybridtrain.recipes.generate.build_parser)
     hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
 
-``finetune``/``benchmark``/``evaluate`` load the recipe, apply its ``dist_env`` (before torch is imported),
+``finetune``/``benchmark``/``evaluate`` load the recipe, apply its ``dist_env`` and the process
+defaults (``OMP_WAIT_POLICY=PASSIVE`` unless set; both before torch is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
 ``--nproc-per-node N`` (N > 1), start N workers of themselves on this node with torchrun's
 environment (:mod:`hybridtrain.launch`: signals passed on, the workers' exit status, one
@@ -42,7 +43,7 @@ import warnings
 from typing import Callable, Mapping, Sequence
 
 import hybridtrain
-from hybridtrain.config import ConfigError, apply_dist_env, load_config
+from hybridtrain.config import ConfigError, apply_dist_env, apply_process_defaults, load_config
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
@@ -257,6 +258,7 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
                 sub_argv: list[str]) -> int:
     cfg = load_config(args.config, parse_overrides(overrides))
     apply_dist_env(cfg.dist_env)  # first, before anything imports torch / touches CUDA
+    apply_process_defaults()      # OMP_WAIT_POLICY=PASSIVE unless set: see config/dist_env.py
     if args.print_config:
         sys.stdout.write(cfg.to_yaml())
         return 0

@@ -8,7 +8,12 @@ import textwrap
 
 import pytest
 
-from hybridtrain.config import apply_dist_env, dist_env_vars, load_config
+from hybridtrain.config import (
+    apply_dist_env,
+    apply_process_defaults,
+    dist_env_vars,
+    load_config,
+)
 from hybridtrain.config import dist_env as dist_env_mod
 
 
@@ -97,3 +102,16 @@ def test_loaded_section_applies(tmp_path):
     env: dict[str, str] = {}
     assert apply_dist_env(cfg.dist_env, environ=env) == {
         "TORCH_NCCL_USE_COMM_NONBLOCKING": "1", "NCCL_DEBUG": "WARN"}
+
+
+def test_process_defaults_fill_only_what_environment_and_recipe_left_unset():
+    env = {}
+    apply_dist_env({"nccl_debug": "WARN"}, environ=env)
+    assert apply_process_defaults(environ=env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"NCCL_DEBUG": "WARN", "OMP_WAIT_POLICY": "PASSIVE"}
+    recipe = {}
+    apply_dist_env({"omp_wait_policy": "ACTIVE"}, environ=recipe)  # the recipe wins
+    assert apply_process_defaults(environ=recipe) == {} and recipe["OMP_WAIT_POLICY"] == "ACTIVE"
+    user = {"OMP_WAIT_POLICY": "active"}  # and the user's environment wins over both
+    apply_dist_env({"omp_wait_policy": "PASSIVE"}, environ=user)
+    assert apply_process_defaults(environ=user) == {} and user == {"OMP_WAIT_POLICY": "active"}

@@ -15,7 +15,7 @@ Keys and defaults live in ``src/hybridtrain/config/schema.py`` (the single sourc
 Nothing in this package imports torch.
 """
 
-from hybridtrain.config.dist_env import apply_dist_env, dist_env_vars
+from hybridtrain.config.dist_env import apply_dist_env, apply_process_defaults, dist_env_vars
 from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.instantiate import instantiate, resolve_target
 from hybridtrain.config.loader import (
@@ -32,5 +32,7 @@ from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, is_target_allow
 __all__ = [
     "ConfigError", "ConfigNode", "Override", "SECTIONS", "DEFAULT_ALLOWED_PREFIXES",
     "load_config", "build_config", "parse_overrides", "parse_scalar",
-    "instantiate", "resolve_target", "is_target_allowed", "apply_dist_env", "dist_env_vars",
+    "instantiate", "resolve_target", "is_target_allowed", "apply_dist_env",
+    "apply_process_defaults",
+    "dist_env_vars",
 ]

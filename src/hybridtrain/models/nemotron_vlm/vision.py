@@ -5,10 +5,13 @@ Images of different sizes travel as one packed sequence: ``pixel_values`` [P_tot
 :func:`hybridtrain.data.images.patchify` writes them) and ``image_grid`` [N, 2] (patch rows,
 patch columns of each image). The ViT inserts ``class_token_len`` class tokens before every
 image's patches, adds position embeddings interpolated (bilinear, ``align_corners=False``) to
-each image's own grid, and attends within each image only (block-diagonal mask from the
-per-image ``cu_seqlens``). Class tokens are dropped at the end; :func:`pixel_shuffle` merges
-2x2 neighbouring patches of each image (4x fewer tokens, 4x channels) and the projector maps
-them to the language model's width.
+each image's own grid, and attends within each image only: images with the same token count
+go through one unmasked attention call as a batch [images, heads, tokens, dim] (what a
+block-diagonal mask over all tokens computes, to rounding, without its cost quadratic in the
+micro-batch's tokens: 2026-11-26, vlm_tiny's ViT on 60 images, fwd+bwd 0.88 -> 0.036 CPU-s).
+Class tokens are dropped at the end; :func:`pixel_shuffle` merges 2x2 neighbouring patches of
+each image (4x fewer tokens, 4x channels) and the projector maps them to the language model's
+width.
 """
 
 from __future__ import annotations
@@ -28,11 +31,25 @@ def image_cu_seqlens(image_grid: torch.Tensor, extra: int = 0) -> torch.Tensor:
     return F.pad(torch.cumsum(sizes, 0), (1, 0))
 
 
-def block_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[total, total] bool: token i may attend to token j iff both lie in the same image."""
-    seg = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device),
-                                  cu_seqlens[1:] - cu_seqlens[:-1], output_size=total)
-    return seg[:, None] == seg[None, :]
+ImageGroups = list[tuple[torch.Tensor, int, int]]
+
+
+def same_length_groups(cu_seqlens: torch.Tensor) -> tuple[ImageGroups, torch.Tensor | None]:
+    """Images grouped by token count: ``[(rows, n_images, length)]`` with ``rows`` the packed
+    positions of the group's tokens (image by image), and the permutation that puts the groups'
+    concatenated rows back in packed order (``None`` when it is the identity)."""
+    bounds = cu_seqlens.tolist()
+    by_length: dict[int, list[int]] = {}
+    for i in range(len(bounds) - 1):
+        by_length.setdefault(bounds[i + 1] - bounds[i], []).append(bounds[i])
+    groups, order = [], []
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
+        groups.append((rows.to(cu_seqlens.device), len(starts), length))
+        order.append(rows)
+    if len(groups) <= 1:
+        return groups, None
+    return groups, torch.argsort(torch.cat(order)).to(cu_seqlens.device)
 
 
 class VisionAttention(nn.Module):
@@ -42,11 +59,17 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: ImageGroups,
+                unpermute: torch.Tensor | None) -> torch.Tensor:
         T, D = x.shape
-        q, k, v = self.qkv(x).view(T, 3, self.num_heads, D // self.num_heads).permute(1, 2, 0, 3)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(o.transpose(0, 1).reshape(T, D))
+        qkv = self.qkv(x).view(T, 3, self.num_heads, D // self.num_heads)
+        outs = []
+        for rows, n, length in groups:  # [n*L, 3, H, d] -> 3 x [n, H, L, d]
+            g = qkv if len(groups) == 1 else qkv[rows]
+            q, k, v = g.view(n, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+            outs.append(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, D))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else x
+        return self.proj(o if unpermute is None else o[unpermute])
 
 
 class VisionBlock(nn.Module):
@@ -60,8 +83,9 @@ class VisionBlock(nn.Module):
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), mask)
+    def forward(self, x: torch.Tensor, groups: ImageGroups,
+                unpermute: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), groups, unpermute)
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
@@ -113,9 +137,9 @@ class RadioViT(nn.Module):
             start += n
         x = torch.cat(pieces) if pieces else patches[:0]
         cu = image_cu_seqlens(image_grid, extra=C)
-        mask = block_mask(cu.to(x.device), x.shape[0])
+        groups, unpermute = same_length_groups(cu.to(x.device))
         for block in self.blocks.values():
-            x = block(x, mask)
+            x = block(x, groups, unpermute)
         x = self.norm(x)
         keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         for s in cu[:-1].tolist():
