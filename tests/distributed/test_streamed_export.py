@@ -40,7 +40,7 @@ def _exports(layout, world, out):
     lay = global_layout(b.model)
     stream = stream_full_tensors(b.model, lay)
     if rank == 0:
-        model_spec_for(b.model).save_hf(lay, b.model.config, os.path.join(out, "sharded"),
+        model_spec_for(b.model).hf.save(lay, b.model.config, os.path.join(out, "sharded"),
                                         max_shard_size="20KB", tensors=stream)
     for _ in stream:
         pass

@@ -171,7 +171,7 @@ def write_checkpoint(out: str, cfg, max_shard_size: str = "200MB") -> int:
     g = torch.Generator().manual_seed(0)
     tensors = ((n, (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16))
                for n, t in layout.items())
-    model_spec_for(model).save_hf(layout, cfg, out, max_shard_size=max_shard_size,
+    model_spec_for(model).hf.save(layout, cfg, out, max_shard_size=max_shard_size,
                                   dtype=torch.bfloat16, tensors=tensors)
     return checkpoint_bytes(out)
 
