@@ -200,15 +200,16 @@ def test_config_helpers(monkeypatch):
 
 def test_activation_checkpointing_policies():
     from hybridtrain.distributed.activation_checkpoint import ACPolicy, parse_ac_policy
+    from hybridtrain.models.nemotron_h.parallelize import BLOCK_TYPES
 
     assert parse_ac_policy(True) == ACPolicy("all")
     assert parse_ac_policy(False).mode == "none"
     assert parse_ac_policy(2) == ACPolicy("every", every=2)
     assert parse_ac_policy({"every": 3}).every == 3
-    assert parse_ac_policy("mamba, moe").layer_types == ("linear_attention", "moe")
-    assert parse_ac_policy(["*", "E"]).layer_types == ("full_attention", "moe")
+    assert parse_ac_policy("mamba, moe", BLOCK_TYPES).layer_types == ("linear_attention", "moe")
+    assert parse_ac_policy(["*", "E"], BLOCK_TYPES).layer_types == ("full_attention", "moe")
     with pytest.raises(ValueError, match="unknown layer type 'conv'"):
-        parse_ac_policy(["conv"])
+        parse_ac_policy(["conv"], BLOCK_TYPES)
     with pytest.raises(ValueError, match="cannot read"):
         parse_ac_policy({"bogus": 1})
 
@@ -216,13 +217,14 @@ def test_activation_checkpointing_policies():
 def test_activation_checkpointing_is_bitwise_and_keeps_state_dict_keys():
     from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+    from hybridtrain.models.nemotron_h.parallelize import BLOCK_TYPES
 
     def run(policy):
         torch.manual_seed(0)
         m = NemotronHForCausalLM(tiny_config("mixed"))
         keys = list(m.state_dict())
         chosen = apply_activation_checkpointing(m.backbone.layers, policy,
-                                                lambda b: b.block_type) if policy else []
+                                                BLOCK_TYPES) if policy else []
         assert list(m.backbone.layers) == [str(i) for i in range(7)]  # same keys, wrapped blocks
         assert list(m.state_dict()) == keys
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))

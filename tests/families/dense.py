@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.models.spec import (FlopsCount, HFAdapter, MetaInit, ModelSpec, PeftSupport,
                                      PipelineSplit, register_model_spec)
@@ -197,6 +198,8 @@ def save_hf(state_dict, config, out_dir, max_shard_size=None, dtype=None, tensor
 def parallelize(model, dims, distributed, training, *, device, autocast_dtype):
     if dims.tp > 1 or dims.cp > 1 or dims.ep > 1:
         raise ValueError("dense_test supports data and pipeline parallelism only")
+    if training.activation_checkpointing:  # no LayerTypes part: all or every k-th block only
+        apply_activation_checkpointing(model.model.layers, training.activation_checkpointing)
     if dims.fsdp_enabled:
         apply_fsdp(model, list(model.model.layers.values()), dims, distributed,
                    autocast_dtype=autocast_dtype)

@@ -126,6 +126,39 @@ def test_a_missing_optional_part_is_named_with_the_spec():
         spec.part(HeteroSupport, "distributed.encoder_ranks")
 
 
+def test_layer_types_name_activation_checkpointing_policies():
+    """Per-type ``training.activation_checkpointing`` names are the model spec's LayerTypes;
+    a model without that part takes only all / every k-th."""
+    from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
+    from hybridtrain.models.spec import LayerTypes
+    from tests.families.dense import DENSE, DenseConfig, DenseLM
+
+    types = get_model_spec("nemotron_h").part(LayerTypes, "per-type checkpointing")
+    assert parse_ac_policy("mamba, moe", types).layer_types == ("linear_attention", "moe")
+    assert parse_ac_policy(["*", "E", "MLP"], types).layer_types == ("full_attention", "moe", "mlp")
+    with pytest.raises(ValueError, match=re.escape(
+            "training.activation_checkpointing: unknown layer type 'conv'; this model's types "
+            "are linear_attention, full_attention, mlp, moe (or mamba, attention, M, *, -, E)")):
+        parse_ac_policy({"layer_types": ["moe", "conv"]}, types)
+    with pytest.raises(ValueError, match="LayerTypes.aliases must map str to one of names"):
+        LayerTypes(names=("mlp",), of=type, aliases={"ffn": "dense"})
+
+    def wrapped(ac):
+        model = DenseLM(DenseConfig())
+        parallelize(DENSE, model, ParallelDims(world_size=1), config_section("distributed"),
+                    config_section("training", {"activation_checkpointing": ac}),
+                    device=torch.device("cpu"), autocast_dtype=None)
+        return [k for k, b in model.model.layers.items() if hasattr(b, "_checkpoint_wrapped_module")]
+
+    n = DenseConfig().num_hidden_layers
+    assert wrapped(True) == [str(i) for i in range(n)]
+    assert wrapped({"every": 2}) == [str(i) for i in range(0, n, 2)]
+    with pytest.raises(ValueError, match=re.escape(
+            "training.activation_checkpointing: activation checkpointing by layer type (mlp): "
+            "this model does not name its layers' types; use true or {every: k}")):
+        wrapped(["mlp"])
+
+
 def test_no_runtime_patching():
     pattern = re.compile(r"\.forward\s*=[^=]|\._parameters\s*(\[|=[^=]|\.update)|"
                          r"\._buffers\s*(\[|=[^=]|\.update)|\.grad_scale\b")

@@ -96,6 +96,37 @@ def test_activation_checkpointing_and_micro_batch_lower_activations():
     assert ck.params == a.params and ck.optimizer == a.optimizer
 
 
+def test_plan_and_run_checkpoint_the_same_blocks_by_type():
+    """``[mamba, moe]``: the run wraps exactly the Mamba and MoE blocks, and the plan counts
+    those blocks checkpointed (as with ``true``) and the others whole (as with ``false``)."""
+    from hybridtrain.distributed.layout import config_section
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+    from hybridtrain.distributed.plan import parallelize
+    from hybridtrain.models.spec import MemoryPlanSupport
+    from hybridtrain.training.builder import as_config
+
+    policy = ["mamba", "moe"]
+    spec, model = meta_model(as_config(pu.recipe({}, False, ac=policy)).model)
+    parallelize(spec, model, ParallelDims(world_size=1), config_section("distributed"),
+                config_section("training", {"activation_checkpointing": policy}),
+                device=torch.device("cpu"), autocast_dtype=None)
+    chosen = [int(k) for k, b in model.backbone.layers.items()
+              if hasattr(b, "_checkpoint_wrapped_module")]
+    act = spec.part(MemoryPlanSupport, "plan").activation_bytes(model.config, 1, 8, torch.float32)
+    category = [layer["category"] for layer in act["layers"]]
+    assert {category[i] for i in chosen} == {"mamba", "moe"}
+    assert chosen == [i for i, c in enumerate(category) if c in ("mamba", "moe")]
+
+    def per_mb(ac):
+        return plan_memory(pu.recipe({}, False, ac=ac), 1,
+                           device_type="cpu").ranks[0].activations_per_micro_batch
+
+    typed, every, none = per_mb(policy), per_mb(True), per_mb(False)
+    for c in set(category):
+        assert typed[c] == (every if c in ("mamba", "moe") else none)[c], c
+    assert typed["attention"] > every["attention"] and typed["mamba"] < none["mamba"]
+
+
 def test_parse_memory():
     assert parse_memory("80GB") == parse_memory("80GiB") == parse_memory("80") == 80 * GiB
     assert parse_memory("512MB") == 512 * 2 ** 20

@@ -14,17 +14,21 @@ Accepted settings (``training.activation_checkpointing``):
 * ``false`` / ``"none"`` -- off;  ``true`` / ``"all"`` -- every block;
 * an int ``k`` or ``{"every": k}`` -- blocks 0, k, 2k, ...;
 * a layer-type name or list, e.g. ``"moe"``, ``["mamba", "attention"]`` or
-  ``{"layer_types": [...]}`` -- the blocks of those types: ``linear_attention`` (alias
-  ``mamba``, ``M``), ``full_attention`` (``attention``, ``*``), ``mlp`` (``-``), ``moe`` (``E``).
+  ``{"layer_types": [...]}`` -- the blocks of those types, in the names or aliases the model
+  declares in its spec's :class:`~hybridtrain.models.spec.LayerTypes` part; a model without
+  one takes only the other settings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from hybridtrain.models.spec import LayerTypes
 
 __all__ = ["ACPolicy", "parse_ac_policy", "apply_activation_checkpointing", "state_dict_name"]
 
@@ -32,10 +36,6 @@ __all__ = ["ACPolicy", "parse_ac_policy", "apply_activation_checkpointing", "sta
 # torchtitan); the prefix below is the attribute name it keeps the wrapped module under
 _WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _WRAPPED_PREFIX = "_checkpoint_wrapped_module."
-
-LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
-_ALIASES = {"M": "linear_attention", "mamba": "linear_attention", "*": "full_attention",
-            "attention": "full_attention", "-": "mlp", "E": "moe"}
 
 
 @dataclass(frozen=True)
@@ -54,22 +54,31 @@ class ACPolicy:
         return False
 
 
-def _types(value: Iterable[Any], where: str) -> tuple[str, ...]:
+def _types(value: Iterable[Any], types: LayerTypes | None, where: str) -> tuple[str, ...]:
+    """``value``'s layer-type names resolved against the model's ``types`` (an alias or name as
+    written, else lower-cased)."""
+    value = [str(t) for t in value]
+    if types is None:
+        raise ValueError(f"{where}: activation checkpointing by layer type ({', '.join(value)}): "
+                         "this model does not name its layers' types; use true or {every: k}")
     out = []
     for t in value:
-        t = str(t) if str(t) in _ALIASES else str(t).lower()
-        t = _ALIASES.get(t, t)
-        if t not in LAYER_TYPES:
-            raise ValueError(
-                f"{where}: unknown layer type {t!r}; valid types are {', '.join(LAYER_TYPES)} "
-                "(or mamba, attention, or the pattern characters M, *, -, E)"
-            )
+        t = t if t in types.aliases or t in types.names else t.lower()
+        t = types.aliases.get(t, t)
+        if t not in types.names:
+            aliases = f" (or {', '.join(types.aliases)})" if types.aliases else ""
+            raise ValueError(f"{where}: unknown layer type {t!r}; this model's types are "
+                             f"{', '.join(types.names)}{aliases}")
         out.append(t)
     return tuple(out)
 
 
-def parse_ac_policy(value: Any, where: str = "training.activation_checkpointing") -> ACPolicy:
-    """Turn the recipe value into an :class:`ACPolicy` (``ValueError`` naming ``where``)."""
+def parse_ac_policy(value: Any, types: LayerTypes | None = None,
+                    where: str = "training.activation_checkpointing") -> ACPolicy:
+    """Turn the recipe value into an :class:`ACPolicy` (``ValueError`` naming ``where``); layer
+    types are matched against ``types``, the model spec's ``LayerTypes`` part (None: the model
+    has none, a per-type policy is an error). The run and ``hybridtrain plan`` both read the
+    setting here."""
     if isinstance(value, ACPolicy):
         return value
     if value is None or value is False:
@@ -86,17 +95,17 @@ def parse_ac_policy(value: Any, where: str = "training.activation_checkpointing"
             return ACPolicy("none")
         if v in ("all", "full", "true"):
             return ACPolicy("all")
-        return ACPolicy("types", layer_types=_types(value.replace(",", " ").split(), where))
+        return ACPolicy("types", layer_types=_types(value.replace(",", " ").split(), types, where))
     if isinstance(value, (list, tuple)):
-        return ACPolicy("types", layer_types=_types(value, where))
+        return ACPolicy("types", layer_types=_types(value, types, where))
     if isinstance(value, dict):
         keys = set(value)
         if keys == {"every"}:
-            return parse_ac_policy(int(value["every"]), where)
+            return parse_ac_policy(int(value["every"]), types, where)
         if keys == {"layer_types"}:
-            return ACPolicy("types", layer_types=_types(value["layer_types"], where))
+            return ACPolicy("types", layer_types=_types(value["layer_types"], types, where))
         if keys == {"mode"}:
-            return parse_ac_policy(value["mode"], where)
+            return parse_ac_policy(value["mode"], types, where)
     raise ValueError(
         f"{where}: cannot read {value!r}; use true/false, 'all', an integer k (every k-th "
         "block), {every: k}, or layer types such as ['mamba', 'moe'] / {layer_types: [...]}"
@@ -130,29 +139,27 @@ def state_dict_name(name: str) -> str:
 def apply_activation_checkpointing(
     layers: nn.ModuleDict,
     policy: Any,
-    layer_type: Callable[[nn.Module], str | None] | None = None,
+    types: LayerTypes | None = None,
 ) -> list[int]:
     """Replace the blocks of ``layers`` that ``policy`` selects by checkpoint-wrapped blocks
     (same keys); returns the selected indices.
 
     ``layers``' keys are the blocks' indices in the whole model (so every-k-th is the same under
-    pipeline parallelism, where a stage holds a slice of the blocks); ``layer_type(block)`` names
-    a block's type for a per-type policy (the model's parallelize function gives it; a
-    per-type policy without it is an error). Call it before FSDP / compile wrap the blocks.
+    pipeline parallelism, where a stage holds a slice of the blocks); ``types``: the model
+    spec's ``LayerTypes`` part (the model's parallelize function gives it), which names a
+    per-type policy's types and a block's type (None: a per-type policy is an error). Call it
+    before FSDP / compile wrap the blocks.
     """
-    policy = parse_ac_policy(policy)
+    policy = parse_ac_policy(policy, types)
     if policy.mode == "none":
         return []
-    if policy.mode == "types" and layer_type is None:
-        types = ", ".join(policy.layer_types)
-        raise ValueError(f"activation checkpointing by layer type ({types}): this model does "
-                         "not name its layers' types; use true or {every: k}")
+    assert policy.mode != "types" or types is not None, "a per-type ACPolicy needs the types"
     wrapper, impl = _checkpoint_wrapper()
     chosen = []
     for key, block in list(layers.items()):
         assert not hasattr(block, _WRAPPED_PREFIX[:-1]), f"block {key} is checkpointed already"
         i = int(key)
-        if policy.selects(i, layer_type(block) if layer_type is not None else None):
+        if policy.selects(i, types.of(block) if policy.mode == "types" else None):
             layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True)
             chosen.append(i)
     return chosen

@@ -2,7 +2,8 @@
 
 A model family registers one :class:`ModelSpec`: a small required core (how to build, lay out,
 split, count and export the model) plus optional *parts* (:class:`PeftSupport`,
-:class:`MetaInit`, :class:`MemoryPlanSupport`, :class:`HeteroSupport`), each a typed
+:class:`MetaInit`, :class:`MemoryPlanSupport`, :class:`HeteroSupport`, :class:`LayerTypes`),
+each a typed
 dataclass. :func:`register_model_spec` checks the core and every part, so a missing or
 ill-typed piece names itself when the family registers, not mid-run; a generic caller that
 needs an optional part asks ``spec.part(PartClass, "what for")``, which raises a ValueError
@@ -33,7 +34,7 @@ from typing import Any, Callable, TypeVar
 from torch import nn
 
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
-           "MemoryPlanSupport", "HeteroSupport", "PART_TYPES", "register_model_spec",
+           "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "PART_TYPES", "register_model_spec",
            "get_model_spec", "model_spec_for", "registered_model_class", "set_train_loss"]
 
 
@@ -180,7 +181,28 @@ class HeteroSupport:
         _check(self, ("plan",))
 
 
-PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport)
+@dataclass(frozen=True)
+class LayerTypes:
+    """The model's block types, for settings that name them (per-type
+    ``training.activation_checkpointing``, e.g. ``[mamba, moe]``). ``names``: the types, spelled
+    as ``of`` and ``MemoryPlanSupport.activation_bytes``' ``"type"`` spell them; ``aliases``:
+    {other spelling: type}; ``of(block) -> str``: the type of one of the pipeline layers."""
+
+    names: tuple[str, ...]
+    of: Callable[[nn.Module], str]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check(self, ("of",))
+        if not (isinstance(self.names, tuple) and self.names
+                and all(isinstance(n, str) for n in self.names)):
+            raise ValueError("LayerTypes.names must be a non-empty tuple of str")
+        bad = {k: v for k, v in self.aliases.items() if not isinstance(k, str) or v not in self.names}
+        if bad:
+            raise ValueError(f"LayerTypes.aliases must map str to one of names; not {bad}")
+
+
+PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes)
 P = TypeVar("P")
 
 

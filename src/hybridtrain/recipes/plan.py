@@ -336,6 +336,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                                               resolve_reshard_after_forward)
     from hybridtrain.distributed.layout import parallel_dims_from_config
     from hybridtrain.distributed.plan import pipeline_split_seq_len
+    from hybridtrain.models.spec import LayerTypes
     from hybridtrain.training.builder import as_config
     from hybridtrain.training.precision import autocast_dtype
 
@@ -363,7 +364,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     activation_bytes = _memory_part(spec).activation_bytes
     act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
                            t.loss_chunk_size, head_trains) if activation_bytes else None
-    policy = parse_ac_policy(t.activation_checkpointing)
+    policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
             "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),

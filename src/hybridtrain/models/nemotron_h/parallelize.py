@@ -32,6 +32,9 @@ from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.distributed.tensor_parallel import (LocalSlice, SequenceParallel, apply_tp_plan,
                                                      check_divisible, tp_mesh)
+from hybridtrain.models.spec import LayerTypes
+
+from .config import LAYER_TYPES, LEGACY_TYPE_NAMES, PATTERN_TO_TYPE
 
 
 def check_tp(config, tp: int) -> None:
@@ -97,6 +100,12 @@ def apply_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
                                                         length=1)
 
 
+# the block types, as per-type settings may name them: the config's names, their legacy names
+# and the `hybrid_override_pattern` characters (the spec's LayerTypes part)
+BLOCK_TYPES = LayerTypes(names=LAYER_TYPES, of=lambda block: block.block_type,
+                         aliases={**LEGACY_TYPE_NAMES, **PATTERN_TO_TYPE})
+
+
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, training, *,
                            device: torch.device, autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
@@ -113,8 +122,7 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, tr
             block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
                                                                  dims.mesh("ep"))
     if training.activation_checkpointing:
-        apply_activation_checkpointing(layers, training.activation_checkpointing,
-                                       layer_type=lambda block: block.block_type)
+        apply_activation_checkpointing(layers, training.activation_checkpointing, BLOCK_TYPES)
     apply_compile(layers, training.compile, device)
     if dims.fsdp_enabled:
         units, expert_units = fsdp_units(model)

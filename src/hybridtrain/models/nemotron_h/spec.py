@@ -15,7 +15,7 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
-from .parallelize import fsdp_units, parallelize_nemotron_h, tp_plan
+from .parallelize import BLOCK_TYPES, fsdp_units, parallelize_nemotron_h, tp_plan
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -94,5 +94,6 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MetaInit(init_units=NemotronHForCausalLM.init_units, hf_slice_reader=slice_reader),
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
+        BLOCK_TYPES,
     ),
 ))

@@ -12,7 +12,7 @@ from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.models.nemotron_h import spec as lm_spec
 from hybridtrain.models.nemotron_h.moe import Experts
 from hybridtrain.models.nemotron_h.parallelize import fsdp_units as lm_fsdp_units
-from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+from hybridtrain.models.nemotron_h.parallelize import BLOCK_TYPES, parallelize_nemotron_h
 from hybridtrain.models.spec import (
     FlopsCount, HeteroSupport, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport,
     PipelineSplit, register_model_spec)
@@ -127,5 +127,6 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
         HeteroSupport(plan=hetero_plan),
         MetaInit(init_units=NemotronVLMForConditionalGeneration.init_units),
         MemoryPlanSupport(fsdp_units=fsdp_units),
+        BLOCK_TYPES,  # the language model's (its parallelize function checkpoints by them)
     ),
 ))
