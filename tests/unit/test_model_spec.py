@@ -148,7 +148,8 @@ def test_layer_types_name_activation_checkpointing_policies():
         parallelize(DENSE, model, ParallelDims(world_size=1), config_section("distributed"),
                     config_section("training", {"activation_checkpointing": ac}),
                     device=torch.device("cpu"), autocast_dtype=None)
-        return [k for k, b in model.model.layers.items() if hasattr(b, "_checkpoint_wrapped_module")]
+        return [k for k, b in model.model.layers.items()
+                if hasattr(b, "_checkpoint_wrapped_module")]
 
     n = DenseConfig().num_hidden_layers
     assert wrapped(True) == [str(i) for i in range(n)]

@@ -197,7 +197,8 @@ class LayerTypes:
         if not (isinstance(self.names, tuple) and self.names
                 and all(isinstance(n, str) for n in self.names)):
             raise ValueError("LayerTypes.names must be a non-empty tuple of str")
-        bad = {k: v for k, v in self.aliases.items() if not isinstance(k, str) or v not in self.names}
+        bad = {k: v for k, v in self.aliases.items()
+               if not isinstance(k, str) or v not in self.names}
         if bad:
             raise ValueError(f"LayerTypes.aliases must map str to one of names; not {bad}")
 
