@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.distributed.init import process_group
+from hybridtrain.ops.backend import configure_backend
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import Built, as_config, build, make_train_step
 from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
-from hybridtrain.ops.backend import configure_backend
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
@@ -216,8 +217,6 @@ def top_operators(prof, device: torch.device, steps: int) -> str:
 def run(cfg: Any, args: Any = None) -> dict[str, Any]:
     cfg = as_config(cfg)
     opts = _options(cfg, args)
-    from hybridtrain.distributed.init import process_group
-
     with process_group(cfg) as info:
         return _run(cfg, opts, info.device, info.is_main, info.world_size)
 
