@@ -39,6 +39,7 @@ from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import Built, as_config, build, make_train_step
 from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
+from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
 
@@ -153,9 +154,10 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(b.model, b.optimizer, None, sched, dataset, make_loader,
-                      device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims,
+                      device=b.device, dims=b.plan.dims,
+                      settings=trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
                       train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak,
-                      clip_grad_norm_fn=b.plan.clip_grad_norm, save_hf_at_end=False, save_ckpt=False)
+                      clip_grad_norm_fn=b.plan.clip_grad_norm)
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))

@@ -45,6 +45,7 @@ from hybridtrain.training.precision import (
 )
 from hybridtrain.training.preemption import RunStop
 from hybridtrain.training.rng import seed_all
+from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import TrainStep, Trainer
 
@@ -427,16 +428,12 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
     on ``checkpoint.save_on_signal`` and ``training.max_time`` (counted from ``started``, a
     ``time.perf_counter()``; default: now)."""
     cfg = b.cfg
-    t, ck = cfg.training, cfg.checkpoint
     evaluator = make_evaluator(b) if cfg.evaluation is not None else None
     return Trainer(
         b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
         val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
-        device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
-        max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
-        val_accuracy=t.val_accuracy,
+        device=b.device, settings=trainer_settings(cfg.training, cfg.checkpoint),
+        dims=b.plan.dims, train_step=b.train_step,
         flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
-        save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
-        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
-        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps, evaluator=evaluator,
+        clip_grad_norm_fn=b.plan.clip_grad_norm, evaluator=evaluator,
         stop=RunStop.from_config(cfg, b.device, started))
