@@ -154,10 +154,9 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(b.model, b.optimizer, None, sched, dataset, make_loader,
-                      device=b.device, dims=b.plan.dims,
+                      device=b.device, plan=b.plan,
                       settings=trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
-                      train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak,
-                      clip_grad_norm_fn=b.plan.clip_grad_norm)
+                      train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak)
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))

@@ -48,6 +48,7 @@ from torch import nn
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.plan import ParallelPlan
 from hybridtrain.distributed.utils import clip_grad_norm_
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
@@ -134,9 +135,10 @@ class Trainer:
     batches (the recipe wraps ``torch.utils.data.DataLoader`` with its collator).
     ``flops_fn(micro_batch)`` (training FLOPs of the whole model on that micro-batch) enables
     ``tflops_per_device``, and with ``peak_tflops`` (per device) ``mfu``.
-    ``clip_grad_norm_fn(params, max_norm)`` replaces
-    :func:`~hybridtrain.distributed.utils.clip_grad_norm_` (a parallel plan's norm over every
-    mesh and pipeline stage). ``settings``: the recipe's loop values
+    ``plan``: the parallel layout (this rank's coordinates, and the gradient norm over every
+    mesh and pipeline stage); default: one process and
+    :func:`~hybridtrain.distributed.utils.clip_grad_norm_`.
+    ``settings``: the recipe's loop values
     (:func:`~hybridtrain.training.settings.trainer_settings`; default: the schema's).
     """
 
@@ -154,11 +156,10 @@ class Trainer:
         tokenizer=None,
         device: torch.device | str = "cpu",
         settings: TrainerSettings | None = None,
-        dims: ParallelDims | None = None,
+        plan: ParallelPlan | None = None,
         train_step: TrainStep | None = None,
         flops_fn: Callable[[dict], float] | None = None,
         peak_tflops: float | None = None,
-        clip_grad_norm_fn: Callable[[list, float | None], torch.Tensor] | None = None,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
     ):
@@ -174,12 +175,12 @@ class Trainer:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.settings = settings or trainer_settings()  # default: the schema's
-        self.dims = dims or ParallelDims()
+        self.dims = plan.dims if plan is not None else ParallelDims()
         self.train_step = train_step or TrainStep()
         self.val_micro_batch_size = (self.settings.val_micro_batch_size
                                      or step_scheduler.micro_batch_size)
         self.flops_fn = flops_fn
-        self.clip_grad_norm_fn = clip_grad_norm_fn or clip_grad_norm_
+        self.clip_grad_norm_fn = plan.clip_grad_norm if plan is not None else clip_grad_norm_
         self.peak_tflops = peak_tflops
         if self.settings.val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
                                                       "eval_logits"):
