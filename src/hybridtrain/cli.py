@@ -47,6 +47,8 @@ from hybridtrain.config import ConfigError, apply_dist_env, apply_process_defaul
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
+from hybridtrain.fileio import write_error
+from hybridtrain.launch import first_to_report, launch, worker_argv
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.preemption import Preempted
 
@@ -272,8 +274,6 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
                            "LOCAL_WORLD_SIZE=%s", nproc, os.environ.get("LOCAL_WORLD_SIZE"))
     elif nproc is not None and nproc > 1:
-        from hybridtrain.launch import launch, worker_argv
-
         args = strip_nproc_flag(sub_argv)
         logger.info("starting %d workers: %s", nproc, shlex.join(worker_argv(command, args)))
         sys.stdout.flush()
@@ -337,8 +337,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report("hybridtrain: interrupted")
         return 130
     except OSError as e:  # a full or read-only disk: said plainly, naming the file
-        from hybridtrain.fileio import write_error
-
         err = write_error(e, "a file", None)
         if err is None:
             raise
@@ -351,8 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(message: str) -> None:
     """Prints ``message`` to stderr, once over the workers of one launch
     (:func:`hybridtrain.launch.first_to_report`)."""
-    from hybridtrain.launch import first_to_report
-
     if first_to_report(message):
         print(message, file=sys.stderr, flush=True)
 

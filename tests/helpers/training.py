@@ -10,6 +10,7 @@ from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer
+from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer, TrainStep
 
@@ -40,5 +41,6 @@ def build_trainer(out_dir, max_steps=8, gbs=8, mbs=2, ckpt_every=4, lr=3e-3, see
     return Trainer(
         model, opt, lrs, sched, sft_dataset(n_train), make_loader,
         val_dataset=sft_dataset(10, seed=1) if val else None, checkpointer=ckpt,
-        metrics=metrics, train_step=train_step or TrainStep(), save_hf_at_end=save_hf_at_end,
+        metrics=metrics, train_step=train_step or TrainStep(),
+        settings=trainer_settings(checkpoint={"save_hf_at_end": save_hf_at_end}),
     )

@@ -223,15 +223,13 @@ def test_an_error_is_reported_once_per_launch(tmp_path):
 
 
 def test_nproc_starts_workers_and_returns_their_status(recipe, fake_finetune, monkeypatch):
-    import hybridtrain.launch
-
     launches = []
 
     def fake_launch(command, args, nproc):
         launches.append((command, args, nproc))
         return 75
 
-    monkeypatch.setattr(hybridtrain.launch, "launch", fake_launch)
+    monkeypatch.setattr(cli, "launch", fake_launch)
     assert cli.main(["finetune", "-c", str(recipe), "--nproc-per-node", "2",
                      "--training.max_steps=3"]) == 75
     assert launches == [("finetune", ["-c", str(recipe), "--training.max_steps=3"], 2)]
@@ -240,7 +238,7 @@ def test_nproc_starts_workers_and_returns_their_status(recipe, fake_finetune, mo
 
 
 def test_external_torchrun_runs_in_process(recipe, fake_finetune, monkeypatch):
-    monkeypatch.setattr("hybridtrain.launch.launch", lambda *a: pytest.fail("must not re-launch"))
+    monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("must not re-launch"))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -251,7 +249,7 @@ def test_external_torchrun_runs_in_process(recipe, fake_finetune, monkeypatch):
 
 
 def test_nproc_one_runs_in_process(recipe, fake_finetune, monkeypatch):
-    monkeypatch.setattr("hybridtrain.launch.launch", lambda *a: pytest.fail("must not re-launch"))
+    monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("must not re-launch"))
     assert cli.main(["finetune", "-c", str(recipe), "--nproc-per-node=1"]) == 0
     assert len(fake_finetune) == 1
 

@@ -120,3 +120,57 @@ def test_config_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _function_level_imports() -> list[tuple[Path, int, list[str]]]:
+    """(file, line, source lines above and of it) of each package import inside a function."""
+    out = []
+    for path in _modules().values():
+        text = path.read_text()
+        lines = text.splitlines()
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                    names = ([a.name for a in child.names] if isinstance(child, ast.Import)
+                             else [child.module or ""])
+                    if getattr(child, "level", 0) or any(n.split(".")[0] == "hybridtrain"
+                                                         for n in names):
+                        out.append((path, child.lineno,
+                                    lines[max(child.lineno - 2, 0):child.end_lineno]))
+                visit(child, in_function or isinstance(child, (ast.FunctionDef,
+                                                               ast.AsyncFunctionDef)))
+
+        visit(ast.parse(text, str(path)), False)
+    return out
+
+
+def test_function_level_imports_are_few_and_say_why():
+    """An import inside a function hides an edge of the dependency graph: it is kept only for a
+    cycle, an optional dependency or a light start-up, and says which in a comment on or above
+    its line."""
+    found = _function_level_imports()
+    silent = [f"{p.relative_to(PACKAGE)}:{n}" for p, n, src in found
+              if not any("#" in line for line in src)]
+    assert not silent, "function-level imports without a reason comment: " + ", ".join(silent)
+    assert len(found) <= 10, [f"{p.relative_to(PACKAGE)}:{n}" for p, n, _ in found]
+
+
+def test_function_level_import_finder_sees_nested_and_relative_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "hybridtrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "import os\n"
+        "from hybridtrain import b\n"
+        "def f():\n"
+        "    import json\n"
+        "    # optional: needs x\n"
+        "    from hybridtrain.b import g\n"
+        "    def inner():\n"
+        "        from . import b\n")
+    (pkg / "b.py").write_text("def g():\n    pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    found = sorted((p.name, n, any("#" in s for s in src))
+                   for p, n, src in _function_level_imports())
+    assert found == [("a.py", 6, True), ("a.py", 8, False)]

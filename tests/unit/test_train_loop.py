@@ -1,5 +1,6 @@
 """Training-loop exactness: gradient accumulation, non-finite skipping, bitwise resume."""
 
+import dataclasses
 import json
 import math
 import os
@@ -293,7 +294,7 @@ def test_trainer_clips_then_steps(max_norm):
     from hybridtrain.distributed.utils import clip_grad_norm_
 
     tr = build_trainer(None, max_steps=2, val=False)
-    tr.grad_clip = max_norm
+    tr.settings = dataclasses.replace(tr.settings, grad_clip=max_norm)
     model = train_model(tiny_model, 0)
     opt = build_optimizer(model, lr=tr.optimizer.param_groups[0]["lr"], weight_decay=0.1)
     micro = [collate(tr.train_dataset, [tr.train_dataset[i] for i in range(k, k + 2)])
@@ -307,3 +308,19 @@ def test_trainer_clips_then_steps(max_norm):
     assert rec["grad_norm"] == float(norm) and (float(norm) > max_norm) == (max_norm < 1)
     for (name, a), b in zip(tr.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_trainer_settings_come_from_the_recipe_sections_over_the_schema_defaults():
+    from hybridtrain.config import ConfigError
+    from hybridtrain.config.schema import section_defaults
+    from hybridtrain.training.settings import trainer_settings
+
+    s = trainer_settings({"grad_clip": None, "gc_every_steps": 3}, {"enabled": False})
+    t = section_defaults("training")
+    assert (s.grad_clip, s.gc_every_steps, s.save_ckpt) == (None, 3, False)
+    assert s.max_consecutive_skipped_steps == t["max_consecutive_skipped_steps"]
+    assert s.save_hf_at_end == section_defaults("checkpoint")["save_hf_at_end"]
+    with pytest.raises(ConfigError, match="training.grad_clipp"):
+        trainer_settings({"grad_clipp": 1.0})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.grad_clip = 2.0

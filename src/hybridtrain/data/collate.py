@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from .batch import IGNORE_INDEX
+from .packing import PackedDataset
 
 
 def _as_list(x) -> list[int]:
@@ -107,8 +108,6 @@ def build_collator(dataset, pad_to_multiple_of: int = 1, pad_token_id: int | Non
     ``PackedDataset``, else a ``PaddingCollator``."""
     if hasattr(dataset, "collator"):
         return dataset.collator()
-    from .packing import PackedDataset
-
     if isinstance(dataset, PackedDataset):
         return PackedCollator()
     pad = pad_token_id if pad_token_id is not None else getattr(dataset, "pad_token_id", None)

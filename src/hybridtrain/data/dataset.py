@@ -41,6 +41,7 @@ import torch
 
 from .batch import IGNORE_INDEX
 from .io import EmptyDatasetError, describe_drop_reasons, resolve_data_files
+from .tokenizer import tokenizer_fingerprint
 
 logger = logging.getLogger("hybridtrain.data")
 
@@ -229,8 +230,6 @@ def build_source(kind: str, path, split: str | None, tokenizer, seq_length: int 
     ``key_parts`` plus the source's and the tokenizer's fingerprints (``build()`` on a miss, see
     :func:`build_cached`), then :func:`report`. Returns ``(dataset, stats, cache path or None,
     pad id)``."""
-    from .tokenizer import tokenizer_fingerprint
-
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token (load_tokenizer sets pad = eos)")
     source, src_key = source_key(path, split)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtrain.data.batch import IGNORE_INDEX
+from hybridtrain.distributed.pipeline import position_ids_from_cu_seqlens
 
 __all__ = ["ContextParallel", "shard_batch", "shard_batches", "gather_sequence", "halo_from_previous",
            "pass_states"]
@@ -70,8 +71,6 @@ def _positions(batch: Mapping[str, Any], B: int, L: int) -> torch.Tensor:
     if pos is not None:
         return pos.expand(B, L) if pos.dim() == 2 else pos.view(1, L).expand(B, L)
     if batch.get("cu_seqlens") is not None:
-        from hybridtrain.distributed.pipeline import position_ids_from_cu_seqlens
-
         return position_ids_from_cu_seqlens(batch["cu_seqlens"], B, L)
     return torch.arange(L, device=batch["input_ids"].device).expand(B, L)
 

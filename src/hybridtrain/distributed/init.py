@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from hybridtrain.distributed.parent_watch import launched_by_launcher, watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,6 @@ def destroy_distributed() -> None:
 def process_group(cfg) -> Iterator[DistInfo]:
     """Start-up and tear-down of the process group for a recipe (``training.device``,
     ``distributed.backend`` / ``timeout_seconds``); every command that trains uses it."""
-    from hybridtrain.distributed.parent_watch import launched_by_launcher, watch_parent
-
     if launched_by_launcher():
         watch_parent()  # end with the launcher (torchrun), never run on as an orphan
     backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from hybridtrain.config import build_config
 from hybridtrain.distributed.parallel_dims import ParallelDims
 
 __all__ = ["config_section", "parallel_dims_from_config"]
@@ -22,8 +23,6 @@ __all__ = ["config_section", "parallel_dims_from_config"]
 def config_section(name: str, values: Mapping[str, Any] | None = None):
     """The recipe section ``name`` with ``values`` over the schema defaults (validated: an unknown
     key is an error naming it)."""
-    from hybridtrain.config import build_config
-
     if values is not None and not isinstance(values, Mapping):
         return values  # already a loaded section
     return build_config({name: dict(values or {})})[name]

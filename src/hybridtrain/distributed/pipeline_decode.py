@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from hybridtrain.distributed.pipeline import stage_rank
 
 __all__ = ["PipelineDecoder"]
 
@@ -38,8 +39,6 @@ class PipelineDecoder:
     @classmethod
     def of(cls, step) -> "PipelineDecoder":
         """The decoder over the stages of a ``distributed.pipeline.PipelineTrainStep``."""
-        from hybridtrain.distributed.pipeline import stage_rank
-
         owners = [stage_rank(s, step.pp, step.spec.style) for s in range(step.num_stages)]
         return cls(step.stages, step.stage_ids, step.num_stages, step.pp_group, owners,
                    step.hidden_size, step.hidden_dtype, step.device)

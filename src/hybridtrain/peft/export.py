@@ -37,18 +37,10 @@ from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
 from hybridtrain.fileio import apply_umask, open_safetensors, read_json
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
+from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 from .lora import (
-    expert_types,
-    EXCLUDED_LINEARS,
-    LoRAExperts,
-    apply_lora,
-    has_lora,
-    load_lora_state_dict,
-    lora_modules,
-    lora_settings,
-    merge_lora,
-    adapter_pairs,
-    merge_weight,
+    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, apply_lora, expert_types, has_lora,
+    load_lora_state_dict, lora_modules, lora_settings, merge_lora, merge_weight,
 )
 
 __all__ = [
@@ -305,8 +297,6 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     Collective under torch.distributed: each weight (and its adapters) is gathered in turn to
     rank 0, which folds and writes it, holding at most one output file's tensors (FSDP, expert
     slices and pipeline stages alike)."""
-    from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
-
     spec = model_spec_for(model)
     layout = global_layout(model)
     pairs = adapter_pairs(list(layout))

@@ -33,11 +33,13 @@ from typing import Any
 import torch
 
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.distributed.init import process_group
+from hybridtrain.ops.backend import configure_backend
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import Built, as_config, build, make_train_step
 from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
-from hybridtrain.ops.backend import configure_backend
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
+from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
 
@@ -152,9 +154,9 @@ def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_ba
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(b.model, b.optimizer, None, sched, dataset, make_loader,
-                      device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims,
-                      train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak,
-                      clip_grad_norm_fn=b.plan.clip_grad_norm, save_hf_at_end=False, save_ckpt=False)
+                      device=b.device, plan=b.plan,
+                      settings=trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
+                      train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak)
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))
@@ -216,8 +218,6 @@ def top_operators(prof, device: torch.device, steps: int) -> str:
 def run(cfg: Any, args: Any = None) -> dict[str, Any]:
     cfg = as_config(cfg)
     opts = _options(cfg, args)
-    from hybridtrain.distributed.init import process_group
-
     with process_group(cfg) as info:
         return _run(cfg, opts, info.device, info.is_main, info.world_size)
 

@@ -22,9 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.training.builder import instantiate_with, as_config
-from hybridtrain.training.rng import generator_state, set_generator_state
+from hybridtrain.data.preference import preference_batch
+from hybridtrain.distributed.init import process_group
 from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
+from hybridtrain.rl.batch import prepare
+from hybridtrain.rl.losses import DPOLoss
+from hybridtrain.training.builder import as_config, instantiate_with
+from hybridtrain.training.rng import generator_state, set_generator_state
 
 __all__ = ["run", "evaluate"]
 
@@ -36,9 +40,6 @@ def _with_reference(batch: dict, reference) -> dict:
 @torch.no_grad()
 def evaluate(policy, reference, dataset, loss_fn, pairs_per_batch: int) -> dict[str, float]:
     """The loss and its metrics over the whole ``dataset`` (shares of the dataset's counts)."""
-    from hybridtrain.data.preference import preference_batch
-    from hybridtrain.rl.batch import prepare
-
     n = len(dataset)
     gvs = 2.0 * n
     totals: dict[str, float] = {}
@@ -54,15 +55,10 @@ def evaluate(policy, reference, dataset, loss_fn, pairs_per_batch: int) -> dict[
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    from hybridtrain.data.preference import preference_batch
-    from hybridtrain.rl.losses import DPOLoss
-
     cfg = as_config(cfg)
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file}); DPO needs "
                          "preference pairs (hybridtrain.data.build_preference_dataset)")
-    from hybridtrain.distributed.init import process_group
-
     with process_group(cfg), rl_run(cfg, "dpo", plot_extra=("accuracy",),
                                     loss_label="DPO loss") as r:
         tok = r.policy.tokenizer

@@ -23,7 +23,16 @@ from typing import Any
 
 from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.distributed.init import process_group
+from hybridtrain.distributed.utils import main_process_first
+from hybridtrain.recipes.generate import load_model, resolve_export, unexported_checkpoint
 from hybridtrain.runfolder import latest_checkpoint, run_folder_path
+from hybridtrain.training.builder import (
+    as_config, build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
+    resolve_device,
+)
+from hybridtrain.training.evaluation import evaluator_from_config
+from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +66,6 @@ def _step_dir(path: str) -> str:
 
 def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | None:
     """The evaluation under the recipe's layout (several processes); the record on the main rank."""
-    from hybridtrain.distributed.init import process_group
-    from hybridtrain.distributed.utils import main_process_first
-    from hybridtrain.training.builder import build, build_checkpointer, instantiate_with, make_evaluator
-
     out_dir = run_folder_path(cfg.checkpoint.dir)
     path = _step_dir(checkpoint or out_dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
@@ -77,11 +82,6 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
 
 
 def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
-    from hybridtrain.training.builder import as_config, check_input_paths, instantiate_with, resolve_device
-    from hybridtrain.recipes.generate import load_model, resolve_export, unexported_checkpoint
-    from hybridtrain.training.evaluation import evaluator_from_config
-    from hybridtrain.training.precision import autocast_dtype, resolve_dtype
-
     cfg: ConfigNode = as_config(cfg)
     if cfg.validation_dataset is None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")

@@ -24,10 +24,14 @@ from typing import Any
 import torch
 
 from hybridtrain.config import ConfigNode
+from hybridtrain.distributed.init import process_group
+from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write
-from hybridtrain.training.builder import (as_config, build, build_checkpointer,
-                                          build_lr_scheduler, make_trainer)
+from hybridtrain.runfolder import RunLock, run_folder_path
+from hybridtrain.training.builder import (
+    as_config, build, build_checkpointer, build_lr_scheduler, make_trainer,
+)
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.preemption import stopping_at_once
@@ -41,8 +45,6 @@ def run(cfg: Any) -> dict[str, Any]:
     """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
     cfg = as_config(cfg)
     t_start = time.perf_counter()
-    from hybridtrain.distributed.init import process_group
-
     with process_group(cfg) as info:
         return _run(cfg, info.device, info.is_main, info.world_size, t_start)
 
@@ -52,9 +54,6 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
     """Start-up checks, then training. Nothing in the run folder is written before every check
     has passed (only its lock, which goes with the run, and a folder created for it, removed
     again when a check fails)."""
-    from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.runfolder import RunLock, run_folder_path
-
     out_dir = run_folder_path(cfg.checkpoint.dir)
     parallel_dims_from_config(cfg.distributed, world_size, device.type, build_mesh=False)
     created = is_main and not os.path.exists(out_dir)

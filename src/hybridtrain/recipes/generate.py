@@ -27,9 +27,14 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridtrain.config.dtypes import DTYPE_NAMES
+from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
+from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
+from hybridtrain.models.spec import get_model_spec
+from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
+from hybridtrain.training.checkpoint import load_checkpoint_model, step_folder
+from hybridtrain.training.evaluation import left_pad
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +80,6 @@ def resolve_export(path: str) -> tuple[str, str | None]:
 def unexported_checkpoint(path: str) -> str | None:
     """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's ``latest``) when it
     holds no export (``hf/``, ``merged_hf/``, ``adapter/``); else None."""
-    from hybridtrain.training.checkpoint import step_folder
-
     path = step_folder(path)
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         return None
@@ -91,14 +94,8 @@ def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtyp
     """(model, tokenizer) for generation: the model class registered for the folder's
     ``model_type``, with a PEFT adapter applied when given (not merged); a ``step_N`` checkpoint
     without an export: the model its sharded checkpoint holds, with its tokenizer."""
-    from hybridtrain.data import load_tokenizer
-    from hybridtrain.models.spec import get_model_spec
-
     step_dir = unexported_checkpoint(model_dir)
     if step_dir is not None:
-        from hybridtrain.config.dtypes import to_torch_dtype
-        from hybridtrain.training.checkpoint import load_checkpoint_model
-
         if adapter_dir:
             raise ValueError(f"--adapter {adapter_dir}: {step_dir} is a training checkpoint (it "
                              "holds its own adapters, if any); pass a Hugging Face folder as --model")
@@ -116,8 +113,6 @@ def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtyp
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
     model = get_model_spec(str(model_type)).model_cls.from_pretrained(hf_dir, dtype=dtype)
     if adapter_dir:
-        from hybridtrain.peft.export import load_peft_adapter
-
         load_peft_adapter(model, adapter_dir)
     tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
         else hf_dir
@@ -189,8 +184,6 @@ def complete(model, tokenizer, prompts: list[list[int]], *, batch_size: int = 8,
              **gen_kwargs) -> list[dict]:
     """Generate for token prompts in left-padded batches; per prompt ``completion`` (text,
     without the stop token), ``new_tokens`` and its batch's ``tokens_per_s``."""
-    from hybridtrain.training.evaluation import left_pad
-
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []

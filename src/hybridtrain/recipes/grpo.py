@@ -54,11 +54,13 @@ import torch.nn.functional as F
 
 from hybridtrain.config import instantiate
 from hybridtrain.data.preference import response_batch
+from hybridtrain.distributed.init import process_group
+from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
+from hybridtrain.rl.losses import ClippedPGLoss
+from hybridtrain.rl.tasks import CountingTask, check_task, method_name, score, task_prompts
 from hybridtrain.training.builder import as_config
 from hybridtrain.training.evaluation import left_pad
 from hybridtrain.training.rng import generator_state, set_generator_state
-from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
-from hybridtrain.rl.tasks import check_task, method_name, score, task_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +170,6 @@ def _check_settings(g) -> None:
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    from hybridtrain.distributed.init import process_group
-    from hybridtrain.rl.losses import ClippedPGLoss
-    from hybridtrain.rl.tasks import CountingTask
-
     cfg = as_config(cfg)
     g, t = cfg.grpo, cfg.training
     _check_settings(g)

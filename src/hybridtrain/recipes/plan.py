@@ -49,6 +49,19 @@ import torch
 from torch import nn
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, resolve_target
+from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
+from hybridtrain.distributed.fsdp import (
+    fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
+)
+from hybridtrain.distributed.layout import parallel_dims_from_config
+from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
+from hybridtrain.distributed.plan import pipeline_split_seq_len
+from hybridtrain.distributed.tensor_parallel import tp_shard_dims
+from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
+from hybridtrain.peft.lora import apply_lora, expert_types
+from hybridtrain.recipes.benchmark import _default_seq_len
+from hybridtrain.training.builder import as_config, instantiate_with
+from hybridtrain.training.precision import autocast_dtype, parse_dtype
 
 __all__ = ["RankMemory", "MemoryPlan", "meta_model", "plan_memory", "format_plan",
            "parse_memory", "run"]
@@ -132,8 +145,6 @@ class MemoryPlan:
 
 # -- the model on the meta device ----------------------------------------------------------------
 def _checkpoint_dtype(hf_config: dict) -> torch.dtype:
-    from hybridtrain.training.precision import parse_dtype
-
     name = hf_config.get("torch_dtype") or hf_config.get("dtype")
     return parse_dtype(name, "config.json torch_dtype") if name else torch.float32
 
@@ -142,8 +153,6 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     """(spec, model on the meta device) of a recipe's model section, without reading weights:
     a model class (its ``config`` instantiated) or a ``Model.from_pretrained(dir, dtype=...)``
     (the config from ``dir/config.json``; the parameters in ``dtype``, else the checkpoint's)."""
-    from hybridtrain.models.spec import model_spec_for
-
     target = resolve_target(model_node["_target_"], model_node.target_prefixes())
     owner = getattr(target, "__self__", None)
     if isinstance(target, type) and issubclass(target, nn.Module):
@@ -169,8 +178,6 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     with torch.device("meta"):
         model = spec.model_cls(config)
     dtype = bound.get("dtype")
-    from hybridtrain.training.precision import parse_dtype
-
     model.to(parse_dtype(dtype, f"{model_node.dotted_path()}.dtype") if dtype
              else _checkpoint_dtype(hf))
     return spec, model
@@ -178,9 +185,6 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
 
 def _meta_model_of_factory(model_node) -> tuple[Any, nn.Module]:
     """(spec, model) of a model factory, built on the meta device as the run builds it."""
-    from hybridtrain.models.spec import model_spec_for
-    from hybridtrain.training.builder import instantiate_with
-
     with torch.device("meta"):
         model = instantiate_with(model_node, to_var_kw=False, device="meta")
     if not isinstance(model, nn.Module) or not all(p.is_meta for p in model.parameters()):
@@ -229,8 +233,6 @@ def _local_numel(shape: tuple[int, ...], expert: bool, dims, c: dict[str, int], 
 
 
 def _expert_params(model: nn.Module) -> set[int]:
-    from hybridtrain.peft.lora import expert_types
-
     types = expert_types(model)
     return {id(p) for m in model.modules() if isinstance(m, types)
             for p in m.parameters(recurse=False)}
@@ -242,16 +244,12 @@ def _unique(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 # -- the plan ------------------------------------------------------------------------------------
 def _compute_dtype(training, device_type: str) -> torch.dtype:
-    from hybridtrain.training.precision import parse_dtype
-
     if str(training.dtype).lower() == "auto":  # the GPU a plan is for: bf16 (CPU: fp32)
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     return parse_dtype(training.dtype, "training.dtype")
 
 
 def _seq_len(cfg: ConfigNode) -> int:
-    from hybridtrain.recipes.benchmark import _default_seq_len
-
     return _default_seq_len(cfg)
 
 
@@ -259,8 +257,6 @@ def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
     """(schedule or None, stages per rank, [(stage ids, layer positions, holds the last
     stage, the rank's part of the model)] per pp rank), as :func:`~hybridtrain.distributed.
     plan.parallelize` splits it."""
-    from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
-
     names = spec.pipeline.layers(model)
     if dims.pp == 1:
         return None, 1, [([0], list(range(len(names))), True, model)]
@@ -281,8 +277,6 @@ def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
 def _tp_dims(spec, model: nn.Module, dims) -> dict[int, int]:
     """{id(parameter): the dim tensor parallelism shards it along}, from the spec's ``tp_plan``
     (the rules its parallelize function applies); parameters not in it are replicated over tp."""
-    from hybridtrain.distributed.tensor_parallel import tp_shard_dims
-
     if dims.tp == 1:
         return {}
     tp_plan = _memory_part(spec).tp_plan
@@ -295,8 +289,6 @@ def _tp_dims(spec, model: nn.Module, dims) -> dict[int, int]:
 
 def _memory_part(spec):
     """The spec's MemoryPlanSupport (an empty one: no activation estimate, no TP plan)."""
-    from hybridtrain.models.spec import MemoryPlanSupport
-
     return spec.find(MemoryPlanSupport) or MemoryPlanSupport()
 
 
@@ -331,23 +323,12 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 device_memory: float | None = None) -> MemoryPlan:
     """The per-rank memory plan of recipe ``cfg`` (a path, dict or loaded config) on
     ``world_size`` ranks of ``device_type`` (its ``auto`` dtype)."""
-    from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
-    from hybridtrain.distributed.fsdp import (fsdp_param_dtype, resolve_dtype,
-                                              resolve_reshard_after_forward)
-    from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.distributed.plan import pipeline_split_seq_len
-    from hybridtrain.models.spec import LayerTypes
-    from hybridtrain.training.builder import as_config
-    from hybridtrain.training.precision import autocast_dtype
-
     cfg = as_config(cfg)
     t, d = cfg.training, cfg.distributed
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     spec, model = meta_model(cfg.model)
     if cfg.peft is not None:
-        from hybridtrain.peft.lora import apply_lora
-
         apply_lora(model, **cfg.peft.to_dict())
     dims = parallel_dims_from_config(d, world_size, device_type, build_mesh=False)
     compute = _compute_dtype(t, device_type)
@@ -630,8 +611,6 @@ def parse_memory(text: str) -> float:
 def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bool = False,
         device_type: str = "cuda") -> int:
     """Print the plan; 1 when it exceeds ``device_memory`` (then with advice), else 0."""
-    from hybridtrain.training.builder import as_config
-
     cfg = as_config(cfg)
     limit = parse_memory(device_memory) if device_memory else None
     plan = plan_memory(cfg, world_size, device_type, limit)

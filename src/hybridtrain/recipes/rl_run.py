@@ -29,10 +29,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hybridtrain.config import ConfigNode
+from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write, read_json
+from hybridtrain.recipes.finetune import _check_run_folder
+from hybridtrain.rl import Policy
 from hybridtrain.runfolder import RunLock, run_folder_path
+from hybridtrain.training.builder import check_input_paths
 from hybridtrain.training.metrics import MetricsLogger, read_jsonl
 from hybridtrain.training.preemption import Preempted, RunStop, stopping_at_once
+from hybridtrain.training.trainer import TrainingDiverged
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +49,6 @@ def rl_run(cfg: ConfigNode, name: str, **kwargs) -> Iterator["RLRun"]:
     it ends (exit 75 included); a folder created for a run that wrote nothing is removed again.
     Outside the step loop a ``checkpoint.save_on_signal`` signal stops the run at once
     (:func:`~hybridtrain.training.preemption.stopping_at_once`)."""
-    from hybridtrain.distributed.utils import is_main_process
-
     out_dir = run_folder_path(cfg.checkpoint.dir)
     lock = RunLock(out_dir) if is_main_process() else None
     created = lock is not None and not os.path.exists(out_dir)
@@ -100,10 +103,6 @@ class RLRun:
 
     def __init__(self, cfg: ConfigNode, name: str, plot_extra: Sequence[str] = (),
                  loss_label: str = "loss"):
-        from hybridtrain.recipes.finetune import _check_run_folder
-        from hybridtrain.rl import Policy
-        from hybridtrain.training.builder import check_input_paths
-
         self.cfg, self.name = cfg, name
         self.out_dir = run_folder_path(cfg.checkpoint.dir)
         self.t_start = time.perf_counter()
@@ -160,8 +159,6 @@ class RLRun:
     def train(self, batch: dict, loss_fn, cause: str | None = None, **kwargs) -> dict[str, Any]:
         """``policy.train``; a run that the skipped-update limit stops closes its logs first and
         names ``cause`` (what the recipe knows made the updates non-finite) in its error."""
-        from hybridtrain.training.trainer import TrainingDiverged
-
         try:
             return self.policy.train(batch, loss_fn, **kwargs)
         except TrainingDiverged as e:

@@ -42,10 +42,14 @@ import torch.distributed as dist
 
 from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
 from hybridtrain.distributed.context_parallel import ContextParallel, gather_sequence, shard_batches
+from hybridtrain.distributed.init import init_distributed
 from hybridtrain.rl import batch as rb
 from hybridtrain.rl.head import PolicyHead
+from hybridtrain.rl.pipeline import PolicyPipeline
+from hybridtrain.rl.weights import full_state_dict, hf_tensors
 from hybridtrain.training.builder import build, build_checkpointer, build_lr_scheduler
 from hybridtrain.training.precision import autocast_context
+from hybridtrain.training.trainer import TrainingDiverged
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,6 @@ class Policy:
     none is running."""
 
     def __init__(self, recipe: Any, overrides: Sequence[str] | Mapping[str, Any] | None = None):
-        from hybridtrain.distributed.init import init_distributed
-
         cfg = _load(recipe, overrides)
         t = cfg.training
         backend = None if cfg.distributed.backend == "auto" else cfg.distributed.backend
@@ -92,8 +94,6 @@ class Policy:
         self.autocast_dtype = b.train_step.autocast_dtype
         self.pipeline = None
         if b.plan.pipeline is not None:
-            from hybridtrain.rl.pipeline import PolicyPipeline
-
             self.pipeline = PolicyPipeline(b.plan.pipeline)
         self.cp = ContextParallel(self.dims.group("cp")) if self.dims.cp > 1 else None
         self.step = 0
@@ -227,8 +227,6 @@ class Policy:
 
     def _count_skipped(self, skipped: bool) -> None:
         """Counts an update into the streak of skipped ones; stops the run at the limit."""
-        from hybridtrain.training.trainer import TrainingDiverged
-
         self.skipped_streak = self.skipped_streak + 1 if skipped else 0
         limit = self.cfg.training.max_consecutive_skipped_steps
         if limit and self.skipped_streak >= limit:
@@ -255,15 +253,11 @@ class Policy:
     def state_dict_hf(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hub_name, full tensor)`` of every weight, LoRA merged in, in ``dtype`` (None: as
         held); the same on every rank. Collective: every rank must consume the whole iterator."""
-        from hybridtrain.rl.weights import hf_tensors
-
         yield from hf_tensors(self.model, self.built.spec, dtype)
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict in hybridtrain's names (full tensors, LoRA merged): what
         ``load_state_dict`` of a plain copy of the model takes (e.g. a rollout engine). Collective."""
-        from hybridtrain.rl.weights import full_state_dict
-
         return full_state_dict(self.model, self.built.spec)
 
     def checkpointer(self, path: str):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridtrain.distributed.utils import get_rank, get_world_size
+from hybridtrain.peft.lora import has_lora, merged_state_dict
 
 __all__ = ["hf_tensors", "full_state_dict"]
 
@@ -18,8 +19,6 @@ __all__ = ["hf_tensors", "full_state_dict"]
 def _local_full(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's part of the model as full tensors (collective over each tensor's mesh), LoRA
     adapters folded into their base weights."""
-    from hybridtrain.peft.lora import has_lora, merged_state_dict
-
     out = {}
     for name, t in model.state_dict().items():
         out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()

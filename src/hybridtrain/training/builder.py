@@ -23,19 +23,31 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
+from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
+from hybridtrain.data.io import DataError
+from hybridtrain.distributed.layout import parallel_dims_from_config
+from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
+from hybridtrain.distributed.plan import parallelize, pipeline_split_seq_len
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import HeteroSupport, MetaInit, model_spec_for, set_train_loss
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
+from hybridtrain.peft.export import export_peft, save_merged_hf
+from hybridtrain.peft.lora import adapter_init_units, apply_lora
 from hybridtrain.training.checkpoint import Checkpointer, default_export
+from hybridtrain.training.evaluation import evaluator_from_config
+from hybridtrain.training.flops import peak_tflops
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer, param_groups
-from hybridtrain.training.precision import autocast_dtype as autocast_dtype_of
-from hybridtrain.training.precision import resolve_dtype, resolve_save_dtype
+from hybridtrain.training.precision import (
+    autocast_dtype as autocast_dtype_of, resolve_dtype, resolve_save_dtype,
+)
+from hybridtrain.training.preemption import RunStop
 from hybridtrain.training.rng import seed_all
+from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
-from hybridtrain.training.trainer import Trainer, TrainStep
+from hybridtrain.training.trainer import TrainStep, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +85,6 @@ def _build_tokenizer(cfg: ConfigNode, is_main: bool):
     if not str(node.get("_target_", "")).endswith("build_bpe_tokenizer"):
         return instantiate(node)
     # rank 0 trains and saves it; the others load the saved files instead of training again
-    from hybridtrain.data import load_tokenizer
-
     build = (lambda: instantiate(node)) if is_main else (lambda: load_tokenizer(node["out_dir"]))
     return main_process_first(build, is_main)
 
@@ -90,8 +100,6 @@ def check_input_paths(cfg: ConfigNode,
     dataset's ``path`` (a file, a folder or a glob; not one a nested ``_target_`` writes), a
     ``chat_template_path``, a loaded tokenizer's folder."""
     import glob
-
-    from hybridtrain.data.io import DataError
 
     for section in sections:
         node = cfg.get(section)
@@ -133,10 +141,6 @@ def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> f
     if cfg.metrics.peak_tflops:
         return float(cfg.metrics.peak_tflops)
     try:
-        from hybridtrain.training.flops import peak_tflops
-    except ImportError:
-        return None
-    try:
         return peak_tflops(device, dtype)
     except ValueError as e:
         logger.warning("no peak TFLOP/s for MFU: %s", e)
@@ -149,9 +153,6 @@ def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.de
     """The ``distributed:`` layout (and activation checkpointing / compile) of ``model``: the
     same path for one process and many (``dims``: its degrees, default the section's over
     ``world_size`` ranks)."""
-    from hybridtrain.distributed.layout import parallel_dims_from_config
-    from hybridtrain.distributed.plan import parallelize, pipeline_split_seq_len
-
     if dims is None:
         dims = parallel_dims_from_config(cfg.distributed, world_size, device.type)
     return parallelize(spec, model, dims, cfg.distributed, cfg.training, device=device,
@@ -168,9 +169,6 @@ def _weight_source(model: nn.Module, seed: int) -> dict:
 
 def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> None:
     """Allocate and fill this rank's shards of the laid-out meta-device ``model``."""
-    from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
-    from hybridtrain.peft.lora import adapter_init_units
-
     units = [InitUnit(*u) for u in adapter_init_units(model)]
     meta = spec.part(MetaInit, "building the model on the meta device")
     read = None
@@ -208,8 +206,6 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
     val_ds = main_process_first(
         lambda: instantiate_with(cfg.validation_dataset, tokenizer=tokenizer,
                                   default_split="validation"), is_main)
-    from hybridtrain.data import build_collator, pack_dataset
-
     if cfg.packing.enabled:
         if cfg.packing.split_across_pack:
             raise ValueError("packing.split_across_pack is not supported; set it to false")
@@ -349,8 +345,6 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     source = _weight_source(model, t.seed) if on_meta else None
     peft = None
     if cfg.peft is not None:
-        from hybridtrain.peft.lora import apply_lora
-
         peft = cfg.peft.to_dict()
         apply_lora(model, **peft)
     if not on_meta:  # a model target that ignored the meta device: built in full already
@@ -395,8 +389,6 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
 
 def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
     """A LoRA run's export: the PEFT adapter, and with ``merged`` the merged HF model at the end."""
-    from hybridtrain.peft.export import export_peft, save_merged_hf
-
     export_peft(model, os.path.join(step_dir, "adapter"), base, tokenizer)
     if final and merged:
         save_merged_hf(model, os.path.join(step_dir, "merged_hf"), tokenizer, dtype=dtype)
@@ -420,8 +412,6 @@ def make_evaluator(b: Built, section=None, dataset=None, tokenizer=None):
     """The ``evaluation:`` section's :class:`~hybridtrain.training.evaluation.GenerationEvaluator`
     on what :func:`build` made (its layout: data-parallel split, lockstep, pipeline chain);
     ``section`` / ``dataset`` / ``tokenizer`` default to the recipe's."""
-    from hybridtrain.training.evaluation import evaluator_from_config
-
     cfg = b.cfg
     return evaluator_from_config(
         cfg.evaluation if section is None else section, b.val_ds if dataset is None else dataset,
@@ -437,19 +427,12 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
     coordinates and clipping) with these schedulers, checkpoints and metrics; it stops early
     on ``checkpoint.save_on_signal`` and ``training.max_time`` (counted from ``started``, a
     ``time.perf_counter()``; default: now)."""
-    from hybridtrain.training.preemption import RunStop
-
     cfg = b.cfg
-    t, ck = cfg.training, cfg.checkpoint
     evaluator = make_evaluator(b) if cfg.evaluation is not None else None
     return Trainer(
         b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
         val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
-        device=b.device, grad_clip=t.grad_clip, dims=b.plan.dims, train_step=b.train_step,
-        max_val_steps=t.max_val_steps, val_micro_batch_size=t.val_micro_batch_size,
-        val_accuracy=t.val_accuracy,
-        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype),
-        save_hf_at_end=ck.save_hf_at_end, save_ckpt=ck.enabled,
-        gc_every_steps=t.gc_every_steps, clip_grad_norm_fn=b.plan.clip_grad_norm,
-        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps, evaluator=evaluator,
+        device=b.device, settings=trainer_settings(cfg.training, cfg.checkpoint),
+        plan=b.plan, train_step=b.train_step,
+        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype), evaluator=evaluator,
         stop=RunStop.from_config(cfg, b.device, started))

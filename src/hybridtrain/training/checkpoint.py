@@ -44,11 +44,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
-from hybridtrain.fileio import (WriteError, atomic_write, atomic_write_json, read_json,
-                                unique_tmp_path, write_error)
+from hybridtrain.fileio import (
+    WriteError, atomic_write, atomic_write_json, read_json, unique_tmp_path, write_error,
+)
 from hybridtrain.models.spec import model_spec_for, registered_model_class
+from hybridtrain.peft.export import export_peft
+from hybridtrain.peft.lora import apply_lora
 from hybridtrain.runfolder import STEP_RE, latest_checkpoint
+from hybridtrain.training.precision import resolve_save_dtype
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -215,8 +220,6 @@ def export_hf(model: torch.nn.Module, out_dir: str, tokenizer=None,
         spec = None
     sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
     if spec is not None and (sharded or not spec.pipeline.is_complete(model)):
-        from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
-
         layout = global_layout(model)
         stream = stream_full_tensors(model, layout)
         if get_rank() == 0:
@@ -585,8 +588,6 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
     if not peft:  # the HF export, read and written one tensor at a time
         with torch.device("meta"):
             model = cls(config)
-        from hybridtrain.training.precision import resolve_save_dtype
-
         _check_state_format(path, state, model)
         os.makedirs(out_hf_dir, exist_ok=True)
         model_spec_for(cls).hf.save(model.state_dict(), config, out_hf_dir,
@@ -597,9 +598,6 @@ def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = No
         logger.info("exported %s to %s", path, out_hf_dir)
         return out_hf_dir
     # a LoRA checkpoint holds the adapters only: export them in PEFT format
-    from hybridtrain.peft.export import export_peft
-    from hybridtrain.peft.lora import apply_lora
-
     model = cls(config)  # real init: non-persistent buffers (e.g. rotary) must be valid
     apply_lora(model, **peft)
     _load_saved_tensors(model, path, state)
@@ -618,8 +616,6 @@ def load_checkpoint_model(ckpt_dir: str) -> tuple[torch.nn.Module, str]:
     path, state, cls, config = _open_checkpoint(ckpt_dir)
     peft = state.get("peft")
     if peft:
-        from hybridtrain.peft.lora import apply_lora
-
         base = state.get("base_model_name_or_path")
         if not base or not os.path.isfile(os.path.join(base, "config.json")):
             raise ValueError(f"{path} is a LoRA checkpoint whose base model ({base!r}) is not a "

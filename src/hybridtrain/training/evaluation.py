@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX
+from hybridtrain.distributed.pipeline_decode import PipelineDecoder
 from hybridtrain.ops.sampling import GenerationConfig
 from hybridtrain.training.precision import autocast_context
 
@@ -188,8 +189,6 @@ class GenerationEvaluator:
 
             kw["lockstep_group"] = dist.group.WORLD
         if self.pipeline is not None:
-            from hybridtrain.distributed.pipeline_decode import PipelineDecoder
-
             kw["pipeline"] = PipelineDecoder.of(self.pipeline)
         return kw
 

@@ -48,12 +48,14 @@ from torch import nn
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.plan import ParallelPlan
 from hybridtrain.distributed.utils import clip_grad_norm_
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.preemption import Preempted, RunStop
+from hybridtrain.training.settings import TrainerSettings, trainer_settings
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -133,9 +135,11 @@ class Trainer:
     batches (the recipe wraps ``torch.utils.data.DataLoader`` with its collator).
     ``flops_fn(micro_batch)`` (training FLOPs of the whole model on that micro-batch) enables
     ``tflops_per_device``, and with ``peak_tflops`` (per device) ``mfu``.
-    ``clip_grad_norm_fn(params, max_norm)`` replaces
-    :func:`~hybridtrain.distributed.utils.clip_grad_norm_` (a parallel plan's norm over every
-    mesh and pipeline stage).
+    ``plan``: the parallel layout (this rank's coordinates, and the gradient norm over every
+    mesh and pipeline stage); default: one process and
+    :func:`~hybridtrain.distributed.utils.clip_grad_norm_`.
+    ``settings``: the recipe's loop values
+    (:func:`~hybridtrain.training.settings.trainer_settings`; default: the schema's).
     """
 
     def __init__(
@@ -151,19 +155,11 @@ class Trainer:
         metrics: MetricsLogger | None = None,
         tokenizer=None,
         device: torch.device | str = "cpu",
-        grad_clip: float | None = 1.0,
-        dims: ParallelDims | None = None,
+        settings: TrainerSettings | None = None,
+        plan: ParallelPlan | None = None,
         train_step: TrainStep | None = None,
-        max_val_steps: int | None = None,
-        val_micro_batch_size: int | None = None,
         flops_fn: Callable[[dict], float] | None = None,
         peak_tflops: float | None = None,
-        clip_grad_norm_fn: Callable[[list, float | None], torch.Tensor] | None = None,
-        save_hf_at_end: bool = True,
-        save_ckpt: bool = True,
-        gc_every_steps: int | None = None,
-        max_consecutive_skipped_steps: int | None = None,
-        val_accuracy: bool = False,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
     ):
@@ -178,21 +174,16 @@ class Trainer:
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.grad_clip = grad_clip
-        self.dims = dims or ParallelDims()
+        self.settings = settings or trainer_settings()  # default: the schema's
+        self.dims = plan.dims if plan is not None else ParallelDims()
         self.train_step = train_step or TrainStep()
-        self.max_val_steps = max_val_steps
-        self.val_micro_batch_size = val_micro_batch_size or step_scheduler.micro_batch_size
+        self.val_micro_batch_size = (self.settings.val_micro_batch_size
+                                     or step_scheduler.micro_batch_size)
         self.flops_fn = flops_fn
-        self.clip_grad_norm_fn = clip_grad_norm_fn or clip_grad_norm_
+        self.clip_grad_norm_fn = plan.clip_grad_norm if plan is not None else clip_grad_norm_
         self.peak_tflops = peak_tflops
-        self.save_hf_at_end = save_hf_at_end
-        self.save_ckpt = save_ckpt
-        self.gc_every_steps = gc_every_steps
-        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
-        self.val_accuracy = val_accuracy
-        if val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
-                                        "eval_logits"):
+        if self.settings.val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
+                                                      "eval_logits"):
             raise ValueError("training.val_accuracy is not available under pipeline "
                              "parallelism (distributed.pp > 1); set it to false")
         self.evaluator = evaluator
@@ -232,7 +223,7 @@ class Trainer:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
-            grad_norm = self.clip_grad_norm_fn(self._params(), self.grad_clip)
+            grad_norm = self.clip_grad_norm_fn(self._params(), self.settings.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
         if skipped:
@@ -291,7 +282,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
         acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see answer_counts
         for i, batch in enumerate(self.make_loader(self.val_dataset, sampler)):
-            if self.max_val_steps and i >= self.max_val_steps:
+            if self.settings.max_val_steps and i >= self.settings.max_val_steps:
                 break
             batch = _to_device(batch, self.device)
             n_real = sampler.num_real[i]
@@ -304,7 +295,7 @@ class Trainer:
             ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
-            if self.val_accuracy:
+            if self.settings.val_accuracy:
                 logits = self.train_step.eval_logits(self.model, batch)
                 if logits is not None:
                     acc += answer_counts(logits, batch).to(self.device)
@@ -326,7 +317,7 @@ class Trainer:
 
     def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
-        if not self.val_accuracy:
+        if not self.settings.val_accuracy:
             return {}
         self.dims.all_reduce_dp_cp(acc)
         return {"answer_accuracy": float(acc[0] / acc[1]) if acc[1] else None,
@@ -342,7 +333,7 @@ class Trainer:
     def save_checkpoint(self, final: bool = False) -> str | None:
         if self.checkpointer is None:
             return None
-        export = self.checkpointer.save_hf or (final and self.save_hf_at_end)
+        export = self.checkpointer.save_hf or (final and self.settings.save_hf_at_end)
         return self.checkpointer.save(
             self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
             tokenizer=self.tokenizer, export=export, final=final)
@@ -357,7 +348,7 @@ class Trainer:
     def _stop_early(self, reason: str, last_ckpt: str | None) -> None:
         """Saves (unless this step is saved already) and raises :class:`Preempted`."""
         step = self.sched.step
-        if self.checkpointer is None or not self.save_ckpt:
+        if self.checkpointer is None or not self.settings.save_ckpt:
             where = "checkpoints are off (checkpoint.enabled: false): nothing was saved"
         elif self._nonfinite_streak:
             where = (f"no checkpoint written (the last {self._nonfinite_streak} steps were "
@@ -380,7 +371,7 @@ class Trainer:
         nonfinite = rec["num_label_tokens"] > 0 and not (
             math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]))
         self._nonfinite_streak = self._nonfinite_streak + 1 if nonfinite else 0
-        limit = self.max_consecutive_skipped_steps
+        limit = self.settings.max_consecutive_skipped_steps
         return bool(limit) and self._nonfinite_streak >= limit
 
     def _stop_diverged(self) -> None:
@@ -414,7 +405,8 @@ class Trainer:
         """Steps until ``max_steps`` (or an early stop); returns the last checkpoint saved."""
         import gc
 
-        sched, last_ckpt = self.sched, None
+        sched, last_ckpt, settings = self.sched, None, self.settings
+        saving = self.checkpointer is not None and settings.save_ckpt
         while not sched.done:
             micro_batches = next(batches)
             rec = self.train_one_step(micro_batches)
@@ -426,16 +418,15 @@ class Trainer:
                 self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
             if diverged:
                 self._stop_diverged()
-            if self.gc_every_steps and sched.step % self.gc_every_steps == 0:
+            if settings.gc_every_steps and sched.step % settings.gc_every_steps == 0:
                 gc.collect()
             if self.val_dataset is not None and sched.is_val_step:
                 self._validate_and_log()
-            if (self.checkpointer is not None and self.save_ckpt and sched.is_ckpt_step
-                    and (self._nonfinite_streak == 0 or sched.done)):
+            if saving and sched.is_ckpt_step and (self._nonfinite_streak == 0 or sched.done):
                 last_ckpt = self._save(final=sched.done)
             if sched.done:
                 break
-            if self.checkpointer is not None and self.save_ckpt and self.stop.needs_timed_save():
+            if saving and self.stop.needs_timed_save():
                 last_ckpt = self._save()  # training.max_time: how long a save takes
             reason = self.stop.requested()
             if reason is not None:
@@ -459,8 +450,8 @@ class Trainer:
         with self.stop.catching():
             last_ckpt = self._train_loop(batches)
         export_dir = None
-        if self.save_hf_at_end and self.checkpointer is not None:
-            if last_ckpt is None and self.save_ckpt:
+        if self.settings.save_hf_at_end and self.checkpointer is not None:
+            if last_ckpt is None and self.settings.save_ckpt:
                 last_ckpt = self.checkpointer.latest()  # a finished run resumed: nothing to do
             if last_ckpt is not None:
                 export_dir = last_ckpt

@@ -25,6 +25,7 @@ from torch import nn
 from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
 from hybridtrain.fileio import apply_umask, open_safetensors
 
+from hybridtrain.distributed.materialize import SafetensorsReader
 from .config import NemotronHConfig
 from .mamba2 import group_major_rows
 
@@ -127,8 +128,6 @@ def hub_slice(name: str, region: tuple[slice, ...],
 def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
     """``read(name, region)``: a region of our tensor ``name`` read from the checkpoint in
     ``local_dir`` (only the bytes it needs; see :func:`hub_slice`)."""
-    from hybridtrain.distributed.materialize import SafetensorsReader
-
     reader = SafetensorsReader(checkpoint_files(local_dir))
     config = NemotronHConfig.from_pretrained(local_dir)
     return lambda name, region: hub_slice(name, region, reader.read, config)

@@ -31,9 +31,12 @@ from torch import nn
 
 from hybridtrain.ops.loss import LinearCrossEntropy
 
+from hybridtrain.distributed.context_parallel import gather_sequence
+from hybridtrain.ops.sampling import GenerationConfig
 from .attention import Attention
-from .context_parallel import CPSlice
 from .config import NemotronHConfig
+from .context_parallel import CPSlice
+from .generation import generate
 from .hf_io import load_pretrained, save_pretrained
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
@@ -254,8 +257,6 @@ class NemotronHForCausalLM(nn.Module):
         if position_ids is None:
             seq_idx = None
         else:
-            from hybridtrain.distributed.context_parallel import gather_sequence
-
             pos = position_ids.to(device).expand(batch, length).contiguous()
             full = gather_sequence(pos, 1, cp)  # [B, L * cp]
             seq_idx = seq_idx_from_position_ids(full, batch, full.shape[1])
@@ -323,10 +324,6 @@ class NemotronHForCausalLM(nn.Module):
         Distributed layouts: ``pipeline`` (``distributed.pipeline_decode.PipelineDecoder``) runs
         this rank's pipeline stages in the chain; ``lockstep_group``: ranks that decode together
         (collectives inside the model) step until all of them are done."""
-        from hybridtrain.ops.sampling import GenerationConfig
-
-        from .generation import generate
-
         return generate(self, input_ids, attention_mask, GenerationConfig(**settings), pipeline=pipeline,
                         lockstep_group=lockstep_group)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from hybridtrain.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM, tiny_config
 
+from hybridtrain.config.dtypes import to_torch_dtype
 from .config import NemotronVLMConfig, VisionConfig
 from .model import NemotronVLMForConditionalGeneration
 
@@ -53,8 +54,6 @@ def build_vlm(config: NemotronVLMConfig | Mapping | None = None, *,
         raise ValueError("build_vlm: give text_config, language_model_dir or local_dir")
     model = NemotronVLMForConditionalGeneration(NemotronVLMConfig(**fields), language_model=lm)
     if dtype is not None:
-        from hybridtrain.config.dtypes import to_torch_dtype
-
         model.to(to_torch_dtype(dtype))
     model.freeze(freeze)
     return model

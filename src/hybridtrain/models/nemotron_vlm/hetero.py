@@ -29,13 +29,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
 from hybridtrain.distributed.bridge import (
-    BridgeLayout,
-    all_reduce_grads,
-    recv_2d,
-    send_2d,
-    split_shares,
+    BridgeLayout, all_reduce_grads, recv_2d, send_2d, split_shares,
 )
+from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
+from hybridtrain.distributed.layout import config_section
+from hybridtrain.distributed.plan import parallelize
+from hybridtrain.models.spec import model_spec_for
 
 
 def rows_of_embeddings(input_ids: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int
@@ -189,8 +190,6 @@ def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
     with the schema's training section) over their own ``ParallelDims``; each rank keeps only
     its modules (a side with nothing trainable, e.g. the frozen language model of stage 1,
     gets no optimizer)."""
-    from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
-
     E = distributed.encoder_ranks
     if not 0 < E < world_size:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
@@ -220,8 +219,6 @@ def data_view(layout: BridgeLayout, rank: int):
     """What ``rank`` reads of each batch (``HeteroPlan.data_view``): a language rank its lane's
     samples without pixels, an encoder rank the images (its share of them) of the same
     micro-batches of every lane it serves."""
-    from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
-
     if rank not in layout.senders:
         return lambda dataset, sampler, collate: (TextSide(dataset), sampler, collate)
     routes = layout.routes(rank)
@@ -234,10 +231,6 @@ def data_view(layout: BridgeLayout, rank: int):
 
 
 def _default_parallelize(distributed, device: torch.device):
-    from hybridtrain.distributed.layout import config_section
-    from hybridtrain.distributed.plan import parallelize
-    from hybridtrain.models.spec import model_spec_for
-
     def run(model, dims):
         return parallelize(model_spec_for(model), model, dims, distributed,
                            config_section("training"), device=device, autocast_dtype=None)

@@ -18,6 +18,7 @@ from torch import nn
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM
 
 from .config import NemotronVLMConfig
+from .io import load_vlm, save_vlm
 from .pipeline import images_from_rows
 from .vision import Projector, RadioViT, pixel_shuffle
 
@@ -188,8 +189,6 @@ class NemotronVLMForConditionalGeneration(nn.Module):
                         device: torch.device | str | None = None,
                         freeze: Sequence[str] = ()) -> "NemotronVLMForConditionalGeneration":
         """Load a saved vision-language model (safetensors + config.json)."""
-        from .io import load_vlm
-
         model = load_vlm(cls, local_dir, dtype=dtype, device=device)
         model.freeze(freeze)
         return model
@@ -199,8 +198,6 @@ class NemotronVLMForConditionalGeneration(nn.Module):
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write safetensors (the language model's experts per expert, as on the Hub) and
         config.json."""
-        from .io import save_vlm
-
         sd = self.state_dict() if state_dict is None else state_dict
         save_vlm(sd, self.config, save_dir, max_shard_size=max_shard_size, dtype=dtype)
 
