@@ -92,6 +92,7 @@ class Kernel:
     tensors: list[tuple[list[int], int]]
     lists: list[list[list[int]]] = field(default_factory=list)
     cast: bool = False
+    site: str = ""  # the innermost project source line it ran from (file.py(line): function)
 
     @property
     def cost(self) -> tuple[int, int, float, int]:
@@ -229,6 +230,15 @@ def _context(ev, by_seq: dict) -> str:
     return " | ".join(names)
 
 
+SITE = re.compile(r"hybridtrain/(.+?\.py\(\d+\): \w+)")
+
+
+def _site(context: str) -> str:
+    """The innermost project frame of ``context`` (``models/nemotron_h/moe.py(113): unpermute``)."""
+    m = SITE.search(context)
+    return m.group(1) if m else ""
+
+
 def _category(name: str, context: str, cast: bool) -> str:
     for rx, cat in CONTEXT_RULES:
         if rx.search(context) or rx.search(name):
@@ -283,7 +293,8 @@ def kernels_of(events) -> list[Kernel]:
                 lists.append([list(s) for s in structured])
         dts = [d for d in ev.input_dtypes if d in DTYPE_BYTES]
         cast = name == "aten::copy_" and len(dts) >= 2 and dts[0] != dts[1]
-        out.append(Kernel(name, _category(name, _context(ev, by_seq), cast), ts, lists, cast))
+        ctx = _context(ev, by_seq)
+        out.append(Kernel(name, _category(name, ctx, cast), ts, lists, cast, _site(ctx)))
     return out
 
 
@@ -339,6 +350,23 @@ def casts(kernels: list[Kernel]) -> tuple[int, int]:
     """(count, bytes) of the dtype-changing copies anywhere in the step."""
     cs = [k for k in kernels if k.cast]
     return len(cs), sum(k.bytes for k in cs)
+
+
+def cast_sites(kernels: list[Kernel], top: int = 12) -> str:
+    """The dtype-changing copies grouped by call site and direction, biggest first: count, GB,
+    the largest shape."""
+    rows: dict = {}
+    for k in kernels:
+        if k.cast:
+            (dst, bd), (src, bs) = k.tensors[0], k.tensors[1]
+            key = (k.site or "(torch internals / autocast)", f"{8 * bs}->{8 * bd} bit")
+            r = rows.setdefault(key, [0, 0, []])
+            r[0], r[1] = r[0] + 1, r[1] + k.bytes
+            if _numel(dst) > _numel(r[2]):
+                r[2] = dst
+    lines = [f"  {n:>4} x {b / 1e9:8.3f} GB  {d:<12} max {list(s)}  {site}"
+             for (site, d), (n, b, s) in sorted(rows.items(), key=lambda x: -x[1][1])[:top]]
+    return "\n".join(lines)
 
 
 def table(kernels: list[Kernel], hw: Hardware, reference_ms: dict | None = None) -> str:
