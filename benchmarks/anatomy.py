@@ -46,7 +46,7 @@ NO_WORK = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_s
            "aten::stride", "aten::diagonal", "aten::expand_as", "aten::contiguous", "aten::to",
            "aten::_to_copy", "aten::zeros", "aten::zeros_like", "aten::ones_like",
            "aten::empty_permuted", "aten::new_empty", "aten::new_empty_strided", "aten::type_as",
-           "aten::record_stream", "aten::_has_compatible_shallow_copy_type"}
+           "aten::record_stream", "aten::_has_compatible_shallow_copy_type", "aten::promote_types"}
 GEMMS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm",
          "aten::addbmm", "aten::_scaled_mm"}
 ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|_cudnn_attention")
@@ -92,6 +92,7 @@ class Kernel:
     tensors: list[tuple[list[int], int]]
     lists: list[list[list[int]]] = field(default_factory=list)
     cast: bool = False
+    site: str = ""  # the innermost project source line it ran from (file.py(line): function)
 
     @property
     def cost(self) -> tuple[int, int, float, int]:
@@ -229,6 +230,15 @@ def _context(ev, by_seq: dict) -> str:
     return " | ".join(names)
 
 
+SITE = re.compile(r"hybridtrain/(.+?\.py\(\d+\): \w+)")
+
+
+def _site(context: str) -> str:
+    """The innermost project frame of ``context`` (``models/nemotron_h/moe.py(113): unpermute``)."""
+    m = SITE.search(context)
+    return m.group(1) if m else ""
+
+
 def _category(name: str, context: str, cast: bool) -> str:
     for rx, cat in CONTEXT_RULES:
         if rx.search(context) or rx.search(name):
@@ -258,11 +268,49 @@ def _has_kernel_inside(ev) -> bool:
     return False
 
 
+def _float_dtypes(ev) -> set:
+    return {d for d in ev.input_dtypes if d in ("float", "c10::BFloat16", "c10::Half", "double")}
+
+
+def _is_cast(ev) -> bool:
+    dts = [d for d in ev.input_dtypes if d in DTYPE_BYTES]
+    return ev.name == "aten::copy_" and len(dts) >= 2 and dts[0] != dts[1]
+
+
+def _promotes_on_cpu_only(ev) -> bool:
+    """An elementwise op on mixed float dtypes (``bf16 * fp32``, or an ``out=`` of another
+    dtype) whose only kernels inside are casts: the CPU's TensorIterator makes those casts as
+    temporaries, a GPU kernel converts as it loads and stores. One kernel on the GPU."""
+    if not ev.name.startswith("aten::") or ev.name in NO_WORK or ev.name in GEMMS or len(_float_dtypes(ev)) < 2:
+        return False
+    stack, found = list(ev.cpu_children), False
+    while stack:
+        c = stack.pop()
+        if _is_kernel(c):
+            if not _is_cast(c):
+                return False
+            found = True
+        else:
+            stack.extend(c.cpu_children)
+    return found
+
+
 def kernels_of(events) -> list[Kernel]:
     """The step's kernels from profiler ``events`` (``prof.events()`` of a trace with
     ``record_shapes=True``; with ``with_stack=True`` Python frames add context): every aten op
-    that does work and has no such op inside it."""
+    that does work and has no such op inside it, except that an op on mixed float dtypes is one
+    kernel with the casts the CPU makes for it (:func:`_promotes_on_cpu_only`)."""
     events = list(events)
+    fused = {id(ev) for ev in events if _promotes_on_cpu_only(ev)}
+
+    def inside_fused(ev) -> bool:
+        e = ev.cpu_parent
+        while e is not None:
+            if id(e) in fused:
+                return True
+            e = e.cpu_parent
+        return False
+
     by_seq: dict[int, str] = {}  # forward ops' context by the sequence number of their node
     for ev in events:
         if ev.sequence_nr >= 0 and ev.sequence_nr not in by_seq and not ev.name.startswith("autograd::"):
@@ -271,7 +319,7 @@ def kernels_of(events) -> list[Kernel]:
                 by_seq[ev.sequence_nr] = ev.name + " | " + ctx
     out = []
     for ev in events:
-        if not _is_kernel(ev) or _has_kernel_inside(ev):
+        if id(ev) not in fused and (not _is_kernel(ev) or _has_kernel_inside(ev) or inside_fused(ev)):
             continue
         name = "aten::fill_" if ev.name == "aten::zero_" else ev.name  # zero_ is fill_ (or runs it)
         ts, lists = [], []
@@ -281,9 +329,9 @@ def kernels_of(events) -> list[Kernel]:
                 ts.append((list(shape), DTYPE_BYTES[dtype]))
             elif dtype == "TensorList":
                 lists.append([list(s) for s in structured])
-        dts = [d for d in ev.input_dtypes if d in DTYPE_BYTES]
-        cast = name == "aten::copy_" and len(dts) >= 2 and dts[0] != dts[1]
-        out.append(Kernel(name, _category(name, _context(ev, by_seq), cast), ts, lists, cast))
+        cast = _is_cast(ev)
+        ctx = _context(ev, by_seq)
+        out.append(Kernel(name, _category(name, ctx, cast), ts, lists, cast, _site(ctx)))
     return out
 
 
@@ -339,6 +387,23 @@ def casts(kernels: list[Kernel]) -> tuple[int, int]:
     """(count, bytes) of the dtype-changing copies anywhere in the step."""
     cs = [k for k in kernels if k.cast]
     return len(cs), sum(k.bytes for k in cs)
+
+
+def cast_sites(kernels: list[Kernel], top: int = 12) -> str:
+    """The dtype-changing copies grouped by call site and direction, biggest first: count, GB,
+    the largest shape."""
+    rows: dict = {}
+    for k in kernels:
+        if k.cast:
+            (dst, bd), (src, bs) = k.tensors[0], k.tensors[1]
+            key = (k.site or "(torch internals / autocast)", f"{8 * bs}->{8 * bd} bit")
+            r = rows.setdefault(key, [0, 0, []])
+            r[0], r[1] = r[0] + 1, r[1] + k.bytes
+            if _numel(dst) > _numel(r[2]):
+                r[2] = dst
+    lines = [f"  {n:>4} x {b / 1e9:8.3f} GB  {d:<12} max {list(s)}  {site}"
+             for (site, d), (n, b, s) in sorted(rows.items(), key=lambda x: -x[1][1])[:top]]
+    return "\n".join(lines)
 
 
 def table(kernels: list[Kernel], hw: Hardware, reference_ms: dict | None = None) -> str:

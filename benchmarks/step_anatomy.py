@@ -152,6 +152,7 @@ def report(kernels, hw: anatomy.Hardware, reference: bool) -> None:
     print(f"casts (dtype-changing copies, every context): {n} kernels, {b / 1e9:.2f} GB, "
           f"{sum(k.seconds(hw) for k in kernels if k.cast) * 1e3:.1f} ms; by where they run: "
           + ", ".join(f"{c} {m} / {v / 1e9:.1f} GB" for c, (m, v) in where.items()))
+    print("casts by call site (biggest first):\n" + anatomy.cast_sites(kernels))
     if reference:
         print(f"all GEMM ops (the loss's included): est. {gemm:.1f} ms vs measured "
               f"{MEASURED_GEMM_MS:.1f} ms (aten::mm + bmm) {anatomy._err(gemm, MEASURED_GEMM_MS)}")

@@ -65,3 +65,20 @@ def test_each_weight_is_cast_to_bf16_once_per_micro_batch():
             down[tuple(src)] = down.get(tuple(src), 0) + 1
     assert down, "no weight was cast"
     assert all(n <= shapes[s] for s, n in down.items()), (down, shapes)
+
+
+def test_a_mixed_dtype_elementwise_op_is_one_kernel_and_an_explicit_cast_is_listed():
+    """``bf16 * fp32`` is one GPU kernel (the CPU's promotion temporary is no cast there);
+    ``bf16.float() * fp32`` is a cast (bf16 -> fp32 copy) and the product."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a, w = torch.randn(64, 32).bfloat16(), torch.randn(32)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as p:
+        a * w
+        a.float() * w
+    kernels = anatomy.kernels_of(p.events())
+    assert [k.name for k in kernels].count("aten::mul") == 2
+    cast = [k for k in kernels if k.cast]
+    assert len(cast) == 1 and cast[0].tensors[0] == ([64, 32], 4)
+    assert "16->32 bit" in anatomy.cast_sites(kernels)

@@ -25,6 +25,7 @@ from . import kernels, recurrent
 from .cache import MambaState
 from .config import NemotronHConfig
 from .norms import RMSNormGated
+from .numerics import matmul_dtype
 from .step_ops import linear, plain_linear
 
 
@@ -136,7 +137,6 @@ class Mamba2Mixer(nn.Module):
         """``seq_idx`` [b, L]: document ids (state and conv restart at each document). ``cp``:
         this rank's slice of a context-parallel sequence (conv halo and state passing)."""
         b, L, _ = hidden_states.shape
-        dtype = hidden_states.dtype
         z, xBC, dt = self.project(hidden_states)
         conv_w, conv_b = local_tensor(self.conv1d.weight).squeeze(1), local_tensor(self.conv1d.bias)
         if cp is None:
@@ -153,8 +153,8 @@ class Mamba2Mixer(nn.Module):
             dt_limit=self.dt_limit,
             seq_idx=seq_idx,
         )
-        y = self.norm(y.reshape(b, L, -1), z)
-        return self.out_proj(y.to(dtype))
+        # the norm writes out_proj's input dtype (bf16 under autocast), not fp32 for a cast after
+        return self.out_proj(self.norm(y.reshape(b, L, -1), z, matmul_dtype(hidden_states)))
 
     # ------------------------------------------------------------------ cached decoding
     def prefill(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
@@ -178,8 +178,7 @@ class Mamba2Mixer(nn.Module):
         )
         state = MambaState(conv=window.contiguous(), ssm=ssm.float().contiguous(),
                            step=self._fused_step_constants(hidden_states))
-        y = self.norm(y.reshape(z.shape), z)
-        return self.out_proj(y.to(hidden_states.dtype)), state
+        return self.out_proj(self.norm(y.reshape(z.shape), z, matmul_dtype(hidden_states))), state
 
     def step(self, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
         """One token per row, hidden_states [b, 1, H] -> [b, 1, H]; ``state`` is updated in

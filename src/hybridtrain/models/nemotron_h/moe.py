@@ -31,7 +31,7 @@ from hybridtrain.ops.backend import pad_rows, unpad_rows
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
-from .numerics import fp32_region
+from .numerics import fp32_region, matmul_dtype
 
 class TopkRouter(nn.Module):
     def __init__(self, config: NemotronHConfig):
@@ -110,8 +110,13 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
     T, k = topk_weights.shape
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
-    y = y.view(T, k, -1).float() * topk_weights[:, :, None].float()
-    return y.sum(dim=1)
+    return gate_weighted_sum(y.view(T, k, -1), topk_weights)
+
+
+def gate_weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * y[t, k] in fp32 for y [T, k, H], weights [T, k]. (No fp32 copy of y:
+    the product promotes a bf16 y exactly, in the same kernel.)"""
+    return (y * weights[:, :, None].float()).sum(dim=1)
 
 
 class Experts(nn.Module):
@@ -257,7 +262,7 @@ class MoE(nn.Module):
         up, down = local_tensor(ex.up_proj)[e], local_tensor(ex.down_proj)[e]  # [T k, I, H], [T k, H, I]
         hk = h[:, None].expand(T, k, h.shape[-1]).reshape(T * k, -1, 1)
         y = torch.bmm(down, ex.act_fn(torch.bmm(up, hk.to(up.dtype))))  # [T k, H, 1]
-        return (y.view(T, k, -1).float() * weights[:, :, None].float()).sum(1)
+        return gate_weighted_sum(y.view(T, k, -1), weights)
 
     def _experts_host_grouped(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                               local: bool) -> torch.Tensor:
@@ -268,7 +273,7 @@ class MoE(nn.Module):
             # one token (batch 1): its k experts one after the other, no grouping at all
             ex = self.experts
             ys = [F.linear(ex.act_fn(F.linear(h, ex.up_proj[e])), ex.down_proj[e]) for e in flat]
-            return (torch.cat(ys).float() * weights[0, :, None].float()).sum(0, keepdim=True)
+            return gate_weighted_sum(torch.cat(ys)[None], weights)
         order = sorted(range(T * k), key=flat.__getitem__)  # copies grouped by expert (stable)
         counts = [0] * self.experts.num_experts
         for e in flat:
@@ -280,5 +285,4 @@ class MoE(nn.Module):
         for pos, i in enumerate(order):
             inverse[i] = pos
         # as unpermute: back to the k copies of each token, gate-weighted sum over them in fp32
-        y = y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1).float() * weights[:, :, None].float()
-        return y.sum(dim=1)
+        return gate_weighted_sum(y_sorted[torch.tensor(inverse, device=h.device)].view(T, k, -1), weights)

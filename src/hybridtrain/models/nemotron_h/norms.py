@@ -21,7 +21,9 @@ class _RMSNormFunction(torch.autograd.Function):
     if given), scaled by ``weight``. Statistics in fp32 (fp64 for fp64 inputs).
 
     The output dtype follows the reference modules: ``(weight * n).to(x.dtype)`` without a gate
-    (NemotronHRMSNorm), ``weight * n.to(x.dtype)`` with one (MambaRMSNormGated)."""
+    (NemotronHRMSNorm), ``weight * n.to(x.dtype)`` with one (MambaRMSNormGated); ``out_dtype``
+    (e.g. the bf16 of the linear layer it feeds under autocast) replaces it: the product is
+    rounded to it as it is written (the same values as a cast after, without the full-size copy)."""
 
     @staticmethod
     def _normalise(x, gate, group_size, eps=None, rstd=None):
@@ -36,28 +38,34 @@ class _RMSNormFunction(torch.autograd.Function):
         return ug * rstd, rstd
 
     @staticmethod
-    def forward(ctx, x, gate, weight, group_size, eps):
+    def forward(ctx, x, gate, weight, group_size, eps, out_dtype=None):
         n, rstd = _RMSNormFunction._normalise(x, gate, group_size, eps=eps)
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.group_size = group_size
-        return _RMSNormFunction._scale(n.view(x.shape), x, gate, weight)
+        return _RMSNormFunction._scale(n.view(x.shape), x, gate, weight, out_dtype)
 
     @staticmethod
-    def _scale(n, x, gate, weight):
+    def _scale(n, x, gate, weight, out_dtype=None):
         if gate is None:
-            out = (weight if weight.dtype == n.dtype else weight.to(n.dtype)) * n
-            return out if out.dtype == x.dtype else out.to(x.dtype)
-        return weight * (n if n.dtype == x.dtype else n.to(x.dtype))
+            a, b, dtype = (weight if weight.dtype == n.dtype else weight.to(n.dtype)), n, x.dtype
+        else:
+            a, b = weight, (n if n.dtype == x.dtype else n.to(x.dtype))
+            dtype = torch.promote_types(a.dtype, b.dtype)
+        dtype = out_dtype or dtype
+        if dtype == torch.promote_types(a.dtype, b.dtype):
+            return a * b
+        # computed in the promoted dtype, rounded as it is stored: one kernel, no copy
+        return torch.mul(a, b, out=torch.empty(n.shape, dtype=dtype, device=n.device))
 
     @staticmethod
-    def apply_maybe_no_grad(x, gate, weight, group_size, eps):
+    def apply_maybe_no_grad(x, gate, weight, group_size, eps, out_dtype=None):
         """``apply``, or the same computation without the autograd node when no gradient is
         wanted (cached decoding: one token per call, where the node costs more than the math)."""
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (gate is not None and gate.requires_grad)):
-            return _RMSNormFunction.apply(x, gate, weight, group_size, eps)
+            return _RMSNormFunction.apply(x, gate, weight, group_size, eps, out_dtype)
         n, _ = _RMSNormFunction._normalise(x, gate, group_size, eps=eps)
-        return _RMSNormFunction._scale(n.view(x.shape), x, gate, weight)
+        return _RMSNormFunction._scale(n.view(x.shape), x, gate, weight, out_dtype)
 
     @staticmethod
     def backward(ctx, gout):
@@ -72,11 +80,11 @@ class _RMSNormFunction(torch.autograd.Function):
         gn = (gout * weight.to(cdt)).view(ng.shape)
         gu = (gn - ng * (gn * ng).mean(-1, keepdim=True)).mul_(rstd).view(x.shape)
         if gate is None:
-            return gu.to(x.dtype), None, gw.to(weight.dtype), None, None
+            return gu.to(x.dtype), None, gw.to(weight.dtype), None, None, None
         gate_c = gate.to(cdt)
         gx = gu * F.silu(gate_c)
         ggate = gu.mul_(x.to(cdt)).mul_(silu_grad(gate_c))
-        return gx.to(x.dtype), ggate.to(gate.dtype), gw.to(weight.dtype), None, None
+        return gx.to(x.dtype), ggate.to(gate.dtype), gw.to(weight.dtype), None, None, None
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +124,8 @@ class RMSNormGated(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out_dtype``: the output's dtype (default as the reference module's)."""
         # (tensor parallelism: the weight is sharded into whole groups, as x and gate)
-        return _RMSNormFunction.apply_maybe_no_grad(x, gate, local_tensor(self.weight), self.group_size, self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, gate, local_tensor(self.weight), self.group_size, self.eps,
+                                                    out_dtype)

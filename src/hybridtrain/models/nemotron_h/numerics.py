@@ -22,6 +22,16 @@ def fp32_region(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer computes in when ``t`` is its input: autocast's when autocast is
+    on for ``t``'s device, else ``t``'s own. Producers write their output in it directly instead
+    of leaving a full-size copy to autocast."""
+    device_type = t.device.type
+    if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
 def silu_grad(x: torch.Tensor) -> torch.Tensor:
     """d silu(x) / dx = sigmoid(x) * (1 + x * (1 - sigmoid(x))), for hand-written backwards."""
     s = torch.sigmoid(x)
