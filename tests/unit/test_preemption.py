@@ -138,33 +138,22 @@ def test_durations_and_signal_names():
 
 
 @pytest.mark.parametrize("recipe", ["dpo", "grpo"])
-def test_rl_recipes_stop_on_a_signal_with_a_checkpoint(tmp_path, recipe):
+def test_rl_recipes_stop_on_a_signal_with_a_checkpoint(tmp_path, recipe, monkeypatch):
     import importlib
 
-    from tests.unit.test_rl_recipes import _recipe
+    from tests.unit.test_rl_recipes import rl_recipe, signal_after_step
 
     from hybridtrain.training.preemption import Preempted
 
-    if recipe == "dpo":
-        data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
-                "path": {"_target_": "hybridtrain.data.write_synthetic_preferences",
-                         "path": str(tmp_path / "train.jsonl"), "num_pairs": 40}}
-        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.data.synthetic_preference_texts",
-                                 "num_pairs": 200}, dataset=data)
-    else:
-        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100},
-                      grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
-                            "max_new_tokens": 2})
+    cfg = rl_recipe(tmp_path, recipe)
     cfg["training"]["max_steps"] = 50
     out = tmp_path / "run"
-    sender = _signal_after_first_step(out, signal.SIGUSR1)
-    with pytest.raises(Preempted, match=rf"SIGUSR1 received: {recipe} stopped after step \d+ "
+    signal_after_step(monkeypatch, signal.SIGUSR1, 1)
+    with pytest.raises(Preempted, match=rf"SIGUSR1 received: {recipe} stopped after step 1 "
                                         "of 50; saved .*step_"):
         importlib.import_module(f"hybridtrain.recipes.{recipe}").run(cfg)
-    sender.join()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
-    reached = _records(out)[-1]["step"]
-    assert 1 <= reached < 50 and (out / "latest").exists()
+    assert _records(out)[-1]["step"] == 1 and (out / "latest").exists()
 
 
 def test_a_signal_during_start_up_stops_at_once_and_frees_the_folder(tmp_path, capsys,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 
 import pytest
 import torch
@@ -123,6 +124,36 @@ def _recipe(tmp_path, texts, **sections):
         **sections,
     }
 
+
+
+def rl_recipe(tmp_path, name: str, num_pairs: int = 40, **grpo):
+    """A tiny ``dpo`` recipe (synthetic preference pairs) or ``grpo`` recipe (the counting task,
+    2 prompts x 2 generations; ``grpo`` keys override)."""
+    if name == "dpo":
+        data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
+                "path": {"_target_": "hybridtrain.data.write_synthetic_preferences",
+                         "path": str(tmp_path / "train.jsonl"), "num_pairs": num_pairs}}
+        return _recipe(tmp_path, {"_target_": "hybridtrain.data.synthetic_preference_texts",
+                                  "num_pairs": 200}, dataset=data)
+    return _recipe(tmp_path, {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100},
+                   grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                         "max_new_tokens": 2, **grpo})
+
+
+def signal_after_step(monkeypatch, sig: int, step: int) -> None:
+    """``sig`` to this process right after step ``step`` is logged (the run's handler, which
+    only records it, must be installed: a default action would end pytest)."""
+    from hybridtrain.recipes import rl_run
+
+    log = rl_run.RLRun.log
+
+    def log_then_signal(self, rec):
+        log(self, rec)
+        if rec["step"] == step:
+            assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(rl_run.RLRun, "log", log_then_signal)
 
 def test_dpo_recipe_runs(tmp_path, caplog):
     from hybridtrain.recipes.dpo import run

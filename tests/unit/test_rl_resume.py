@@ -13,10 +13,9 @@ import socket
 
 import pytest
 import yaml
-from tests.unit.test_rl_recipes import _recipe
+from tests.unit.test_rl_recipes import rl_recipe, signal_after_step
 
 from hybridtrain.cli import main
-from hybridtrain.recipes import rl_run
 from hybridtrain.runfolder import LOCK_NAME
 from hybridtrain.training.preemption import EXIT_PREEMPTED
 
@@ -28,16 +27,7 @@ COMPARED = {"dpo": ("loss", "grad_norm", "lr", "accuracy", "reward_margin"),
 
 
 def _write_recipe(tmp_path, name: str) -> str:
-    if name == "dpo":
-        data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
-                "path": {"_target_": "hybridtrain.data.write_synthetic_preferences",
-                         "path": str(tmp_path / "train.jsonl"), "num_pairs": 16}}
-        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.data.synthetic_preference_texts",
-                                 "num_pairs": 200}, dataset=data)
-    else:
-        cfg = _recipe(tmp_path, {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100},
-                      grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
-                            "max_new_tokens": 3, "updates_per_rollout": 2})
+    cfg = rl_recipe(tmp_path, name, num_pairs=16, max_new_tokens=3, updates_per_rollout=2)
     cfg["training"]["max_steps"] = STEPS
     cfg["lr_scheduler"] = {"lr_decay_style": "cosine", "lr_warmup_steps": 2, "lr_decay_steps": 20}
     cfg["metrics"]["plot"] = False
@@ -67,25 +57,11 @@ def uninterrupted(request, tmp_path_factory):
     return request.param, recipe, _records(tmp / "run")
 
 
-def _signal_after_step(monkeypatch, sig: int, step: int) -> None:
-    """``sig`` to this process right after step ``step`` is logged (the run's handler, which
-    only records it, must be installed: a default action would end pytest)."""
-    log = rl_run.RLRun.log
-
-    def log_then_signal(self, rec):
-        log(self, rec)
-        if rec["step"] == step:
-            assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-            os.kill(os.getpid(), sig)
-
-    monkeypatch.setattr(rl_run.RLRun, "log", log_then_signal)
-
-
 def test_a_stopped_run_resumes_exactly(tmp_path, capsys, monkeypatch, uninterrupted):
     name, recipe, whole = uninterrupted
     out = tmp_path / "run"
     with monkeypatch.context() as m:
-        _signal_after_step(m, signal.SIGUSR1, STOP)
+        signal_after_step(m, signal.SIGUSR1, STOP)
         assert _run(name, recipe, out) == EXIT_PREEMPTED
     assert f"SIGUSR1 received: {name} stopped after step {STOP} of {STEPS}; saved " \
         f"{out}/step_{STOP}" in capsys.readouterr().err
