@@ -54,7 +54,9 @@ from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
 )
 from hybridtrain.distributed.layout import parallel_dims_from_config
-from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
+from hybridtrain.distributed.pipeline import (
+    micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
+)
 from hybridtrain.distributed.plan import pipeline_split_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
@@ -347,6 +349,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                            t.loss_chunk_size, head_trains) if activation_bytes else None
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    flights = [] if sched is None else [
+        micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
             "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
             "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
@@ -362,8 +366,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         stage_ids, positions, is_last, part = parts[c["pp"]]
         per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
                              if act is not None else ({}, 0.0))
-        # the schedule's in-flight micro-batches (the schedule table the run resolves)
-        flight = 1.0 if sched is None else sched.in_flight(dims.pp, c["pp"], per_rank, n_mb)
+        # the micro-batches the run's schedule keeps in flight on this rank (read from its order)
+        flight = 1.0 if sched is None else flights[c["pp"]]
         activations = sum(per_mb.values()) * flight + recompute
         if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
             for k, v in act["head"].items():
