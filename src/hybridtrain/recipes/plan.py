@@ -13,9 +13,11 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
 * **parameters / gradients / optimizer state**: local bytes of the rank's shards in their dtypes
   (gradients of trainable parameters only; AdamW: two moments in the parameter's dtype and a
   4-byte step per tensor). These match a real run's tensors (tests: within 10 %).
-* **activations**: the model's estimate per micro-batch (``ModelSpec.activation_bytes``) by
-  layer type, with activation checkpointing applied per block, times the micro-batches a
-  pipeline schedule keeps in flight on that rank; plus the recomputed block's activations under
+* **activations**: the model's estimate per micro-batch (``MemoryPlanSupport.activation_bytes``)
+  by layer type, with activation checkpointing applied per block, plus on the first stage its
+  input encoders' (``encoder_activation_bytes``, e.g. a vision encoder), times the
+  micro-batches the run's pipeline schedule keeps in flight on that rank (read from the order
+  of the schedule the run builds); plus the recomputed block's activations under
   checkpointing. An estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
@@ -347,6 +349,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     activation_bytes = _memory_part(spec).activation_bytes
     act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
                            t.loss_chunk_size, head_trains) if activation_bytes else None
+    encoder_bytes = _memory_part(spec).encoder_activation_bytes
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
     flights = [] if sched is None else [
@@ -366,6 +369,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         stage_ids, positions, is_last, part = parts[c["pp"]]
         per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
                              if act is not None else ({}, 0.0))
+        if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
+            enc = dict(encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg))
+            recompute = max(recompute, enc.pop("recompute", 0.0))
+            for k, v in enc.items():
+                per_mb[k] = per_mb.get(k, 0.0) + v
         # the micro-batches the run's schedule keeps in flight on this rank (read from its order)
         flight = 1.0 if sched is None else flights[c["pp"]]
         activations = sum(per_mb.values()) * flight + recompute
