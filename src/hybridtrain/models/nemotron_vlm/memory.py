@@ -14,7 +14,7 @@ LayerNorms' inputs), both norms' outputs (the linears' inputs), q/k/v (one stora
 attention output and its re-laid-out copy (the projection's input), the MLP's hidden before
 and after GELU; fp32 per token: the norms' mean and inverse deviation, the attention's
 log-sum-exp per head. Besides: the patch embedding's input (the pixels), the final norm's
-input, and the projector's RMSNorm input and output and its squared-ReLU hidden (twice) on the
+input, and the projector's RMSNorm input and output and its squared-ReLU hidden on the
 merged tokens. A frozen vision encoder runs without autograd (nothing kept); under activation
 checkpointing each ViT block keeps its input only, and its backward recomputes one block.
 """
@@ -64,7 +64,7 @@ def vision_activation_bytes(config: NemotronVLMConfig, images: int, patches: int
     T = patches + images * v.class_token_len
     block = T * e * (9 * D + 2 * I) + T * _F32 * (4 + H)
     M, d_in = patches // config.merge ** 2, D * config.merge ** 2
-    projector = M * e * (2 * d_in + 2 * config.projector_hidden_size) + M * _F32
+    projector = M * e * (2 * d_in + config.projector_hidden_size) + M * _F32
     if not vision_trains:
         return {"vision": float(projector), "recompute": 0.0}
     kept = T * D * e if checkpointed else block
