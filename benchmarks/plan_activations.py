@@ -6,7 +6,8 @@ checkpointing) a fresh process builds the model (fp32), takes one forward + back
 
 * ``saved``: the bytes autograd keeps for backward after forward (unique storages seen by
   ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, plus the hidden-state and
-  head-weight gradients the chunked loss forms in forward) -- allocator-independent (under
+  head-weight gradients the chunked loss forms in forward: ``tests.helpers.memory``'s
+  ``SavedActivations`` and ``loss_forward_grads``, which the plan-vs-run tests use too) -- allocator-independent (under
   activation checkpointing the checkpoint's own hooks hide the block inputs from it);
 * ``rss_kept``: resident memory after forward minus before (VmRSS);
 * ``peak``: VmHWM over forward + backward (reset through /proc/self/clear_refs) minus VmRSS
@@ -28,6 +29,8 @@ import json
 import os
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.helpers
 
 CASES = {  # name -> (hybrid_override_pattern, activation_checkpointing)
     "mamba": ("MMMM", False),
@@ -73,6 +76,7 @@ def measure(name: str, batch: int, seq_len: int) -> dict:
     from hybridtrain.models.spec import set_train_loss
     from hybridtrain.ops.loss import LinearCrossEntropy
     from hybridtrain.recipes.plan import plan_memory
+    from tests.helpers.memory import SavedActivations, loss_forward_grads
 
     torch.set_num_threads(1)
     pattern, ckpt = CASES[name]
@@ -88,26 +92,15 @@ def measure(name: str, batch: int, seq_len: int) -> dict:
     model.zero_grad(set_to_none=True)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    storages = {}
-
-    def pack(t):
-        if t.device.type == "cpu" and not t.is_meta:
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(model) as saved_now:
         loss = model(ids, labels=ids)
-    kept = _status("VmRSS") - before
-    c = model.config  # the loss forms the hidden-state and head-weight gradients in forward
-    loss_grads = (batch * seq_len + c.vocab_size) * c.hidden_size * 4
+        kept = _status("VmRSS") - before
+        saved = saved_now.live + loss_forward_grads(model.config, batch * seq_len)
     loss.backward()
     peak = _status("VmHWM") - before - grads
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = sum(n for ptr, n in storages.items() if ptr not in params) + loss_grads
     return {"case": name, "plan": planned.activations, "saved": saved, "rss_kept": kept,
             "peak": peak, "per_micro_batch": planned.activations_per_micro_batch}
 

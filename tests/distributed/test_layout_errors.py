@@ -260,3 +260,17 @@ def test_activation_checkpointing_names_the_torch_version_without_the_wrapper(mo
     with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} does not provide")):
         ac.apply_activation_checkpointing(m.backbone.layers, True)
     assert ac.apply_activation_checkpointing(m.backbone.layers, False) == []
+
+
+def test_micro_batches_in_flight_come_from_the_schedule_the_run_builds():
+    """Read from the order of the schedule ``build_schedule`` makes (as for the run): 1F1B's
+    warm-up (pp - rank), interleaved 1F1B's (in units of the rank's two stages), the V
+    schedule's equal share on every rank; a count the schedule refuses is the run's error."""
+    from hybridtrain.distributed.pipeline import micro_batches_in_flight
+
+    assert [micro_batches_in_flight("1f1b", 4, r, 1, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert [micro_batches_in_flight("gpipe", 2, r, 1, 8) for r in range(2)] == [8, 8]
+    assert [micro_batches_in_flight("interleaved1f1b", 2, r, 2, 4) for r in range(2)] == [2.5, 1.5]
+    assert [micro_batches_in_flight("zbv", 4, r, 2, 8) for r in range(4)] == [4, 4, 4, 4]
+    with pytest.raises(ValueError, match="2 micro-batches per step"):
+        micro_batches_in_flight("1f1b", 4, 0, 1, 2)

@@ -37,6 +37,74 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     }
 
 
+class _Held:
+    """A saved tensor in the graph: the storage's count drops when autograd frees it."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor, key, owner):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self):
+        self.owner._release(self.key)
+
+
+class SavedActivations:
+    """Bytes autograd holds for backward while the context is open: the unique storages of
+    the tensors saved through ``torch.autograd.graph.saved_tensors_hooks`` (the parameters of
+    ``modules`` excluded, also while FSDP2 has them gathered), each counted from its saving
+    until the backward that uses it frees it; ``peak``: the most held at once. (Under
+    activation checkpointing the checkpoint's own hooks hide the block inputs from it.)"""
+
+    def __init__(self, *modules: torch.nn.Module):
+        self.modules = modules
+        self.live = self.peak = 0
+        self._count: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+
+    def _params(self) -> set[int]:
+        return {local_tensor(p).untyped_storage().data_ptr()
+                for m in self.modules for p in m.parameters()}
+
+    def _pack(self, t):
+        if t.is_meta or t.device.type != "cpu":
+            return t
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if s.nbytes() == 0 or key in self._params():
+            return t
+        if self._count.get(key, 0) == 0:
+            self._size[key] = s.nbytes()
+            self.live += s.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._count[key] = self._count.get(key, 0) + 1
+        return _Held(t, key, self)
+
+    def _release(self, key: int) -> None:
+        self._count[key] -= 1
+        if self._count[key] == 0:
+            self.live -= self._size.pop(key)
+
+    @staticmethod
+    def _unpack(x):
+        return x.tensor if isinstance(x, _Held) else x
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def loss_forward_grads(config, tokens: int, head_grad: bool = True, e: int = 4) -> int:
+    """Bytes the chunked linear cross-entropy forms in forward and keeps on its context (not
+    saved tensors): the hidden-state gradient and the head weight's fp32 one."""
+    return tokens * config.hidden_size * e + (config.vocab_size * config.hidden_size * 4
+                                              if head_grad else 0)
+
+
 def planned_bytes(plan, rank: int) -> dict[str, float]:
     r = plan.ranks[rank]
     return {"params": r.params, "grads": r.grads, "optimizer": r.optimizer}
@@ -46,6 +114,24 @@ def assert_close_10pct(got: dict, want: dict, what: str) -> None:
     for k in ("params", "grads", "optimizer"):
         assert got[k] > 0, (what, k, got)
         assert abs(want[k] - got[k]) <= 0.10 * got[k], (what, k, got, want)
+
+
+def activations_of_run(b, trainer, steps: int = 1) -> dict[str, int]:
+    """What the rank's model kept for backward over ``steps`` training steps: {"saved": the
+    most bytes at once (:class:`SavedActivations`), "loss_context": on the rank holding the
+    loss, what the chunked loss keeps on its context per micro-batch (:func:`loss_forward_grads`),
+    else 0}."""
+    from tests.helpers import parity as pu
+
+    with SavedActivations(b.model) as saved:
+        pu.train(b, trainer, steps=steps)
+    head = b.model.language_model if hasattr(b.model, "language_model") else b.model
+    if getattr(head, "lm_head", None) is None:
+        return {"saved": saved.peak, "loss_context": 0}
+    rows = b.cfg.distributed.pp_microbatch_size or b.cfg.training.micro_batch_size
+    tokens = rows * pu.micro_batches(b, 0)[0]["input_ids"].shape[1]
+    return {"saved": saved.peak, "loss_context": loss_forward_grads(
+        head.config, tokens, head.lm_head.weight.requires_grad)}
 
 
 def held_at_optimizer_step(b, trainer, steps: int = 2) -> dict[str, int]:

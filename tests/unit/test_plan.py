@@ -276,3 +276,26 @@ def test_the_documented_plan_works_without_the_model(name, monkeypatch, capsys):
     assert cli.main(["plan", "-c", f"examples/{name}.yaml", "--nproc-per-node", "8",
                      "--device-memory", "80GB"]) == 0
     assert "fits 80.00 GiB per device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grids", [[[8, 8]] * 4, [[8, 8], [4, 8], [8, 4], [16, 16]]],
+                         ids=["one size", "four sizes"])
+def test_vision_estimate_counts_what_the_encoder_keeps(grids):
+    """The VLM's vision encoder + projector estimate against the bytes autograd keeps for
+    their backward on those images (within 10 %); a frozen encoder keeps the projector's only."""
+    from hybridtrain.models.nemotron_vlm import build_vlm, tiny_vlm_config
+    from hybridtrain.models.nemotron_vlm.memory import vision_activation_bytes
+    from tests.helpers.memory import SavedActivations
+
+    torch.manual_seed(0)
+    model = build_vlm(tiny_vlm_config(image_token_id=4, text={"vocab_size": 320}))
+    grid = torch.tensor(grids)
+    patches = int((grid[:, 0] * grid[:, 1]).sum())
+    pixels = torch.randn(patches, model.config.vision_config.patch_dim)
+    for trains in (True, False):
+        model.vision_model.requires_grad_(trains)
+        with SavedActivations(model) as saved:
+            model.image_embeddings(pixels, grid)
+        est = vision_activation_bytes(model.config, len(grids), patches, torch.float32, trains)
+        print(grids, trains, est["vision"], saved.live, est["vision"] / saved.live)
+        assert abs(est["vision"] / saved.live - 1) <= 0.10, (trains, est, saved.live)

@@ -29,6 +29,7 @@ nothing real changes); the pipeline keeps one schedule per sequence length it ha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -50,6 +51,9 @@ __all__ = [
     "split_from_points",
     "PipelineTrainStep",
     "pipeline_layout",
+    "build_schedule",
+    "StagePosition",
+    "micro_batches_in_flight",
 ]
 
 
@@ -60,20 +64,6 @@ class ScheduleSpec:
     multi: bool  # several stages per rank
     style: str  # "loop" or "v"
     split_backward: bool = False  # zero-bubble: input and weight gradients in two passes
-
-    def in_flight(self, pp: int, pp_rank: int, stages_per_rank: int, n_mb: int) -> float:
-        """Micro-batches whose activations pp rank ``pp_rank`` holds at once under this
-        schedule (``n_mb`` micro-batches a step), in units of the rank's whole part (a
-        stage-micro-batch of a rank running ``v`` stages counts ``1/v``): what ``hybridtrain
-        plan`` multiplies one micro-batch's activations by."""
-        v = stages_per_rank
-        if self.name in ("gpipe", "loopedbfs"):  # every forward before the first backward
-            return float(n_mb)
-        if not self.multi:  # 1F1B: pp - rank forwards before the steady state
-            return float(min(n_mb, pp - pp_rank))
-        # interleaved / zero-bubble / V: torch's warm-up of the interleaved 1F1B schedule, + 1
-        warmup = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
-        return min(n_mb * v, warmup) / v
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -114,6 +104,80 @@ def _schedule_class(spec: ScheduleSpec):
             f"{spec.cls_name}, which torch {torch.__version__} does not have"
         )
     return cls
+
+
+def build_schedule(spec: ScheduleSpec, stages: Sequence, n_microbatches: int, loss_fn):
+    """torch's schedule of ``spec`` over this rank's ``stages`` (``PipelineStage``\ s, or
+    :class:`StagePosition`\ s to read its order without running it); ``ValueError`` when it
+    does not take ``n_microbatches``. The run and ``hybridtrain plan`` both build it here."""
+    cls = _schedule_class(spec)
+    try:
+        return cls(list(stages) if spec.multi else stages[0], n_microbatches=n_microbatches,
+                   loss_fn=loss_fn, scale_grads=False)
+    except ValueError as e:
+        raise ValueError(
+            f"pipeline schedule {spec.name!r} with pp={stages[0].group_size} and "
+            f"{n_microbatches} micro-batches per step: {e}"
+        ) from None
+
+
+@dataclass
+class StagePosition:
+    """Where a pipeline stage sits, as torch's schedules read it from a ``PipelineStage``
+    (its public attributes) to lay out their order: the order of a layout can be read without
+    process groups (``hybridtrain plan``). ``submod``: the stage's module (an empty one will
+    do: the order does not depend on it)."""
+
+    stage_index: int
+    num_stages: int
+    group_rank: int
+    group_size: int
+    submod: nn.Module = dataclasses.field(default_factory=nn.Module)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+def _most_held(actions) -> int:
+    """The most stage-micro-batches whose forward has run and whose backward (full, or the
+    weight pass of a split one) has not, over a rank's ``actions`` in order."""
+    held = most = 0
+    for action in actions:
+        for a in (() if action is None else action.sub_actions or (action,)):
+            if a.computation_type == "F":
+                held += 1
+                most = max(most, held)
+            elif a.computation_type in ("B", "W"):
+                held -= 1
+    return most
+
+
+def micro_batches_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int,
+                            n_microbatches: int) -> float:
+    """Micro-batches whose activations pp rank ``pp_rank`` holds at once (in units of the
+    rank's whole part: a stage-micro-batch of a rank running ``v`` stages counts ``1/v``):
+    read from the order (``pipeline_order``) of the schedule :func:`build_schedule` makes for
+    the run. What ``hybridtrain plan`` multiplies one micro-batch's activations by."""
+    spec = resolve_schedule(schedule)
+    num_stages = pp * stages_per_rank
+    stages = [StagePosition(s, num_stages, pp_rank, pp)
+              for s in stage_ids_for_rank(pp_rank, pp, stages_per_rank, spec.style)]
+    try:
+        order = build_schedule(spec, stages, n_microbatches, loss_fn=_no_loss).pipeline_order
+    except (AttributeError, TypeError) as e:  # pragma: no cover - depends on torch version
+        raise RuntimeError(f"torch {torch.__version__}: {spec.cls_name} reads a pipeline stage "
+                           f"differently ({e}); hybridtrain plan cannot read its order") from None
+    assert order and pp_rank in order, f"{spec.cls_name} gives no pipeline_order"
+    return _most_held(order[pp_rank]) / stages_per_rank
+
+
+def _no_loss(output, target):  # pragma: no cover - a schedule read for its order only
+    raise AssertionError("not run")
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:
@@ -435,16 +499,7 @@ class PipelineTrainStep:
                         m, out = _AsVector(m), out.reshape(1)
                 stages.append(PipelineStage(m, sid, self.num_stages, self.device, input_args=inp,
                                             output_args=out, group=self.pp_group))
-            cls = _schedule_class(self.spec)
-            kwargs = dict(n_microbatches=n_micro, loss_fn=self._loss if train else None,
-                          scale_grads=False)
-            try:
-                sched = cls(stages if self.spec.multi else stages[0], **kwargs)
-            except ValueError as e:
-                raise ValueError(
-                    f"pipeline schedule {self.spec.name!r} with pp={self.pp} and "
-                    f"{n_micro} micro-batches per step: {e}"
-                ) from None
+            sched = build_schedule(self.spec, stages, n_micro, self._loss if train else None)
             if len(self._schedules) >= self.MAX_CACHED_SCHEDULES:  # e.g. unpacked batches of
                 self._schedules.pop(next(iter(self._schedules)))  # many lengths: drop the oldest
             self._schedules[key] = sched

@@ -159,14 +159,20 @@ class MemoryPlanSupport:
     how the spec's ``parallelize_fn`` splits a (stage) model over ``tp`` ranks (None: no
     tensor parallelism); ``fsdp_units(model) -> (units, expert_units)``: the FSDP2 units
     ``parallelize_fn`` gives ``distributed.fsdp.apply_fsdp`` (it asks this function too; a
-    unit is a module or a list of modules, the root holds the rest; None: no FSDP2 estimate)."""
+    unit is a module or a list of modules, the root holds the rest; None: no FSDP2 estimate);
+    ``encoder_activation_bytes(model, micro_batch, seq_len, dtype, recipe) -> {category:
+    bytes, "recompute": bytes}``: what the first stage's input encoders (e.g. a vision encoder
+    on the micro-batch's images) of (stage) ``model`` keep per micro-batch beyond the layers,
+    given the recipe (its data and training sections), and what a checkpointed encoder
+    block's recompute holds (None: no encoder)."""
 
     activation_bytes: Callable[..., dict] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None
     fsdp_units: Callable[[nn.Module], tuple[list, list]] | None = None
+    encoder_activation_bytes: Callable[..., dict] | None = None
 
     def __post_init__(self):
-        _check(self, (), ("activation_bytes", "tp_plan", "fsdp_units"))
+        _check(self, (), ("activation_bytes", "tp_plan", "fsdp_units", "encoder_activation_bytes"))
 
 
 @dataclass(frozen=True)

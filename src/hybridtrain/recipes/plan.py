@@ -13,9 +13,11 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
 * **parameters / gradients / optimizer state**: local bytes of the rank's shards in their dtypes
   (gradients of trainable parameters only; AdamW: two moments in the parameter's dtype and a
   4-byte step per tensor). These match a real run's tensors (tests: within 10 %).
-* **activations**: the model's estimate per micro-batch (``ModelSpec.activation_bytes``) by
-  layer type, with activation checkpointing applied per block, times the micro-batches a
-  pipeline schedule keeps in flight on that rank; plus the recomputed block's activations under
+* **activations**: the model's estimate per micro-batch (``MemoryPlanSupport.activation_bytes``)
+  by layer type, with activation checkpointing applied per block, plus on the first stage its
+  input encoders' (``encoder_activation_bytes``, e.g. a vision encoder), times the
+  micro-batches the run's pipeline schedule keeps in flight on that rank (read from the order
+  of the schedule the run builds); plus the recomputed block's activations under
   checkpointing. An estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
@@ -54,7 +56,9 @@ from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
 )
 from hybridtrain.distributed.layout import parallel_dims_from_config
-from hybridtrain.distributed.pipeline import pipeline_layout, stage_ids_for_rank
+from hybridtrain.distributed.pipeline import (
+    micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
+)
 from hybridtrain.distributed.plan import pipeline_split_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
@@ -345,8 +349,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     activation_bytes = _memory_part(spec).activation_bytes
     act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
                            t.loss_chunk_size, head_trains) if activation_bytes else None
+    encoder_bytes = _memory_part(spec).encoder_activation_bytes
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    flights = [] if sched is None else [
+        micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
             "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
             "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
@@ -362,8 +369,13 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         stage_ids, positions, is_last, part = parts[c["pp"]]
         per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
                              if act is not None else ({}, 0.0))
-        # the schedule's in-flight micro-batches (the schedule table the run resolves)
-        flight = 1.0 if sched is None else sched.in_flight(dims.pp, c["pp"], per_rank, n_mb)
+        if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
+            enc = dict(encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg))
+            recompute = max(recompute, enc.pop("recompute", 0.0))
+            for k, v in enc.items():
+                per_mb[k] = per_mb.get(k, 0.0) + v
+        # the micro-batches the run's schedule keeps in flight on this rank (read from its order)
+        flight = 1.0 if sched is None else flights[c["pp"]]
         activations = sum(per_mb.values()) * flight + recompute
         if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
             for k, v in act["head"].items():
