@@ -164,10 +164,14 @@ def test_dpo_recipe_runs(tmp_path, caplog):
     data = {"_target_": "hybridtrain.data.build_preference_dataset", "max_length": 48,
             "path": {"_target_": "hybridtrain.data.write_synthetic_preferences",
                      "path": str(tmp_path / "train.jsonl"), "num_pairs": 40}}
-    summary = run(_recipe(tmp_path, texts, dataset=data, validation_dataset=data,
-                          rl={"sequence_packing": True}))
+    recipe = _recipe(tmp_path, texts, dataset=data, validation_dataset=data,
+                     rl={"sequence_packing": True}, lr_scheduler={"lr_decay_style": "linear"})
+    recipe["training"].update(max_steps=None, num_epochs=0.2)  # 0.2 x 40 pairs / 4 = 2 steps
+    summary = run(recipe)
     recs = [json.loads(line) for line in open(tmp_path / "run" / "training.jsonl")]
     assert [r["step"] for r in recs] == [1, 2]
+    # the LR decays over the run's length counted from the epochs
+    assert [r["lr"] for r in recs] == pytest.approx([1e-3, 0.5e-3])
     assert {"loss", "accuracy", "reward_margin", "grad_norm", "lr"} <= set(recs[0])
     val = [json.loads(line) for line in open(tmp_path / "run" / "validation.jsonl")]
     assert val[0]["val_loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference
@@ -184,9 +188,12 @@ def test_grpo_recipe_runs(tmp_path):
 
     texts = {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100}
     run(_recipe(tmp_path, texts, grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 4,
-                                       "max_new_tokens": 3, "updates_per_rollout": 2}))
+                                       "max_new_tokens": 3, "updates_per_rollout": 2},
+                lr_scheduler={"lr_decay_style": "linear"}))
     recs = [json.loads(line) for line in open(tmp_path / "run" / "training.jsonl")]
     assert [r["step"] for r in recs] == [1, 2]
+    # the LR decays over the 4 updates (2 rollouts x 2), not 2: each step logs its updates' mean
+    assert [r["lr"] for r in recs] == pytest.approx([(1 + 0.75) / 2 * 1e-3, (0.5 + 0.25) / 2 * 1e-3])
     for key in ("reward", "kl", "clip_fraction", "entropy", "ratio", "loss", "grad_norm"):
         assert isinstance(recs[-1][key], float), key
     assert (tmp_path / "run" / "loss.png").exists()

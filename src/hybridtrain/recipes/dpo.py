@@ -74,7 +74,7 @@ def run(cfg: Any) -> dict[str, Any]:
         def loop_state() -> dict:  # the data order: a resumed run takes the same pairs
             return {"generator": generator_state(g), "order": order}
 
-        saved = r.begin(loop_state)
+        saved = r.begin(loop_state, steps, t.global_batch_size)
         if saved:
             set_generator_state(g, saved["generator"])
             order = saved["order"]

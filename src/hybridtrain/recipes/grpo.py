@@ -21,7 +21,8 @@ A finetune recipe (model, tokenizer, optimizer, ...) plus a ``grpo:`` section. E
 
 A step is one rollout (``training.max_steps`` of them); it makes ``updates_per_rollout`` optimizer
 updates. ``training.jsonl``, the summary and the final ``step_N/`` (with ``final`` linking to it)
-count steps, not updates.
+count steps, not updates; the LR schedule counts updates (its decay length, unless
+``lr_scheduler:`` gives one: ``max_steps × updates_per_rollout``).
 
 ``training.jsonl`` logs per step ``reward`` (mean), ``reward_std``, ``accuracy`` (when the task
 has one), ``loss``, ``kl``,
@@ -193,11 +194,12 @@ def run(cfg: Any) -> dict[str, Any]:
         def loop_state() -> dict:  # the prompts drawn so far: a resumed run draws the same
             return {"prompt_rng": generator_state(rng), "bad_note": bad_note}
 
-        saved = r.begin(loop_state)
+        steps = t.max_steps or 1
+        saved = r.begin(loop_state, steps, P * G // U, updates_per_step=U)
         if saved:
             set_generator_state(rng, saved["prompt_rng"])
             bad_note = saved["bad_note"]
-        for step in range(r.step + 1, (t.max_steps or 1) + 1):
+        for step in range(r.step + 1, steps + 1):
             prompts = task_prompts(task, P, rng)
             engine.load_state_dict(r.policy.state_dict_full())
             batch, scores = sample_rollouts(
@@ -224,7 +226,7 @@ def run(cfg: Any) -> dict[str, Any]:
                    "skipped_updates": sum(x["skipped"] for x in recs),
                    **({"nonfinite_rewards": int((~torch.isfinite(rewards)).sum())}
                       if note is not None else {})})
-            r.stop_if_requested(last=step == (t.max_steps or 1))
+            r.stop_if_requested(last=step == steps)
 
         def headline(hist):
             first, last = mean_of(hist[:5], "reward"), mean_of(hist[-5:], "reward")

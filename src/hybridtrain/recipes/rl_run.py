@@ -4,10 +4,10 @@ the trained Policy and its frozen reference, the step log (``training.jsonl``, p
 export, and the summary.
 
     with process_group(cfg), rl_run(cfg, "dpo") as r:
-        saved = r.begin(loop_state)          # {} on a new run; a resumed run: the loop's state
-        for step in range(r.step + 1, max_steps + 1):
+        saved = r.begin(loop_state, steps, batch_size)  # {}, or a resumed run's loop state
+        for step in range(r.step + 1, steps + 1):
             ...                              # one step: r.train(...), r.log({"step": step, ...})
-            r.stop_if_requested(last=step == max_steps)
+            r.stop_if_requested(last=step == steps)
         return r.finish(headline)
 
 Resume (``checkpoint.resume``: ``auto`` or a ``step_N`` path) continues the run exactly as
@@ -126,19 +126,24 @@ class RLRun:
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         self.step = 0  # the recipe's steps done (the last logged one)
+        self.steps: int | None = None  # the run's steps (begin())
         self.loop_state: Callable[[], dict] | None = None
         self._saved_step: int | None = None  # the step of this process's latest save
         self.stop = RunStop.from_config(cfg, self.policy.device, self.t_start)
         self.stop.install()  # until finish() or the early stop
 
-    def begin(self, loop_state: Callable[[], dict]) -> dict:
+    def begin(self, loop_state: Callable[[], dict], steps: int, samples_per_update: int,
+              updates_per_step: int = 1) -> dict:
         """Before the step loop (after everything is built). ``loop_state()``: what the recipe's
         loop needs to go on exactly (its own generators, data order; JSON), saved with every
-        checkpoint. A resumed run restores the Policy and :attr:`step` from ``checkpoint.resume``
+        checkpoint. The run makes ``steps`` steps of ``updates_per_step`` optimizer updates of
+        ``samples_per_update`` samples each: the LR schedule's length and the progress bar's. A resumed run restores the Policy and :attr:`step` from ``checkpoint.resume``
         and gets the loop state saved there; a new run gets ``{}``. Only then writes into the run
         folder: clears an earlier run (``checkpoint.overwrite``), writes ``config.yaml``, opens
         the metrics files (a resumed run's lose their lines past the resumed step). Collective."""
         self.loop_state = loop_state
+        self.steps = steps
+        self.policy.set_run_length(steps * updates_per_step, samples_per_update)
         saved: dict = {}
         if self.resume_from is not None:
             state = self.policy.load_checkpoint(self.resume_from)
@@ -148,7 +153,7 @@ class RLRun:
             self.policy.checkpointer(self.out_dir).clear()
         if self.is_main:
             atomic_write(os.path.join(self.out_dir, "config.yaml"), self.cfg.to_yaml())
-        self.metrics.open(self.step, self.cfg.training.max_steps)
+        self.metrics.open(self.step, steps)
         if self.step:  # the run so far, for the summary
             self.history = [x for x in read_jsonl(self.metrics.train_path)
                             if x.get("step", 0) <= self.step]
@@ -212,7 +217,7 @@ class RLRun:
         self.stop.restore()
         self.metrics.close()
         raise Preempted(f"{reason}: {self.name} stopped after step {self.step} of "
-                        f"{self.cfg.training.max_steps}; {where}")
+                        f"{self.steps}; {where}")
 
     def finish(self, headline: Callable[[list[dict]], str]) -> dict[str, Any]:
         """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0)."""

@@ -88,7 +88,8 @@ class Policy:
                                loss=self.head, tokenizer=True)
         self.model, self.optimizer, self.device = b.model, b.optimizer, b.device
         self.tokenizer, self.dims = b.tokenizer, b.plan.dims
-        self.lr_scheduler = build_lr_scheduler(cfg, b.optimizer, t.max_steps, t.global_batch_size)
+        self._run_length = (t.max_steps, t.global_batch_size)  # see set_run_length()
+        self._lr_scheduler = None  # made on first use
         self.micro_batch_size = cfg.rl.micro_batch_size or t.micro_batch_size
         self.packing, self.pad_multiple = cfg.rl.sequence_packing, cfg.rl.pad_to_multiple_of
         self.autocast_dtype = b.train_step.autocast_dtype
@@ -99,7 +100,24 @@ class Policy:
         self.step = 0
         self.skipped_streak = 0  # consecutive updates skipped for a non-finite loss / norm
 
+    def set_run_length(self, updates: int | None, samples_per_update: int) -> None:
+        """The LR schedule over a run of ``updates`` optimizer updates of ``samples_per_update``
+        samples each (its decay length when ``lr_scheduler:`` gives none). Default:
+        ``training.max_steps`` updates of ``training.global_batch_size``; a loop that makes
+        several updates per step (GRPO) or counts its steps in epochs (DPO) says so before
+        its first update."""
+        assert self._lr_scheduler is None, "set_run_length() comes before the first update"
+        self._run_length = (updates, samples_per_update)
+
+    @property
+    def lr_scheduler(self):
+        """The LR schedule (:meth:`set_run_length`), made on first use."""
+        if self._lr_scheduler is None:
+            self._lr_scheduler = build_lr_scheduler(self.cfg, self.optimizer, *self._run_length)
+        return self._lr_scheduler
+
     # -- layout --------------------------------------------------------------------------------
+
     def _shard(self, batch: dict, micro_batch_size: int | None, rows_per_group: int = 1
                ) -> tuple[dict, list[dict]]:
         """(the prepared global batch, this rank's micro-batches of rows)."""
@@ -198,7 +216,7 @@ class Policy:
             # every cp rank holds the whole loss; the gather's backward sums their gradients
             return loss if self.cp is None else loss / self.cp.size
 
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.lr_scheduler.get_lr()  # the lr this update uses (the schedule sets it)
         self.model.train()
         inputs = self._inputs(micro)
         if self.pipeline is not None:
