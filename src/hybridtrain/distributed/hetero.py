@@ -93,7 +93,7 @@ class HeteroPlan:
     own plan lays them out); ``pipeline``: the step; ``inner``: the receiving side's
     ``ParallelPlan`` (None on sender ranks); ``data_view(dataset, batch_sampler, collate) ->
     (dataset, batch_sampler, collate)``: what this rank reads of each batch (None: the batches
-    of its lane)."""
+    of its lane); ``device`` / ``autocast_dtype``: as :class:`~hybridtrain.distributed.plan.ParallelPlan`'s."""
 
     model: nn.Module
     dims: LaneDims
@@ -101,6 +101,8 @@ class HeteroPlan:
     stages: list = field(default_factory=list)
     inner: Any = None
     data_view: Any = None
+    device: torch.device = torch.device("cpu")
+    autocast_dtype: torch.dtype | None = None
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global L2 norm over all modules; clips this rank's gradients by it."""
