@@ -93,7 +93,8 @@ class HeteroPlan:
     own plan lays them out); ``pipeline``: the step; ``inner``: the receiving side's
     ``ParallelPlan`` (None on sender ranks); ``data_view(dataset, batch_sampler, collate) ->
     (dataset, batch_sampler, collate)``: what this rank reads of each batch (None: the batches
-    of its lane); ``device`` / ``autocast_dtype``: as :class:`~hybridtrain.distributed.plan.ParallelPlan`'s."""
+    of its lane); ``device`` / ``autocast_dtype``: as
+    :class:`~hybridtrain.distributed.plan.ParallelPlan`'s."""
 
     model: nn.Module
     dims: LaneDims

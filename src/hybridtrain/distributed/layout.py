@@ -16,6 +16,7 @@ from __future__ import annotations
 from hybridtrain.config.sections import DistributedSection, config_section
 from hybridtrain.distributed.parallel_dims import ParallelDims
 
+# config_section is config/sections.py's, importable from here too
 __all__ = ["config_section", "parallel_dims_from_config"]
 
 

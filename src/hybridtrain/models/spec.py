@@ -177,9 +177,9 @@ class MemoryPlanSupport:
 
 @dataclass(frozen=True)
 class HeteroSupport:
-    """``plan(model, distributed, world_size, *, parallelize, device, autocast_dtype)``: the layout of
-    ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid out by
-    ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`)."""
+    """``plan(model, distributed, world_size, *, parallelize, device, autocast_dtype)``: the
+    layout of ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid
+    out by ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`)."""
 
     plan: Callable[..., Any]
 

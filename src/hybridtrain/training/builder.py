@@ -6,8 +6,9 @@ composes these; the commands themselves live in :mod:`hybridtrain.recipes`.
     from hybridtrain.training.builder import build
     b = build("examples/squad_tiny.yaml")   # Built: model, plan, optimizer, data, ...
 
-:func:`build` reads the recipe as typed sections (:class:`~hybridtrain.config.sections.RecipeConfig`,
-made once from a path, a loaded ``ConfigNode`` or a dict); ``Built.cfg`` is that object.
+:func:`build` reads the recipe as typed sections
+(:class:`~hybridtrain.config.sections.RecipeConfig`, made once from a path, a loaded ``ConfigNode``
+or a dict); ``Built.cfg`` is that object.
 """
 from __future__ import annotations
 

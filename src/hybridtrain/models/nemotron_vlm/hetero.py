@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridtrain.config.sections import config_section
 from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
 from hybridtrain.distributed.bridge import (
     BridgeLayout, all_reduce_grads, recv_2d, send_2d, split_shares,
 )
 from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
-from hybridtrain.distributed.layout import config_section
 from hybridtrain.distributed.plan import parallelize
 from hybridtrain.models.spec import model_spec_for
 
