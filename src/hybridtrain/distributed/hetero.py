@@ -42,9 +42,10 @@ def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
                          f"model: between 1 and {world_size - 1} with {world_size} ranks")
     for key in ("tp", "cp"):
-        if distributed[key] != 1:
+        degree = getattr(distributed, key)
+        if degree != 1:
             raise ValueError(
-                f"distributed.encoder_ranks={E} with distributed.{key}={distributed[key]}: the "
+                f"distributed.encoder_ranks={E} with distributed.{key}={degree}: the "
                 "model on the other ranks takes dp_shard / dp_replicate / pp / ep only; set "
                 f"{key}: 1")
     try:
