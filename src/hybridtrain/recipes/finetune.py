@@ -9,7 +9,7 @@ The recipe is read once into typed sections (:func:`~hybridtrain.config.sections
 Order of events: process group (when launched with several ranks) -> start-up checks (layout,
 run-folder lock, earlier run or resume point) -> :func:`build` (seeds -> the input files and
 folders the recipe names exist -> tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
-datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
+datasets (+ packing) -> parallel layout -> optimizer) -> step scheduler, LR
 scheduler -> checkpointer and resume -> (only now writes: config.yaml, clearing an overwritten
 run) train -> final checkpoint with the HF (or PEFT adapter) export and the ``final`` link ->
 summary. The parts come from :mod:`hybridtrain.training.builder`.

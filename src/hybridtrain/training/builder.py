@@ -1,5 +1,5 @@
 """Builds a recipe's parts: tokenizer, model (meta device, laid out, then materialised per
-rank), LoRA, data, train step, optimizer, checkpointer and trainer. Every command that runs a
+rank), LoRA, data, optimizer, checkpointer and trainer. Every command that runs a
 model from a recipe (``finetune``, ``benchmark``, ``evaluate``, the RL :class:`~hybridtrain.rl.Policy`)
 composes these; the commands themselves live in :mod:`hybridtrain.recipes`.
 
@@ -297,7 +297,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     """Builds a recipe's parts in a fixed order: seeds -> input paths checked
     (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
-    layout -> train step -> optimizer.
+    layout -> optimizer.
 
     ``device`` / ``is_main`` / ``world_size``: this process (``init_distributed``'s; default
     ``training.device``, one process). ``data=False`` builds no datasets (and no tokenizer unless ``tokenizer``).
@@ -355,7 +355,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
 
     train_data = _build_data(cfg, tokenizer, is_main, device) if data else None
 
-    # training loss, parallel layout, train step, optimizer
+    # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     if cfg.distributed.encoder_ranks:
