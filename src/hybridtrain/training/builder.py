@@ -31,6 +31,7 @@ from hybridtrain.config import ConfigNode, instantiate, resolve_target
 from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
 from hybridtrain.data.io import DataError
+from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
 from hybridtrain.distributed.plan import ParallelPlan, parallelize, pipeline_split_seq_len
@@ -285,7 +286,7 @@ class Built:
     dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
     save_dtype: torch.dtype  # dtype of the HF export
     peft: dict | None
-    plan: ParallelPlan  # model, stages, ParallelDims (this rank's coordinates), device, autocast
+    plan: ParallelPlan | HeteroPlan  # model, stages, coordinates, device, autocast dtype
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     data: TrainData | None = None  # None when built with data=False

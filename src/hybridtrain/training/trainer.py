@@ -49,6 +49,7 @@ from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
+from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.plan import ParallelPlan
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
@@ -149,8 +150,8 @@ class TrainData:
 class Trainer:
     """Runs the loop of :mod:`hybridtrain.training` (see module docstring).
 
-    ``plan``: what this rank trains (:func:`~hybridtrain.distributed.plan.parallelize`'s, or
-    :meth:`ParallelPlan.single` for one process); its step is ``TrainStep.of(plan)`` (the
+    ``plan``: what this rank trains (:func:`~hybridtrain.distributed.plan.parallelize`'s,
+    :meth:`ParallelPlan.single` for one process, or a heterogeneous layout's); its step is ``TrainStep.of(plan)`` (the
     ``train_step`` attribute; a test may replace it). ``data``: the datasets and their loader.
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
     default: the schema's). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
@@ -160,7 +161,7 @@ class Trainer:
 
     def __init__(
         self,
-        plan: ParallelPlan,
+        plan: ParallelPlan | HeteroPlan,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler,
         step_scheduler: StepScheduler,
