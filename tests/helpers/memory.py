@@ -283,7 +283,7 @@ def trainer(b, steps: int):
 
     t = b.cfg.training
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
-                          max_steps=steps, num_train_samples=len(b.train_ds), seed=t.seed)
+                          max_steps=steps, num_train_samples=len(b.data.train), seed=t.seed)
     lr = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(), total_steps=steps,
                      total_samples=steps * sched.global_batch_size)
     return make_trainer(b, sched, lr)

@@ -65,10 +65,10 @@ def build(layout: dict, world: int, packed: bool = False, ac: Any = False,
     rank = dist.get_rank() if dist.is_initialized() else 0
     b = build_recipe(recipe(layout, packed, ac, **sections), "cpu", is_main=rank == 0,
                      world_size=world)
-    assert len(b.train_ds) >= STEPS * GBS, len(b.train_ds)
+    assert len(b.data.train) >= STEPS * GBS, len(b.data.train)
     t = b.cfg.training
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
-                          max_steps=t.max_steps, num_train_samples=len(b.train_ds), seed=t.seed)
+                          max_steps=t.max_steps, num_train_samples=len(b.data.train), seed=t.seed)
     lr_scheduler = LRScheduler(b.optimizer, **b.cfg.lr_scheduler.to_dict(),
                                total_steps=sched.max_steps,
                                total_samples=sched.max_steps * sched.global_batch_size)
@@ -99,7 +99,7 @@ def micro_batches(b, step: int) -> list[dict]:
     """This rank's micro-batches of global batch ``step`` (:class:`StepSampler`), collated by
     the recipe's loader."""
     dims = b.plan.dims
-    return list(b.make_loader(b.train_ds, StepSampler(step, dims.dp_rank, dims.dp)))
+    return list(b.data.make_loader(b.data.train, StepSampler(step, dims.dp_rank, dims.dp)))
 
 
 def train(b, trainer, start: int = 0, steps: int = STEPS) -> tuple[list[float], list[float]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridtrain.distributed.plan import ParallelPlan
 from hybridtrain.models.spec import set_train_loss
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.checkpoint import Checkpointer
@@ -12,7 +13,7 @@ from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer
 from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
-from hybridtrain.training.trainer import Trainer, TrainStep
+from hybridtrain.training.trainer import TrainData, Trainer
 
 from .data import make_loader, sft_dataset
 from .models import tiny_model
@@ -38,9 +39,11 @@ def build_trainer(out_dir, max_steps=8, gbs=8, mbs=2, ckpt_every=4, lr=3e-3, see
                       min_lr=lr / 10)
     ckpt = Checkpointer(out_dir, keep_last=keep_last) if out_dir else None
     metrics = MetricsLogger(out_dir, progress=False, plot=False) if out_dir else None
-    return Trainer(
-        model, opt, lrs, sched, sft_dataset(n_train), make_loader,
-        val_dataset=sft_dataset(10, seed=1) if val else None, checkpointer=ckpt,
-        metrics=metrics, train_step=train_step or TrainStep(),
-        settings=trainer_settings(checkpoint={"save_hf_at_end": save_hf_at_end}),
-    )
+    trainer = Trainer(
+        ParallelPlan.single(model), opt, lrs, sched,
+        TrainData(sft_dataset(n_train), make_loader, val=sft_dataset(10, seed=1) if val else None),
+        trainer_settings(checkpoint={"save_hf_at_end": save_hf_at_end}), checkpointer=ckpt,
+        metrics=metrics)
+    if train_step is not None:  # a step that injects a fault or runs under autocast
+        trainer.train_step = train_step
+    return trainer

@@ -59,7 +59,7 @@ def build(tmp: str, layout: dict | None = None, world: int = 1, packed: bool = F
                      world_size=world)
     t = b.cfg.training
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=b.plan.dims.dp,
-                          max_steps=t.max_steps, num_train_samples=len(b.train_ds), seed=t.seed)
+                          max_steps=t.max_steps, num_train_samples=len(b.data.train), seed=t.seed)
     lr = build_lr_scheduler(b.cfg, b.optimizer, sched.max_steps, sched.global_batch_size)
     ck = Checkpointer(checkpoint_dir) if checkpoint_dir else None
     return b, make_trainer(b, sched, lr, ck)

@@ -105,7 +105,7 @@ def test_nan_step_is_skipped_and_lr_does_not_advance(tmp_path):
 
 def test_zero_label_batch_is_skipped():
     tr = build_trainer(None, max_steps=2, val=False)
-    mb = collate(tr.train_dataset, [tr.train_dataset[i] for i in range(2)])
+    mb = collate(tr.data.train, [tr.data.train[i] for i in range(2)])
     mb["labels"][:] = -100
     rec = tr.train_one_step([mb] * 4)
     assert rec["num_label_tokens"] == 0 and rec["skipped_steps"] == 1
@@ -297,7 +297,7 @@ def test_trainer_clips_then_steps(max_norm):
     tr.settings = dataclasses.replace(tr.settings, grad_clip=max_norm)
     model = train_model(tiny_model, 0)
     opt = build_optimizer(model, lr=tr.optimizer.param_groups[0]["lr"], weight_decay=0.1)
-    micro = [collate(tr.train_dataset, [tr.train_dataset[i] for i in range(k, k + 2)])
+    micro = [collate(tr.data.train, [tr.data.train[i] for i in range(k, k + 2)])
              for k in range(0, 8, 2)]
     rec = tr.train_one_step(micro)
     n = sum(int((m["labels"] != -100).sum()) for m in micro)

@@ -5,6 +5,7 @@ The API the rest of hybridtrain uses::
     from hybridtrain.config import load_config, instantiate, apply_dist_env
 
     cfg = load_config("recipe.yaml", ["--training.max_steps=5"])   # ConfigNode
+    recipe = recipe_config(cfg)               # typed sections: recipe.training.max_steps
     apply_dist_env(cfg.dist_env)              # before torch.cuda / torch.distributed
     cfg.training.max_steps                    # schema defaults are filled in
     model = instantiate(cfg.model)
@@ -27,6 +28,7 @@ from hybridtrain.config.loader import (
 )
 from hybridtrain.config.node import ConfigNode
 from hybridtrain.config.schema import SECTIONS
+from hybridtrain.config.sections import RecipeConfig, config_section, recipe_config
 from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, is_target_allowed
 
 __all__ = [
@@ -34,5 +36,5 @@ __all__ = [
     "load_config", "build_config", "parse_overrides", "parse_scalar",
     "instantiate", "resolve_target", "is_target_allowed", "apply_dist_env",
     "apply_process_defaults",
-    "dist_env_vars",
+    "dist_env_vars", "RecipeConfig", "config_section", "recipe_config",
 ]

@@ -42,9 +42,10 @@ def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
                          f"model: between 1 and {world_size - 1} with {world_size} ranks")
     for key in ("tp", "cp"):
-        if distributed[key] != 1:
+        degree = getattr(distributed, key)
+        if degree != 1:
             raise ValueError(
-                f"distributed.encoder_ranks={E} with distributed.{key}={distributed[key]}: the "
+                f"distributed.encoder_ranks={E} with distributed.{key}={degree}: the "
                 "model on the other ranks takes dp_shard / dp_replicate / pp / ep only; set "
                 f"{key}: 1")
     try:
@@ -93,7 +94,8 @@ class HeteroPlan:
     own plan lays them out); ``pipeline``: the step; ``inner``: the receiving side's
     ``ParallelPlan`` (None on sender ranks); ``data_view(dataset, batch_sampler, collate) ->
     (dataset, batch_sampler, collate)``: what this rank reads of each batch (None: the batches
-    of its lane)."""
+    of its lane); ``device`` / ``autocast_dtype``: as
+    :class:`~hybridtrain.distributed.plan.ParallelPlan`'s."""
 
     model: nn.Module
     dims: LaneDims
@@ -101,6 +103,8 @@ class HeteroPlan:
     stages: list = field(default_factory=list)
     inner: Any = None
     data_view: Any = None
+    device: torch.device = torch.device("cpu")
+    autocast_dtype: torch.dtype | None = None
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global L2 norm over all modules; clips this rank's gradients by it."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridtrain.config.sections import DistributedSection, PackingSection, TrainingSection
 from hybridtrain.distributed.fsdp import fsdp_param_dtype
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.distributed.pipeline import PipelineTrainStep, pipeline_layout
@@ -36,12 +37,23 @@ class ParallelPlan:
       layout loads under any other.
     * ``stages``: the modules a step runs (``[model]`` without PP; this rank's pipeline stages).
     * ``pipeline``: the schedule step under PP, else None.
+    * ``device`` / ``autocast_dtype``: where this rank computes, and the autocast dtype of its
+      forward and backward (None: the parameters' dtype).
     """
 
     model: nn.Module
     stages: list[nn.Module]
     dims: ParallelDims
     pipeline: PipelineTrainStep | None = None
+    device: torch.device = torch.device("cpu")
+    autocast_dtype: torch.dtype | None = None
+
+    @classmethod
+    def single(cls, model: nn.Module, device: torch.device | str = "cpu",
+               autocast_dtype: torch.dtype | None = None) -> "ParallelPlan":
+        """The plan of one process training all of ``model`` (nothing laid out)."""
+        return cls(model=model, stages=[model], dims=ParallelDims(), device=torch.device(device),
+                   autocast_dtype=autocast_dtype)
 
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global gradient norm (all meshes, all pipeline stages); clips when ``max_norm``."""
@@ -49,20 +61,24 @@ class ParallelPlan:
         return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
 
 
-def pipeline_split_seq_len(packing) -> int:
+def pipeline_split_seq_len(packing: PackingSection) -> int:
     """The row length the pipeline split balances per-layer FLOPs at (``packing``: the
     recipe's section): the packed length, else 2048. The run and ``hybridtrain plan`` both ask
     this."""
     return int(packing.pack_size) if packing.enabled else 2048
 
 
-def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, training, *,
+def parallelize(spec, model: nn.Module, dims: ParallelDims,
+                distributed: DistributedSection, training: TrainingSection, *,
                 device: torch.device, autocast_dtype: torch.dtype | None,
                 seq_len: int = 2048) -> ParallelPlan:
     """Lay ``model`` (identically initialised on every rank) out over ``dims``.
 
-    ``distributed`` / ``training``: the recipe's sections. ``seq_len``: the row length the
-    pipeline split balances the per-layer FLOPs at."""
+    ``distributed`` / ``training``: the recipe's typed sections
+    (:func:`~hybridtrain.config.sections.config_section` makes one from a few keys).
+    ``seq_len``: the row length the pipeline split balances the per-layer FLOPs at."""
+    assert isinstance(distributed, DistributedSection) and isinstance(training, TrainingSection), \
+        "parallelize takes the typed sections (hybridtrain.config.sections)"
     device = torch.device(device)
     if dims.world_size > 1:
         assert dims.built, "ParallelDims.build_mesh() must run before parallelize"
@@ -97,4 +113,5 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims, distributed, trainin
             row_inputs=spec.pipeline.row_inputs and functools.partial(spec.pipeline.row_inputs,
                                                                       config),
             shape_group=dims.ranks_group)
-    return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline)
+    return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline, device=device,
+                        autocast_dtype=autocast_dtype)

@@ -177,9 +177,9 @@ class MemoryPlanSupport:
 
 @dataclass(frozen=True)
 class HeteroSupport:
-    """``plan(model, distributed, world_size, *, parallelize, device)``: the layout of
-    ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid out by
-    ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`)."""
+    """``plan(model, distributed, world_size, *, parallelize, device, autocast_dtype)``: the
+    layout of ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid
+    out by ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`)."""
 
     plan: Callable[..., Any]
 
@@ -220,7 +220,8 @@ class ModelSpec:
 
     ``parallelize_fn(model, dims, distributed, training, *, device, autocast_dtype)`` applies
     TP/EP/CP/activation checkpointing/compile/FSDP to one (stage) model in place
-    (``distributed`` / ``training``: the recipe's sections); ``config_cls``: the config class
+    (``distributed`` / ``training``: the recipe's typed sections, ``DistributedSection`` /
+    ``TrainingSection`` of :mod:`hybridtrain.config.sections`); ``config_cls``: the config class
     (``from_dict``) of a saved checkpoint.
     """
 

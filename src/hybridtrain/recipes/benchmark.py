@@ -24,6 +24,7 @@ matmul peak of the dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,15 +34,17 @@ from typing import Any
 import torch
 
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.runfolder import run_folder_path
-from hybridtrain.training.builder import Built, as_config, build, make_train_step
-from hybridtrain.training.flops import measure_matmul_peak, peak_tflops
+from hybridtrain.distributed.plan import ParallelPlan
+from hybridtrain.training.builder import Built, build
+from hybridtrain.training.flops import Throughput, measure_matmul_peak, peak_tflops
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
-from hybridtrain.training.trainer import Trainer
+from hybridtrain.training.trainer import TrainData, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -142,21 +145,21 @@ def _collate_synthetic(rows: list[dict], packed: bool) -> dict:
 
 
 # -- one measurement ------------------------------------------------------------------------
-def _measure(b: Built, base_mem: int, name: str, dataset, make_loader, global_batch_size: int,
-             micro_batch_size: int, train_step, peak: float | None, opts: dict,
+def _measure(b: Built, plan: ParallelPlan, base_mem: int, name: str, dataset, make_loader,
+             global_batch_size: int, micro_batch_size: int, peak: float | None, opts: dict,
              profile_dir: str | None) -> dict[str, Any]:
-    """Times ``opts['steps']`` training steps (after the warm-up) of ``b``'s model and optimizer.
-    ``base_mem``: CPU resident bytes before the model was built."""
+    """Times ``opts['steps']`` training steps (after the warm-up) of ``b``'s model and optimizer
+    as ``plan`` (``b.plan``, at the measured autocast dtype) runs them. ``base_mem``: CPU
+    resident bytes before the model was built."""
     warmup, steps = opts["warmup_steps"], opts["steps"]
     n_prof = opts["profile_steps"] if profile_dir else 0
     t = b.cfg.training
     sched = StepScheduler(global_batch_size, micro_batch_size, dp_size=b.plan.dims.dp,
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
-    trainer = Trainer(b.model, b.optimizer, None, sched, dataset, make_loader,
-                      device=b.device, plan=b.plan,
-                      settings=trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
-                      train_step=train_step, flops_fn=b.flops_fn, peak_tflops=peak)
+    trainer = Trainer(plan, b.optimizer, None, sched, TrainData(dataset, make_loader),
+                      trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
+                      throughput=Throughput(b.flops_fn, peak))
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))
@@ -216,7 +219,7 @@ def top_operators(prof, device: torch.device, steps: int) -> str:
 
 # -- the recipe -----------------------------------------------------------------------------
 def run(cfg: Any, args: Any = None) -> dict[str, Any]:
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     opts = _options(cfg, args)
     with process_group(cfg) as info:
         return _run(cfg, opts, info.device, info.is_main, info.world_size)
@@ -284,13 +287,14 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     for dt, dname in zip(dtypes, dtype_names):
         configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
                           fused_loss=t.fused_loss, mamba_kernels=t.mamba_kernels)
-        train_step = make_train_step(b.plan, autocast_dtype(dt))
+        plan = dataclasses.replace(b.plan, autocast_dtype=autocast_dtype(dt))
         peak = peak_for(dt)
         if opts["data"] == "recipe":
-            ds, loader, gbs, mbs = b.train_ds, b.make_loader, t.global_batch_size, t.micro_batch_size
+            ds, loader = b.data.train, b.data.make_loader
+            gbs, mbs = t.global_batch_size, t.micro_batch_size
         else:
             ds, loader, gbs, mbs = synthetic(seq_len)
-        main = _measure(b, base_mem, f"{dname}_main", ds, loader, gbs, mbs, train_step, peak, opts,
+        main = _measure(b, plan, base_mem, f"{dname}_main", ds, loader, gbs, mbs, peak, opts,
                         profile_dir)
         main.update(dtype=str(dt), data=opts["data"], peak_tflops=peak,
                     seq_len=seq_len if opts["data"] == "synthetic" else None)
@@ -298,8 +302,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
         _print_run(main, is_main)
         for L in opts["seq_lengths"]:
             ds, loader, gbs, mbs = synthetic(L)
-            r = _measure(b, base_mem, f"{dname}_L{L}", ds, loader, gbs, mbs, train_step, peak,
-                         opts, None)
+            r = _measure(b, plan, base_mem, f"{dname}_L{L}", ds, loader, gbs, mbs, peak, opts,
+                         None)
             r.update(dtype=str(dt), data="synthetic", seq_len=L, peak_tflops=peak)
             results["runs"].append(r)
             _print_run(r, is_main)

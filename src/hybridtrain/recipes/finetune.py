@@ -4,10 +4,12 @@ metrics from a recipe, and train.
     from hybridtrain.recipes.finetune import run
     summary = run("examples/squad_tiny.yaml")        # or a loaded ConfigNode, or a dict
 
+The recipe is read once into typed sections (:func:`~hybridtrain.config.sections.recipe_config`).
+
 Order of events: process group (when launched with several ranks) -> start-up checks (layout,
 run-folder lock, earlier run or resume point) -> :func:`build` (seeds -> the input files and
 folders the recipe names exist -> tokenizer -> model (random init from a config, or ``from_pretrained``) -> LoRA (``peft:``) ->
-datasets (+ packing) -> parallel layout -> train step -> optimizer) -> step scheduler, LR
+datasets (+ packing) -> parallel layout -> optimizer) -> step scheduler, LR
 scheduler -> checkpointer and resume -> (only now writes: config.yaml, clearing an overwritten
 run) train -> final checkpoint with the HF (or PEFT adapter) export and the ``final`` link ->
 summary. The parts come from :mod:`hybridtrain.training.builder`.
@@ -23,14 +25,14 @@ from typing import Any
 
 import torch
 
-from hybridtrain.config import ConfigNode
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write
 from hybridtrain.runfolder import RunLock, run_folder_path
 from hybridtrain.training.builder import (
-    as_config, build, build_checkpointer, build_lr_scheduler, make_trainer,
+    build, build_checkpointer, build_lr_scheduler, make_trainer,
 )
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.metrics import MetricsLogger
@@ -43,13 +45,13 @@ logger = logging.getLogger(__name__)
 # -- the recipe -------------------------------------------------------------------------------
 def run(cfg: Any) -> dict[str, Any]:
     """Runs the fine-tuning recipe ``cfg``; returns the summary (also printed by rank 0)."""
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     t_start = time.perf_counter()
     with process_group(cfg) as info:
         return _run(cfg, info.device, info.is_main, info.world_size, t_start)
 
 
-def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
+def _run(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: int,
          t_start: float) -> dict[str, Any]:
     """Start-up checks, then training. Nothing in the run folder is written before every check
     has passed (only its lock, which goes with the run, and a folder created for it, removed
@@ -77,7 +79,7 @@ def _run(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int,
                     pass
 
 
-def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
+def _check_run_folder(cfg: RecipeConfig, out_dir: str) -> tuple[str | None, bool]:
     """(checkpoint to resume or None, whether an earlier run there is to be cleared); refuses
     a folder holding a run that the recipe neither resumes nor overwrites."""
     ck = cfg.checkpoint
@@ -95,14 +97,14 @@ def _check_run_folder(cfg: ConfigNode, out_dir: str) -> tuple[str | None, bool]:
     return resume, clear
 
 
-def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int, out_dir: str,
+def _start(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: int, out_dir: str,
            t_start: float | None = None):
     """Builds everything and checks the run folder (earlier run, resume point); writes nothing
     there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
     t = cfg.training
     resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
     b = build(cfg, device, is_main, world_size)
-    train_ds = b.train_ds
+    train_ds = b.data.train
 
     # step scheduler, LR scheduler
     sched = StepScheduler(
@@ -125,7 +127,7 @@ def _start(cfg: ConfigNode, device: torch.device, is_main: bool, world_size: int
     return trainer, sched, checkpointer, clear
 
 
-def _train(cfg: ConfigNode, trainer: Trainer, sched: StepScheduler, checkpointer: Checkpointer,
+def _train(cfg: RecipeConfig, trainer: Trainer, sched: StepScheduler, checkpointer: Checkpointer,
            clear: bool, is_main: bool, out_dir: str, t_start: float) -> dict[str, Any]:
     """Every check has passed: clear an earlier run (``overwrite``), record the recipe, train."""
     if clear:
@@ -136,7 +138,7 @@ def _train(cfg: ConfigNode, trainer: Trainer, sched: StepScheduler, checkpointer
                            ", ".join(removed))
     if is_main:
         atomic_write(os.path.join(out_dir, "config.yaml"), cfg.to_yaml())
-    train_ds, val_ds = trainer.train_dataset, trainer.val_dataset
+    train_ds, val_ds = trainer.data.train, trainer.data.val
     logger.info("training: %d steps of %d samples (%d micro-batches of %d per rank, %d "
                 "data-parallel ranks); %d training samples, %s validation samples",
                 sched.max_steps, sched.global_batch_size, sched.grad_acc_steps,

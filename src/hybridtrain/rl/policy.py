@@ -92,7 +92,7 @@ class Policy:
         self._lr_scheduler = None  # made on first use
         self.micro_batch_size = cfg.rl.micro_batch_size or t.micro_batch_size
         self.packing, self.pad_multiple = cfg.rl.sequence_packing, cfg.rl.pad_to_multiple_of
-        self.autocast_dtype = b.train_step.autocast_dtype
+        self.autocast_dtype = b.plan.autocast_dtype
         self.pipeline = None
         if b.plan.pipeline is not None:
             self.pipeline = PolicyPipeline(b.plan.pipeline)
@@ -294,7 +294,7 @@ class Policy:
                                              "skipped_streak": self.skipped_streak}}
         return self.checkpointer(dir).save(self.step if step is None else step, self.model,
                                            self.optimizer, self.lr_scheduler, extra=extra,
-                                           tokenizer=self.tokenizer, export=export, final=export)
+                                           export=export, final=export)
 
     def load_checkpoint(self, dir: str) -> dict[str, Any]:
         """Restores a checkpoint (a ``step_N`` folder, or a run folder: its ``latest``) written by

@@ -1,14 +1,19 @@
 """Builds a recipe's parts: tokenizer, model (meta device, laid out, then materialised per
-rank), LoRA, data, train step, optimizer, checkpointer and trainer. Every command that runs a
+rank), LoRA, data, optimizer, checkpointer and trainer. Every command that runs a
 model from a recipe (``finetune``, ``benchmark``, ``evaluate``, the RL :class:`~hybridtrain.rl.Policy`)
 composes these; the commands themselves live in :mod:`hybridtrain.recipes`.
 
     from hybridtrain.training.builder import build
     b = build("examples/squad_tiny.yaml")   # Built: model, plan, optimizer, data, ...
+
+:func:`build` reads the recipe as typed sections
+(:class:`~hybridtrain.config.sections.RecipeConfig`, made once from a path, a loaded ``ConfigNode``
+or a dict); ``Built.cfg`` is that object.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -22,21 +27,25 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hybridtrain.config import ConfigNode, build_config, instantiate, load_config, resolve_target
+from hybridtrain.config import ConfigNode, instantiate, resolve_target
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
 from hybridtrain.data.io import DataError
+from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
-from hybridtrain.distributed.plan import parallelize, pipeline_split_seq_len
+from hybridtrain.distributed.plan import ParallelPlan, parallelize, pipeline_split_seq_len
 from hybridtrain.distributed.utils import main_process_first
-from hybridtrain.models.spec import HeteroSupport, MetaInit, model_spec_for, set_train_loss
+from hybridtrain.models.spec import (
+    HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
+)
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
 from hybridtrain.training.checkpoint import Checkpointer, default_export
 from hybridtrain.training.evaluation import evaluator_from_config
-from hybridtrain.training.flops import peak_tflops
+from hybridtrain.training.flops import Throughput, peak_tflops
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
 from hybridtrain.training.optim import build_optimizer, param_groups
@@ -47,19 +56,14 @@ from hybridtrain.training.preemption import RunStop
 from hybridtrain.training.rng import seed_all
 from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
-from hybridtrain.training.trainer import TrainStep, Trainer
+from hybridtrain.training.trainer import TrainData, Trainer
 
 logger = logging.getLogger(__name__)
 
 # -- helpers ----------------------------------------------------------------------------------
 def as_config(cfg: Any) -> ConfigNode:
-    if isinstance(cfg, ConfigNode):
-        return cfg
-    if isinstance(cfg, (str, os.PathLike)):
-        return load_config(cfg)
-    if isinstance(cfg, Mapping):
-        return build_config(dict(cfg))
-    raise ValueError(f"expected a recipe path, a loaded config or a dict, got {type(cfg)}")
+    """The loaded recipe tree of ``cfg`` (a path, a ``ConfigNode``, a dict, a ``RecipeConfig``)."""
+    return cfg if isinstance(cfg, ConfigNode) else recipe_config(cfg).node
 
 
 def instantiate_with(node, *, to_var_kw: bool = True, **offered):
@@ -78,7 +82,7 @@ def instantiate_with(node, *, to_var_kw: bool = True, **offered):
     return instantiate(node, **kw)
 
 
-def _build_tokenizer(cfg: ConfigNode, is_main: bool):
+def _build_tokenizer(cfg: RecipeConfig, is_main: bool):
     node = cfg.tokenizer
     if node is None:
         return None
@@ -93,7 +97,7 @@ def _build_tokenizer(cfg: ConfigNode, is_main: bool):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_input_paths(cfg: ConfigNode,
+def check_input_paths(cfg: RecipeConfig | ConfigNode,
                       sections: tuple[str, ...] = ("tokenizer", "dataset", "validation_dataset")
                       ) -> None:
     """Fails before anything is built when a local input the recipe names is missing: a
@@ -102,7 +106,7 @@ def check_input_paths(cfg: ConfigNode,
     import glob
 
     for section in sections:
-        node = cfg.get(section)
+        node = getattr(cfg, section, None)
         if not isinstance(node, Mapping):
             continue
         is_tokenizer = str(node.get("_target_", "")).endswith("load_tokenizer")
@@ -137,7 +141,7 @@ def _flops_fn(spec, model_config, loss_chunk_size):
                              head_on_label_tokens_only=loss_chunk_size is not None)
 
 
-def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> float | None:
+def _peak_tflops(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> float | None:
     if cfg.metrics.peak_tflops:
         return float(cfg.metrics.peak_tflops)
     try:
@@ -148,8 +152,8 @@ def _peak_tflops(cfg: ConfigNode, device: torch.device, dtype: torch.dtype) -> f
 
 
 # -- parallel layout --------------------------------------------------------------------------
-def _parallelize(cfg: ConfigNode, spec, model, world_size: int, device: torch.device,
-                 autocast_dtype, dims=None):
+def _parallelize(cfg: RecipeConfig, spec: ModelSpec, model, world_size: int,
+                 device: torch.device, autocast_dtype, dims=None) -> ParallelPlan:
     """The ``distributed:`` layout (and activation checkpointing / compile) of ``model``: the
     same path for one process and many (``dims``: its degrees, default the section's over
     ``world_size`` ranks)."""
@@ -188,14 +192,9 @@ def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> 
                 time.perf_counter() - t0)
 
 
-def make_train_step(plan, autocast_dtype: torch.dtype | None) -> TrainStep:
-    """The trainer's step for ``plan``: the model's forward, or the plan's pipeline schedule."""
-    return TrainStep(autocast_dtype=autocast_dtype, pipeline=plan.pipeline)
-
-
 # -- data, optimizer --------------------------------------------------------------------------
-def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device):
-    """(train dataset, validation dataset or None, ``make_loader(dataset, batch_sampler)``)."""
+def _build_data(cfg: RecipeConfig, tokenizer, is_main: bool, device: torch.device) -> TrainData:
+    """The datasets (+ packing) and their ``make_loader(dataset, batch_sampler, view=None)``."""
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file})")
     # rank 0 first: it writes files and fills the datasets cache the others then read
@@ -230,23 +229,25 @@ def _build_data(cfg: ConfigNode, tokenizer, is_main: bool, device: torch.device)
                           num_workers=cfg.dataloader.num_workers, pin_memory=pin,
                           generator=torch.Generator())  # never draws from the global RNG
 
-    return train_ds, val_ds, make_loader
+    return TrainData(train=train_ds, make_loader=make_loader, val=val_ds)
 
 
-def build_lr_scheduler(cfg: ConfigNode, optimizer, max_steps: int | None, global_batch_size: int):
+def build_lr_scheduler(cfg: RecipeConfig | ConfigNode, optimizer, max_steps: int | None,
+                       global_batch_size: int):
     """The ``lr_scheduler:`` section over a run of ``max_steps`` steps of ``global_batch_size``
     samples (the decay length when the section gives none). Without an ``optimizer`` (nothing
     trainable on this rank) it only follows the run, at the ``optimizer:`` section's lr."""
-    if "_target_" in cfg.lr_scheduler:
+    cfg = recipe_config(cfg)
+    if isinstance(cfg.lr_scheduler, ConfigNode):  # a _target_ mapping
         return instantiate(cfg.lr_scheduler, optimizer)
     total_samples = max_steps * global_batch_size if max_steps else None
     kw = cfg.lr_scheduler.to_dict()
     if optimizer is None and kw.get("lr") is None:
-        kw["lr"] = cfg.optimizer.get("lr", 0.0)
+        kw["lr"] = getattr(cfg.optimizer, "lr", 0.0)
     return LRScheduler(optimizer, **kw, total_steps=max_steps, total_samples=total_samples)
 
 
-def _build_optimizer(cfg: ConfigNode, model, device: torch.device):
+def _build_optimizer(cfg: RecipeConfig, model, device: torch.device):
     """The ``optimizer:`` section over this rank's trainable parameters, or None on a rank that
     holds none (a frozen module on its own ranks, a frozen pipeline stage): no optimizer and
     no optimizer state there. A model with nothing to train on any rank is an error."""
@@ -260,7 +261,7 @@ def _build_optimizer(cfg: ConfigNode, model, device: torch.device):
     if not local:
         logger.info("no trainable parameter on this rank: no optimizer here")
         return None
-    if "_target_" in cfg.optimizer:
+    if isinstance(cfg.optimizer, ConfigNode):  # a _target_ mapping
         wd = cfg.optimizer.get("weight_decay", 0.0)
         return instantiate(cfg.optimizer, param_groups(model, wd))
     o = cfg.optimizer
@@ -274,24 +275,21 @@ class Built:
     """What :func:`build` makes of a recipe: the parts a training loop runs with (the loop's
     step scheduler, LR schedule, checkpoints and metrics are the caller's)."""
 
-    cfg: ConfigNode
+    cfg: RecipeConfig
     device: torch.device
     is_main: bool
     tokenizer: Any
     model: nn.Module  # the model this rank trains (the plan's: under PP, this rank's part)
     model_config: Any
-    spec: Any  # the model's ModelSpec
+    spec: ModelSpec
     num_params: int  # of the whole model (before any parallel layout)
     dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
     save_dtype: torch.dtype  # dtype of the HF export
     peft: dict | None
-    plan: Any  # ParallelPlan: model, stages, ParallelDims (this process's coordinates)
-    train_step: TrainStep
+    plan: ParallelPlan | HeteroPlan  # model, stages, coordinates, device, autocast dtype
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
-    train_ds: Any = None  # the data: None when built with data=False
-    val_ds: Any = None
-    make_loader: Callable | None = None
+    data: TrainData | None = None  # None when built with data=False
 
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
@@ -300,14 +298,16 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     """Builds a recipe's parts in a fixed order: seeds -> input paths checked
     (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
-    layout -> train step -> optimizer.
+    layout -> optimizer.
 
     ``device`` / ``is_main`` / ``world_size``: this process (``init_distributed``'s; default
     ``training.device``, one process). ``data=False`` builds no datasets (and no tokenizer unless ``tokenizer``).
     ``dtype`` replaces ``training.dtype``. ``loss``: the module ``model(..., labels=)`` returns
     through (default: the summing chunked cross-entropy of ``training.loss_chunk_size``).
+    ``cfg``: a :class:`~hybridtrain.config.sections.RecipeConfig` (or a path, a ``ConfigNode``
+    or a dict, made into one here).
     """
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     t = cfg.training
     device = resolve_device(t.device) if device is None else torch.device(device)
     seed_all(t.seed)
@@ -354,11 +354,9 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     logger.info("model %s: %s parameters (%s trainable) on %s", type(model).__name__,
                 f"{n_params:,}", f"{n_train:,}", device)
 
-    train_ds = val_ds = make_loader = None
-    if data:
-        train_ds, val_ds, make_loader = _build_data(cfg, tokenizer, is_main, device)
+    train_data = _build_data(cfg, tokenizer, is_main, device) if data else None
 
-    # training loss, parallel layout, train step, optimizer
+    # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     if cfg.distributed.encoder_ranks:
@@ -367,24 +365,23 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
                              f"{type(model).__name__} has no encoder to place on its own ranks; "
                              "set it to 0")
         plan = spec.find(HeteroSupport).plan(
-            model, cfg.distributed, world_size, device=device,
+            model, cfg.distributed, world_size, device=device, autocast_dtype=autocast_dtype,
             parallelize=lambda m, dims: _parallelize(cfg, spec, m, world_size, device,
                                                      autocast_dtype, dims))
     else:
         plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
-    if make_loader is not None and getattr(plan, "data_view", None) is not None:
-        make_loader = functools.partial(make_loader, view=plan.data_view)
+    if train_data is not None and getattr(plan, "data_view", None) is not None:
+        train_data = dataclasses.replace(train_data, make_loader=functools.partial(
+            train_data.make_loader, view=plan.data_view))
     if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
         _materialize(spec, model, "cpu" if cfg.distributed.cpu_offload else device, source)
     return Built(
         cfg=cfg, device=device, is_main=is_main, tokenizer=tokenizer, model=model,
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
         save_dtype=save_dtype, peft=peft, plan=plan,
-        train_step=make_train_step(plan, autocast_dtype),
         optimizer=_build_optimizer(cfg, model, device),
-        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size),
-        train_ds=train_ds, val_ds=val_ds, make_loader=make_loader)
+        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data)
 
 
 def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
@@ -405,7 +402,7 @@ def build_checkpointer(b: Built, out_dir: str) -> Checkpointer:
         export_fn = functools.partial(_export_lora, base=base, merged=ck.save_merged_hf,
                                       dtype=b.save_dtype)
     return Checkpointer(out_dir, keep_last=ck.keep_last, save_hf=ck.save_hf_every,
-                        export_fn=export_fn, state_extra=state_extra)
+                        export_fn=export_fn, state_extra=state_extra, tokenizer=b.tokenizer)
 
 
 def make_evaluator(b: Built, section=None, dataset=None, tokenizer=None):
@@ -414,25 +411,25 @@ def make_evaluator(b: Built, section=None, dataset=None, tokenizer=None):
     ``section`` / ``dataset`` / ``tokenizer`` default to the recipe's."""
     cfg = b.cfg
     return evaluator_from_config(
-        cfg.evaluation if section is None else section, b.val_ds if dataset is None else dataset,
+        cfg.evaluation if section is None else section,
+        (b.data.val if b.data is not None else None) if dataset is None else dataset,
         b.tokenizer if tokenizer is None else tokenizer, os.path.abspath(cfg.checkpoint.dir),
-        autocast_dtype=b.train_step.autocast_dtype, dims=b.plan.dims, pipeline=b.plan.pipeline,
+        autocast_dtype=b.plan.autocast_dtype, dims=b.plan.dims, pipeline=b.plan.pipeline,
         is_main=b.is_main)
 
 
 def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
                  checkpointer: Checkpointer | None = None,
                  metrics: MetricsLogger | None = None, started: float | None = None) -> Trainer:
-    """The recipe's :class:`Trainer` over what :func:`build` made (its plan's train step,
-    coordinates and clipping) with these schedulers, checkpoints and metrics; it stops early
-    on ``checkpoint.save_on_signal`` and ``training.max_time`` (counted from ``started``, a
+    """The recipe's :class:`Trainer` over what :func:`build` made (its plan, data, optimizer,
+    FLOPs count) with these schedulers, checkpoints and metrics; it stops early on
+    ``checkpoint.save_on_signal`` and ``training.max_time`` (counted from ``started``, a
     ``time.perf_counter()``; default: now)."""
     cfg = b.cfg
-    evaluator = make_evaluator(b) if cfg.evaluation is not None else None
+    assert b.data is not None, "make_trainer needs what build(..., data=True) made"
     return Trainer(
-        b.model, b.optimizer, lr_scheduler, step_scheduler, b.train_ds, b.make_loader,
-        val_dataset=b.val_ds, checkpointer=checkpointer, metrics=metrics, tokenizer=b.tokenizer,
-        device=b.device, settings=trainer_settings(cfg.training, cfg.checkpoint),
-        plan=b.plan, train_step=b.train_step,
-        flops_fn=b.flops_fn, peak_tflops=_peak_tflops(cfg, b.device, b.dtype), evaluator=evaluator,
+        b.plan, b.optimizer, lr_scheduler, step_scheduler, b.data,
+        trainer_settings(cfg.training, cfg.checkpoint), checkpointer=checkpointer,
+        metrics=metrics, throughput=Throughput(b.flops_fn, _peak_tflops(cfg, b.device, b.dtype)),
+        evaluator=make_evaluator(b) if cfg.evaluation is not None else None,
         stop=RunStop.from_config(cfg, b.device, started))

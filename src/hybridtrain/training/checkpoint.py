@@ -293,11 +293,14 @@ class Checkpointer:
     export=True)``, which the trainer does for the final one). ``export_fn(model, step_dir,
     tokenizer, final)`` writes the export (default: ``hf/``; LoRA: ``adapter/``).
     ``state_extra`` is stored in ``trainer_state.json`` (e.g. the LoRA settings, for ``convert``).
+    ``tokenizer``: saved into every checkpoint (``tokenizer/``) and its export.
     """
 
     def __init__(self, dir: str, keep_last: int | None = None, save_hf: bool = False,
-                 export_fn: Callable | None = None, state_extra: dict | None = None):
+                 export_fn: Callable | None = None, state_extra: dict | None = None,
+                 tokenizer=None):
         self.dir = os.path.abspath(dir)
+        self.tokenizer = tokenizer
         self.keep_last = keep_last
         self.save_hf = save_hf
         self.export_fn = export_fn or default_export
@@ -351,7 +354,6 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler=None,
         step_scheduler=None,
-        tokenizer=None,
         extra: dict[str, Any] | None = None,
         export: bool | None = None,
         final: bool = False,
@@ -400,10 +402,10 @@ class Checkpointer:
             cfg = model_config_dict(model)
             if cfg is not None:
                 _write_json(os.path.join(tmp, "config.json"), cfg)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         if self.save_hf if export is None else export:
-            self.export_fn(model, tmp, tokenizer, final)
+            self.export(model, tmp, final)
         barrier()
 
         if rank == 0:
@@ -418,6 +420,11 @@ class Checkpointer:
             logger.info("saved checkpoint %s in %.1fs", out, time.perf_counter() - t0)
         barrier()
         return out
+
+    def export(self, model: torch.nn.Module, out_dir: str, final: bool = True) -> None:
+        """Writes the export (``export_fn``: ``hf/``, or ``adapter/`` for LoRA) into ``out_dir``.
+        Collective."""
+        self.export_fn(model, out_dir, self.tokenizer, final)
 
     def set_latest(self, step: int) -> str:
         """Points ``latest`` at the existing ``step_{step}`` (a resume goes back there);

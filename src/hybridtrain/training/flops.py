@@ -6,6 +6,8 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -106,3 +108,21 @@ def mfu(tflops_per_device: float, peak: float | None) -> float | None:
     if not peak:
         return None
     return tflops_per_device / peak
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The FLOP rate of training steps: ``flops_fn(micro_batch)`` counts the whole model's
+    training FLOPs on a collated micro-batch (its spec's count); with ``peak_tflops`` (per
+    device) the rate is also given as MFU."""
+
+    flops_fn: Callable[[dict], float]
+    peak_tflops: float | None = None
+
+    def flops(self, micro_batches: Sequence[dict]) -> float:
+        return sum(self.flops_fn(mb) for mb in micro_batches)
+
+    def rates(self, flops: float, seconds: float, world_size: int) -> tuple[float, float | None]:
+        """(TFLOP/s per device, MFU or None) of ``flops`` done by ``world_size`` devices."""
+        tflops = flops / seconds / world_size / 1e12
+        return tflops, mfu(tflops, self.peak_tflops)

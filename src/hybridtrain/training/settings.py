@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from hybridtrain.distributed.layout import config_section
+from hybridtrain.config.sections import config_section
 
 __all__ = ["TrainerSettings", "trainer_settings"]
 
@@ -29,7 +29,7 @@ class TrainerSettings:
 def trainer_settings(training: Mapping[str, Any] | Any = None,
                      checkpoint: Mapping[str, Any] | Any = None,
                      **overrides: Any) -> TrainerSettings:
-    """The settings of a recipe's ``training`` and ``checkpoint`` sections (loaded sections, or
+    """The settings of a recipe's ``training`` and ``checkpoint`` sections (typed sections, or
     mappings of some keys over the schema's defaults), then ``overrides`` by field name."""
     t = config_section("training", training)
     ck = config_section("checkpoint", checkpoint)

@@ -28,9 +28,10 @@ it saves a checkpoint and :meth:`Trainer.fit` raises
 :class:`~hybridtrain.training.preemption.Preempted`.
 
 Layouts: the recipe lays the model out (``hybridtrain.distributed.plan.parallelize``, one
-process included) before the optimizer is built; :class:`TrainStep` runs the model's own forward
-(or, under pipeline parallelism, the plan's schedule step), and ``ParallelDims`` names the
-data-parallel group used for counts and loss reductions.
+process included) before the optimizer is built; the resulting plan is what the trainer trains:
+its model, device and autocast dtype, its :class:`TrainStep` (the model's own forward, or, under
+pipeline parallelism, the plan's schedule step), its ``ParallelDims`` (the data-parallel group
+of counts and loss reductions) and its gradient clipping over every mesh and stage.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,11 +49,12 @@ from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
-from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.plan import ParallelPlan
-from hybridtrain.distributed.utils import clip_grad_norm_
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
+from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.flops import Throughput
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.precision import autocast_context
 from hybridtrain.training.preemption import Preempted, RunStop
@@ -83,6 +86,11 @@ class TrainStep:
     def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None):
         self.autocast_dtype = autocast_dtype
         self.pipeline = pipeline
+
+    @classmethod
+    def of(cls, plan: ParallelPlan) -> "TrainStep":
+        """The step of ``plan``: its autocast dtype, and its pipeline schedule step if any."""
+        return cls(autocast_dtype=plan.autocast_dtype, pipeline=plan.pipeline)
 
     @staticmethod
     def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -128,60 +136,59 @@ def _to_device(batch: dict, device: torch.device) -> dict:
             for k, v in batch.items()}
 
 
+@dataclass(frozen=True)
+class TrainData:
+    """What the loop reads: the ``train`` dataset, the ``val`` dataset (None: no validation),
+    and ``make_loader(dataset, batch_sampler)``, an iterable of collated batches (the recipe
+    wraps ``torch.utils.data.DataLoader`` with the dataset's collator)."""
+
+    train: Any
+    make_loader: Callable[[Any, Any], Any]
+    val: Any = None
+
+
 class Trainer:
     """Runs the loop of :mod:`hybridtrain.training` (see module docstring).
 
-    ``make_loader(dataset, batch_sampler)`` turns a batch sampler into an iterable of collated
-    batches (the recipe wraps ``torch.utils.data.DataLoader`` with its collator).
-    ``flops_fn(micro_batch)`` (training FLOPs of the whole model on that micro-batch) enables
-    ``tflops_per_device``, and with ``peak_tflops`` (per device) ``mfu``.
-    ``plan``: the parallel layout (this rank's coordinates, and the gradient norm over every
-    mesh and pipeline stage); default: one process and
-    :func:`~hybridtrain.distributed.utils.clip_grad_norm_`.
-    ``settings``: the recipe's loop values
-    (:func:`~hybridtrain.training.settings.trainer_settings`; default: the schema's).
+    ``plan``: what this rank trains (:func:`~hybridtrain.distributed.plan.parallelize`'s,
+    :meth:`ParallelPlan.single` for one process, or a heterogeneous layout's); its step is ``TrainStep.of(plan)`` (the
+    ``train_step`` attribute; a test may replace it). ``data``: the datasets and their loader.
+    ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
+    default: the schema's). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
+    files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
+    step)`` (fields added to each validation record), ``stop`` (default: never stops early).
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        plan: ParallelPlan | HeteroPlan,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler,
         step_scheduler: StepScheduler,
-        train_dataset,
-        make_loader: Callable[[Any, Any], Any],
-        val_dataset=None,
-        checkpointer=None,
-        metrics: MetricsLogger | None = None,
-        tokenizer=None,
-        device: torch.device | str = "cpu",
+        data: TrainData,
         settings: TrainerSettings | None = None,
-        plan: ParallelPlan | None = None,
-        train_step: TrainStep | None = None,
-        flops_fn: Callable[[dict], float] | None = None,
-        peak_tflops: float | None = None,
+        *,
+        checkpointer: Checkpointer | None = None,
+        metrics: MetricsLogger | None = None,
+        throughput: Throughput | None = None,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
     ):
-        self.model = model
+        self.plan = plan
+        self.model = plan.model
+        self.device = torch.device(plan.device)
+        self.dims = plan.dims
+        self.train_step = TrainStep.of(plan)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.sched = step_scheduler
-        self.train_dataset = train_dataset
-        self.val_dataset = val_dataset
-        self.make_loader = make_loader
+        self.data = data
+        self.settings = settings or trainer_settings()  # default: the schema's
         self.checkpointer = checkpointer
         self.metrics = metrics
-        self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        self.settings = settings or trainer_settings()  # default: the schema's
-        self.dims = plan.dims if plan is not None else ParallelDims()
-        self.train_step = train_step or TrainStep()
+        self.throughput = throughput
         self.val_micro_batch_size = (self.settings.val_micro_batch_size
                                      or step_scheduler.micro_batch_size)
-        self.flops_fn = flops_fn
-        self.clip_grad_norm_fn = plan.clip_grad_norm if plan is not None else clip_grad_norm_
-        self.peak_tflops = peak_tflops
         if self.settings.val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
                                                       "eval_logits"):
             raise ValueError("training.val_accuracy is not available under pipeline "
@@ -201,7 +208,7 @@ class Trainer:
         """Runs one global batch: forward/backward, clip, update (or skip). Returns its record."""
         t0 = time.perf_counter()
         micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
-        flops = sum(self.flops_fn(mb) for mb in micro_batches) if self.flops_fn else 0.0
+        flops = self.throughput.flops(micro_batches) if self.throughput is not None else 0.0
         if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
             micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
             flops /= self.dims.cp
@@ -223,7 +230,7 @@ class Trainer:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
-            grad_norm = self.clip_grad_norm_fn(self._params(), self.settings.grad_clip)
+            grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
         if skipped:
@@ -246,10 +253,8 @@ class Trainer:
         tps = num_tokens / dt if dt > 0 else None
         world = self.dims.world_size
         tflops = mfu = None
-        if self.flops_fn is not None and dt > 0:
-            tflops = flops / dt / world / 1e12
-            if self.peak_tflops:
-                mfu = tflops / self.peak_tflops
+        if self.throughput is not None and dt > 0:
+            tflops, mfu = self.throughput.rates(flops, dt, world)
         return {
             "step": self.sched.step,
             "loss": loss_v,
@@ -272,16 +277,16 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, Any] | None:
         """Token-weighted CE over the validation set (all ranks); returns the record."""
-        if self.val_dataset is None:
+        if self.data.val is None:
             return None
         t0 = time.perf_counter()
-        sampler = EvalBatchSampler(len(self.val_dataset), self.val_micro_batch_size,
+        sampler = EvalBatchSampler(len(self.data.val), self.val_micro_batch_size,
                                    self.dims.dp_rank, self.dims.dp)
         was_training = self.model.training
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
         acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see answer_counts
-        for i, batch in enumerate(self.make_loader(self.val_dataset, sampler)):
+        for i, batch in enumerate(self.data.make_loader(self.data.val, sampler)):
             if self.settings.max_val_steps and i >= self.settings.max_val_steps:
                 break
             batch = _to_device(batch, self.device)
@@ -336,7 +341,7 @@ class Trainer:
         export = self.checkpointer.save_hf or (final and self.settings.save_hf_at_end)
         return self.checkpointer.save(
             self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
-            tokenizer=self.tokenizer, export=export, final=final)
+            export=export, final=final)
 
     def _save(self, final: bool = False) -> str | None:
         """:meth:`save_checkpoint`, timed by ``stop`` (a signal meanwhile is only noted)."""
@@ -420,7 +425,7 @@ class Trainer:
                 self._stop_diverged()
             if settings.gc_every_steps and sched.step % settings.gc_every_steps == 0:
                 gc.collect()
-            if self.val_dataset is not None and sched.is_val_step:
+            if self.data.val is not None and sched.is_val_step:
                 self._validate_and_log()
             if saving and sched.is_ckpt_step and (self._nonfinite_streak == 0 or sched.done):
                 last_ckpt = self._save(final=sched.done)
@@ -442,11 +447,11 @@ class Trainer:
         t_start = time.perf_counter()
         if self.metrics is not None:
             self.metrics.open(sched.step, sched.max_steps)
-        if self.val_dataset is not None and sched.step == 0:  # the starting point of the curve
+        if self.data.val is not None and sched.step == 0:  # the starting point of the curve
             self._validate_and_log()
         batches = sched.train_batches(
-            lambda sampler: self.make_loader(self.train_dataset, sampler),
-            len(self.train_dataset), dp_rank=self.dims.dp_rank)
+            lambda sampler: self.data.make_loader(self.data.train, sampler),
+            len(self.data.train), dp_rank=self.dims.dp_rank)
         with self.stop.catching():
             last_ckpt = self._train_loop(batches)
         export_dir = None
@@ -456,8 +461,7 @@ class Trainer:
             if last_ckpt is not None:
                 export_dir = last_ckpt
             else:  # checkpoints off: the export goes into the run folder itself
-                self.checkpointer.export_fn(self.model, self.checkpointer.dir, self.tokenizer,
-                                            True)
+                self.checkpointer.export(self.model, self.checkpointer.dir, final=True)
                 export_dir = self.checkpointer.dir
             self.checkpointer.mark_final(export_dir)
         plot = self.metrics.close() if self.metrics is not None else None

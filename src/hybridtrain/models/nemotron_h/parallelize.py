@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridtrain.config.sections import DistributedSection, TrainingSection
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.compile import apply_compile
 from hybridtrain.distributed.context_parallel import ContextParallel
@@ -106,8 +107,9 @@ BLOCK_TYPES = LayerTypes(names=LAYER_TYPES, of=lambda block: block.block_type,
                          aliases={**LEGACY_TYPE_NAMES, **PATTERN_TO_TYPE})
 
 
-def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed, training, *,
-                           device: torch.device, autocast_dtype: torch.dtype | None) -> None:
+def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: DistributedSection,
+                           training: TrainingSection, *, device: torch.device,
+                           autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
     if dims.tp > 1:
         apply_tp(model, tp_mesh(dims), distributed.sequence_parallel)

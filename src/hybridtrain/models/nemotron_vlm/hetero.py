@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridtrain.config.sections import config_section
 from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
 from hybridtrain.distributed.bridge import (
     BridgeLayout, all_reduce_grads, recv_2d, send_2d, split_shares,
 )
 from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
-from hybridtrain.distributed.layout import config_section
 from hybridtrain.distributed.plan import parallelize
 from hybridtrain.models.spec import model_spec_for
 
@@ -183,7 +183,7 @@ class HeteroVLMStep:
 
 
 def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
-                device: torch.device | str = "cpu"):
+                device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
     ``0..E-1`` (replicated), the language model on the rest laid out by
     ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.plan.parallelize``
@@ -207,12 +207,13 @@ def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
         model.vision_model = None
         model.projector = None
         if parallelize is None:
-            parallelize = _default_parallelize(distributed, device)
+            parallelize = _default_parallelize(distributed, device, autocast_dtype)
         inner = parallelize(model, dims)
         model, lm_pipeline, stages = inner.model, inner.pipeline, inner.stages
     step = HeteroVLMStep(layout, encoder_group, dtype, lm_pipeline)
     return HeteroPlan(model=model, dims=LaneDims(layout, dims, rank, world_size), pipeline=step,
-                      stages=stages, inner=inner, data_view=data_view(layout, rank))
+                      stages=stages, inner=inner, data_view=data_view(layout, rank), device=device,
+                      autocast_dtype=autocast_dtype)
 
 
 def data_view(layout: BridgeLayout, rank: int):
@@ -230,8 +231,9 @@ def data_view(layout: BridgeLayout, rank: int):
     return view
 
 
-def _default_parallelize(distributed, device: torch.device):
+def _default_parallelize(distributed, device: torch.device, autocast_dtype: torch.dtype | None):
     def run(model, dims):
-        return parallelize(model_spec_for(model), model, dims, distributed,
-                           config_section("training"), device=device, autocast_dtype=None)
+        return parallelize(model_spec_for(model), model, dims,
+                           config_section("distributed", distributed), config_section("training"),
+                           device=device, autocast_dtype=autocast_dtype)
     return run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridtrain.config.sections import DistributedSection, TrainingSection
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.compile import apply_compile
 from hybridtrain.distributed.fsdp import apply_fsdp
@@ -25,7 +26,8 @@ from .model import NemotronVLMForConditionalGeneration
 from .pipeline import images_by_row
 
 
-def parallelize_vlm(model: nn.Module, dims, distributed, training, *, device: torch.device,
+def parallelize_vlm(model: nn.Module, dims, distributed: DistributedSection,
+                    training: TrainingSection, *, device: torch.device,
                     autocast_dtype: torch.dtype | None) -> None:
     """The language model as Nemotron-H parallelizes it, then the ViT blocks (activation
     checkpointing, compile) and FSDP2: one unit per ViT block, one for the projector, the
