@@ -107,8 +107,8 @@ def _schedule_class(spec: ScheduleSpec):
 
 
 def build_schedule(spec: ScheduleSpec, stages: Sequence, n_microbatches: int, loss_fn):
-    """torch's schedule of ``spec`` over this rank's ``stages`` (``PipelineStage``\ s, or
-    :class:`StagePosition`\ s to read its order without running it); ``ValueError`` when it
+    """torch's schedule of ``spec`` over this rank's ``stages`` (``PipelineStage`` objects, or
+    :class:`StagePosition` objects to read its order without running it); ``ValueError`` when it
     does not take ``n_microbatches``. The run and ``hybridtrain plan`` both build it here."""
     cls = _schedule_class(spec)
     try:
