@@ -104,6 +104,17 @@ def _lowp(t, dtype):
     return t.contiguous() if t.dtype == dtype else t.to(dtype, memory_format=torch.contiguous_format)
 
 
+def _mul_lowp(a, b, dtype, inplace=False):
+    """``_lowp(a * b, dtype)``: the product computed in a's and b's promoted dtype and, where that
+    is not ``dtype``, rounded to it as it is stored (one pass: no full-size fp32 product beside
+    its bf16 copy). ``inplace``: into ``a`` where the dtypes agree."""
+    if dtype == torch.promote_types(a.dtype, b.dtype):
+        return a.mul_(b) if inplace else _lowp(a * b, dtype)
+    if torch.compiler.is_compiling():  # (the compiler fuses the two)
+        return _lowp(a * b, dtype)
+    return torch.mul(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=dtype, device=a.device))
+
+
 class _ChunkScan(torch.autograd.Function):
     """The chunked scan on prepared inputs, with a hand-written backward.
 
@@ -228,7 +239,7 @@ class _ChunkScan(torch.autograd.Function):
         Cm, Bm = C.to(mdt), B.to(mdt)
         # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) 2^(a_l - a_s) xdt_s
         CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(~mask[:, :, None], 0)  # [b, c, g, l, s], masked
-        M = _lowp(_ChunkScan._decay(a).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
+        M = _mul_lowp(_ChunkScan._decay(a), CB[:, :, :, None], mdt, inplace=True)  # [b, c, g, j, l, s]
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         yd = M @ xh  # [b, c, g, j, l, p]
         del M, xh
@@ -267,7 +278,7 @@ class _ChunkScan(torch.autograd.Function):
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         gM = gyh @ xh.transpose(-1, -2)  # [b, c, g, j, l, s]
         del xh
-        M = _lowp(Lmat * CB[:, :, :, None], mdt)
+        M = _mul_lowp(Lmat, CB[:, :, :, None], mdt)
         gxh = M.transpose(-1, -2) @ gyh  # [b, c, g, j, s, p]
         del M, gyh
         P = torch.mul(gM, Lmat, out=Lmat)  # dL/dM * decay (= dL/dCB per head), full precision
@@ -299,7 +310,7 @@ class _ChunkScan(torch.autograd.Function):
         yo = (Cm @ startm).view(b, c, g, l, j, p)
         ga += (gyT * yo).sum(-1).mul_(uT[..., 0]).transpose(-1, -2)
         del yo
-        gyu = _lowp(gyT * uT, mdt).view(b, c, g, l, j * p)
+        gyu = _mul_lowp(gyT, uT, mdt).view(b, c, g, l, j * p)
         gC += gyu @ startm.transpose(-1, -2)
         gstart = (Cm.transpose(-1, -2) @ gyu).view(b, c, g, -1, j, p).to(cdt)
         del gyu, startm
