@@ -13,7 +13,7 @@ from torch import nn
 
 from hybridtrain.distributed.utils import local_tensor
 
-from .numerics import silu_grad
+from .numerics import mul_to, silu_grad
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -29,9 +29,11 @@ class _RMSNormFunction(torch.autograd.Function):
     def _normalise(x, gate, group_size, eps=None, rstd=None):
         """(normalised u grouped [..., G, group_size], rstd [..., G, 1]); u = x * silu(gate)."""
         cdt = torch.promote_types(x.dtype, torch.float32)
-        u = x if x.dtype == cdt else x.to(cdt)
-        if gate is not None:
-            u = u * F.silu(gate if gate.dtype == cdt else gate.to(cdt))
+        if gate is None:
+            u = x if x.dtype == cdt else x.to(cdt)
+        else:  # (a bf16 x promotes exactly in the product.) The gate's silu is fp32, as the
+            # reference's: eager has no fp32 silu of a bf16 tensor without this copy
+            u = x * F.silu(gate if gate.dtype == cdt else gate.to(cdt))
         ug = u.view(*u.shape[:-1], -1, group_size)
         if rstd is None:
             rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
@@ -74,17 +76,19 @@ class _RMSNormFunction(torch.autograd.Function):
         ng, _ = _RMSNormFunction._normalise(x, gate, gs, rstd=rstd)
         n = ng.view(x.shape)
         cdt = n.dtype
-        gout = gout.to(cdt)
+        if torch.promote_types(gout.dtype, cdt) != cdt:
+            gout = gout.to(cdt)  # (a bf16 gout promotes exactly in the products below: no copy)
         # the weight's gradient sees what the forward multiplied it with
         gw = (gout * (n if gate is None else n.to(x.dtype).to(cdt))).sum(tuple(range(n.dim() - 1)))
         gn = (gout * weight.to(cdt)).view(ng.shape)
-        gu = (gn - ng * (gn * ng).mean(-1, keepdim=True)).mul_(rstd).view(x.shape)
+        gu = gn - ng * (gn * ng).mean(-1, keepdim=True)
         if gate is None:
-            return gu.to(x.dtype), None, gw.to(weight.dtype), None, None, None
-        gate_c = gate.to(cdt)
-        gx = gu * F.silu(gate_c)
-        ggate = gu.mul_(x.to(cdt)).mul_(silu_grad(gate_c))
-        return gx.to(x.dtype), ggate.to(gate.dtype), gw.to(weight.dtype), None, None, None
+            return mul_to(gu, rstd, x.dtype, inplace=True).view(x.shape), None, gw.to(weight.dtype), None, None, None
+        gu = gu.mul_(rstd).view(x.shape)
+        gate_c = gate.to(cdt)  # (recomputes the forward's fp32 silu)
+        gx = mul_to(gu, F.silu(gate_c), x.dtype)
+        ggate = mul_to(gu.mul_(x), silu_grad(gate_c), gate.dtype, inplace=True)
+        return gx, ggate, gw.to(weight.dtype), None, None, None
 
 
 class RMSNorm(nn.Module):
