@@ -100,18 +100,19 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, sequence_parallel=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``sequence_parallel`` (``distributed.tensor_parallel.SequenceParallel``): ``x`` is this
-        rank's part of the sequence; the weight's gradient is summed over the ranks."""
+        rank's part of the sequence; the weight's gradient is summed over the ranks.
+        ``out_dtype``: the output's dtype (default x's)."""
         if sequence_parallel is None:
-            return self.normalize(x)
+            return self.normalize(x, out_dtype)
         w = sequence_parallel.sum_grad(self.weight)
-        return _RMSNormFunction.apply_maybe_no_grad(x, None, w, x.shape[-1], self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, None, w, x.shape[-1], self.eps, out_dtype)
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The forward's computation as a plain method (no module call, so no forward hooks:
         cached decoding calls it on the final norm of an FSDP2 unit it has gathered itself)."""
-        return _RMSNormFunction.apply_maybe_no_grad(x, None, self.weight, x.shape[-1], self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, None, self.weight, x.shape[-1], self.eps, out_dtype)
 
 
 class RMSNormGated(nn.Module):
