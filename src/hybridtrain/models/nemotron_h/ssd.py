@@ -371,7 +371,10 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     # operand dtype of the output products (see _ChunkScan): bf16 inputs keep them in bf16
     mdt = torch.bfloat16 if x.dtype == torch.bfloat16 else cdt
     dt = dt.to(cdt)
-    xdt = (x * dt[..., None]).contiguous()  # [b, L, h, p] in cdt (bf16 x promotes exactly)
+    if D is None:
+        xdt, xD = (x * dt[..., None]).contiguous(), None  # [b, L, h, p] in cdt (bf16 x promotes exactly)
+    else:
+        xdt, xD = _ScanInputs.apply(x, dt, D.to(cdt))
     if pad:
         xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
@@ -402,11 +405,33 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     y, final_state = _ChunkScan.apply(xdt, dt, A.to(cdt), C, B, mask, last_doc, start_doc, same_doc, init, mdt)
 
     y = y.view(b, c * cs, h, p)[:, :L]
-    if D is not None:
-        y = y + x * D.to(cdt)[None, None, :, None]  # fp32 (promoted)
+    if xD is not None:
+        y = y + xD
     if return_final_state:
         return y, final_state.permute(0, 1, 3, 4, 2).reshape(b, h, p, n)
     return y
+
+
+class _ScanInputs(torch.autograd.Function):
+    """(x * dt, x * D) in fp32 (x [b, L, h, p] promotes exactly; dt [b, L, h], D [h] fp32): the
+    scan's input and its skip term. x's gradient, the sum of the two products' gradients, is
+    formed in fp32 and rounded once to x's dtype as it is written (autograd would round each to
+    bf16 and sum them in bf16); the gradients of dt and D are autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, dt, D):
+        ctx.save_for_backward(x, dt, D)
+        return (x * dt[..., None]).contiguous(), x * D[None, None, :, None]
+
+    @staticmethod
+    def backward(ctx, gxdt, gxD):
+        x, dt, D = ctx.saved_tensors
+        gx_D, gx_dt = gxD * D[None, None, :, None], gxdt * dt[..., None]
+        if x.dtype == gx_D.dtype or torch.compiler.is_compiling():
+            gx = (gx_D + gx_dt).to(x.dtype)
+        else:
+            gx = torch.add(gx_D, gx_dt, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+        return gx, (gxdt * x).sum(3), (gxD * x).sum((0, 1, 3))
 
 
 class _CausalConv1d(torch.autograd.Function):
