@@ -73,9 +73,11 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, gout):
         x, gate, weight, rstd = ctx.saved_tensors
         gs = ctx.group_size
-        ng, _ = _RMSNormFunction._normalise(x, gate, gs, rstd=rstd)
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        # the gate's one fp32 copy in backward, for the recomputed product and the gradients
+        gate_c = None if gate is None else gate.to(cdt)
+        ng, _ = _RMSNormFunction._normalise(x, gate_c, gs, rstd=rstd)
         n = ng.view(x.shape)
-        cdt = n.dtype
         if torch.promote_types(gout.dtype, cdt) != cdt:
             gout = gout.to(cdt)  # (a bf16 gout promotes exactly in the products below: no copy)
         # the weight's gradient sees what the forward multiplied it with
@@ -85,7 +87,6 @@ class _RMSNormFunction(torch.autograd.Function):
         if gate is None:
             return mul_to(gu, rstd, x.dtype, inplace=True).view(x.shape), None, gw.to(weight.dtype), None, None, None
         gu = gu.mul_(rstd).view(x.shape)
-        gate_c = gate.to(cdt)  # (recomputes the forward's fp32 silu)
         gx = mul_to(gu, F.silu(gate_c), x.dtype)
         ggate = mul_to(gu.mul_(x), silu_grad(gate_c), gate.dtype, inplace=True)
         return gx, ggate, gw.to(weight.dtype), None, None, None
