@@ -92,10 +92,12 @@ class TopkRouter(nn.Module):
 def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, dtype: torch.dtype | None = None):
     """Sort the k copies of each token by expert.
 
-    x [T, H], topk_idx [T, k] -> (sorted_x [T*k, H], order [T*k], counts [E]) where
-    ``sorted_x[i] = x[order[i] // k]`` and expert e owns rows ``sum(counts[:e]) : sum(counts[:e+1])``.
-    ``dtype`` (the experts' compute dtype, e.g. autocast's bf16): the copies are made in it from
-    the T tokens (:class:`_GatherCopies`), not cast after as T*k rows.
+    x [T, H], topk_idx [T, k] -> (sorted_x [T*k, H], order [T*k], counts [E], x_cast [T, H])
+    where ``sorted_x[i] = x_cast[order[i] // k]`` and expert e owns rows
+    ``sum(counts[:e]) : sum(counts[:e+1])``. ``dtype`` (the experts' compute dtype, e.g.
+    autocast's bf16): ``x_cast`` is x cast to it once (x itself without ``dtype``), and the copies
+    are made from it (:class:`_GatherCopies`), not cast after as T*k rows; other readers of the
+    tokens in that dtype (the shared expert) take ``x_cast``.
     """
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
@@ -104,27 +106,31 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, dtype: to
     # a comparison, not a scatter: deterministic without atomics)
     counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)
     if dtype is None or dtype == x.dtype:
-        return x[order // k], order, counts
-    return _GatherCopies.apply(x, order, k, dtype), order, counts
+        return x[order // k], order, counts, x
+    x_cast, sorted_x = _GatherCopies.apply(x, order, k, dtype)
+    return sorted_x, order, counts, x_cast
 
 
 class _GatherCopies(torch.autograd.Function):
-    """``x.to(dtype)[order // k]``: the cast on the T tokens, then their k copies gathered in
-    ``dtype``. Backward sums each token's k gradients in x's dtype (fp32; one reduction that
-    converts as it reads), as the gather's scatter-add of fp32 gradients did, not in bf16."""
+    """(``x.to(dtype)``, its rows ``order // k``): the cast on the T tokens, then their k copies
+    gathered in ``dtype``. Backward sums each token's k gradients and the cast's own in x's
+    dtype (fp32; one reduction that converts as it reads), as autograd summed the fp32
+    gradients of the casts of the tokens and of their copies, not in bf16."""
 
     @staticmethod
     def forward(ctx, x, order, k, dtype):
         ctx.save_for_backward(order)
         ctx.k, ctx.x_dtype = k, x.dtype
-        return x.to(dtype)[order // k]
+        x_cast = x.to(dtype)
+        return x_cast, x_cast[order // k]
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g_cast, g):
         (order,) = ctx.saved_tensors
         copies = torch.empty_like(g)
         copies[order] = g  # token-major again, [T*k, H] (a permutation: exact)
-        return copies.view(-1, ctx.k, g.shape[-1]).sum(1, dtype=ctx.x_dtype), None, None, None
+        gx = copies.view(-1, ctx.k, g.shape[-1]).sum(1, dtype=ctx.x_dtype)
+        return (gx if g_cast is None else gx.add_(g_cast)), None, None, None
 
 
 def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -266,12 +272,14 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_idx = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        sorted_h, order, counts = permute(h, topk_idx, self.experts.num_experts, matmul_dtype(h))
+        sorted_h, order, counts, h_cast = permute(h, topk_idx, self.experts.num_experts, matmul_dtype(h))
         y_sorted = self.token_dispatcher(self.experts, sorted_h, counts)
         y = unpermute(y_sorted, order, topk_weights).to(hidden_states.dtype)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
-        return y.view(shape) + self.shared_experts(hidden_states)
+        # the shared expert reads the tokens' one cast where the routed experts read it too
+        shared_in = h_cast.view(shape) if self.fc1_latent_proj is None and h_cast is not h else hidden_states
+        return y.view(shape) + self.shared_experts(shared_in)
 
     # ------------------------------------------------------------------ cached decoding
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
