@@ -279,15 +279,19 @@ def _is_cast(ev) -> bool:
 
 def _promotes_on_cpu_only(ev) -> bool:
     """An elementwise op on mixed float dtypes (``bf16 * fp32``, or an ``out=`` of another
-    dtype) whose only kernels inside are casts: the CPU's TensorIterator makes those casts as
+    dtype) whose only kernels inside are casts, or a reduction into a wider ``dtype=`` (casts
+    and the fill of its output inside): the CPU's TensorIterator makes those casts as
     temporaries, a GPU kernel converts as it loads and stores. One kernel on the GPU."""
-    if not ev.name.startswith("aten::") or ev.name in NO_WORK or ev.name in GEMMS or len(_float_dtypes(ev)) < 2:
+    if not ev.name.startswith("aten::") or ev.name in NO_WORK or ev.name in GEMMS:
+        return False
+    reduction = REDUCTIONS.match(ev.name) is not None
+    if not reduction and len(_float_dtypes(ev)) < 2:
         return False
     stack, found = list(ev.cpu_children), False
     while stack:
         c = stack.pop()
         if _is_kernel(c):
-            if not _is_cast(c):
+            if not (_is_cast(c) or (reduction and c.name == "aten::fill_")):
                 return False
             found = True
         else:

@@ -70,7 +70,7 @@ def test_permute_unpermute_round_trip():
     x = torch.randn(10, 6)
     idx = torch.randint(0, 4, (10, 3))
     w = torch.rand(10, 3)
-    sx, order, counts = permute(x, idx, 4)
+    sx, order, counts, _ = permute(x, idx, 4)
     assert counts.tolist() == torch.bincount(idx.view(-1), minlength=4).tolist()
     # rows are grouped by expert
     assert torch.equal(idx.view(-1)[order], torch.sort(idx.view(-1), stable=True).values)

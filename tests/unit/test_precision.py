@@ -5,6 +5,7 @@ checkpoints in and out of fp32 runs, and the dtype resolution."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -45,7 +46,8 @@ def autocast():
 
 class OpDtypes(TorchDispatchMode):
     """Records (op name, output dtypes) of every aten op that runs; autocast sits above the
-    Python dispatch key, so these are the dtypes the kernels really compute in."""
+    Python dispatch key, so these are the dtypes the kernels really compute in. (An ``out=``
+    op computes in its inputs' promoted dtype and rounds as it stores: that dtype is recorded.)"""
 
     def __init__(self):
         super().__init__()
@@ -55,6 +57,9 @@ class OpDtypes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         dts = tuple(t.dtype for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point())
+        if kwargs and "out" in kwargs and dts:
+            ins = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            dts = (functools.reduce(torch.promote_types, ins),) if ins else dts
         self.ops.append((func.overloadpacket.__name__, dts))
         return out
 

@@ -82,3 +82,19 @@ def test_a_mixed_dtype_elementwise_op_is_one_kernel_and_an_explicit_cast_is_list
     cast = [k for k in kernels if k.cast]
     assert len(cast) == 1 and cast[0].tensors[0] == ([64, 32], 4)
     assert "16->32 bit" in anatomy.cast_sites(kernels)
+
+
+def test_a_reduction_into_a_wider_dtype_is_one_kernel():
+    """``bf16.sum(dtype=fp32)`` is one GPU reduction (the CPU's fp32 copy of its input is no
+    cast there); ``bf16.float().sum()`` is a cast and the reduction."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 6, 32).bfloat16()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as p:
+        a.sum(1, dtype=torch.float32)
+        a.float().sum(1)
+    kernels = anatomy.kernels_of(p.events())
+    assert [k.name for k in kernels].count("aten::sum") == 2
+    cast = [k for k in kernels if k.cast]
+    assert len(cast) == 1 and cast[0].tensors[0] == ([64, 6, 32], 4)

@@ -416,10 +416,21 @@ def _exp_shifted(logits, shift):
     return torch.add(shift * -LOG2E, logits, alpha=LOG2E, out=out).exp2_()
 
 
-def _sub_label(g: torch.Tensor, labels: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """``g - weight_rows * onehot(labels)``, in place: d(lse - logit[label]) / d logits is
-    softmax - onehot(label)."""
-    g[torch.arange(g.shape[0], device=g.device), labels] -= weight_rows
+def _logit_grad(e: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor, weight_rows: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``e * scale - weight_rows * onehot(labels)`` in ``dtype`` (e: the fp32 exponentials [c, V],
+    scale [c, 1]): d(lse - logit[label]) / d logits is softmax - onehot(label). In e's memory
+    when ``dtype`` is e's; else the product rounds to ``dtype`` as it is stored (one pass, no
+    fp32 gradient beside its bf16 copy) and the label entries, formed in fp32 first, are rounded
+    once: the values of a cast after."""
+    rows = torch.arange(e.shape[0], device=e.device)
+    if dtype == e.dtype or torch.compiler.is_compiling():  # (compiled: one fused pass anyway)
+        g = e.mul_(scale)
+        g[rows, labels] -= weight_rows
+        return g.to(dtype)
+    at_label = e[rows, labels] * scale[:, 0] - weight_rows
+    g = torch.mul(e, scale, out=torch.empty(e.shape, dtype=dtype, device=e.device))
+    g[rows, labels] = at_label.to(dtype)
     return g
 
 
@@ -442,14 +453,13 @@ def chunk_softmax_grad(h, w, labels, weight_rows):
     m = logits.amax(dim=-1, keepdim=True).to(acc)
     e = _exp_shifted(logits, m)
     s = e.sum(dim=-1, keepdim=True)
-    g = e.mul_(weight_rows[:, None] / s)
-    return (m + s.log()).squeeze(1), target, _sub_label(g, labels, weight_rows).to(h.dtype)
+    g = _logit_grad(e, weight_rows[:, None] / s, labels, weight_rows, h.dtype)
+    return (m + s.log()).squeeze(1), target, g
 
 
 def chunk_recomputed_grad(h, w, labels, lse, weight_rows):
     """The logit gradient of :func:`chunk_softmax_grad` from the saved log-sum-exp ``lse`` [c]."""
-    g = _exp_shifted(h @ w.t(), lse[:, None]).mul_(weight_rows[:, None])
-    return _sub_label(g, labels, weight_rows).to(h.dtype)
+    return _logit_grad(_exp_shifted(h @ w.t(), lse[:, None]), weight_rows[:, None], labels, weight_rows, h.dtype)
 
 
 class _Vocab:
@@ -506,16 +516,15 @@ class _VocabShard:
 
     def softmax_grad(self, h, w, start, end, weight_rows):
         e, s, lse, target = self._softmax(h, w, start, end)
-        g = e.mul_(weight_rows[:, None] / s)
-        return lse, target, self._sub_own_label(g, start, end, weight_rows).to(h.dtype)
+        return lse, target, self._own_logit_grad(e, weight_rows[:, None] / s, start, end, weight_rows, h.dtype)
 
     def recomputed_grad(self, h, w, start, end, lse, weight_rows):
-        g = _exp_shifted(h @ w.t(), lse[:, None]).mul_(weight_rows[:, None])
-        return self._sub_own_label(g, start, end, weight_rows).to(h.dtype)
+        e = _exp_shifted(h @ w.t(), lse[:, None])
+        return self._own_logit_grad(e, weight_rows[:, None], start, end, weight_rows, h.dtype)
 
-    def _sub_own_label(self, g, start, end, weight_rows):
+    def _own_logit_grad(self, e, scale, start, end, weight_rows, dtype):
         own = self.own[start:end]
-        return _sub_label(g, self.labels[start:end], torch.where(own, weight_rows, 0.0))
+        return _logit_grad(e, scale, self.labels[start:end], torch.where(own, weight_rows, 0.0), dtype)
 
     def reduce_grad_hidden(self, grad_hidden) -> None:
         dist.all_reduce(grad_hidden, group=self.group)  # every rank's vocabulary slice

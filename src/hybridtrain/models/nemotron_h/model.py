@@ -42,6 +42,7 @@ from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import MoE
 from .norms import RMSNorm
+from .numerics import matmul_dtype
 
 if TYPE_CHECKING:
     from hybridtrain.distributed.tensor_parallel import SequenceParallel
@@ -118,9 +119,15 @@ class Block(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo | None = None) -> torch.Tensor:
         sp = info.sp if info is not None else None
-        h = self.norm(hidden_states.to(self.norm.weight.dtype), sp)
+        x = hidden_states.to(self.norm.weight.dtype)
         if sp is None:
-            return hidden_states + self._mix(h, info)
+            # a mixer whose one reader of h is a linear layer (Mamba's in_proj, the MLP's up_proj)
+            # gets h in that layer's compute dtype, written by the norm: no fp32 h for autocast to
+            # cast (attention's three projections would sum h's gradients in bf16; the MoE router
+            # reads h in fp32; sequence parallelism would reduce-scatter its gradient in bf16)
+            out_dtype = matmul_dtype(hidden_states) if isinstance(self.mixer, (Mamba2Mixer, MLP)) else None
+            return hidden_states + self._mix(self.norm(x, out_dtype=out_dtype), info)
+        h = self.norm(x, sp)
         # the mixer takes whole rows (autograd keeps this rank's part of them); the residual
         # stream keeps this rank's part
         full = sp.gather(h, info.length)

@@ -31,7 +31,7 @@ from hybridtrain.ops.backend import pad_rows, unpad_rows
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
-from .numerics import fp32_region, matmul_dtype
+from .numerics import fp32_region, matmul_dtype, mul_to
 
 class TopkRouter(nn.Module):
     def __init__(self, config: NemotronHConfig):
@@ -89,11 +89,15 @@ class TopkRouter(nn.Module):
         return logits, weights, topk_idx
 
 
-def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, dtype: torch.dtype | None = None):
     """Sort the k copies of each token by expert.
 
-    x [T, H], topk_idx [T, k] -> (sorted_x [T*k, H], order [T*k], counts [E]) where
-    ``sorted_x[i] = x[order[i] // k]`` and expert e owns rows ``sum(counts[:e]) : sum(counts[:e+1])``.
+    x [T, H], topk_idx [T, k] -> (sorted_x [T*k, H], order [T*k], counts [E], x_cast [T, H])
+    where ``sorted_x[i] = x_cast[order[i] // k]`` and expert e owns rows
+    ``sum(counts[:e]) : sum(counts[:e+1])``. ``dtype`` (the experts' compute dtype, e.g.
+    autocast's bf16): ``x_cast`` is x cast to it once (x itself without ``dtype``), and the copies
+    are made from it (:class:`_GatherCopies`), not cast after as T*k rows; other readers of the
+    tokens in that dtype (the shared expert) take ``x_cast``.
     """
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
@@ -101,7 +105,32 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
     # (not bincount: its output shape depends on the data, a graph break under torch.compile;
     # a comparison, not a scatter: deterministic without atomics)
     counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)
-    return x[order // k], order, counts
+    if dtype is None or dtype == x.dtype:
+        return x[order // k], order, counts, x
+    x_cast, sorted_x = _GatherCopies.apply(x, order, k, dtype)
+    return sorted_x, order, counts, x_cast
+
+
+class _GatherCopies(torch.autograd.Function):
+    """(``x.to(dtype)``, its rows ``order // k``): the cast on the T tokens, then their k copies
+    gathered in ``dtype``. Backward sums each token's k gradients and the cast's own in x's
+    dtype (fp32; one reduction that converts as it reads), as autograd summed the fp32
+    gradients of the casts of the tokens and of their copies, not in bf16."""
+
+    @staticmethod
+    def forward(ctx, x, order, k, dtype):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.x_dtype = k, x.dtype
+        x_cast = x.to(dtype)
+        return x_cast, x_cast[order // k]
+
+    @staticmethod
+    def backward(ctx, g_cast, g):
+        (order,) = ctx.saved_tensors
+        copies = torch.empty_like(g)
+        copies[order] = g  # token-major again, [T*k, H] (a permutation: exact)
+        gx = copies.view(-1, ctx.k, g.shape[-1]).sum(1, dtype=ctx.x_dtype)
+        return (gx if g_cast is None else gx.add_(g_cast)), None, None, None
 
 
 def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -114,9 +143,28 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
 
 
 def gate_weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * y[t, k] in fp32 for y [T, k, H], weights [T, k]. (No fp32 copy of y:
-    the product promotes a bf16 y exactly, in the same kernel.)"""
-    return (y * weights[:, :, None].float()).sum(dim=1)
+    """sum_k weights[t, k] * y[t, k] in fp32 for y [T, k, H], weights [T, k] (fp32). No fp32 copy
+    of y: the product promotes a bf16 y exactly, in the same kernel; y's gradient is written in
+    y's dtype by the product that forms it."""
+    return _GateWeightedSum.apply(y, weights)
+
+
+class _GateWeightedSum(torch.autograd.Function):
+    """:func:`gate_weighted_sum` with the gradients autograd forms for ``(y * w.float()).sum(1)``,
+    y's rounded to its dtype as it is written (:func:`mul_to`) instead of cast after."""
+
+    @staticmethod
+    def forward(ctx, y, weights):
+        ctx.save_for_backward(y, weights)
+        return (y * weights[:, :, None].float()).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, gout):
+        y, weights = ctx.saved_tensors
+        g = gout[:, None, :]
+        gy = mul_to(g, weights[:, :, None].float(), y.dtype)
+        gw = (g * y).sum(-1)
+        return gy, gw.to(weights.dtype)
 
 
 class Experts(nn.Module):
@@ -224,12 +272,14 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_idx = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        sorted_h, order, counts = permute(h, topk_idx, self.experts.num_experts)
+        sorted_h, order, counts, h_cast = permute(h, topk_idx, self.experts.num_experts, matmul_dtype(h))
         y_sorted = self.token_dispatcher(self.experts, sorted_h, counts)
         y = unpermute(y_sorted, order, topk_weights).to(hidden_states.dtype)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
-        return y.view(shape) + self.shared_experts(hidden_states)
+        # the shared expert reads the tokens' one cast where the routed experts read it too
+        shared_in = h_cast.view(shape) if self.fc1_latent_proj is None and h_cast is not h else hidden_states
+        return y.view(shape) + self.shared_experts(shared_in)
 
     # ------------------------------------------------------------------ cached decoding
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:

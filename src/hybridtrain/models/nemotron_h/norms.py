@@ -13,7 +13,7 @@ from torch import nn
 
 from hybridtrain.distributed.utils import local_tensor
 
-from .numerics import silu_grad
+from .numerics import mul_to, silu_grad
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -29,9 +29,11 @@ class _RMSNormFunction(torch.autograd.Function):
     def _normalise(x, gate, group_size, eps=None, rstd=None):
         """(normalised u grouped [..., G, group_size], rstd [..., G, 1]); u = x * silu(gate)."""
         cdt = torch.promote_types(x.dtype, torch.float32)
-        u = x if x.dtype == cdt else x.to(cdt)
-        if gate is not None:
-            u = u * F.silu(gate if gate.dtype == cdt else gate.to(cdt))
+        if gate is None:
+            u = x if x.dtype == cdt else x.to(cdt)
+        else:  # (a bf16 x promotes exactly in the product.) The gate's silu is fp32, as the
+            # reference's: eager has no fp32 silu of a bf16 tensor without this copy
+            u = x * F.silu(gate if gate.dtype == cdt else gate.to(cdt))
         ug = u.view(*u.shape[:-1], -1, group_size)
         if rstd is None:
             rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
@@ -71,20 +73,23 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, gout):
         x, gate, weight, rstd = ctx.saved_tensors
         gs = ctx.group_size
-        ng, _ = _RMSNormFunction._normalise(x, gate, gs, rstd=rstd)
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        # the gate's one fp32 copy in backward, for the recomputed product and the gradients
+        gate_c = None if gate is None else gate.to(cdt)
+        ng, _ = _RMSNormFunction._normalise(x, gate_c, gs, rstd=rstd)
         n = ng.view(x.shape)
-        cdt = n.dtype
-        gout = gout.to(cdt)
+        if torch.promote_types(gout.dtype, cdt) != cdt:
+            gout = gout.to(cdt)  # (a bf16 gout promotes exactly in the products below: no copy)
         # the weight's gradient sees what the forward multiplied it with
         gw = (gout * (n if gate is None else n.to(x.dtype).to(cdt))).sum(tuple(range(n.dim() - 1)))
         gn = (gout * weight.to(cdt)).view(ng.shape)
-        gu = (gn - ng * (gn * ng).mean(-1, keepdim=True)).mul_(rstd).view(x.shape)
+        gu = gn - ng * (gn * ng).mean(-1, keepdim=True)
         if gate is None:
-            return gu.to(x.dtype), None, gw.to(weight.dtype), None, None, None
-        gate_c = gate.to(cdt)
-        gx = gu * F.silu(gate_c)
-        ggate = gu.mul_(x.to(cdt)).mul_(silu_grad(gate_c))
-        return gx.to(x.dtype), ggate.to(gate.dtype), gw.to(weight.dtype), None, None, None
+            return mul_to(gu, rstd, x.dtype, inplace=True).view(x.shape), None, gw.to(weight.dtype), None, None, None
+        gu = gu.mul_(rstd).view(x.shape)
+        gx = mul_to(gu, F.silu(gate_c), x.dtype)
+        ggate = mul_to(gu.mul_(x), silu_grad(gate_c), gate.dtype, inplace=True)
+        return gx, ggate, gw.to(weight.dtype), None, None, None
 
 
 class RMSNorm(nn.Module):
@@ -96,18 +101,19 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, sequence_parallel=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``sequence_parallel`` (``distributed.tensor_parallel.SequenceParallel``): ``x`` is this
-        rank's part of the sequence; the weight's gradient is summed over the ranks."""
+        rank's part of the sequence; the weight's gradient is summed over the ranks.
+        ``out_dtype``: the output's dtype (default x's)."""
         if sequence_parallel is None:
-            return self.normalize(x)
+            return self.normalize(x, out_dtype)
         w = sequence_parallel.sum_grad(self.weight)
-        return _RMSNormFunction.apply_maybe_no_grad(x, None, w, x.shape[-1], self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, None, w, x.shape[-1], self.eps, out_dtype)
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The forward's computation as a plain method (no module call, so no forward hooks:
         cached decoding calls it on the final norm of an FSDP2 unit it has gathered itself)."""
-        return _RMSNormFunction.apply_maybe_no_grad(x, None, self.weight, x.shape[-1], self.eps)
+        return _RMSNormFunction.apply_maybe_no_grad(x, None, self.weight, x.shape[-1], self.eps, out_dtype)
 
 
 class RMSNormGated(nn.Module):

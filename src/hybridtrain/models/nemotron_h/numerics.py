@@ -32,6 +32,18 @@ def matmul_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def mul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
+    """``a * b`` computed in a's and b's promoted dtype, as a contiguous ``dtype`` tensor; where
+    ``dtype`` is narrower, rounded as it is stored (one pass: the values of ``(a * b).to(dtype)``
+    without a full-size fp32 product beside its bf16 copy). ``inplace``: into ``a`` (contiguous)
+    where the dtypes agree."""
+    if dtype == torch.promote_types(a.dtype, b.dtype):
+        return a.mul_(b) if inplace else (a * b).contiguous()
+    if torch.compiler.is_compiling():  # (the compiler fuses the two; dynamo traces no out=)
+        return (a * b).to(dtype, memory_format=torch.contiguous_format)
+    return torch.mul(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=dtype, device=a.device))
+
+
 def silu_grad(x: torch.Tensor) -> torch.Tensor:
     """d silu(x) / dx = sigmoid(x) * (1 + x * (1 - sigmoid(x))), for hand-written backwards."""
     s = torch.sigmoid(x)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hybridtrain.ops.base2 import LN2, LOG2E
 
-from .numerics import fp32_region, silu_grad
+from .numerics import fp32_region, mul_to, silu_grad
 
 
 def ssd_reference(
@@ -228,7 +228,7 @@ class _ChunkScan(torch.autograd.Function):
         Cm, Bm = C.to(mdt), B.to(mdt)
         # 1. diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) 2^(a_l - a_s) xdt_s
         CB = (Cm @ Bm.transpose(-1, -2)).masked_fill_(~mask[:, :, None], 0)  # [b, c, g, l, s], masked
-        M = _lowp(_ChunkScan._decay(a).mul_(CB[:, :, :, None]), mdt)  # [b, c, g, j, l, s]
+        M = mul_to(_ChunkScan._decay(a), CB[:, :, :, None], mdt, inplace=True)  # [b, c, g, j, l, s]
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         yd = M @ xh  # [b, c, g, j, l, p]
         del M, xh
@@ -267,7 +267,7 @@ class _ChunkScan(torch.autograd.Function):
         xh = _lowp(xdt.permute(0, 1, 3, 4, 2, 5), mdt)
         gM = gyh @ xh.transpose(-1, -2)  # [b, c, g, j, l, s]
         del xh
-        M = _lowp(Lmat * CB[:, :, :, None], mdt)
+        M = mul_to(Lmat, CB[:, :, :, None], mdt)
         gxh = M.transpose(-1, -2) @ gyh  # [b, c, g, j, s, p]
         del M, gyh
         P = torch.mul(gM, Lmat, out=Lmat)  # dL/dM * decay (= dL/dCB per head), full precision
@@ -299,7 +299,7 @@ class _ChunkScan(torch.autograd.Function):
         yo = (Cm @ startm).view(b, c, g, l, j, p)
         ga += (gyT * yo).sum(-1).mul_(uT[..., 0]).transpose(-1, -2)
         del yo
-        gyu = _lowp(gyT * uT, mdt).view(b, c, g, l, j * p)
+        gyu = mul_to(gyT, uT, mdt).view(b, c, g, l, j * p)
         gC += gyu @ startm.transpose(-1, -2)
         gstart = (Cm.transpose(-1, -2) @ gyu).view(b, c, g, -1, j, p).to(cdt)
         del gyu, startm
@@ -371,7 +371,10 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     # operand dtype of the output products (see _ChunkScan): bf16 inputs keep them in bf16
     mdt = torch.bfloat16 if x.dtype == torch.bfloat16 else cdt
     dt = dt.to(cdt)
-    xdt = (x * dt[..., None]).contiguous()  # [b, L, h, p] in cdt (bf16 x promotes exactly)
+    if D is None:
+        xdt, xD = (x * dt[..., None]).contiguous(), None  # [b, L, h, p] in cdt (bf16 x promotes exactly)
+    else:
+        xdt, xD = _ScanInputs.apply(x, dt, D.to(cdt))
     if pad:
         xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
@@ -402,11 +405,33 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     y, final_state = _ChunkScan.apply(xdt, dt, A.to(cdt), C, B, mask, last_doc, start_doc, same_doc, init, mdt)
 
     y = y.view(b, c * cs, h, p)[:, :L]
-    if D is not None:
-        y = y + x * D.to(cdt)[None, None, :, None]  # fp32 (promoted)
+    if xD is not None:
+        y = y + xD
     if return_final_state:
         return y, final_state.permute(0, 1, 3, 4, 2).reshape(b, h, p, n)
     return y
+
+
+class _ScanInputs(torch.autograd.Function):
+    """(x * dt, x * D) in fp32 (x [b, L, h, p] promotes exactly; dt [b, L, h], D [h] fp32): the
+    scan's input and its skip term. x's gradient, the sum of the two products' gradients, is
+    formed in fp32 and rounded once to x's dtype as it is written (autograd would round each to
+    bf16 and sum them in bf16); the gradients of dt and D are autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, dt, D):
+        ctx.save_for_backward(x, dt, D)
+        return (x * dt[..., None]).contiguous(), x * D[None, None, :, None]
+
+    @staticmethod
+    def backward(ctx, gxdt, gxD):
+        x, dt, D = ctx.saved_tensors
+        gx_D, gx_dt = gxD * D[None, None, :, None], gxdt * dt[..., None]
+        if x.dtype == gx_D.dtype or torch.compiler.is_compiling():
+            gx = (gx_D + gx_dt).to(x.dtype)
+        else:
+            gx = torch.add(gx_D, gx_dt, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+        return gx, (gxdt * x).sum(3), (gxD * x).sum((0, 1, 3))
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -425,22 +450,27 @@ class _CausalConv1d(torch.autograd.Function):
         return [None] + [(seq_idx[:, s:] == seq_idx[:, :-s])[:, :, None] for s in range(1, min(k, L))]
 
     @staticmethod
-    def _conv(x, taps, bias, keep):
-        """x [b, L, d], taps [k, d] (tap k-1 is the current position)."""
+    def _conv(x, taps, bias, keep, out_dtype=None):
+        """x [b, L, d] (bf16 or fp32: it promotes exactly in the fp32 products, no fp32 copy),
+        taps [k, d] (tap k-1 is the current position) -> fp32 (fp64 for fp64 taps), or
+        ``out_dtype``: rounded as the bias is added (one pass, the values of a cast after)."""
         k, L = taps.shape[0], x.shape[1]
         out = x * taps[k - 1]
         for s in range(1, min(k, L)):
             xs = x[:, :-s] if keep[s] is None else x[:, :-s] * keep[s]
             out[:, s:].addcmul_(xs, taps[k - 1 - s])
-        if bias is not None:
-            out += bias
-        return out
+        if out_dtype in (None, out.dtype):
+            return out if bias is None else out.add_(bias)
+        if bias is None or torch.compiler.is_compiling():
+            return (out if bias is None else out + bias).to(out_dtype)
+        return torch.add(out, bias, out=torch.empty(out.shape, dtype=out_dtype, device=out.device))
 
     @staticmethod
     def _inputs(x, weight, bias):
+        """(x as [b, L, d] in its own dtype, fp32 taps [k, d], fp32 bias) (fp64 for fp64 x)."""
         cdt = torch.promote_types(x.dtype, torch.float32)
         bias = None if bias is None else bias.to(cdt)
-        return x.transpose(1, 2).to(cdt), weight.t().contiguous().to(cdt), bias
+        return x.transpose(1, 2), weight.t().contiguous().to(cdt), bias
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, silu):
@@ -448,8 +478,8 @@ class _CausalConv1d(torch.autograd.Function):
         ctx.silu = silu
         xc, taps, bc = _CausalConv1d._inputs(x, weight, bias)
         keep = _CausalConv1d._taps(seq_idx, weight.shape[1], x.shape[-1])
-        out = _CausalConv1d._conv(xc, taps, bc, keep).to(x.dtype)  # rounded before the activation,
-        out = F.silu(out) if silu else out                           # like the reference's nn.Conv1d
+        out = _CausalConv1d._conv(xc, taps, bc, keep, x.dtype)  # rounded before the activation,
+        out = F.silu(out) if silu else out                       # like the reference's nn.Conv1d
         return out.transpose(1, 2)
 
     @staticmethod
@@ -458,9 +488,11 @@ class _CausalConv1d(torch.autograd.Function):
         k, L = weight.shape[1], x.shape[-1]
         xc, taps, bc = _CausalConv1d._inputs(x, weight, bias)
         keep = _CausalConv1d._taps(seq_idx, k, L)
-        g = gout.transpose(1, 2).to(xc.dtype)  # [b, L, d]
-        if ctx.silu:
+        g = gout.transpose(1, 2)  # [b, L, d]
+        if ctx.silu:  # (a bf16 gout promotes exactly in the fp32 product)
             g = g * silu_grad(_CausalConv1d._conv(xc, taps, bc, keep))
+        else:  # fp32 before the products with the (bf16) input
+            g = g.to(taps.dtype)
         gx = g * taps[k - 1]
         gw = torch.empty_like(taps)
         gw[k - 1] = (g * xc).sum((0, 1))
@@ -471,6 +503,7 @@ class _CausalConv1d(torch.autograd.Function):
         if k > L:
             gw[: k - L] = 0
         gb = None if bias is None else g.sum((0, 1)).to(bias.dtype)
+        # (gx sums the taps' products in fp32; this is its one rounding to the input's dtype)
         return gx.transpose(1, 2).to(x.dtype), gw.t().to(weight.dtype), gb, None, None
 
 
