@@ -210,6 +210,69 @@ def malloc_mmap_peak() -> int:
     return int(text.split("max mmap bytes")[1].split("=")[1].split()[0])
 
 
+_M_MMAP_THRESHOLD = -3
+PAGE = 4096
+
+
+def count_every_block() -> None:
+    """From now on glibc serves every block of a page (4 KiB) or more with its own mapping
+    (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_=4096`` at start), so that
+    :func:`malloc_mmapped` and :func:`malloc_mmap_peak` count every tensor but the tiniest,
+    the small per-expert and per-document ones of a tiny model included (64 KiB leaves them in
+    malloc's arenas). Needs ``training.cpu_allocator: system`` (``heap`` turns mmaps off)."""
+    assert _glibc().mallopt(_M_MMAP_THRESHOLD, PAGE) == 1
+
+
+def step_peak(b, trainer, step: int = 0) -> int:
+    """The most bytes allocated at once during training step ``step`` (glibc's mmapped blocks,
+    :func:`count_every_block` called before the build) above those alive before it. glibc keeps
+    one peak for the process's life: the step's must be above every earlier one (asserted)."""
+    import gc
+
+    from tests.helpers import parity as pu
+
+    gc.collect()
+    before, earlier = malloc_mmapped(), malloc_mmap_peak()
+    pu.train(b, trainer, start=step, steps=1)
+    peak = malloc_mmap_peak()
+    assert peak > earlier, ("the step's peak is not above an earlier one", peak, earlier)
+    return peak - before
+
+
+def activations_at_peak(b, trainer, planned) -> int:
+    """What a training step's peak holds above the rank's gradients and buffers as ``planned``
+    (the plan's :class:`~hybridtrain.recipes.plan.RankMemory` of the rank; they equal the run's:
+    tests/distributed/test_plan_layouts.py): the activations, as the plan means them. The first
+    step (no optimizer state yet; all gradients counted though fewer exist at the peak)."""
+    return step_peak(b, trainer) - planned.grads - sum(planned.buffers.values())
+
+
+def long_rows_recipe(layout: dict, pack_size: int = 1024, **sections) -> dict:
+    """The parity recipe (:mod:`tests.helpers.parity`: the tiny mixed Nemotron-H, width 64)
+    under ``layout`` on packed rows of ``pack_size`` tokens of documents of 256-512 tokens, the
+    system allocator: activations far above parameters, gradients and optimizer state."""
+    from tests.helpers import parity as pu
+
+    training = {"cpu_allocator": "system", **sections.pop("training", {})}
+    recipe = pu.recipe(layout, True, training=training, **sections)
+    recipe["packing"]["pack_size"] = pack_size
+    recipe["dataset"].update(n=pu.STEPS * pu.GBS * pack_size // 256, min_len=256, max_len=512)
+    return recipe
+
+
+def build_long_rows(layout: dict, world: int, **sections):
+    """(``Built``, trainer for 2 steps) of :func:`long_rows_recipe`, with every block counted
+    (:func:`count_every_block`)."""
+    import torch.distributed as dist
+
+    from hybridtrain.training.builder import build
+
+    count_every_block()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    b = build(long_rows_recipe(layout, **sections), "cpu", is_main=rank == 0, world_size=world)
+    return b, trainer(b, 2)
+
+
 def glibc_malloc() -> bool:
     """Whether this process's malloc is glibc's (the ``malloc_*`` measures need it)."""
     return _glibc() is not None
