@@ -225,15 +225,17 @@ def count_every_block() -> None:
 
 def step_peak(b, trainer, step: int = 0) -> int:
     """The most bytes allocated at once during training step ``step`` (glibc's mmapped blocks,
-    :func:`count_every_block` called before the build) above those alive before it. glibc keeps
-    one peak for the process's life: the step's must be above every earlier one (asserted)."""
+    :func:`count_every_block` called before the build) above those alive before it, its
+    micro-batches loaded before. glibc keeps one peak for the process's life: the step's must
+    be above every earlier one (asserted)."""
     import gc
 
     from tests.helpers import parity as pu
 
+    batches = pu.micro_batches(b, step)
     gc.collect()
     before, earlier = malloc_mmapped(), malloc_mmap_peak()
-    pu.train(b, trainer, start=step, steps=1)
+    trainer.train_one_step(batches)
     peak = malloc_mmap_peak()
     assert peak > earlier, ("the step's peak is not above an earlier one", peak, earlier)
     return peak - before

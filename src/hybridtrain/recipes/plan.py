@@ -326,20 +326,22 @@ def _layer_activations(act: dict, policy, names: list[str], positions: list[int]
     return per_mb, peaks
 
 
-def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int,
-                      n_mb: int) -> dict[str, float]:
-    """What torch's ``PipelineStage`` holds besides the layers: {"received": bytes of the
-    buffers it receives into, one per micro-batch of the step and kept from the first step on
-    (the input and, filled by its backward, its gradient on every stage but the first; the
-    output's gradient on every stage but the last), "outputs": bytes of the stage outputs one
-    micro-batch keeps for their backward}. A stage sends and receives one block's input (the
-    estimate's ``checkpointed`` bytes of a block)."""
+def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n_mb: int,
+                      batch: float) -> dict[str, float]:
+    """What a pipeline step holds besides the layers: {"batch": the step's inputs, every
+    micro-batch's, merged on every rank (``batch``: one micro-batch's), "receive": the buffers
+    torch's ``PipelineStage`` receives into, one per micro-batch of the step and kept from the
+    first step on (the input and, filled by its backward, its gradient on every stage but the
+    first; the output's gradient on every stage but the last), "outputs": the stage outputs
+    one micro-batch keeps for their backward}. A stage sends and receives one block's input
+    (the estimate's ``checkpointed`` bytes of a block)."""
     if act is None or not act["layers"]:
-        return {}
+        return {"batch": n_mb * batch}
     hidden = act["layers"][0]["checkpointed"]
     not_first = sum(s != 0 for s in stage_ids)
     not_last = sum(s != num_stages - 1 for s in stage_ids)
-    return {"received": n_mb * hidden * (2 * not_first + not_last), "outputs": hidden * not_last}
+    return {"batch": n_mb * batch, "receive": n_mb * hidden * (2 * not_first + not_last),
+            "outputs": hidden * not_last}
 
 
 def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
@@ -371,6 +373,9 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     encoder_bytes = _memory_part(spec).encoder_activation_bytes
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
+    batch = rows * -(-seq_len // dims.cp) * 3 * 8 + (encoder_bytes(
+        model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0) if encoder_bytes else 0.0)
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
@@ -394,6 +399,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
             enc = dict(encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg))
             enc_working = enc.pop("backward", 0.0)
+            enc.pop("inputs", None)
             enc_kept = sum(enc.values())
             peaks = [p + enc_kept for p in peaks] + [enc_kept + enc_working]
             for k, v in enc.items():
@@ -402,7 +408,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
             for k, v in act["head"].items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
             peaks.append(sum(per_mb.values()) + act.get("head_backward", 0.0))
-        pipe = _pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb) if sched else {}
+        pipe = _pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch) if sched else {}
         if pipe.get("outputs"):  # a stage's output, kept for its backward
             per_mb["stage_outputs"] = pipe["outputs"]
         kept = sum(per_mb.values())
@@ -417,8 +423,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
 
         def buffers(**policy):
             b = _buffers(part, spec, dims, experts, tp_dims, autocast, **policy)
-            if pipe.get("received"):
-                b["pipeline_receive"] = pipe["received"]
+            b.update({f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v})
             if dims.pp_enabled and dims.fsdp_enabled:
                 # the stage's unsharded gradients exist until the last micro-batch's backward
                 # reduces them, the sharded ones (the gradients above) only after: count the

@@ -79,12 +79,14 @@ def encoder_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int,
     """What the first stage's vision encoder and projector keep per micro-batch
     (``MemoryPlanSupport.encoder_activation_bytes``): the images :func:`images_per_micro_batch`
     bounds; blocks checkpointed as :func:`~hybridtrain.models.nemotron_vlm.spec.parallelize_vlm`
-    checkpoints them (all, when ``training.activation_checkpointing`` is on)."""
+    checkpoints them (all, when ``training.activation_checkpointing`` is on); "inputs": the
+    micro-batch's pixels (fp32, as collated)."""
     if model.vision_model is None:
         return {}
     images, patches = images_per_micro_batch(model.config, micro_batch, seq_len, recipe)
+    inputs = {"inputs": float(patches * model.config.vision_config.patch_dim * _F32)}
     trains = any(p.requires_grad for p in model.vision_model.parameters())
     if not trains and not any(p.requires_grad for p in model.projector.parameters()):
-        return {}
-    return vision_activation_bytes(model.config, images, patches, dtype, trains,
-                                   bool(recipe.training.activation_checkpointing))
+        return inputs
+    return {**vision_activation_bytes(model.config, images, patches, dtype, trains,
+                                      bool(recipe.training.activation_checkpointing)), **inputs}
