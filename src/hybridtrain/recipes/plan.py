@@ -404,9 +404,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
             peaks = [p + enc_kept for p in peaks] + [enc_kept + enc_working]
             for k, v in enc.items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
+        head = 0.0
         if act is not None and is_last:  # the loss: kept per micro-batch until its backward
             for k, v in act["head"].items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
+                head += v
             peaks.append(sum(per_mb.values()) + act.get("head_backward", 0.0))
         pipe = _pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch) if sched else {}
         if pipe.get("outputs"):  # a stage's output, kept for its backward
@@ -414,9 +416,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         kept = sum(per_mb.values())
         working = max([0.0] + [p - kept for p in peaks])
         # the micro-batches the run's schedule keeps in flight on this rank (read from its
-        # order): one at its peak, the others whole
+        # order): one at its peak, the others whole; the loss's, those of the last stage
         flight = 1.0 if sched is None else flights[c["pp"]]
-        activations = kept * flight + working
+        head_flight = 1.0 if sched is None or not head else micro_batches_in_flight(
+            d.pp_schedule, dims.pp, c["pp"], per_rank, n_mb, stage=per_rank * dims.pp - 1)
+        activations = (kept - head) * flight + head * head_flight + working
         if working:
             per_mb["backward"] = working
         states = _states(part, experts, dims, c, tp_dims)
