@@ -9,7 +9,9 @@ Resident memory (``VmHWM``) counts pages, so it moves with the machine: transpar
 an allocator keeps. :func:`malloc_mmap_peak` counts what the run asked for: with glibc's mmap
 threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``) every block of 64 KiB or more -- all tensor
 storage and read buffers of a model -- is its own mapping, and glibc keeps the largest sum of
-those alive at once."""
+those alive at once. The activation measures (:func:`activations_at_peak`) lower the threshold
+to a page (:func:`count_every_block`): a tiny model's per-expert and per-document tensors are
+smaller than 64 KiB."""
 
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class _Held:
 
 
 class SavedActivations:
-    """Bytes autograd holds for backward while the context is open: the unique storages of
+    """Bytes autograd holds for backward while the context is open (what an estimate's kept
+    part counts; the plan's whole activation figure is a peak: :func:`activations_at_peak`): the unique storages of
     the tensors saved through ``torch.autograd.graph.saved_tensors_hooks`` (the parameters of
     ``modules`` excluded, also while FSDP2 has them gathered), each counted from its saving
     until the backward that uses it frees it; ``peak``: the most held at once. (Under
@@ -98,13 +101,6 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-def loss_forward_grads(config, tokens: int, head_grad: bool = True, e: int = 4) -> int:
-    """Bytes the chunked linear cross-entropy forms in forward and keeps on its context (not
-    saved tensors): the hidden-state gradient and the head weight's fp32 one."""
-    return tokens * config.hidden_size * e + (config.vocab_size * config.hidden_size * 4
-                                              if head_grad else 0)
-
-
 def planned_bytes(plan, rank: int) -> dict[str, float]:
     r = plan.ranks[rank]
     return {"params": r.params, "grads": r.grads, "optimizer": r.optimizer}
@@ -114,24 +110,6 @@ def assert_close_10pct(got: dict, want: dict, what: str) -> None:
     for k in ("params", "grads", "optimizer"):
         assert got[k] > 0, (what, k, got)
         assert abs(want[k] - got[k]) <= 0.10 * got[k], (what, k, got, want)
-
-
-def activations_of_run(b, trainer, steps: int = 1) -> dict[str, int]:
-    """What the rank's model kept for backward over ``steps`` training steps: {"saved": the
-    most bytes at once (:class:`SavedActivations`), "loss_context": on the rank holding the
-    loss, what the chunked loss keeps on its context per micro-batch (:func:`loss_forward_grads`),
-    else 0}."""
-    from tests.helpers import parity as pu
-
-    with SavedActivations(b.model) as saved:
-        pu.train(b, trainer, steps=steps)
-    head = b.model.language_model if hasattr(b.model, "language_model") else b.model
-    if getattr(head, "lm_head", None) is None:
-        return {"saved": saved.peak, "loss_context": 0}
-    rows = b.cfg.distributed.pp_microbatch_size or b.cfg.training.micro_batch_size
-    tokens = rows * pu.micro_batches(b, 0)[0]["input_ids"].shape[1]
-    return {"saved": saved.peak, "loss_context": loss_forward_grads(
-        head.config, tokens, head.lm_head.weight.requires_grad)}
 
 
 def held_at_optimizer_step(b, trainer, steps: int = 2) -> dict[str, int]:
