@@ -33,14 +33,12 @@ def _dataset(tmp: str) -> dict:
 
 def _worker(rank, world, tmp, layout):
     from hybridtrain.recipes.plan import plan_memory
-    from tests.helpers import parity as pu
 
     mem.count_every_block()
     b, trainer = vlm.build(tmp, layout, world, dataset=_dataset(tmp),
                            training={"cpu_allocator": "system"})
-    lengths = [mb["input_ids"].shape for mb in pu.micro_batches(b, 0)]
     planned = plan_memory(_recipe(tmp, layout), world, device_type="cpu").ranks[rank]
-    return mem.activations_at_peak(b, trainer, planned), held_at_optimizer_step(b, trainer), lengths
+    return mem.activations_at_peak(b, trainer, planned), held_at_optimizer_step(b, trainer)
 
 
 @pytest.mark.distributed
@@ -52,12 +50,12 @@ def test_vlm_plan_matches_real_allocation_per_rank(tmp_path, layout):
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
     res = run_distributed(_worker, 2, str(tmp_path), layout)
     plan = plan_memory(_recipe(str(tmp_path), layout), 2, device_type="cpu")
-    for rank, (run, got, lengths) in enumerate(res):
+    for rank, (run, got) in enumerate(res):
         r = plan.ranks[rank]
-        print(layout, rank, lengths, "activations plan / run", f"{r.activations / run:.3f}",
+        print(layout, rank, "activations plan / run", f"{r.activations / run:.3f}",
               f"({r.activations / 2**20:.2f} / {run / 2**20:.2f} MiB)",
               {k: round(v / 2**20, 2) for k, v in r.activations_per_micro_batch.items()})
-    for rank, (run, got, _) in enumerate(res):
+    for rank, (run, got) in enumerate(res):
         r = plan.ranks[rank]
         assert got == {k: int(v) for k, v in planned_bytes(plan, rank).items()}, (layout, rank)
         assert ("vision" in r.activations_per_micro_batch) == (0 in r.stages)
