@@ -25,7 +25,9 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
   under pipeline parallelism the stage's, accumulated in the reduce dtype until the last
   micro-batch's backward reduce-scatters them: what they exceed the sharded gradients by);
-  without FSDP, autocast's low-precision weight copies. Under pipeline
+  without FSDP, autocast's low-precision weight copies. Under pipeline parallelism also the
+  step's inputs (every micro-batch's, merged on every rank) and the buffers torch's
+  ``PipelineStage`` receives activations and gradients into (one per micro-batch). Under pipeline
   parallelism the plan also gives the peak under the other ``fsdp_reshard_after_forward``
   policy (``MemoryPlan.reshard_peaks``).
 
@@ -374,8 +376,9 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
     # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
-    batch = rows * -(-seq_len // dims.cp) * 3 * 8 + (encoder_bytes(
-        model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0) if encoder_bytes else 0.0)
+    batch = rows * -(-seq_len // dims.cp) * 3 * 8
+    if encoder_bytes is not None:
+        batch += encoder_bytes(model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
