@@ -2,22 +2,13 @@
 
 For each case (a Nemotron-H of one layer type, the mixed one, the mixed one with activation
 checkpointing) a fresh process builds the model (fp32), takes one forward + backward of
-``B x L`` tokens through the chunked loss, and reports:
-
-* ``saved``: the bytes autograd keeps for backward after forward (unique storages seen by
-  ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, plus the hidden-state and
-  head-weight gradients the chunked loss forms in forward: ``tests.helpers.memory``'s
-  ``SavedActivations`` and ``loss_forward_grads``, which the plan-vs-run tests use too) -- allocator-independent (under
-  activation checkpointing the checkpoint's own hooks hide the block inputs from it);
-* ``rss_kept``: resident memory after forward minus before (VmRSS);
-* ``peak``: VmHWM over forward + backward (reset through /proc/self/clear_refs) minus VmRSS
-  before forward, minus the parameter gradients backward allocates;
-
-and the plan's activation figure for the same recipe (``plan_memory(...).ranks[0].activations``),
-with the ratios plan / measured. fp32 only (this machine emulates bf16). The children run with
-``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so that freed tensors leave the
-resident set (glibc's default heap keeps them and its RSS peak overstates live memory, up to 2x
-here under activation checkpointing); ``--glibc-defaults`` measures without.
+``B x L`` tokens through the chunked loss, and reports its ``peak``: the most bytes allocated
+at once above those before (the parameters and their gradients, which exist before, as from a
+step's second micro-batch on), counted by glibc (``tests.helpers.memory.malloc_mmap_peak``;
+the children run with ``MALLOC_MMAP_THRESHOLD_=4096``: every block of a page or more is its
+own mapping), and the plan's activation figure for the same recipe
+(``plan_memory(...).ranks[0].activations``), with the ratio plan / peak. fp32 only (this
+machine emulates bf16).
 
     python benchmarks/plan_activations.py [--tokens 2x2048]
 """
@@ -59,16 +50,9 @@ def recipe(pattern: str, ckpt: bool, batch: int, seq_len: int) -> dict:
     }
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
-
-
 def measure(name: str, batch: int, seq_len: int) -> dict:
-    """One case in this process (called in a fresh subprocess)."""
+    """One case in this process (called in a fresh subprocess, glibc's mmap threshold at a
+    page: every block of 4 KiB or more is its own mapping)."""
     import torch
 
     from hybridtrain.config import build_config, instantiate
@@ -76,7 +60,7 @@ def measure(name: str, batch: int, seq_len: int) -> dict:
     from hybridtrain.models.spec import set_train_loss
     from hybridtrain.ops.loss import LinearCrossEntropy
     from hybridtrain.recipes.plan import plan_memory
-    from tests.helpers.memory import SavedActivations, loss_forward_grads
+    from tests.helpers import memory as mem
 
     torch.set_num_threads(1)
     pattern, ckpt = CASES[name]
@@ -89,28 +73,18 @@ def measure(name: str, batch: int, seq_len: int) -> dict:
         apply_activation_checkpointing(model.backbone.layers, True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
     model(ids[:, :64], labels=ids[:, :64]).backward()  # warm up kernels and allocator
-    model.zero_grad(set_to_none=True)
-    grads = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM
-    with SavedActivations(model) as saved_now:
-        loss = model(ids, labels=ids)
-        kept = _status("VmRSS") - before
-        saved = saved_now.live + loss_forward_grads(model.config, batch * seq_len)
-    loss.backward()
-    peak = _status("VmHWM") - before - grads
-    return {"case": name, "plan": planned.activations, "saved": saved, "rss_kept": kept,
-            "peak": peak, "per_micro_batch": planned.activations_per_micro_batch}
+    model.zero_grad(set_to_none=False)  # the gradients exist before, as from a step's second
+    # micro-batch on: what forward and backward add above them is the activations
+    before = mem.malloc_mmapped()
+    model(ids, labels=ids).backward()
+    peak = mem.malloc_mmap_peak() - before
+    return {"case": name, "plan": planned.activations, "peak": peak,
+            "per_micro_batch": planned.activations_per_micro_batch}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="2x2048", help="BxL of the micro-batch")
-    ap.add_argument("--glibc-defaults", action="store_true",
-                    help="keep glibc's malloc settings (its heap keeps freed blocks: RSS "
-                         "overstates live memory)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in a child
     args = ap.parse_args()
     batch, seq_len = (int(x) for x in args.tokens.lower().split("x"))
@@ -119,21 +93,16 @@ def main() -> None:
         return
     mib = 2 ** 20
     print(f"fp32, micro-batch {batch} x {seq_len} tokens, one fresh process per case; MiB")
-    print(f"{'case':<12}{'plan':>9}{'saved':>9}{'rss kept':>10}{'peak':>9}"
-          f"{'plan/saved':>12}{'plan/kept':>11}{'plan/peak':>11}")
+    print(f"{'case':<12}{'plan':>9}{'peak':>9}{'plan/peak':>11}")
     for name in CASES:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if not args.glibc_defaults:  # freed blocks go back to the OS: RSS = live tensors
-            env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "4096"}
         out = subprocess.run([sys.executable, __file__, "--case", name, "--tokens", args.tokens],
                              capture_output=True, text=True, env=env)
         if out.returncode:
             print(f"{name}: failed\n{out.stderr[-2000:]}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name:<12}{r['plan'] / mib:9.1f}{r['saved'] / mib:9.1f}{r['rss_kept'] / mib:10.1f}"
-              f"{r['peak'] / mib:9.1f}{r['plan'] / r['saved']:12.2f}"
-              f"{r['plan'] / max(r['rss_kept'], 1):11.2f}{r['plan'] / max(r['peak'], 1):11.2f}")
+        print(f"{name:<12}{r['plan'] / mib:9.1f}{r['peak'] / mib:9.1f}{r['plan'] / r['peak']:11.2f}")
 
 
 if __name__ == "__main__":

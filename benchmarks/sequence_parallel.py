@@ -27,7 +27,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from plan_activations import _status, recipe  # noqa: E402  (the same model and memory probe)
+from plan_activations import recipe  # noqa: E402  (the same model; it puts the repository on the path)
+from tests.helpers.memory import status as _status  # noqa: E402  (the memory probe)
 
 
 def _rank(rank: int, world: int, port: int, sp: bool, seq_len: int, outdir: str) -> None:

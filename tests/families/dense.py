@@ -16,8 +16,8 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.fsdp import apply_fsdp
-from hybridtrain.models.spec import (FlopsCount, HFAdapter, MetaInit, ModelSpec, PeftSupport,
-                                     PipelineSplit, register_model_spec)
+from hybridtrain.models.spec import (FlopsCount, HFAdapter, MemoryPlanSupport, MetaInit,
+                                     ModelSpec, PeftSupport, PipelineSplit, register_model_spec)
 from hybridtrain.ops.loss import LinearCrossEntropy
 
 
@@ -195,14 +195,19 @@ def save_hf(state_dict, config, out_dir, max_shard_size=None, dtype=None, tensor
         json.dump(config.to_dict(), f, indent=2)
 
 
+def fsdp_units(model) -> tuple[list, list]:
+    """(the FSDP2 units: each decoder layer, no expert units); the root holds the rest."""
+    return list(model.model.layers.values()), []
+
+
 def parallelize(model, dims, distributed, training, *, device, autocast_dtype):
     if dims.tp > 1 or dims.cp > 1 or dims.ep > 1:
         raise ValueError("dense_test supports data and pipeline parallelism only")
     if training.activation_checkpointing:  # no LayerTypes part: all or every k-th block only
         apply_activation_checkpointing(model.model.layers, training.activation_checkpointing)
     if dims.fsdp_enabled:
-        apply_fsdp(model, list(model.model.layers.values()), dims, distributed,
-                   autocast_dtype=autocast_dtype)
+        units, _ = fsdp_units(model)
+        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)
 
 
 def layer_flops(c: DenseConfig, seq_len: int) -> list[float]:
@@ -228,5 +233,6 @@ DENSE = register_model_spec(ModelSpec(
                      batch=batch_flops),
     hf=HFAdapter(save=save_hf),
     parts=(MetaInit(init_units=DenseLM.init_units),
-           PeftSupport(module_prefixes={"model.": "model."})),
+           PeftSupport(module_prefixes={"model.": "model."}),
+           MemoryPlanSupport(fsdp_units=fsdp_units)),  # no activation estimate: the plan shows 0
 ))

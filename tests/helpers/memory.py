@@ -9,7 +9,9 @@ Resident memory (``VmHWM``) counts pages, so it moves with the machine: transpar
 an allocator keeps. :func:`malloc_mmap_peak` counts what the run asked for: with glibc's mmap
 threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``) every block of 64 KiB or more -- all tensor
 storage and read buffers of a model -- is its own mapping, and glibc keeps the largest sum of
-those alive at once."""
+those alive at once. The activation measures (:func:`activations_at_peak`) lower the threshold
+to a page (:func:`count_every_block`): a tiny model's per-expert and per-document tensors are
+smaller than 64 KiB."""
 
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class _Held:
 
 
 class SavedActivations:
-    """Bytes autograd holds for backward while the context is open: the unique storages of
+    """Bytes autograd holds for backward while the context is open (what an estimate's kept
+    part counts; the plan's whole activation figure is a peak: :func:`activations_at_peak`): the unique storages of
     the tensors saved through ``torch.autograd.graph.saved_tensors_hooks`` (the parameters of
     ``modules`` excluded, also while FSDP2 has them gathered), each counted from its saving
     until the backward that uses it frees it; ``peak``: the most held at once. (Under
@@ -98,13 +101,6 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-def loss_forward_grads(config, tokens: int, head_grad: bool = True, e: int = 4) -> int:
-    """Bytes the chunked linear cross-entropy forms in forward and keeps on its context (not
-    saved tensors): the hidden-state gradient and the head weight's fp32 one."""
-    return tokens * config.hidden_size * e + (config.vocab_size * config.hidden_size * 4
-                                              if head_grad else 0)
-
-
 def planned_bytes(plan, rank: int) -> dict[str, float]:
     r = plan.ranks[rank]
     return {"params": r.params, "grads": r.grads, "optimizer": r.optimizer}
@@ -114,24 +110,6 @@ def assert_close_10pct(got: dict, want: dict, what: str) -> None:
     for k in ("params", "grads", "optimizer"):
         assert got[k] > 0, (what, k, got)
         assert abs(want[k] - got[k]) <= 0.10 * got[k], (what, k, got, want)
-
-
-def activations_of_run(b, trainer, steps: int = 1) -> dict[str, int]:
-    """What the rank's model kept for backward over ``steps`` training steps: {"saved": the
-    most bytes at once (:class:`SavedActivations`), "loss_context": on the rank holding the
-    loss, what the chunked loss keeps on its context per micro-batch (:func:`loss_forward_grads`),
-    else 0}."""
-    from tests.helpers import parity as pu
-
-    with SavedActivations(b.model) as saved:
-        pu.train(b, trainer, steps=steps)
-    head = b.model.language_model if hasattr(b.model, "language_model") else b.model
-    if getattr(head, "lm_head", None) is None:
-        return {"saved": saved.peak, "loss_context": 0}
-    rows = b.cfg.distributed.pp_microbatch_size or b.cfg.training.micro_batch_size
-    tokens = rows * pu.micro_batches(b, 0)[0]["input_ids"].shape[1]
-    return {"saved": saved.peak, "loss_context": loss_forward_grads(
-        head.config, tokens, head.lm_head.weight.requires_grad)}
 
 
 def held_at_optimizer_step(b, trainer, steps: int = 2) -> dict[str, int]:
@@ -208,6 +186,71 @@ def malloc_mmap_peak() -> int:
         f.seek(0)
         text = f.read().decode()
     return int(text.split("max mmap bytes")[1].split("=")[1].split()[0])
+
+
+_M_MMAP_THRESHOLD = -3
+PAGE = 4096
+
+
+def count_every_block() -> None:
+    """From now on glibc serves every block of a page (4 KiB) or more with its own mapping
+    (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_=4096`` at start), so that
+    :func:`malloc_mmapped` and :func:`malloc_mmap_peak` count every tensor but the tiniest,
+    the small per-expert and per-document ones of a tiny model included (64 KiB leaves them in
+    malloc's arenas). Needs ``training.cpu_allocator: system`` (``heap`` turns mmaps off)."""
+    assert _glibc().mallopt(_M_MMAP_THRESHOLD, PAGE) == 1
+
+
+def step_peak(b, trainer, step: int = 0) -> int:
+    """The most bytes allocated at once during training step ``step`` (glibc's mmapped blocks,
+    :func:`count_every_block` called before the build) above those alive before it, its
+    micro-batches loaded before. glibc keeps one peak for the process's life: the step's must
+    be above every earlier one (asserted)."""
+    import gc
+
+    from tests.helpers import parity as pu
+
+    batches = pu.micro_batches(b, step)
+    gc.collect()
+    before, earlier = malloc_mmapped(), malloc_mmap_peak()
+    trainer.train_one_step(batches)
+    peak = malloc_mmap_peak()
+    assert peak > earlier, ("the step's peak is not above an earlier one", peak, earlier)
+    return peak - before
+
+
+def activations_at_peak(b, trainer, planned) -> int:
+    """What a training step's peak holds above the rank's gradients and buffers as ``planned``
+    (the plan's :class:`~hybridtrain.recipes.plan.RankMemory` of the rank; they equal the run's:
+    tests/distributed/test_plan_layouts.py): the activations, as the plan means them. The first
+    step (no optimizer state yet; all gradients counted though fewer exist at the peak)."""
+    return step_peak(b, trainer) - planned.grads - sum(planned.buffers.values())
+
+
+def long_rows_recipe(layout: dict, pack_size: int = 1024, **sections) -> dict:
+    """The parity recipe (:mod:`tests.helpers.parity`: the tiny mixed Nemotron-H, width 64)
+    under ``layout`` on packed rows of ``pack_size`` tokens of documents of 256-512 tokens, the
+    system allocator: activations far above parameters, gradients and optimizer state."""
+    from tests.helpers import parity as pu
+
+    training = {"cpu_allocator": "system", **sections.pop("training", {})}
+    recipe = pu.recipe(layout, True, training=training, **sections)
+    recipe["packing"]["pack_size"] = pack_size
+    recipe["dataset"].update(n=pu.STEPS * pu.GBS * pack_size // 256, min_len=256, max_len=512)
+    return recipe
+
+
+def build_long_rows(layout: dict, world: int, **sections):
+    """(``Built``, trainer for 2 steps) of :func:`long_rows_recipe`, with every block counted
+    (:func:`count_every_block`)."""
+    import torch.distributed as dist
+
+    from hybridtrain.training.builder import build
+
+    count_every_block()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    b = build(long_rows_recipe(layout, **sections), "cpu", is_main=rank == 0, world_size=world)
+    return b, trainer(b, 2)
 
 
 def glibc_malloc() -> bool:

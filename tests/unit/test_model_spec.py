@@ -116,13 +116,14 @@ def test_registration_names_a_missing_or_ill_typed_piece():
 
 
 def test_a_missing_optional_part_is_named_with_the_spec():
-    from hybridtrain.models.spec import HeteroSupport, MemoryPlanSupport, MetaInit
+    from hybridtrain.models.spec import HeteroSupport, MetaInit
 
     spec = _dense_spec()
     assert isinstance(spec.part(MetaInit, "meta init"), MetaInit)
-    assert spec.find(MemoryPlanSupport) is None
+    assert spec.find(HeteroSupport) is None
     with pytest.raises(ValueError, match="encoder_ranks needs the model spec 'dense_variant' to "
-                                         "have a HeteroSupport part; it has MetaInit, PeftSupport"):
+                                         "have a HeteroSupport part; it has MetaInit, PeftSupport, "
+                                         "MemoryPlanSupport"):
         spec.part(HeteroSupport, "distributed.encoder_ranks")
 
 

@@ -143,12 +143,15 @@ class StagePosition:
         return self.stage_index == self.num_stages - 1
 
 
-def _most_held(actions) -> int:
-    """The most stage-micro-batches whose forward has run and whose backward (full, or the
-    weight pass of a split one) has not, over a rank's ``actions`` in order."""
+def _most_held(actions, stage: int | None = None) -> int:
+    """The most stage-micro-batches (of ``stage`` only, when given) whose forward has run and
+    whose backward (full, or the weight pass of a split one) has not, over a rank's
+    ``actions`` in order."""
     held = most = 0
     for action in actions:
         for a in (() if action is None else action.sub_actions or (action,)):
+            if stage is not None and a.stage_index != stage:
+                continue
             if a.computation_type == "F":
                 held += 1
                 most = max(most, held)
@@ -158,11 +161,12 @@ def _most_held(actions) -> int:
 
 
 def micro_batches_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int,
-                            n_microbatches: int) -> float:
+                            n_microbatches: int, stage: int | None = None) -> float:
     """Micro-batches whose activations pp rank ``pp_rank`` holds at once (in units of the
-    rank's whole part: a stage-micro-batch of a rank running ``v`` stages counts ``1/v``):
-    read from the order (``pipeline_order``) of the schedule :func:`build_schedule` makes for
-    the run. What ``hybridtrain plan`` multiplies one micro-batch's activations by."""
+    rank's whole part: a stage-micro-batch of a rank running ``v`` stages counts ``1/v``; of
+    its ``stage`` alone, when given): read from the order (``pipeline_order``) of the schedule
+    :func:`build_schedule` makes for the run. What ``hybridtrain plan`` multiplies one
+    micro-batch's activations by."""
     spec = resolve_schedule(schedule)
     num_stages = pp * stages_per_rank
     stages = [StagePosition(s, num_stages, pp_rank, pp)
@@ -173,6 +177,8 @@ def micro_batches_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_ran
         raise RuntimeError(f"torch {torch.__version__}: {spec.cls_name} reads a pipeline stage "
                            f"differently ({e}); hybridtrain plan cannot read its order") from None
     assert order and pp_rank in order, f"{spec.cls_name} gives no pipeline_order"
+    if stage is not None:
+        return float(_most_held(order[pp_rank], stage))
     return _most_held(order[pp_rank]) / stages_per_rank
 
 

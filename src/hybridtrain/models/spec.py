@@ -154,17 +154,19 @@ class MetaInit:
 class MemoryPlanSupport:
     """What ``hybridtrain plan`` estimates beyond parameters.
     ``activation_bytes(config, micro_batch, seq_len, dtype, loss_chunk_size, head_grad) ->
-    {"layers": [{"type", "category", "saved", "checkpointed"}, ...], "head": {name: bytes}}``:
-    what one micro-batch keeps for backward; ``tp_plan(model, tp) -> {submodule path: style}``:
+    {"layers": [{"type", "category", "saved", "checkpointed", "backward"}, ...], "head": {name:
+    bytes}, "head_backward": bytes}``: what one micro-batch keeps for backward per layer (with
+    and without checkpointing) and in the loss, and what one layer's backward and the loss
+    work with at once besides ("backward" keys optional); ``tp_plan(model, tp) -> {submodule path: style}``:
     how the spec's ``parallelize_fn`` splits a (stage) model over ``tp`` ranks (None: no
     tensor parallelism); ``fsdp_units(model) -> (units, expert_units)``: the FSDP2 units
     ``parallelize_fn`` gives ``distributed.fsdp.apply_fsdp`` (it asks this function too; a
     unit is a module or a list of modules, the root holds the rest; None: no FSDP2 estimate);
     ``encoder_activation_bytes(model, micro_batch, seq_len, dtype, recipe) -> {category:
-    bytes, "recompute": bytes}``: what the first stage's input encoders (e.g. a vision encoder
+    bytes, "backward": bytes}``: what the first stage's input encoders (e.g. a vision encoder
     on the micro-batch's images) of (stage) ``model`` keep per micro-batch beyond the layers,
-    given the recipe (its data and training sections), and what a checkpointed encoder
-    block's recompute holds (None: no encoder)."""
+    given the recipe (its data and training sections), and what one encoder block's backward
+    works with (its recompute when checkpointed; None: no encoder)."""
 
     activation_bytes: Callable[..., dict] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None

@@ -15,16 +15,19 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   4-byte step per tensor). These match a real run's tensors (tests: within 10 %).
 * **activations**: the model's estimate per micro-batch (``MemoryPlanSupport.activation_bytes``)
   by layer type, with activation checkpointing applied per block, plus on the first stage its
-  input encoders' (``encoder_activation_bytes``, e.g. a vision encoder), times the
-  micro-batches the run's pipeline schedule keeps in flight on that rank (read from the order
-  of the schedule the run builds); plus the recomputed block's activations under
-  checkpointing. An estimate (docs/memory.md: how it compares with measured peaks).
+  input encoders' (``encoder_activation_bytes``, e.g. a vision encoder) and on the last the
+  loss's, times the micro-batches the run's pipeline schedule keeps in flight on that rank
+  (read from the order of the schedule the run builds); plus the largest working set of one
+  block's backward (with its recompute under checkpointing) or of the loss ("backward"). An
+  estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
   under pipeline parallelism the stage's, accumulated in the reduce dtype until the last
   micro-batch's backward reduce-scatters them: what they exceed the sharded gradients by);
-  without FSDP, autocast's low-precision weight copies. Under pipeline
+  without FSDP, autocast's low-precision weight copies. Under pipeline parallelism also the
+  step's inputs (every micro-batch's, merged on every rank) and the buffers torch's
+  ``PipelineStage`` receives activations and gradients into (one per micro-batch). Under pipeline
   parallelism the plan also gives the peak under the other ``fsdp_reshard_after_forward``
   policy (``MemoryPlan.reshard_peaks``).
 
@@ -309,18 +312,38 @@ def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int], tp_dims
 
 
 def _layer_activations(act: dict, policy, names: list[str], positions: list[int], tp: int):
-    """({category: bytes of one micro-batch}, the largest checkpointed block's bytes: what its
-    recompute in backward holds)."""
+    """({category: bytes one micro-batch keeps}, [what the micro-batch keeps up to each block
+    plus that block's backward working set: its ``backward`` bytes and, checkpointed, its
+    recomputed activations]): the backward runs the blocks last to first, each freeing what
+    it kept, so a block's working set adds to what the blocks before it keep only."""
     per_mb: dict[str, float] = {}
-    recompute = 0.0
+    kept, peaks = 0.0, []
     for i in positions:
         layer = act["layers"][i]
         ckpt = policy.selects(int(names[i]), layer["type"])
         key = layer["category"]
         per_mb[key] = per_mb.get(key, 0.0) + layer["checkpointed" if ckpt else "saved"] / tp
-        if ckpt:
-            recompute = max(recompute, layer["saved"] / tp)
-    return per_mb, recompute
+        kept += layer["checkpointed" if ckpt else "saved"] / tp
+        peaks.append(kept + (layer["saved"] * ckpt + layer.get("backward", 0.0)) / tp)
+    return per_mb, peaks
+
+
+def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n_mb: int,
+                      batch: float) -> dict[str, float]:
+    """What a pipeline step holds besides the layers: {"batch": the step's inputs, every
+    micro-batch's, merged on every rank (``batch``: one micro-batch's), "receive": the buffers
+    torch's ``PipelineStage`` receives into, one per micro-batch of the step and kept from the
+    first step on (the input and, filled by its backward, its gradient on every stage but the
+    first; the output's gradient on every stage but the last), "outputs": the stage outputs
+    one micro-batch keeps for their backward}. A stage sends and receives one block's input
+    (the estimate's ``checkpointed`` bytes of a block)."""
+    if act is None or not act["layers"]:
+        return {"batch": n_mb * batch}
+    hidden = act["layers"][0]["checkpointed"]
+    not_first = sum(s != 0 for s in stage_ids)
+    not_last = sum(s != num_stages - 1 for s in stage_ids)
+    return {"batch": n_mb * batch, "receive": n_mb * hidden * (2 * not_first + not_last),
+            "outputs": hidden * not_last}
 
 
 def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
@@ -352,6 +375,10 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     encoder_bytes = _memory_part(spec).encoder_activation_bytes
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
+    batch = rows * -(-seq_len // dims.cp) * 3 * 8
+    if encoder_bytes is not None:
+        batch += encoder_bytes(model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
@@ -367,26 +394,43 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     for rank in range(world_size):
         c = _coords(rank, dims)
         stage_ids, positions, is_last, part = parts[c["pp"]]
-        per_mb, recompute = (_layer_activations(act, policy, names, positions, dims.tp)
-                             if act is not None else ({}, 0.0))
+        # one micro-batch: what it keeps, and its peaks (what it keeps at a point plus what
+        # runs there): each block's backward, an encoder's (it runs first, so its backward
+        # last), the loss (it runs after every block)
+        per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp)
+                         if act is not None else ({}, []))
         if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
             enc = dict(encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg))
-            recompute = max(recompute, enc.pop("recompute", 0.0))
+            enc_working = enc.pop("backward", 0.0)
+            enc.pop("inputs", None)
+            enc_kept = sum(enc.values())
+            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc_working]
             for k, v in enc.items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
-        # the micro-batches the run's schedule keeps in flight on this rank (read from its order)
-        flight = 1.0 if sched is None else flights[c["pp"]]
-        activations = sum(per_mb.values()) * flight + recompute
-        if act is not None and is_last:  # the last stage runs a micro-batch's backward at once
+        head = 0.0
+        if act is not None and is_last:  # the loss: kept per micro-batch until its backward
             for k, v in act["head"].items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
-                activations += v
-        if recompute:
-            per_mb["recompute"] = recompute
+                head += v
+            peaks.append(sum(per_mb.values()) + act.get("head_backward", 0.0))
+        pipe = _pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch) if sched else {}
+        if pipe.get("outputs"):  # a stage's output, kept for its backward
+            per_mb["stage_outputs"] = pipe["outputs"]
+        kept = sum(per_mb.values())
+        working = max([0.0] + [p - kept for p in peaks])
+        # the micro-batches the run's schedule keeps in flight on this rank (read from its
+        # order): one at its peak, the others whole; the loss's, those of the last stage
+        flight = 1.0 if sched is None else flights[c["pp"]]
+        head_flight = 1.0 if sched is None or not head else micro_batches_in_flight(
+            d.pp_schedule, dims.pp, c["pp"], per_rank, n_mb, stage=per_rank * dims.pp - 1)
+        activations = (kept - head) * flight + head * head_flight + working
+        if working:
+            per_mb["backward"] = working
         states = _states(part, experts, dims, c, tp_dims)
 
         def buffers(**policy):
             b = _buffers(part, spec, dims, experts, tp_dims, autocast, **policy)
+            b.update({f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v})
             if dims.pp_enabled and dims.fsdp_enabled:
                 # the stage's unsharded gradients exist until the last micro-batch's backward
                 # reduces them, the sharded ones (the gradients above) only after: count the
@@ -563,7 +607,7 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     roles = plan.roles()
     cats = sorted({k for r in plan.ranks for k in r.activations_per_micro_batch},
-                  key=lambda k: (k in ("loss", "recompute"), k))
+                  key=lambda k: (k in ("loss", "backward"), k))
     bufs = sorted({k for r in plan.ranks for k in r.buffers})
     rows: list[tuple[str, list[str]]] = [
         ("GiB per rank", [_ranks_label([r.rank for r in g]) for g in roles]),

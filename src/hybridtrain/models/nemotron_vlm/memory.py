@@ -57,8 +57,9 @@ def images_per_micro_batch(config: NemotronVLMConfig, micro_batch: int, seq_len:
 def vision_activation_bytes(config: NemotronVLMConfig, images: int, patches: int,
                             dtype: torch.dtype, vision_trains: bool = True,
                             checkpointed: bool = False) -> dict[str, float]:
-    """{"vision": bytes the encoder and projector keep for backward, "recompute": one
-    checkpointed block's} for ``images`` images of ``patches`` patches in all."""
+    """{"vision": bytes the encoder and projector keep for backward, "backward": what one
+    block's backward works with (its recompute when checkpointed)} for ``images`` images of
+    ``patches`` patches in all."""
     v, e = config.vision_config, torch.empty((), dtype=dtype, device="meta").element_size()
     D, I, H = v.hidden_size, v.intermediate_size, v.num_attention_heads
     T = patches + images * v.class_token_len
@@ -66,11 +67,11 @@ def vision_activation_bytes(config: NemotronVLMConfig, images: int, patches: int
     M, d_in = patches // config.merge ** 2, D * config.merge ** 2
     projector = M * e * (2 * d_in + config.projector_hidden_size) + M * _F32
     if not vision_trains:
-        return {"vision": float(projector), "recompute": 0.0}
+        return {"vision": float(projector), "backward": 0.0}
     kept = T * D * e if checkpointed else block
     encoder = (patches * v.patch_dim * e + v.num_hidden_layers * kept
                + T * D * e + 2 * T * _F32)  # pixels, blocks, final norm
-    return {"vision": float(encoder + projector), "recompute": float(block if checkpointed else 0)}
+    return {"vision": float(encoder + projector), "backward": float(block if checkpointed else 0)}
 
 
 def encoder_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int,
@@ -78,12 +79,14 @@ def encoder_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int,
     """What the first stage's vision encoder and projector keep per micro-batch
     (``MemoryPlanSupport.encoder_activation_bytes``): the images :func:`images_per_micro_batch`
     bounds; blocks checkpointed as :func:`~hybridtrain.models.nemotron_vlm.spec.parallelize_vlm`
-    checkpoints them (all, when ``training.activation_checkpointing`` is on)."""
+    checkpoints them (all, when ``training.activation_checkpointing`` is on); "inputs": the
+    micro-batch's pixels (fp32, as collated)."""
     if model.vision_model is None:
         return {}
     images, patches = images_per_micro_batch(model.config, micro_batch, seq_len, recipe)
+    inputs = {"inputs": float(patches * model.config.vision_config.patch_dim * _F32)}
     trains = any(p.requires_grad for p in model.vision_model.parameters())
     if not trains and not any(p.requires_grad for p in model.projector.parameters()):
-        return {}
-    return vision_activation_bytes(model.config, images, patches, dtype, trains,
-                                   bool(recipe.training.activation_checkpointing))
+        return inputs
+    return {**vision_activation_bytes(model.config, images, patches, dtype, trains,
+                                      bool(recipe.training.activation_checkpointing)), **inputs}
