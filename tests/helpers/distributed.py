@@ -80,7 +80,18 @@ def _entry(rank: int, fn: Callable, world: int, port: int, outdir: str, args: tu
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 240) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results."""
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+    When another process takes the free port before rank 0 listens on it (two test runs on one
+    machine), the ranks fail at the rendezvous, before ``fn``: they start again on another."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world, args, timeout)
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _run_once(fn: Callable, world: int, args: tuple, timeout: float) -> list[Any]:
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry, args=(fn, world, free_port(), outdir, args, dict(os.environ)), nprocs=world,
