@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from hybridtrain.distributed.parallel_dims import ParallelDims
-from hybridtrain.distributed.pipeline import (
+from hybridtrain.data.micro_batches import merge_micro_batches, position_ids_from_cu_seqlens
+from hybridtrain.distributed.pipeline_layout import (
     balanced_split,
-    merge_micro_batches,
-    position_ids_from_cu_seqlens,
     resolve_schedule,
     split_from_points,
     stage_ids_for_rank,
@@ -60,7 +59,7 @@ def test_manual_split_points():
 
 def test_nemotron_layer_costs_and_layouts():
     from hybridtrain.distributed.layout import config_section
-    from hybridtrain.distributed.pipeline import pipeline_layout
+    from hybridtrain.distributed.pipeline_layout import pipeline_layout
     from hybridtrain.models.nemotron_h import tiny_config
     from hybridtrain.models.spec import get_model_spec
 
@@ -122,7 +121,7 @@ def test_packed_positions_travel_by_rows():
 def test_single_process_plan_is_the_model():
     """With one process the plan runs the model's own modules: same loss as its forward."""
     from hybridtrain.distributed.layout import config_section
-    from hybridtrain.distributed.plan import parallelize
+    from hybridtrain.distributed.parallel_plan import parallelize
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
     from hybridtrain.models.spec import model_spec_for, set_train_loss
     from hybridtrain.ops.loss import LinearCrossEntropy
@@ -266,7 +265,7 @@ def test_micro_batches_in_flight_come_from_the_schedule_the_run_builds():
     """Read from the order of the schedule ``build_schedule`` makes (as for the run): 1F1B's
     warm-up (pp - rank), interleaved 1F1B's (in units of the rank's two stages), the V
     schedule's equal share on every rank; a count the schedule refuses is the run's error."""
-    from hybridtrain.distributed.pipeline import micro_batches_in_flight
+    from hybridtrain.distributed.pipeline_layout import micro_batches_in_flight
 
     assert [micro_batches_in_flight("1f1b", 4, r, 1, 8) for r in range(4)] == [4, 3, 2, 1]
     assert [micro_batches_in_flight("gpipe", 2, r, 1, 8) for r in range(2)] == [8, 8]

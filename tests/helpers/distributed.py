@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 # imported once in the fork server; what every rank would otherwise import itself (the
 # tokenizers' transformers, PIL and the vision model: ~2.5 CPU-seconds a rank)
 _PRELOAD = ["torch", "torch.distributed", "hybridtrain.distributed.init",
-            "hybridtrain.training.builder", "hybridtrain.distributed.plan",
+            "hybridtrain.training.builder", "hybridtrain.distributed.parallel_plan",
             "hybridtrain.models.nemotron_h", "torch._dynamo", "torch.distributed.pipelining",
             "hybridtrain.distributed.materialize", "hybridtrain.distributed.tensor_parallel",
             "hybridtrain.peft", "hybridtrain.data", "hybridtrain.data.vision_chat",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridtrain.distributed.plan import ParallelPlan
+from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.models.spec import set_train_loss
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.checkpoint import Checkpointer

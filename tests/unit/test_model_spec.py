@@ -13,7 +13,7 @@ from torch import nn
 
 from hybridtrain.distributed.layout import config_section
 from hybridtrain.distributed.parallel_dims import ParallelDims
-from hybridtrain.distributed.plan import parallelize
+from hybridtrain.distributed.parallel_plan import parallelize
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
 from hybridtrain.models.spec import get_model_spec, model_spec_for
 

@@ -101,7 +101,7 @@ def test_plan_and_run_checkpoint_the_same_blocks_by_type():
     those blocks checkpointed (as with ``true``) and the others whole (as with ``false``)."""
     from hybridtrain.distributed.layout import config_section
     from hybridtrain.distributed.parallel_dims import ParallelDims
-    from hybridtrain.distributed.plan import parallelize
+    from hybridtrain.distributed.parallel_plan import parallelize
     from hybridtrain.models.spec import MemoryPlanSupport
     from hybridtrain.training.builder import as_config
 

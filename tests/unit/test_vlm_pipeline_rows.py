@@ -4,7 +4,7 @@ first pipeline stage on rows computes what the whole model computes on the packe
 
 import torch
 
-from hybridtrain.distributed.pipeline import merge_row_inputs
+from hybridtrain.data.micro_batches import merge_row_inputs
 from hybridtrain.models.nemotron_vlm import NemotronVLMForConditionalGeneration, tiny_vlm_config
 from hybridtrain.models.nemotron_vlm.pipeline import images_by_row, images_from_rows
 

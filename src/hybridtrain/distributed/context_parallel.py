@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtrain.data.batch import IGNORE_INDEX
-from hybridtrain.distributed.pipeline import position_ids_from_cu_seqlens
+from hybridtrain.data.micro_batches import position_ids_from_cu_seqlens
 
 __all__ = ["ContextParallel", "shard_batch", "shard_batches", "gather_sequence", "halo_from_previous",
            "pass_states"]

@@ -95,7 +95,7 @@ class HeteroPlan:
     ``ParallelPlan`` (None on sender ranks); ``data_view(dataset, batch_sampler, collate) ->
     (dataset, batch_sampler, collate)``: what this rank reads of each batch (None: the batches
     of its lane); ``device`` / ``autocast_dtype``: as
-    :class:`~hybridtrain.distributed.plan.ParallelPlan`'s."""
+    :class:`~hybridtrain.distributed.parallel_plan.ParallelPlan`'s."""
 
     model: nn.Module
     dims: LaneDims

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from hybridtrain.distributed.pipeline import stage_rank
+from hybridtrain.distributed.pipeline_layout import stage_rank
 
 __all__ = ["PipelineDecoder"]
 

@@ -38,7 +38,7 @@ from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.runfolder import run_folder_path
-from hybridtrain.distributed.plan import ParallelPlan
+from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.training.builder import Built, build
 from hybridtrain.training.flops import Throughput, measure_matmul_peak, peak_tflops
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype

@@ -5,7 +5,7 @@
 The model is built on the meta device from the recipe's model section (a class with its config,
 or ``from_pretrained``: only the checkpoint's ``config.json`` is read, never its weights), LoRA
 applied as the recipe says, and split and sharded *arithmetically* the way the run lays it out
-(:mod:`hybridtrain.distributed.plan`): pipeline stages (``pipeline_layout``), expert parameters
+(:mod:`hybridtrain.distributed.parallel_plan`): pipeline stages (``pipeline_layout``), expert parameters
 (the spec's ``expert_modules``) sliced over ``ep`` then FSDP-sharded over ``efsdp``, every other
 parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and replicated over
 ``dp_replicate``. Per rank:
@@ -59,10 +59,10 @@ from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
 )
 from hybridtrain.distributed.layout import parallel_dims_from_config
-from hybridtrain.distributed.pipeline import (
+from hybridtrain.distributed.pipeline_layout import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
-from hybridtrain.distributed.plan import pipeline_split_seq_len
+from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types

@@ -16,12 +16,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridtrain.distributed.pipeline import (
-    PipelineTrainStep,
-    _grads_in_param_layout,
-    merge_micro_batches,
-    stage_rank,
-)
+from hybridtrain.data.micro_batches import merge_micro_batches
+from hybridtrain.distributed.pipeline import PipelineTrainStep, _grads_in_param_layout
+from hybridtrain.distributed.pipeline_layout import stage_rank
 
 __all__ = ["PolicyPipeline"]
 

@@ -34,7 +34,7 @@ from hybridtrain.data.io import DataError
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
-from hybridtrain.distributed.plan import ParallelPlan, parallelize, pipeline_split_seq_len
+from hybridtrain.distributed.parallel_plan import ParallelPlan, parallelize, pipeline_split_seq_len
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
     HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,

@@ -27,7 +27,7 @@ A run stops early on a signal or before ``training.max_time`` (``stop``, a
 it saves a checkpoint and :meth:`Trainer.fit` raises
 :class:`~hybridtrain.training.preemption.Preempted`.
 
-Layouts: the recipe lays the model out (``hybridtrain.distributed.plan.parallelize``, one
+Layouts: the recipe lays the model out (``hybridtrain.distributed.parallel_plan.parallelize``, one
 process included) before the optimizer is built; the resulting plan is what the trainer trains:
 its model, device and autocast dtype, its :class:`TrainStep` (the model's own forward, or, under
 pipeline parallelism, the plan's schedule step), its ``ParallelDims`` (the data-parallel group
@@ -50,7 +50,7 @@ from torch import nn
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.hetero import HeteroPlan
-from hybridtrain.distributed.plan import ParallelPlan
+from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.checkpoint import Checkpointer
@@ -150,7 +150,7 @@ class TrainData:
 class Trainer:
     """Runs the loop of :mod:`hybridtrain.training` (see module docstring).
 
-    ``plan``: what this rank trains (:func:`~hybridtrain.distributed.plan.parallelize`'s,
+    ``plan``: what this rank trains (:func:`~hybridtrain.distributed.parallel_plan.parallelize`'s,
     :meth:`ParallelPlan.single` for one process, or a heterogeneous layout's); its step is ``TrainStep.of(plan)`` (the
     ``train_step`` attribute; a test may replace it). ``data``: the datasets and their loader.
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;

@@ -2,7 +2,7 @@
 
     TP -> CP -> EP -> activation checkpointing -> compile -> FSDP2
 
-The pipeline split comes before, in :func:`hybridtrain.distributed.plan.parallelize`, through
+The pipeline split comes before, in :func:`hybridtrain.distributed.parallel_plan.parallelize`, through
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
 FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit, on
 the expert mesh when ``ep > 1``, so a rank gathers one block's experts at a time), ``norm_f`` +

@@ -1,6 +1,6 @@
 """Heterogeneous layout of the vision-language model: the vision encoder + projector on ranks
 ``0..E-1`` (data-parallel among themselves), the language model on the others with its own
-``dp_shard`` / ``dp_replicate`` / ``pp`` / ``ep`` (laid out by ``distributed.plan.parallelize``
+``dp_shard`` / ``dp_replicate`` / ``pp`` / ``ep`` (laid out by ``distributed.parallel_plan.parallelize``
 over a mesh of those ranks only), joined by :mod:`hybridtrain.distributed.bridge` at the first
 pipeline stage of each language lane.
 
@@ -35,7 +35,7 @@ from hybridtrain.distributed.bridge import (
     BridgeLayout, all_reduce_grads, recv_2d, send_2d, split_shares,
 )
 from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
-from hybridtrain.distributed.plan import parallelize
+from hybridtrain.distributed.parallel_plan import parallelize
 from hybridtrain.models.spec import model_spec_for
 
 
@@ -186,7 +186,7 @@ def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
                 device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
     ``0..E-1`` (replicated), the language model on the rest laid out by
-    ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.plan.parallelize``
+    ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.parallel_plan.parallelize``
     with the schema's training section) over their own ``ParallelDims``; each rank keeps only
     its modules (a side with nothing trainable, e.g. the frozen language model of stage 1,
     gets no optimizer)."""

@@ -19,7 +19,8 @@ from torch import nn
 from hybridtrain.config.sections import DistributedSection, PackingSection, TrainingSection
 from hybridtrain.distributed.fsdp import fsdp_param_dtype
 from hybridtrain.distributed.parallel_dims import ParallelDims
-from hybridtrain.distributed.pipeline import PipelineTrainStep, pipeline_layout
+from hybridtrain.distributed.pipeline import PipelineTrainStep
+from hybridtrain.distributed.pipeline_layout import pipeline_layout
 from hybridtrain.distributed.utils import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
