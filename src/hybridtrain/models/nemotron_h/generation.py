@@ -91,11 +91,11 @@ def _transposed_head(model, h: torch.Tensor, steps: int) -> torch.Tensor | None:
     return None
 
 
-def _run_layers(model, h: torch.Tensor, mix: Callable, step: bool) -> torch.Tensor:
-    """The blocks (pre-norm residual) with ``mix(name, block, x)`` in place of each mixer's
-    forward; then norm_f (if held). ``step``: a decoding step (``step_ops.norm``)."""
+def _run_layers(model, h: torch.Tensor, run_block: Callable, step: bool) -> torch.Tensor:
+    """``run_block(name, block, h)`` (the block's ``prefill`` or ``step``) over the blocks held,
+    then norm_f (if held). ``step``: a decoding step (``step_ops.norm``)."""
     for name, block in model.backbone.layers.items():
-        h = h + mix(name, block, norm(block.norm, h, step))
+        h = run_block(name, block, h)
     return h if model.backbone.norm_f is None else norm(model.backbone.norm_f, h, step)
 
 
@@ -117,16 +117,13 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     cache_valid[:, :L] = True if valid is None else valid
     cache = NemotronHCache(valid=cache_valid, position=torch.tensor([L], device=h.device), length=L)
 
-    def mix(name, block, x):
-        if block.block_type == "linear_attention":
-            y, cache.layers[name] = block.mixer.prefill(x, seq_idx, valid)
-        elif block.block_type == "full_attention":
-            y, cache.layers[name] = block.mixer.prefill(x, seq_idx, max_length)
-        else:
-            y = block.mixer(x)
+    def run_block(name, block, x):
+        y, entry = block.prefill(x, seq_idx, valid, max_length)
+        if entry is not None:
+            cache.layers[name] = entry
         return y
 
-    h = _run_layers(model, h, mix, step=False)
+    h = _run_layers(model, h, run_block, step=False)
     cache.head_t = _transposed_head(model, h, max_length - L)
     return _head(model, h), cache
 
@@ -138,14 +135,11 @@ def _step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Tensor:
     states)."""
     cache.valid.index_fill_(1, cache.position, True)
 
-    def mix(name, block, x):
-        if block.block_type == "linear_attention":
-            return block.mixer.step(x, cache.layers[name])
-        if block.block_type == "full_attention":
-            return block.mixer.step(x, cache.layers[name], cache.valid, cache.position)
-        return block.mixer.step(x)
+    def run_block(name, block, x):
+        return block.step(x, cache.layers.get(name), cache.valid, cache.position)
 
-    h = _run_layers(model, _embed(model, tokens[:, None] if tokens.dim() == 1 else tokens), mix, step=True)
+    h = _embed(model, tokens[:, None] if tokens.dim() == 1 else tokens)
+    h = _run_layers(model, h, run_block, step=True)
     cache.position += 1
     return h if model.lm_head is None else _step_logits(model, cache, h[:, 0])
 

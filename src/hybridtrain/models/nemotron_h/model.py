@@ -43,6 +43,7 @@ from .mlp import MLP
 from .moe import MoE
 from .norms import RMSNorm
 from .numerics import matmul_dtype
+from .step_ops import norm
 
 if TYPE_CHECKING:
     from hybridtrain.distributed.tensor_parallel import SequenceParallel
@@ -139,6 +140,35 @@ class Block(nn.Module):
         if self.block_type in ("linear_attention", "full_attention") and info is not None:
             return self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
         return self.mixer(h)
+
+    # -- cached decoding (the loop is generation.py) ----------------------------------------------
+    def prefill(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
+                valid: torch.Tensor | None, max_length: int) -> tuple[torch.Tensor, object | None]:
+        """The block over a prompt [b, L, H] (``seq_idx``/``valid``: the left padding as its own
+        document, see :func:`.generation.prefill`); returns the output and the layer's cache entry
+        (a Mamba state or the key/value cache for ``max_length`` tokens; None for MLP and MoE)."""
+        x = norm(self.norm, hidden_states, step=False)
+        entry = None
+        if self.block_type == "linear_attention":
+            y, entry = self.mixer.prefill(x, seq_idx, valid)
+        elif self.block_type == "full_attention":
+            y, entry = self.mixer.prefill(x, seq_idx, max_length)
+        else:
+            y = self.mixer(x)
+        return hidden_states + y, entry
+
+    def step(self, hidden_states: torch.Tensor, entry: object | None, valid: torch.Tensor,
+             position: torch.Tensor) -> torch.Tensor:
+        """One decoding step [b, 1, H] on the layer's cache ``entry`` (``valid``/``position``: the
+        cache's valid positions and the step's position, device tensors)."""
+        x = norm(self.norm, hidden_states)
+        if self.block_type == "linear_attention":
+            y = self.mixer.step(x, entry)
+        elif self.block_type == "full_attention":
+            y = self.mixer.step(x, entry, valid, position)
+        else:
+            y = self.mixer.step(x)
+        return hidden_states + y
 
 
 class NemotronHModel(nn.Module):
