@@ -1,13 +1,13 @@
 """hybridtrain against transformers' NemotronH, one invocation, same config, weights and data.
 
-    python benchmarks/vs_transformers.py [--seq-len 512] [--batch-size 4] [--steps 3]
+    python benchmarks/vs_transformers.py [--squad dev-v2.0.json] [--seq-len 512] [--batch-size 4] [--steps 3]
         [--dtypes fp32,bf16] [--repeats 3] [--ce-chunk 1024] [--ac POLICY] [--json out.json]
 
 Both sides train the same ~48M-parameter MoE Nemotron-H (``small_moe_config()``, pattern
 ``MEM*EM-E``, vocab 32000), initialised once and saved as a Hugging Face checkpoint that each
 side loads; both take full training steps (forward, backward, fused AdamW step) on SQuAD v2
-questions (``../shared/data/squad-v2-dev-subset.json``, else the synthetic SQuAD) tokenized by one
-BPE tokenizer trained on them. fp32, and bf16 under ``torch.autocast`` (fp32 master weights).
+questions (``--squad FILE``, a SQuAD v2 JSON such as the dev set; without it the synthetic
+SQuAD) tokenized by one BPE tokenizer trained on them. fp32, and bf16 under ``torch.autocast`` (fp32 master weights).
 
 (a) what a TRL user runs: ``transformers.NemotronHForCausalLM`` on batches of ``batch_size``
     shuffled examples, each padded to ``seq_len`` (with ``attention_mask``), loss from fp32
@@ -44,8 +44,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SQUAD = ROOT.parent / "shared" / "data" / "squad-v2-dev-subset.json"
 TARGETS = {"effective_tokens_per_s": 3.0, "raw_tokens_per_s": 1.2, "peak_memory": 0.6}
 
 
@@ -156,7 +154,7 @@ def prepare(workdir: Path, args) -> dict:
     n_params = model.num_parameters()
     del model
 
-    squad = SQUAD if SQUAD.is_file() else write_synthetic_squad(workdir / "synthetic_squad.json", 3000)
+    squad = args.squad or write_synthetic_squad(workdir / "synthetic_squad.json", 3000)
     raw = json.loads(Path(squad).read_text())
     texts = [p["context"] for a in raw["data"] for p in a["paragraphs"]]
     texts += [q["question"] for a in raw["data"] for p in a["paragraphs"] for q in p["qas"]]
@@ -227,6 +225,7 @@ def tokens_per_s(res: dict, clock: str = "step_s") -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--squad", default=None, help="SQuAD v2 JSON to train on (default: synthetic SQuAD)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
