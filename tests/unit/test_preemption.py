@@ -279,3 +279,29 @@ def test_sigterm_as_soon_as_python_m_hybridtrain_starts_exits_75(tmp_path):
     err = proc.stderr.read()
     assert "hybridtrain: SIGTERM received outside the training steps" in err
     assert "Traceback" not in err and not list(tmp_path.glob("run/step_*"))
+
+
+@pytest.mark.parametrize("rc,requeued", [(EXIT_PREEMPTED, True), (2, False), (0, False)])
+def test_the_slurm_example_requeues_on_75(tmp_path, rc, requeued):
+    """examples/slurm_nemotron3_nano.sbatch with stand-ins for srun and scontrol: the job is
+    requeued exactly when the ranks exit 75, and the script exits with their status."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm_nemotron3_nano.sbatch"
+    bin_dir, repo = tmp_path / "bin", tmp_path / "repo"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "activate").write_text("")
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nexit {rc}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n'
+                                      'echo node1\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO": str(repo), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node1", "HOME": str(tmp_path)}
+    res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == rc, res.stderr
+    log = (tmp_path / "scontrol.log").read_text()
+    assert ("requeue 42" in log) == requeued
