@@ -618,9 +618,9 @@ def _all(flag: bool) -> bool:
 
 
 def read_checkpoint(path: str, read: Callable[[str], Any]) -> Any:
-    """``read(step)`` of the checkpoint ``path`` names: itself (a ``step_N`` folder, or any
-    other folder), or, for a run folder, the step its ``latest`` names. Read-only: the step is
-    pinned (:func:`~hybridtrain.runfolder.pin_step`) while ``read`` runs, so a live run's
+    """``read(step)`` of the checkpoint ``path`` names: itself (a ``step_N`` folder, its
+    export, or any other folder), or, for a run folder, the step its ``latest`` names.
+    Read-only: the step is pinned (:func:`~hybridtrain.runfolder.pin_step`) while ``read`` runs, so a live run's
     ``keep_last`` rotation leaves it alone. Where it is removed all the same (a file system
     without locks, a re-save of the step) the read of a run folder goes on with its newest step;
     a ``step_N`` the user named is reported as removed by the run. Collective in a process
@@ -640,7 +640,7 @@ def read_checkpoint(path: str, read: Callable[[str], Any]) -> Any:
             raise ValueError(step)
         before, pin, gone = _identity(step), None, False
         try:
-            pin = pin_step(step)
+            pin = pin_step(_step_of_path(step))
         except FileNotFoundError:  # not a checkpoint (read() says so), or rotated away just now
             gone = before is not None and _identity(step) != before
         if not _all(not gone):
@@ -668,6 +668,17 @@ def read_checkpoint(path: str, read: Callable[[str], Any]) -> Any:
                 raise _removed(step, path)
             continue
         return out
+
+
+def _step_of_path(path: str) -> str:
+    """The checkpoint to pin for ``path``: itself, or the ``step_N`` folder it lies in (its
+    ``hf/`` or ``adapter/`` export)."""
+    parent = os.path.dirname(path)
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")) and \
+            STEP_RE.match(os.path.basename(parent)) and \
+            os.path.isfile(os.path.join(parent, "trainer_state.json")):
+        return parent
+    return path
 
 
 def _unpin(pin: int | None) -> None:
