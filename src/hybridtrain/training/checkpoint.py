@@ -262,7 +262,10 @@ def _discard(path: str) -> None:
     once for a reader (a half-deleted step is never seen under its name)."""
     old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
     shutil.rmtree(old, ignore_errors=True)
-    os.rename(path, old)
+    try:
+        os.rename(path, old)
+    except FileNotFoundError:
+        return
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -503,7 +506,10 @@ class Checkpointer:
             path = os.path.join(self.dir, f"step_{s}")
             with unpinned(path) as free:
                 if free:
-                    _discard(path)
+                    try:
+                        _discard(path)
+                    except OSError as e:  # the new checkpoint is saved: not a failed save
+                        logger.warning("could not remove the old checkpoint %s: %s", path, e)
             if not free:
                 logger.info("keeping %s until a later save: a reader is reading it", path)
 
