@@ -524,7 +524,13 @@ class Checkpointer:
         check_config: bool = True,
     ) -> dict[str, Any]:
         """Restores everything :meth:`save` wrote from ``path``; collective. Returns the
-        trainer state dict."""
+        trainer state dict. ``path`` is read as :func:`read_checkpoint` reads it (pinned: the
+        checkpoint of another, live run too)."""
+        return read_checkpoint(path, lambda step: self._load(
+            step, model, optimizer, lr_scheduler, step_scheduler, check_config))
+
+    def _load(self, path: str, model: torch.nn.Module, optimizer, lr_scheduler, step_scheduler,
+              check_config: bool) -> dict[str, Any]:
         state_path = os.path.join(path, "trainer_state.json")
         if not os.path.isfile(state_path):
             raise _unreadable(path, "it has no trainer_state.json")
