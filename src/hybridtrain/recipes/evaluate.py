@@ -93,6 +93,7 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
     out_dir = run_folder_path(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
     device = resolve_device(cfg.training.device)
+
     def read(path: str):  # the step's number read while the step is pinned
         loaded = open_model(path, device=device)
         return loaded, _step_of(loaded.source if loaded.hf_dir is None

@@ -710,18 +710,17 @@ def _newest(run_dir: str, tried: list[str]) -> str:
             f"(the last {os.path.basename(tried[-1])}): its checkpoint.keep_last rotation "
             "outpaces this read on a file system without file locks. Read it once the run has "
             "ended, or give the run a larger checkpoint.keep_last")
-    for _ in range(50):  # `latest` may name a step being rotated away right now
+    for attempt in range(50):  # `latest` may name a step being rotated away right now
         try:
             step = latest_checkpoint(run_dir)
         except ValueError:
-            if not os.path.isfile(os.path.join(run_dir, LATEST)) or live_holder(run_dir) is None:
+            if attempt == 49 or live_holder(run_dir) is None:
                 raise
             time.sleep(0.02)
             continue
-        if step is not None:
-            return step
-        break
-    raise ValueError(f"{run_dir} holds no checkpoint ('latest' names none)")
+        if step is None:
+            raise ValueError(f"{run_dir} holds no checkpoint (no 'latest' file)")
+        return step
 
 
 def _removed(step: str, asked: str) -> ValueError:
