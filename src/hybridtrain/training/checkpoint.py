@@ -632,11 +632,11 @@ def _all(flag: bool) -> bool:
 def read_checkpoint(path: str, read: Callable[[str], Any]) -> Any:
     """``read(step)`` of the checkpoint ``path`` names: itself (a ``step_N`` folder, its
     export, or any other folder), or, for a run folder, the step its ``latest`` names.
-    Read-only: the step is pinned (:func:`~hybridtrain.runfolder.pin_step`) while ``read`` runs, so a live run's
-    ``keep_last`` rotation leaves it alone. Where it is removed all the same (a file system
-    without locks, a re-save of the step) the read of a run folder goes on with its newest step;
-    a ``step_N`` the user named is reported as removed by the run. Collective in a process
-    group (rank 0 chooses the step, every rank pins it)."""
+    Read-only: the step is pinned (:func:`~hybridtrain.runfolder.pin_step`) while ``read``
+    runs, so a live run's ``keep_last`` rotation leaves it alone. Where it is removed all the
+    same (a file system without locks, a re-save of the step) the read of a run folder goes on
+    with its newest step; a ``step_N`` the user named is reported as removed by the run.
+    Collective in a process group (rank 0 chooses the step, every rank pins it)."""
     path = os.path.abspath(path)
     run_dir = path if os.path.isfile(os.path.join(path, LATEST)) else None
     tried: list[str] = []
