@@ -22,7 +22,8 @@ error message).
 
 Exit status: 0 done, 2 a user error (the message says what to change), 3 a run that cannot go
 on (e.g. diverged), 75 stopped on a signal or ``training.max_time`` after saving a checkpoint
-(run again with ``--checkpoint.resume=auto``), 130 interrupted (Ctrl-C).
+(run again with ``--checkpoint.resume=auto``), or on a signal before it started (nothing to
+save), 130 interrupted (Ctrl-C).
 The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
 ``hybridtrain.recipes.benchmark:run(cfg, args)``,
@@ -50,7 +51,9 @@ from hybridtrain.config.schema import SECTIONS
 from hybridtrain.fileio import write_error
 from hybridtrain.launch import first_to_report, launch, worker_argv
 from hybridtrain.runfolder import TrainingStopped
-from hybridtrain.training.preemption import Preempted
+from hybridtrain.training.preemption import (
+    DEFAULT_SIGNALS, RESUMABLE_COMMANDS, Preempted, stopping_at_once,
+)
 
 __all__ = ["main", "build_parser", "strip_nproc_flag", "under_torchrun", "setup_logging"]
 
@@ -259,6 +262,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
 def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
                 sub_argv: list[str]) -> int:
     cfg = load_config(args.config, parse_overrides(overrides))
+    if command in RESUMABLE_COMMANDS:  # the recipe's signals now, instead of the defaults
+        with stopping_at_once(cfg, release=DEFAULT_SIGNALS):
+            return _run_loaded(command, args, cfg, sub_argv)
+    return _run_loaded(command, args, cfg, sub_argv)
+
+
+def _run_loaded(command: str, args: argparse.Namespace, cfg, sub_argv: list[str]) -> int:
     apply_dist_env(cfg.dist_env)  # first, before anything imports torch / touches CUDA
     apply_process_defaults()      # OMP_WAIT_POLICY=PASSIVE unless set: see config/dist_env.py
     if args.print_config:
@@ -294,6 +304,18 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # A training command stopped by a signal before its run has started (torch importing, the
+    # recipe loading) exits 75 like one stopped later, so that a requeue on 75 fires.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    with stopping_at_once(DEFAULT_SIGNALS if command in RESUMABLE_COMMANDS else ()):
+        try:
+            return _main(argv)
+        except Preempted as e:  # before the CLI's own handling began
+            _report(f"hybridtrain: {e}")
+            return e.exit_code
+
+
+def _main(argv: list[str]) -> int:
     setup_logging()
     try:
         if argv and argv[0] == "generate":

@@ -172,3 +172,136 @@ def test_a_signal_during_start_up_stops_at_once_and_frees_the_folder(tmp_path, c
     assert "SIGTERM received outside the training steps" in capsys.readouterr().err
     assert not out.exists()  # nothing written; the lock released with the empty folder
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _signal_during_save(monkeypatch, sig: int, step: int) -> None:
+    """``sig`` to this process while ``step_{step}`` is being written (between its sharded
+    tensors and its JSON files), if a handler is installed (a default action would end pytest)."""
+    from hybridtrain.training import checkpoint
+
+    real = checkpoint._dcp_save
+
+    def dcp_save_under_signal(tensors, path):
+        if f".step_{step}.tmp" in path and \
+                signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            os.kill(os.getpid(), sig)
+        return real(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "_dcp_save", dcp_save_under_signal)
+
+
+def _complete(out, step: int) -> None:
+    assert (out / "latest").read_text().strip() == f"step_{step}"
+    assert (out / f"step_{step}" / "trainer_state.json").exists()
+    assert not list(out.glob(".step_*")) and not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "dpo", "grpo"])
+def test_a_signal_during_the_final_save_waits_for_it(tmp_path, capsys, caplog, monkeypatch,
+                                                     recipe):
+    """SIGTERM while the last checkpoint is written: the save completes and the run finishes."""
+    import importlib
+
+    from tests.unit.test_rl_recipes import rl_recipe
+
+    out = tmp_path / "run"
+    last = STEPS if recipe == "finetune" else 2
+    _signal_during_save(monkeypatch, signal.SIGTERM, last)
+    if recipe == "finetune":
+        assert main(_args(tmp_path, out)) == 0
+    else:
+        cfg = rl_recipe(tmp_path, recipe)
+        cfg["training"]["max_steps"] = last
+        importlib.import_module(f"hybridtrain.recipes.{recipe}").run(cfg)
+    _complete(out, last)
+    logged = caplog.text + capsys.readouterr().err  # (main() logs to stderr)
+    assert "SIGTERM received after the last step: the run finished" in logged
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_ctrl_c_during_a_save_exits_130_after_it(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _signal_during_save(monkeypatch, signal.SIGINT, 5)
+    assert main(_args(tmp_path, out)) == 130
+    _complete(out, 5)
+    assert _records(out)[-1]["step"] == 5
+    err = capsys.readouterr().err
+    assert "hybridtrain: interrupted" in err and "Traceback" not in err
+
+
+def test_a_signal_while_the_cli_imports_torch_exits_75(tmp_path, capsys, monkeypatch):
+    from hybridtrain import cli
+
+    load = cli._load_entry
+
+    def signal_then_load(*a):
+        os.kill(os.getpid(), signal.SIGTERM)  # as if torch were being imported
+        return load(*a)
+
+    monkeypatch.setattr(cli, "_load_entry", signal_then_load)
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out)) == EXIT_PREEMPTED
+    assert "hybridtrain: SIGTERM received outside the training steps: stopped without a new " \
+        "checkpoint" in capsys.readouterr().err
+    assert not out.exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_sigterm_as_soon_as_python_m_hybridtrain_starts_exits_75(tmp_path):
+    """SIGTERM as soon as `python -m hybridtrain finetune` catches it (long before torch is
+    imported): exit 75 without a checkpoint, so that a requeue on 75 fires."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)])}
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtrain", *_args(tmp_path, out)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None \
+            and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == EXIT_PREEMPTED
+    err = proc.stderr.read()
+    assert "hybridtrain: SIGTERM received outside the training steps" in err
+    assert "Traceback" not in err and not list(tmp_path.glob("run/step_*"))
+
+
+@pytest.mark.parametrize("rc,requeued", [(EXIT_PREEMPTED, True), (2, False), (0, False)])
+def test_the_slurm_example_requeues_on_75(tmp_path, rc, requeued):
+    """examples/slurm_nemotron3_nano.sbatch with stand-ins for srun and scontrol: the job is
+    requeued exactly when the ranks exit 75, and the script exits with their status."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm_nemotron3_nano.sbatch"
+    bin_dir, repo = tmp_path / "bin", tmp_path / "repo"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "activate").write_text("")
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nexit {rc}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n'
+                                      'echo node1\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "REPO": str(repo), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node1", "HOME": str(tmp_path)}
+    res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == rc, res.stderr
+    log = (tmp_path / "scontrol.log").read_text()
+    assert ("requeue 42" in log) == requeued

@@ -175,3 +175,39 @@ def test_latest_that_leads_out_of_the_run_folder_is_refused(tmp_path, pointer):
         resolve_export(str(run))
     with pytest.raises(ValueError, match=refused):  # hybridtrain convert RUN_DIR OUT
         convert(str(run), str(tmp_path / "out"))
+
+
+def test_a_disk_turned_read_only_mid_run_is_reported_against_the_failed_write(tmp_path, capsys,
+                                                                              monkeypatch):
+    """The second checkpoint and then every removal fail with EROFS: the error names the
+    checkpoint being written, not the lock that could not be removed on the way out."""
+    import errno
+
+    from hybridtrain import runfolder
+    from hybridtrain.training import checkpoint
+
+    real_save, real_remove = checkpoint._dcp_save, os.remove
+    read_only = []
+
+    def dcp_save(tensors, path):
+        if ".step_2.tmp" in path:
+            read_only.append(True)
+        if read_only:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_save(tensors, path)
+
+    def remove(path, *a, **kw):
+        if read_only:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_remove(path, *a, **kw)
+
+    monkeypatch.setattr(checkpoint, "_dcp_save", dcp_save)
+    monkeypatch.setattr(runfolder.os, "remove", remove)
+    out = tmp_path / "run"
+    assert main(_args(tmp_path, out, "--training.ckpt_every_steps=1")) == 2
+    err = capsys.readouterr().err
+    assert f"hybridtrain: error: read-only file system while writing checkpoint {out}/step_2 " \
+        f"({out}/.step_2.tmp)" in err
+    assert f"could not remove the run folder's lock {out}/{LOCK_NAME}" in err
+    assert "Traceback" not in err
+    assert (out / "latest").read_text().strip() == "step_1"

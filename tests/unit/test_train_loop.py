@@ -264,8 +264,11 @@ def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where,
     assert open(run / "latest").read().strip() == f"step_{EVERY}"
     assert (run / f"step_{EVERY}" / "trainer_state.json").exists()
 
+    from hybridtrain.runfolder import RunLock
+
+    with RunLock(run):  # the next run takes the folder: a stale temp folder is removed
+        assert not list(run.glob(".step_*.tmp"))
     again = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, model_fn=standin_model)
-    assert not list(run.glob(".step_*.tmp"))  # a stale temp folder is removed at start
     again.resume(again.checkpointer.resolve_resume("auto"))
     assert again.sched.step == EVERY
     again.fit()

@@ -503,8 +503,11 @@ def merge_cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-base-mismatch", action="store_true",
                         help="merge even though adapter_config.json names another base model")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    out = merge_adapter_into_hf(args.base, args.adapter, args.out, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size,
-                                allow_base_mismatch=args.allow_base_mismatch)
+    from hybridtrain.training.checkpoint import read_checkpoint  # (training imports peft)
+
+    # an adapter inside a run's step_N/ is read with that step pinned (a live run keeps it)
+    out = read_checkpoint(args.adapter, lambda adapter: merge_adapter_into_hf(
+        args.base, adapter, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+        allow_base_mismatch=args.allow_base_mismatch))
     print(f"merged {args.adapter} into {args.base} -> {out}")
     return 0

@@ -36,12 +36,14 @@ import torch
 from hybridtrain.config.schema import section_defaults
 from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.init import process_group
+from hybridtrain.fileio import atomic_write
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.training.builder import Built, build
 from hybridtrain.training.flops import Throughput, measure_matmul_peak, peak_tflops
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
+from hybridtrain.training.preemption import deferred_signals
 from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import TrainData, Trainer
@@ -314,8 +316,8 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
             print(line, flush=True)
         path = opts["output"] or os.path.join(out_dir, "benchmark.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        with deferred_signals():  # written whole, whatever signal comes meanwhile
+            atomic_write(path, json.dumps(results, indent=2, default=str))
         print(f"benchmark results: {path}", flush=True)
         results["output"] = path
     return results

@@ -25,12 +25,13 @@ from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
 from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.utils import main_process_first
-from hybridtrain.recipes.generate import load_model, resolve_export, unexported_checkpoint
-from hybridtrain.runfolder import latest_checkpoint, run_folder_path
+from hybridtrain.recipes.generate import open_model
+from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import (
     as_config, build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
     resolve_device,
 )
+from hybridtrain.training.checkpoint import read_checkpoint
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 
@@ -53,10 +54,8 @@ def _write(out_dir: str, rec: dict[str, Any]) -> None:
     print(json.dumps(rec), flush=True)
 
 
-def _step_dir(path: str) -> str:
-    """The ``step_N`` checkpoint ``path`` names (itself, or a run folder's latest)."""
-    path = os.path.abspath(path)
-    path = latest_checkpoint(path) or path
+def _check_step(path: str) -> str:
+    """``path`` when it is a ``step_N`` checkpoint (what several processes can load)."""
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise ValueError(f"hybridtrain evaluate with several processes: --checkpoint {path} is not a "
                          "step_N checkpoint or a run folder holding one (no trainer_state.json); "
@@ -65,13 +64,16 @@ def _step_dir(path: str) -> str:
 
 
 def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | None:
-    """The evaluation under the recipe's layout (several processes); the record on the main rank."""
+    """The evaluation under the recipe's layout (several processes); the record on the main rank.
+    The checkpoint is read as :func:`~hybridtrain.training.checkpoint.read_checkpoint` reads it
+    (rank 0 chooses the step, every rank pins it; nothing is written into its run folder)."""
     out_dir = run_folder_path(cfg.checkpoint.dir)
-    path = _step_dir(checkpoint or out_dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
     with process_group(cfg) as info:
         b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True)
-        state = build_checkpointer(b, out_dir).load(path, b.model)
+        checkpointer = build_checkpointer(b, out_dir)
+        path, state = read_checkpoint(checkpoint or out_dir, lambda step: (
+            step, checkpointer.load(_check_step(step), b.model)))
         val_ds = main_process_first(lambda: instantiate_with(
             cfg.validation_dataset, tokenizer=b.tokenizer, default_split="validation"), info.is_main)
         step = state.get("step")
@@ -91,14 +93,13 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
     out_dir = run_folder_path(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
     device = resolve_device(cfg.training.device)
-    step_dir = unexported_checkpoint(ckpt)
-    if step_dir is None:
-        hf_dir, adapter = resolve_export(ckpt)
-        source = adapter or hf_dir
-        step = _step_of(os.path.dirname(source))
-    else:
-        source, step = step_dir, _step_of(step_dir)
-    model, tokenizer = load_model(ckpt, device=device)
+
+    def read(path: str):  # the step's number read while the step is pinned
+        loaded = open_model(path, device=device)
+        return loaded, _step_of(loaded.source if loaded.hf_dir is None
+                                else os.path.dirname(loaded.source))
+
+    (model, tokenizer, _, source), step = read_checkpoint(ckpt, read)
     dtype = resolve_dtype(cfg.training.dtype, device, model.config.hidden_size, cfg.training.cpu_bf16)
     val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")

@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,7 +34,7 @@ from hybridtrain.data.templates import apply_template
 from hybridtrain.models.spec import get_model_spec
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
-from hybridtrain.training.checkpoint import load_checkpoint_model, step_folder
+from hybridtrain.training.checkpoint import load_checkpoint_model, read_checkpoint, step_folder
 from hybridtrain.training.evaluation import left_pad
 
 logger = logging.getLogger(__name__)
@@ -89,11 +90,30 @@ def unexported_checkpoint(path: str) -> str | None:
     return None if exported else path
 
 
+class Loaded(NamedTuple):
+    model: torch.nn.Module
+    tokenizer: Any
+    hf_dir: str | None  # the Hugging Face folder read (None: a step's sharded checkpoint)
+    source: str  # what was read: that folder, the adapter, or the step_N checkpoint
+
+
 def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu"):
     """(model, tokenizer) for generation: the model class registered for the folder's
     ``model_type``, with a PEFT adapter applied when given (not merged); a ``step_N`` checkpoint
     without an export: the model its sharded checkpoint holds, with its tokenizer."""
+    return tuple(open_model(model_dir, adapter_dir, dtype, device)[:2])
+
+
+def open_model(model_dir: str, adapter_dir: str | None = None,
+               dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu") -> Loaded:
+    """:func:`load_model`, with what it read. A run folder or checkpoint is read as
+    :func:`~hybridtrain.training.checkpoint.read_checkpoint` reads it: its step pinned, nothing
+    written (a live run's folder too)."""
+    return read_checkpoint(model_dir, lambda path: _open_model(path, adapter_dir, dtype, device))
+
+
+def _open_model(model_dir: str, adapter_dir: str | None, dtype, device) -> Loaded:
     step_dir = unexported_checkpoint(model_dir)
     if step_dir is not None:
         if adapter_dir:
@@ -107,7 +127,7 @@ def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtyp
         logger.info("%s has no export: loaded its sharded checkpoint", step_dir)
         if dtype is not None:
             model = model.to(to_torch_dtype(dtype, "--dtype"))
-        return model.to(device).eval(), load_tokenizer(tok_dir)
+        return Loaded(model.to(device).eval(), load_tokenizer(tok_dir), None, step_dir)
     hf_dir, found_adapter = resolve_export(model_dir)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
@@ -116,7 +136,7 @@ def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtyp
         load_peft_adapter(model, adapter_dir)
     tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
         else hf_dir
-    return model.to(device).eval(), load_tokenizer(tok_dir)
+    return Loaded(model.to(device).eval(), load_tokenizer(tok_dir), hf_dir, adapter_dir or hf_dir)
 
 
 def stop_token_ids(tokenizer, hf_dir: str | None = None, chat: bool = False) -> list[int]:
@@ -241,13 +261,12 @@ def run(argv: Sequence[str] | None = None) -> int:
                           else ("cpu" if args.device == "auto" else args.device))
     records = read_prompts(args.prompts) if args.prompts else \
         [check_prompt({"prompt": args.prompt}, "--prompt")]
-    model, tok = load_model(args.model, args.adapter, dtype=args.dtype, device=device)
+    model, tok, hf_dir, _ = open_model(args.model, args.adapter, dtype=args.dtype, device=device)
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError("--chat: the tokenizer has no chat template")
     prompts = [encode_prompt(tok, r, args.chat, "--prompt" if args.prompts is None
                              else f"{args.prompts} record {i + 1}") for i, r in enumerate(records)]
     do_sample = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
-    hf_dir = None if unexported_checkpoint(args.model) else resolve_export(args.model)[0]
     results = complete(model, tok, prompts, batch_size=args.batch_size,
                        stop_ids=stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records)),
                        max_new_tokens=args.max_new_tokens, do_sample=do_sample,

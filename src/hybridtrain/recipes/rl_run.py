@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -220,14 +221,20 @@ class RLRun:
                         f"{self.steps}; {where}")
 
     def finish(self, headline: Callable[[list[dict]], str]) -> dict[str, Any]:
-        """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0)."""
-        self.stop.restore()
+        """Final checkpoint with the export, ``loss.png``, the summary (printed by rank 0). As
+        finetune's: a signal during the final save only waits for it (the step loop's handlers
+        stay until it is done); the run has finished."""
         ckpt = None
-        if self.cfg.checkpoint.enabled:  # step_N: N = the logged steps (GRPO: rollout steps)
-            export = self.cfg.checkpoint.save_hf_at_end
-            ckpt = self.save(export=export)
-            if export:  # final/: the finished run's export, as finetune's
-                self.policy.checkpointer(self.out_dir).mark_final(ckpt)
+        with self.stop.saving():
+            if self.cfg.checkpoint.enabled:  # step_N: N = the logged steps (GRPO: rollouts)
+                export = self.cfg.checkpoint.save_hf_at_end
+                ckpt = self.save(export=export)
+                if export:  # final/: the finished run's export, as finetune's
+                    self.policy.checkpointer(self.out_dir).mark_final(ckpt)
+        self.stop.restore()
+        if self.stop.received:
+            logger.warning("%s received after the last step: the run finished", ", ".join(
+                sorted({signal.Signals(x).name for x in self.stop.received})))
         plot = self.metrics.close()
         losses = [r["loss"] for r in self.history if math.isfinite(r.get("loss", math.nan))]
         summary = {"steps": len(self.history), "first_loss": losses[0] if losses else None,

@@ -17,13 +17,18 @@ hyper-parameters come from the run's config on resume and the LR from the LR sch
 
 A checkpoint is written into ``.step_{N}.tmp`` and renamed to ``step_{N}`` when complete; the
 ``latest`` file (``step_{N}``) is then replaced atomically. A crash at any point leaves the
-previous checkpoint and ``latest`` untouched.
+previous checkpoint and ``latest`` untouched. Signals that arrive during a save wait until it is
+complete (:func:`~hybridtrain.training.preemption.deferred_signals`). A step folder leaves
+(``keep_last``, a re-save, ``clear``) by a rename to ``.step_{N}.old`` before it is deleted, and
+a step a reader has pinned (:func:`~hybridtrain.runfolder.pin_step`) stays until a later save.
+
+Readers (``convert``, ``generate``, ``evaluate``) go through :func:`read_checkpoint`: the step
+a run folder's ``latest`` names, pinned while it is read; they write nothing into the run folder.
 """
 
 from __future__ import annotations
 
 import functools
-import glob
 import importlib
 import inspect
 import json
@@ -52,7 +57,8 @@ from hybridtrain.fileio import (
 from hybridtrain.models.spec import model_spec_for, registered_model_class
 from hybridtrain.peft.export import export_peft
 from hybridtrain.peft.lora import apply_lora
-from hybridtrain.runfolder import STEP_RE, latest_checkpoint
+from hybridtrain.runfolder import STEP_RE, latest_checkpoint, live_holder, pin_step, unpinned
+from hybridtrain.training.preemption import deferred_signals
 from hybridtrain.training.precision import resolve_save_dtype
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
@@ -251,6 +257,28 @@ def _partial_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, f".step_{step}.tmp")
 
 
+def _discard(path: str) -> None:
+    """Deletes the step folder ``path``: renamed to ``.step_N.old`` first, so that it leaves at
+    once for a reader (a half-deleted step is never seen under its name)."""
+    old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(path, old)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _under_deferred_signals(write: Callable) -> Callable:
+    """A writing method of the run folder that signals do not cut short (they are handled once
+    it is done)."""
+    @functools.wraps(write)
+    def wrapper(*args, **kwargs):
+        with deferred_signals():
+            return write(*args, **kwargs)
+    return wrapper
+
+
 def _removes_partial_on_write_error(save: Callable) -> Callable:
     """``Checkpointer.save`` that, when a disk is full or read-only, removes the partial
     checkpoint (it would fill the disk further) and raises a ``WriteError`` naming the path."""
@@ -307,13 +335,8 @@ class Checkpointer:
         self.state_extra = dict(state_extra or {})
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1 or null, got {keep_last}")
-        if get_rank() == 0:
-            os.makedirs(self.dir, exist_ok=True)
-            for stale in glob.glob(os.path.join(self.dir, ".step_*.tmp")):
-                logger.warning("removing incomplete checkpoint %s (a run died while writing it)",
-                               stale)
-                shutil.rmtree(stale, ignore_errors=True)
-        barrier()
+        # Nothing is written here: a reader makes one too. What a dead writer left is removed
+        # by the run that takes the folder's lock (hybridtrain.runfolder.RunLock).
 
     # -- discovery ---------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -346,6 +369,7 @@ class Checkpointer:
         return path
 
     # -- save --------------------------------------------------------------------------------
+    @_under_deferred_signals
     @_removes_partial_on_write_error
     def save(
         self,
@@ -368,7 +392,7 @@ class Checkpointer:
         rank = get_rank()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(os.path.join(tmp, "rng"))  # and the run folder
         barrier()
 
         if optimizer is not None:
@@ -411,7 +435,7 @@ class Checkpointer:
         if rank == 0:
             _fsync_dir(tmp)
             if os.path.exists(out):  # re-saving a step (after a resume): replace it
-                shutil.rmtree(out)
+                _discard(out)
             os.rename(tmp, out)
             _fsync_dir(self.dir)
             atomic_write(os.path.join(self.dir, LATEST), name + "\n", fsync=True)
@@ -421,11 +445,13 @@ class Checkpointer:
         barrier()
         return out
 
+    @_under_deferred_signals
     def export(self, model: torch.nn.Module, out_dir: str, final: bool = True) -> None:
         """Writes the export (``export_fn``: ``hf/``, or ``adapter/`` for LoRA) into ``out_dir``.
         Collective."""
         self.export_fn(model, out_dir, self.tokenizer, final)
 
+    @_under_deferred_signals
     def set_latest(self, step: int) -> str:
         """Points ``latest`` at the existing ``step_{step}`` (a resume goes back there);
         collective. Returns the folder."""
@@ -436,6 +462,7 @@ class Checkpointer:
         barrier()
         return os.path.join(self.dir, name)
 
+    @_under_deferred_signals
     def mark_final(self, export_dir: str) -> str:
         """Points the symlink ``final`` at ``export_dir`` (a ``step_N`` folder or the run folder
         itself): ``final/hf`` (``final/adapter``) is the finished run's export whatever its step
@@ -452,6 +479,7 @@ class Checkpointer:
         barrier()
         return link
 
+    @_under_deferred_signals
     def clear(self) -> list[str]:
         """Removes the ``step_*`` folders and ``latest`` of an earlier run in ``dir`` (a new run
         starts there); collective. Returns the removed names."""
@@ -463,7 +491,7 @@ class Checkpointer:
         if get_rank() == 0:
             for n in names:
                 p = os.path.join(self.dir, n)
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+                _discard(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
         barrier()
         return names
 
@@ -473,8 +501,17 @@ class Checkpointer:
         steps = self.steps()
         final = os.path.basename(os.path.realpath(os.path.join(self.dir, FINAL)))
         for s in steps[: max(len(steps) - self.keep_last, 0)]:
-            if f"step_{s}" not in (latest_name, final):
-                shutil.rmtree(os.path.join(self.dir, f"step_{s}"), ignore_errors=True)
+            if f"step_{s}" in (latest_name, final):
+                continue
+            path = os.path.join(self.dir, f"step_{s}")
+            with unpinned(path) as free:
+                if free:
+                    try:
+                        _discard(path)
+                    except OSError as e:  # the new checkpoint is saved: not a failed save
+                        logger.warning("could not remove the old checkpoint %s: %s", path, e)
+            if not free:
+                logger.info("keeping %s until a later save: a reader is reading it", path)
 
     # -- load --------------------------------------------------------------------------------
     def load(
@@ -487,7 +524,13 @@ class Checkpointer:
         check_config: bool = True,
     ) -> dict[str, Any]:
         """Restores everything :meth:`save` wrote from ``path``; collective. Returns the
-        trainer state dict."""
+        trainer state dict. ``path`` is read as :func:`read_checkpoint` reads it (pinned: the
+        checkpoint of another, live run too)."""
+        return read_checkpoint(path, lambda step: self._load(
+            step, model, optimizer, lr_scheduler, step_scheduler, check_config))
+
+    def _load(self, path: str, model: torch.nn.Module, optimizer, lr_scheduler, step_scheduler,
+              check_config: bool) -> dict[str, Any]:
         state_path = os.path.join(path, "trainer_state.json")
         if not os.path.isfile(state_path):
             raise _unreadable(path, "it has no trainer_state.json")
@@ -557,6 +600,140 @@ def step_folder(path: str) -> str:
     return latest_checkpoint(path) if os.path.isfile(os.path.join(path, LATEST)) else path
 
 
+READ_TRIES = 5  # steps a reader tries when a live run removes each one while it is read
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (itself in one process)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all(flag: bool) -> bool:
+    """True when ``flag`` is True on every rank."""
+    if not is_distributed():
+        return flag
+    flags = [None] * get_world_size()
+    torch.distributed.all_gather_object(flags, bool(flag))
+    return all(flags)
+
+
+def read_checkpoint(path: str, read: Callable[[str], Any]) -> Any:
+    """``read(step)`` of the checkpoint ``path`` names: itself (a ``step_N`` folder, its
+    export, or any other folder), or, for a run folder, the step its ``latest`` names.
+    Read-only: the step is pinned (:func:`~hybridtrain.runfolder.pin_step`) while ``read``
+    runs, so a live run's ``keep_last`` rotation leaves it alone. Where it is removed all the
+    same (a file system without locks, a re-save of the step) the read of a run folder goes on
+    with its newest step; a ``step_N`` the user named is reported as removed by the run.
+    Collective in a process group (rank 0 chooses the step, every rank pins it)."""
+    path = os.path.abspath(path)
+    run_dir = path if os.path.isfile(os.path.join(path, LATEST)) else None
+    tried: list[str] = []
+    while True:
+        choice = None
+        if get_rank() == 0:
+            try:
+                choice = ("step", _newest(run_dir, tried) if run_dir else path)
+            except ValueError as e:
+                choice = ("error", str(e))
+        kind, step = _broadcast(choice)
+        if kind == "error":
+            raise ValueError(step)
+        before, pin, gone = _identity(step), None, False
+        try:
+            pin = pin_step(_step_of_path(step))
+        except FileNotFoundError:  # not a checkpoint (read() says so), or rotated away just now
+            gone = before is not None and _identity(step) != before
+        if not _all(not gone):
+            _unpin(pin)
+            tried.append(step)
+            if run_dir is None:
+                raise _removed(step, path)
+            continue
+        try:
+            out = read(step)
+        except Exception:
+            if before is None or _identity(step) == before:
+                raise  # the step is still there as it was: its own error stands
+            tried.append(step)
+            if run_dir is None or is_distributed():
+                raise _removed(step, path) from None
+            logger.warning("%s was removed by the run writing %s while it was being read; "
+                           "reading its newest checkpoint instead", step, run_dir)
+            continue
+        finally:
+            _unpin(pin)
+        if before is not None and _identity(step) != before:  # replaced while it was read
+            tried.append(step)
+            if run_dir is None or is_distributed():
+                raise _removed(step, path)
+            continue
+        return out
+
+
+def _step_of_path(path: str) -> str:
+    """The checkpoint to pin for ``path``: itself, or the ``step_N`` folder it lies in (its
+    ``hf/`` or ``adapter/`` export)."""
+    parent = os.path.dirname(path)
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")) and \
+            STEP_RE.match(os.path.basename(parent)) and \
+            os.path.isfile(os.path.join(parent, "trainer_state.json")):
+        return parent
+    return path
+
+
+def _unpin(pin: int | None) -> None:
+    if pin is not None:
+        os.close(pin)
+
+
+def _newest(run_dir: str, tried: list[str]) -> str:
+    """The step ``latest`` of ``run_dir`` names now; an error naming the live run after
+    :data:`READ_TRIES` steps it removed while they were read."""
+    if len(tried) >= READ_TRIES:
+        holder = live_holder(run_dir)
+        raise ValueError(
+            f"{run_dir}: " + (f"a live run holds this folder ({holder}) and" if holder else
+                              "the run writing this folder")
+            + f" removed each of its last {len(tried)} checkpoints while it was being read "
+            f"(the last {os.path.basename(tried[-1])}): its checkpoint.keep_last rotation "
+            "outpaces this read on a file system without file locks. Read it once the run has "
+            "ended, or give the run a larger checkpoint.keep_last")
+    for attempt in range(50):  # `latest` may name a step being rotated away right now
+        try:
+            step = latest_checkpoint(run_dir)
+        except ValueError:
+            if attempt == 49 or live_holder(run_dir) is None:
+                raise
+            time.sleep(0.02)
+            continue
+        if step is None:
+            raise ValueError(f"{run_dir} holds no checkpoint (no 'latest' file)")
+        return step
+
+
+def _removed(step: str, asked: str) -> ValueError:
+    """The error of a step removed while it was read (never "truncated or corrupt")."""
+    run_dir = os.path.dirname(step)
+    holder = live_holder(run_dir)
+    who = (f"a live run holds this folder ({holder}) and removed it (its "
+           "checkpoint.keep_last rotation or a re-save)" if holder else
+           "it was removed or replaced meanwhile")
+    return ValueError(f"{asked}: checkpoint {step} went away while it was being read: {who}. "
+                      f"Read the run folder {run_dir} (its newest checkpoint), or a step it keeps")
+
+
 def _open_checkpoint(ckpt_dir: str) -> tuple[str, dict, type, Any]:
     """(step folder, trainer state, model class, model config) of a ``step_N`` folder or a run
     folder (its ``latest``)."""
@@ -589,7 +766,12 @@ def _load_saved_tensors(model: torch.nn.Module, path: str, state: dict) -> None:
 def convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None = None) -> str:
     """Exports a checkpoint (``step_N`` folder, or a run folder -> its ``latest``) as a
     consolidated Hugging Face folder (a LoRA run's: a PEFT adapter folder), with the tokenizer.
-    Works in one process whatever parallel layout wrote the checkpoint."""
+    Works in one process whatever parallel layout wrote the checkpoint; reads it as
+    :func:`read_checkpoint` does (a live run's folder too)."""
+    return read_checkpoint(ckpt_dir, lambda step: _convert(step, out_hf_dir, dtype))
+
+
+def _convert(ckpt_dir: str, out_hf_dir: str, dtype: str | torch.dtype | None) -> str:
     path, state, cls, config = _open_checkpoint(ckpt_dir)
     peft = state.get("peft")
     if not peft:  # the HF export, read and written one tensor at a time
@@ -619,7 +801,12 @@ def load_checkpoint_model(ckpt_dir: str) -> tuple[torch.nn.Module, str]:
     """(model, step folder): the model a checkpoint (``step_N`` or a run folder's ``latest``)
     holds, whole, in one process, its ``dcp/`` read as :func:`convert` reads it whatever layout
     wrote it; a LoRA checkpoint's adapters on the base model it records (a Hugging Face folder,
-    relative to the working directory as in training). For a step without an export."""
+    relative to the working directory as in training). For a step without an export; reads it
+    as :func:`read_checkpoint` does."""
+    return read_checkpoint(ckpt_dir, _load_checkpoint_model)
+
+
+def _load_checkpoint_model(ckpt_dir: str) -> tuple[torch.nn.Module, str]:
     path, state, cls, config = _open_checkpoint(ckpt_dir)
     peft = state.get("peft")
     if peft:

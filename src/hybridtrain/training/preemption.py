@@ -26,11 +26,20 @@ step boundary to time one.
                     save()
                 raise Preempted(...)
 
-Outside the step loop (building, loading, the final export) :func:`stopping_at_once` makes the
-same signals end the run at once, also with exit 75 (nothing new to save; the run folder's lock
-is released, so a requeued job on another node can take it).
+Outside the step loop (building, loading) :func:`stopping_at_once` makes the same signals end
+the run at once, also with exit 75 (nothing new to save; the run folder's lock is released, so a
+requeued job on another node can take it). The CLI installs it for the training commands
+(:data:`RESUMABLE_COMMANDS`) before anything heavy is imported, with the default signals until
+the recipe is read: a SIGTERM while torch is still importing exits 75 too, so a requeue on 75
+fires.
 
-This module imports torch only when it all-reduces (the CLI imports it).
+Every write into the run folder (a checkpoint, the export, ``latest``, ``final``) runs under
+:func:`deferred_signals`: SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 wait until it is complete
+and then reach the handler that was in place (a step loop's records it; Ctrl-C's raises
+``KeyboardInterrupt``: exit 130 after an intact save; a default action ends the process).
+
+This module imports torch only when it all-reduces and the recipe schema only when it reads a
+recipe (the CLI imports it first thing).
 """
 
 from __future__ import annotations
@@ -42,16 +51,22 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from hybridtrain.config.schema import parse_duration, parse_signals
 from hybridtrain.runfolder import TrainingStopped
 
-__all__ = ["RunStop", "Preempted", "EXIT_PREEMPTED", "stopping_at_once"]
+__all__ = ["RunStop", "Preempted", "EXIT_PREEMPTED", "RESUMABLE_COMMANDS", "DEFAULT_SIGNALS",
+           "deferred_signals", "stopping_at_once"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75
 _TIME_LIMIT = 1000  # the flag of the time limit (above every signal number)
 SAVE_MARGIN = 1.5  # the expected save takes this many times the last one
+# checkpoint.save_on_signal's default: the signals that stop a run before its recipe is read
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# what a save never lets cut it short (the signals the launcher passes on)
+DEFERRED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# the commands whose exit status 75 means "run again to continue"
+RESUMABLE_COMMANDS = ("finetune", "benchmark", "dpo", "grpo")
 
 
 class Preempted(TrainingStopped):
@@ -83,6 +98,8 @@ class RunStop:
     @classmethod
     def from_config(cls, cfg, device=None, started: float | None = None) -> "RunStop":
         """From ``checkpoint.save_on_signal`` and ``training.max_time`` of a loaded recipe."""
+        from hybridtrain.config.schema import parse_duration, parse_signals
+
         text = cfg.training.max_time
         return cls(parse_signals(cfg.checkpoint.save_on_signal),
                    parse_duration(text) if text is not None else None, started, device,
@@ -176,6 +193,35 @@ class RunStop:
                                "save went on", ", ".join(signal.Signals(s).name for s in late))
 
 
+@contextlib.contextmanager
+def deferred_signals(signals: Sequence[int] = DEFERRED_SIGNALS) -> Iterator[None]:
+    """While inside, ``signals`` are only noted; when the block completes, the handlers in place
+    before are back and get each noted signal once, in the order they came (a block that fails
+    drops them: its error ends the run). Ignored signals stay ignored. Nests; main thread only
+    (elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    previous = {}
+    for s in signals:
+        if signal.getsignal(s) not in (signal.SIG_IGN, None):
+            previous[s] = signal.signal(s, lambda signum, frame: noted.append(signum))
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if noted and not ok:
+            logger.warning("%s received while writing: the write failed (see the error)",
+                           ", ".join(signal.Signals(s).name for s in dict.fromkeys(noted)))
+        elif noted:
+            for s in dict.fromkeys(noted):
+                signal.raise_signal(s)
+
+
 def _raise_preempted(signum, frame):
     raise Preempted(f"{signal.Signals(signum).name} received outside the training steps: stopped "
                     "without a new checkpoint; run again (with --checkpoint.resume=auto to "
@@ -183,14 +229,24 @@ def _raise_preempted(signum, frame):
 
 
 @contextlib.contextmanager
-def stopping_at_once(cfg) -> Iterator[None]:
-    """While inside: the recipe's ``checkpoint.save_on_signal`` signals raise
-    :class:`Preempted` at once (the step loop's :meth:`RunStop.catching` overrides this while
-    it runs). Main thread only; elsewhere nothing changes."""
+def stopping_at_once(cfg_or_signals, release: Sequence[int] = ()) -> Iterator[None]:
+    """While inside: the recipe's ``checkpoint.save_on_signal`` signals (or the signal numbers
+    given) raise :class:`Preempted` at once (the step loop's :meth:`RunStop.catching` overrides
+    this while it runs); the signals of ``release`` that are not among them get their default
+    action back. Main thread only; elsewhere nothing changes."""
+    if hasattr(cfg_or_signals, "checkpoint"):
+        from hybridtrain.config.schema import parse_signals
+
+        signals = parse_signals(cfg_or_signals.checkpoint.save_on_signal)
+    else:
+        signals = list(cfg_or_signals)
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for s in parse_signals(cfg.checkpoint.save_on_signal):
+        for s in signals:
             previous[s] = signal.signal(s, _raise_preempted)
+        for s in release:
+            if s not in previous:
+                previous[s] = signal.signal(s, signal.SIG_DFL)
     try:
         yield
     finally:

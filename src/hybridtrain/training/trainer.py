@@ -436,10 +436,22 @@ class Trainer:
             reason = self.stop.requested()
             if reason is not None:
                 self._stop_early(reason, last_ckpt)
-        if self.stop.received:
-            logger.warning("%s received after the last step: the run finished",
-                           ", ".join(sorted({signal.Signals(x).name for x in self.stop.received})))
         return last_ckpt
+
+    def _final_export(self, last_ckpt: str | None) -> str | None:
+        """The export of the finished run (``save_hf_at_end``) and its ``final`` link; returns
+        the folder holding it."""
+        if not (self.settings.save_hf_at_end and self.checkpointer is not None):
+            return None
+        if last_ckpt is None and self.settings.save_ckpt:
+            last_ckpt = self.checkpointer.latest()  # a finished run resumed: nothing to do
+        if last_ckpt is not None:
+            export_dir = last_ckpt
+        else:  # checkpoints off: the export goes into the run folder itself
+            self.checkpointer.export(self.model, self.checkpointer.dir, final=True)
+            export_dir = self.checkpointer.dir
+        self.checkpointer.mark_final(export_dir)
+        return export_dir
 
     def fit(self) -> dict[str, Any]:
         """Trains until ``max_steps``; returns a summary (paths, first/last loss, times)."""
@@ -452,18 +464,12 @@ class Trainer:
         batches = sched.train_batches(
             lambda sampler: self.data.make_loader(self.data.train, sampler),
             len(self.data.train), dp_rank=self.dims.dp_rank)
-        with self.stop.catching():
+        with self.stop.catching():  # until the final export is written (a signal: noted)
             last_ckpt = self._train_loop(batches)
-        export_dir = None
-        if self.settings.save_hf_at_end and self.checkpointer is not None:
-            if last_ckpt is None and self.settings.save_ckpt:
-                last_ckpt = self.checkpointer.latest()  # a finished run resumed: nothing to do
-            if last_ckpt is not None:
-                export_dir = last_ckpt
-            else:  # checkpoints off: the export goes into the run folder itself
-                self.checkpointer.export(self.model, self.checkpointer.dir, final=True)
-                export_dir = self.checkpointer.dir
-            self.checkpointer.mark_final(export_dir)
+            export_dir = self._final_export(last_ckpt)
+        if self.stop.received:
+            logger.warning("%s received after the last step: the run finished",
+                           ", ".join(sorted({signal.Signals(x).name for x in self.stop.received})))
         plot = self.metrics.close() if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {
