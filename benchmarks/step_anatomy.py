@@ -5,7 +5,7 @@
 
 Traces one training step of the recipe's model (default ``benchmarks/gpu/nano8.yaml``: Nemotron 3
 Nano layer shapes, seq 4096 x batch 2) with ``torch.profiler`` on the CPU, as
-``../shared/gpu/prof.py`` ran it on the H100 (bf16, fp32 master weights, every token labelled,
+the measured H100 profile ran it (bf16, fp32 master weights, every token labelled,
 fused AdamW, no clipping), and estimates each operator's GPU time with a roofline. The real model
 (30 GB of fp32 weights, gradients and AdamW state) does not fit a developer machine, so the step is
 traced twice at reduced sizes, 1/scale and 2/scale of every size-dependent dimension (hidden,
