@@ -18,7 +18,7 @@
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd); G=$R/benchmarks/gpu
 O=${OUT:-$R/outputs/gpu_check}; mkdir -p "$O/cache"
-export PYTHONPATH=$R/src:$G${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$R/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=$O/cache/triton TORCHINDUCTOR_CACHE_DIR=$O/cache/inductor
 export TRITON_CACHE_AUTOTUNING=1 TRITON_PRINT_AUTOTUNING=1
 PY=${PY:-python3}
