@@ -1,7 +1,8 @@
 """The MoE layer of a captured decoding step (``MoE.step`` on the device forms) computes the chosen
 experts over the stacked weights as they are: no copy of an expert's weights per token (each
 operator's new tensors counted under a dispatch mode), the same output as the layer's forward, and
-the same greedy tokens as the eager CPU forms and ``transformers``; both forms, the grouped GEMM
+the same greedy tokens as the eager CPU forms and ``transformers``, a whole graph under
+``torch.compile(fullgraph=True)`` (no host value: what a CUDA-graph capture needs); both forms, the grouped GEMM
 (``grouped_mm``, offsets on the device) and its fallback (every local expert over the step's
 tokens)."""
 
@@ -101,3 +102,18 @@ def test_greedy_tokens_equal_the_cpu_forms_and_transformers(models, form):
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert torch.equal(got, theirs)
+
+
+@pytest.mark.parametrize("form,dtype", [("grouped", torch.bfloat16), ("dense", torch.float32)])
+def test_decode_step_compiles_whole(form, dtype):
+    """No graph break and no host value in either form (what a CUDA-graph capture needs)."""
+    torch._dynamo.reset()
+    model, moe = _moe(dtype=dtype)
+    x = torch.randn(3, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with torch.no_grad(), device_forms(form), Allocations() as rec:
+        eager = moe.step(x)
+    assert ("_grouped_mm" in {n for n, _ in rec.seen}) == (form == "grouped")
+    with torch.no_grad(), device_forms(form):
+        compiled = torch.compile(moe.step, fullgraph=True, backend="aot_eager", dynamic=False)(x)
+    torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
