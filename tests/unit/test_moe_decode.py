@@ -1,10 +1,10 @@
 """The MoE layer of a captured decoding step (``MoE.step`` on the device forms) computes the chosen
 experts over the stacked weights as they are: no copy of an expert's weights per token (each
-operator's new tensors counted under a dispatch mode), the same output as the layer's forward, and
-the same greedy tokens as the eager CPU forms and ``transformers``, a whole graph under
-``torch.compile(fullgraph=True)`` (no host value: what a CUDA-graph capture needs); both forms, the grouped GEMM
-(``grouped_mm``, offsets on the device) and its fallback (every local expert over the step's
-tokens)."""
+operator's new tensors counted under a dispatch mode), the same output as the layer's forward,
+the same greedy tokens as the eager CPU forms and ``transformers``, and one whole graph under
+``torch.compile(fullgraph=True)`` (no host value: what a CUDA-graph capture needs); both forms,
+the grouped GEMM (``grouped_mm``, offsets on the device) and its fallback (every local expert over
+the step's tokens)."""
 
 from __future__ import annotations
 
