@@ -173,8 +173,7 @@ def decode_grouped_mm(h: torch.Tensor, intermediate_size: int) -> bool:
     of 16-byte multiples (the kernel's alignment), and a kernel that reads no host value: the CPU
     one (its offsets are host memory already; any dtype in eager, bf16 compiled) or the CUDA bf16
     kernel of sm90 / sm100 (torch's other CUDA form copies the offsets to the host). The rows'
-    compute dtype is autocast's where it is on. (A hardware choice: it belongs beside
-    ``ops.backend.grouped_experts``.)"""
+    compute dtype is autocast's where it is on."""
     if not (backend.settings().grouped_mm and hasattr(F, "grouped_mm")):
         return False
     dtype = matmul_dtype(h)
