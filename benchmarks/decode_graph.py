@@ -9,7 +9,7 @@ On CUDA (bf16): ``generate`` with ``ops.backend``'s ``decode_graph`` off and on.
 (fp32, a dry run of the script on tiny shapes): the graph side is the same loop replaying the
 step compiled whole by ``generation.compiled_capture`` (``torch.compile`` standing in for the
 CUDA graph); its time says nothing about a GPU. nano8: Nemotron 3 Nano 30B-A3B layer shapes,
-8 layers ``MEMEM*EM``, 32 experts top-6 (~1.9B parameters; ``../shared/gpu/nano8.yaml``).
+8 layers ``MEMEM*EM``, 32 experts top-6 (~1.9B parameters; ``benchmarks/gpu/nano8.yaml``).
 """
 
 from __future__ import annotations

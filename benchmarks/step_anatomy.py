@@ -5,7 +5,7 @@
 
 Traces one training step of the recipe's model (default ``benchmarks/gpu/nano8.yaml``: Nemotron 3
 Nano layer shapes, seq 4096 x batch 2) with ``torch.profiler`` on the CPU, as
-``../shared/gpu/prof.py`` ran it on the H100 (bf16, fp32 master weights, every token labelled,
+the measured H100 profile ran it (bf16, fp32 master weights, every token labelled,
 fused AdamW, no clipping), and estimates each operator's GPU time with a roofline. The real model
 (30 GB of fp32 weights, gradients and AdamW state) does not fit a developer machine, so the step is
 traced twice at reduced sizes, 1/scale and 2/scale of every size-dependent dimension (hidden,
@@ -19,7 +19,13 @@ single-process path: ``torch.autocast`` over fp32 parameters) and ``bf16_params`
 ``MixedPrecisionPolicy`` path: bf16 copies of the parameters made once per micro-batch,
 autocast on top); the casts of each are printed.
 
-The measured reference: ``../shared/gpu/profile-nano8-h100.txt`` (one H100, torch path, 2026-11-26).
+Then, for the recipe at its real sizes, the step as a GPU user runs it (``benchmarks/projection.py``:
+mamba_ssm's SSD and causal_conv1d, elementwise work fused inside compiled blocks, Liger's loss):
+its predicted model TFLOP/s on an H100, the roofline ceiling, and the three largest items between
+the prediction and 280 TFLOP/s.
+
+The measured reference: ``benchmarks/results/h100-nano8-step-2026-11-26.json`` (one H100, eager
+PyTorch path, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks import anatomy  # noqa: E402
-# the H100 profile's device times (ms) per category (profile-nano8-h100.txt, 276.48 ms in all)
-MEASURED = {"loss": 95.65, "Mamba scan + conv": 11.14 + 27.21 + 5.36 + 18.11,
-            "optimizer": 20.26, "total": 276.48}
-MEASURED_GEMM_MS = 61.60 + 8.52   # aten::mm + aten::bmm, every context (the loss's included)
-MEASURED_COPY_MS = 36.42          # aten::copy_, 1067 calls: casts and same-dtype copies
-MEASURED_NORM_MS = 5.05 + 16.63   # _RMSNormFunction forward + backward
+from benchmarks import projection  # noqa: E402
+
+# the measured H100 step (benchmarks/results/h100-nano8-step-2026-11-26.json), device ms
+_M = projection.measured()["profile_ms"]
+MEASURED = {"loss": _M["loss"], "Mamba scan + conv": _M["Mamba scan + conv"], "optimizer": _M["optimizer"],
+            "total": projection.measured()["profile_step_device_ms"]}
+MEASURED_GEMM_MS = _M["all GEMMs (aten::mm + aten::bmm, the loss's included)"]
+MEASURED_COPY_MS = _M["aten::copy_ (1067 calls)"]  # casts and same-dtype copies
+MEASURED_NORM_MS = _M["RMSNorm forward + backward"]
 
 SCALED = ("hidden_size", "head_dim", "mamba_head_dim", "ssm_state_size", "chunk_size",
           "intermediate_size", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
@@ -163,6 +172,17 @@ def report(kernels, hw: anatomy.Hardware, reference: bool) -> None:
               f"{MEASURED_NORM_MS:.1f} ms")
 
 
+def print_projection(kernels, kw: dict, seq: int, batch: int, hw: anatomy.Hardware) -> dict:
+    """The step as a GPU user runs it, projected from ``kernels`` (``benchmarks/projection.py``)."""
+    from hybridtrain.models.nemotron_h import small_moe_config
+    from hybridtrain.models.nemotron_h.flops import model_flops
+
+    flop = model_flops(small_moe_config(**kw), [[seq]] * batch)
+    p = projection.project(kernels, kw, seq, batch, hw, flop)
+    print("\n" + projection.report(p, flop, hw))
+    return p
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", nargs="?", default=str(HERE / "gpu" / "nano8.yaml"))
@@ -190,6 +210,8 @@ def main(argv=None) -> None:
                      f"traces at 1/{a.scale} and 2/{a.scale}")
         print(f"\n== step anatomy, precision={precision}: {where}; GPU model: {hw.name}")
         report(kernels, hw, reference=not a.small and precision == "autocast")
+        if precision == "autocast" and not a.small:
+            print_projection(kernels, kw, seq, batch, hw)
         summary.append((precision, *anatomy.casts(kernels),
                         sum(k.seconds(hw) for k in kernels) * 1e3))
     if len(summary) > 1:

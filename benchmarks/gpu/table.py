@@ -1,63 +1,114 @@
-"""One table of ``benchmarks/gpu_check.sh``'s results. Usage: python table.py OUT_DIR"""
+"""One table of ``benchmarks/gpu_check.sh``'s results: per run the kernel path that ran, the
+warm-up (first step, torch.compile and Triton autotuning seconds) apart from the steady tokens/s,
+and the compiled blocks' graph count; a run stopped by its limit shows what it reached.
+Usage: python table.py OUT_DIR"""
 
 import json
 import os
+import re
 import sys
 
-
-def results(path: str) -> list[dict]:
-    """The ``RESULT {json}`` lines of a log."""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line.split("RESULT ", 1)[1]) for line in f if line.startswith("RESULT ")]
+TRAIN = ("nano8", "nano8_torch_eager", "dense2b")
 
 
-def bench(out: str, name: str) -> str:
-    path = os.path.join(out, name + ".json")
-    if not os.path.isfile(path):
-        return f"| {name} | failed (rc {rc(out, name)}; see {name}.log) | | | |"
-    d = json.load(open(path))
-    r = d["runs"][0]
-    f = lambda x, s: "n/a" if x is None else format(x, s)  # noqa: E731
-    return (f"| {name} | {r['tokens_per_s']:,.0f} tok/s | {f(r['tflops_per_device'], '.1f')} TFLOP/s, "
-            f"MFU {f(r['mfu'], '.3f')} | {r['peak_memory_gb']:.1f} GB | {d.get('device_name', d['device'])} |")
+def text(out: str, name: str) -> str:
+    path = os.path.join(out, name + ".log")
+    return open(path, errors="replace").read() if os.path.isfile(path) else ""
 
 
-def rc(out: str, name: str) -> str:
+def tagged(log: str, tag: str) -> list[dict]:
+    """The ``TAG {json}`` lines of a log."""
+    return [json.loads(line.split(tag + " ", 1)[1]) for line in log.splitlines() if line.startswith(tag + " ")]
+
+
+def kernel_paths(log: str) -> str:
+    """The ``kernel paths:`` line of a log, each part's source up to its first detail; unknown
+    when the run printed none."""
+    line = next((ln for ln in log.splitlines() if "kernel paths:" in ln), None)
+    if line is None:
+        return "unknown"
+    parts = line.split("kernel paths:", 1)[1].strip().split("; ")
+    return "; ".join(p.split(" (")[0].split(", ")[0] for p in parts)
+
+
+def autotune_s(log: str) -> float:
+    """Seconds Triton spent autotuning (its ``TRITON_PRINT_AUTOTUNING`` lines)."""
+    return sum(float(s) for s in re.findall(r"finished after ([0-9.]+)s", log))
+
+
+def status(out: str, name: str, log: str) -> str:
+    """ok, or why not: the exit status, and for a run stopped by its limit the last thing it
+    reached."""
     p = os.path.join(out, name + ".rc")
-    return open(p).read().strip().removeprefix("rc=") if os.path.isfile(p) else "?"
+    fields = dict(f.split("=", 1) for f in open(p).read().split()) if os.path.isfile(p) else {}
+    rc = fields.get("rc", "?")
+    if rc == "0":
+        return "ok"
+    reached = [ln.split("REACHED ", 1)[1] for ln in log.splitlines() if ln.startswith("REACHED ")]
+    last = f"; reached: {reached[-1]}" if reached else "; reached nothing"
+    if rc in ("124", "137"):
+        return f"out of time (limit {fields.get('limit', '?')} s){last}"
+    return f"failed (rc {rc}; see {name}.log){last}"
+
+
+def _f(x, spec: str, unit: str = "") -> str:
+    return "n/a" if x is None else format(x, spec) + unit
+
+
+def train_row(out: str, name: str) -> str:
+    log = text(out, name)
+    part = (tagged(log, "PART") or [{}])[-1]
+    path = os.path.join(out, name + ".json")
+    bench = json.load(open(path)) if os.path.isfile(path) else None
+    run = bench["runs"][0] if bench else {}
+    steps = part.get("step_s") or []
+    n_warm = bench["options"]["warmup_steps"] if bench else len(steps)
+    warm = (f"{sum(steps[:n_warm]):.1f} s (first step {steps[0]:.1f} s; compile {part.get('compile_s', 0):.1f} s; "
+            f"autotune {autotune_s(log):.1f} s)" if steps else "n/a")
+    graphs = ("not compiled" if not part.get("unique_graphs")
+              else f"{part['unique_graphs']} graphs, {part.get('graph_breaks', 0)} breaks")
+    steady = _f(run.get("tokens_per_s"), ",.0f", " tok/s")
+    tflops = f"{_f(run.get('tflops_per_device'), '.1f')} TFLOP/s, MFU {_f(run.get('mfu'), '.3f')}"
+    mem = _f(run.get("peak_memory_gb"), ".1f", " GB")
+    device = bench.get("device_name", bench["device"]) if bench else ""
+    return (f"| {name} | {kernel_paths(log)} | {warm} | {steady} | {tflops} | {mem} | {graphs} | "
+            f"{status(out, name, log)} | {device} |")
 
 
 def main(out: str) -> None:
-    print("| run | throughput | TFLOP/s, MFU | peak memory | device |\n|---|---:|---:|---:|---|")
-    for name in ("nano8_kernels", "nano8_torch", "dense2b_kernels", "dense2b_torch"):
-        print(bench(out, name))
-    hf = results(os.path.join(out, "hf_nano8.log"))
+    print("| run | kernel paths | warm-up | steady | TFLOP/s, MFU | peak memory | compiled blocks | status | device |\n"
+          "|---|---|---|---:|---:|---:|---|---|---|")
+    for name in TRAIN:
+        print(train_row(out, name))
+    log = text(out, "hf_nano8")
+    hf = tagged(log, "RESULT")
     if hf:
         h = hf[-1]
-        mem = "n/a" if h["peak_gb"] is None else f"{h['peak_gb']:.1f} GB"
-        print(f"| hf_nano8 (transformers) | {h['tokens_per_s']:,.0f} tok/s | | {mem} | |")
+        print(f"| hf_nano8 (transformers) | transformers | {h['warmup_s']:.1f} s | {h['tokens_per_s']:,.0f} tok/s "
+              f"| | {_f(h['peak_gb'], '.1f', ' GB')} | | {status(out, 'hf_nano8', log)} | |")
     else:
-        print(f"| hf_nano8 (transformers) | failed (rc {rc(out, 'hf_nano8')}) | | | |")
-    dec = results(os.path.join(out, "decode_nano8.log"))
+        print(f"| hf_nano8 (transformers) | | | | | | | {status(out, 'hf_nano8', log)} | |")
+    log = text(out, "decode_nano8")
+    dec = tagged(log, "RESULT")
     by = {(d["side"], d["batch"]): d for d in dec}
     for b in sorted({d["batch"] for d in dec}):
         ht, hf_ = by.get(("hybridtrain", b)), by.get(("transformers", b))
-        ratio = f"{ht['new_tokens_per_s'] / hf_['new_tokens_per_s']:.2f}x" if ht and hf_ else "n/a"
-        same = "same first tokens" if ht and hf_ and ht["first_new"] == hf_["first_new"] else "tokens differ"
-        print(f"| decode batch {b} | {ht['new_tokens_per_s'] if ht else float('nan'):.1f} tok/s | "
-              f"transformers {hf_['new_tokens_per_s'] if hf_ else float('nan'):.1f} tok/s ({ratio}) | {same} | |")
+        ratio = f" ({ht['new_tokens_per_s'] / hf_['new_tokens_per_s']:.2f}x transformers)" if ht and hf_ else ""
+        same = ("same first tokens" if ht and hf_ and ht["first_new"] == hf_["first_new"]
+                else "tokens differ" if ht and hf_ else "")
+        warm = f"{ht['warmup_s']:.1f} s" if ht else "n/a"
+        their = f"; transformers {hf_['new_tokens_per_s']:.1f} tok/s" if hf_ else ""
+        print(f"| decode batch {b} | {kernel_paths(log)} | {warm} | "
+              f"{ht['new_tokens_per_s'] if ht else float('nan'):.1f} tok/s{ratio} | {same}{their} | | | "
+              f"{status(out, 'decode_nano8', log)} | |")
     if not dec:
-        print(f"| decode | failed (rc {rc(out, 'decode_nano8')}) | | | |")
-    log = os.path.join(out, "nano8_torch.log")
-    if os.path.isfile(log):
-        text = open(log).read()
-        i = text.find("top ")
-        end = text.find("benchmark results:", i)
-        print("\nnano8 step profile (torch path), " + (text[i:end if end > 0 else None].rstrip()
-                                                      if i >= 0 else "not found in nano8_torch.log"))
+        print(f"| decode | | | | | | | {status(out, 'decode_nano8', log)} | |")
+    log = text(out, "nano8_torch_eager")
+    i = log.find("top ")
+    end = log.find("benchmark results:", i)
+    print("\nnano8 step profile (eager PyTorch path), " + (log[i:end if end > 0 else None].rstrip()
+                                                           if i >= 0 else "not found in nano8_torch_eager.log"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:][0])

@@ -1,6 +1,6 @@
 """The few-row forms of a decoding step (the mixers' ``step`` methods, ``step_ops``) compute what
 the layers' own forwards compute: the projections' CPU product forms, the MoE step (one token and
-several; host-grouped and gathered on the device), the fused block norm, and the LM head against
+several; host-grouped and grouped on the device), the fused block norm, and the LM head against
 its transposed copy on a long generation (cached logits = the full forward's)."""
 
 from __future__ import annotations

@@ -29,9 +29,16 @@ def test_extrapolate_grows_the_dimensions_that_differ():
         anatomy.extrapolate(small, [anatomy.Kernel("aten::bmm", "x", [])], 8)
 
 
-def test_tiny_step_is_traced_by_category_with_its_casts():
+@pytest.fixture(scope="module")
+def tiny_trace():
+    """(model kwargs, batch, kernels) of one traced training step of nano8 at tiny shapes, 2 x 32 tokens."""
     kw, _, batch = step_anatomy.recipe_model(str(step_anatomy.HERE / "gpu" / "nano8.yaml"))
-    kernels = step_anatomy.trace({**kw, **step_anatomy.SMALL}, 32, batch, 16, "autocast")
+    kw = {**kw, **step_anatomy.SMALL}
+    return kw, batch, step_anatomy.trace(kw, 32, batch, 16, "autocast")
+
+
+def test_tiny_step_is_traced_by_category_with_its_casts(tiny_trace):
+    _, _, kernels = tiny_trace
     rows = anatomy.by_category(kernels, anatomy.Hardware())
     for cat in ("GEMM + attention", "loss", "casts", "norms/activations", "Mamba scan + conv",
                 "MoE routing/permutation", "optimizer"):
@@ -98,3 +105,42 @@ def test_a_reduction_into_a_wider_dtype_is_one_kernel():
     assert [k.name for k in kernels].count("aten::sum") == 2
     cast = [k for k in kernels if k.cast]
     assert len(cast) == 1 and cast[0].tensors[0] == ([64, 6, 32], 4)
+
+
+def test_fused_runs_read_the_first_kernel_and_write_the_last():
+    from benchmarks import projection
+
+    def k(name, category, shape=(8, 8), nbytes=4):
+        return anatomy.Kernel(name, category, [(list(shape), nbytes), (list(shape), nbytes)])
+
+    kernels = [k("aten::mm", "GEMM + attention"), k("aten::add", "other"), k("aten::mul", "norms/activations"),
+               k("aten::copy_", "casts", nbytes=2), k("aten::mm", "GEMM + attention"), k("aten::argsort", "other"),
+               k("aten::mul", "MoE routing/permutation")]
+    best, runs = projection.fused_runs(kernels, keep_intermediates=False)
+    assert runs == 2  # add+mul+cast, then the mul after the (unfused) argsort
+    first, last = kernels[1], kernels[3]
+    assert best == first.read_bytes + last.write_bytes + kernels[6].read_bytes + kernels[6].write_bytes
+    kept, _ = projection.fused_runs(kernels, keep_intermediates=True)
+    assert kept == best + kernels[1].write_bytes + kernels[2].write_bytes
+
+
+def test_gpu_user_step_is_projected_from_a_trace_with_its_ceiling_and_gap(tiny_trace):
+    from benchmarks import projection
+
+    m = projection.measured()  # the repository's copy of the measured H100 step
+    assert m["device"].startswith("NVIDIA H100") and m["date"] == "2026-11-26"
+    assert sum(v for k, v in m["profile_ms"].items() if k in ("loss", "Mamba scan + conv", "optimizer")) \
+        < m["profile_step_device_ms"]
+    kw, batch, kernels = tiny_trace
+    hw = anatomy.Hardware()
+    p = projection.project(kernels, kw, 32, batch, hw, model_tflop=1e9, m=m)
+    assert p["step_ms"]["kept"] >= p["step_ms"]["fused"] > 0
+    assert p["ceiling_tflops"] >= p["tflops"]["fused"] >= p["tflops"]["kept"]
+    assert len(p["gap_items"]) == 3
+    names = [part.name for part in p["parts"]["fused"]]
+    assert any("Liger" in n for n in names) and any("mamba_ssm" in n for n in names)
+    # the loss: Liger's three GEMMs over every token at the roofline's rate is its ideal
+    loss = next(part for part in p["parts"]["fused"] if "Liger" in part.name)
+    assert loss.ideal_ms == pytest.approx(3 * 2 * 2 * 32 * kw["hidden_size"] * kw["vocab_size"] / hw.gemm_flops * 1e3)
+    text = projection.report(p, 1e9, hw, m)
+    assert "predicted nano8 model TFLOP/s on an H100" in text and "roofline ceiling" in text

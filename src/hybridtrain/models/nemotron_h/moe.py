@@ -167,6 +167,23 @@ class _GateWeightedSum(torch.autograd.Function):
         return gy, gw.to(weights.dtype)
 
 
+def decode_grouped_mm(h: torch.Tensor, intermediate_size: int) -> bool:
+    """Whether a decoding step's experts over the rows ``h`` run as ``grouped_mm`` with the
+    offsets read on the device only (a CUDA graph can replay it): ``training.grouped_mm`` on, rows
+    of 16-byte multiples (the kernel's alignment), and a kernel that reads no host value: the CPU
+    one (its offsets are host memory already; any dtype in eager, bf16 compiled) or the CUDA bf16
+    kernel of sm90 / sm100 (torch's other CUDA form copies the offsets to the host). The rows'
+    compute dtype is autocast's where it is on."""
+    if not (backend.settings().grouped_mm and hasattr(F, "grouped_mm")):
+        return False
+    dtype = matmul_dtype(h)
+    if any(n * dtype.itemsize % 16 for n in (h.shape[-1], intermediate_size)):
+        return False
+    if h.device.type == "cpu":  # (compiled: its fake form takes bf16 only, as the CUDA kernel)
+        return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    return h.is_cuda and dtype == torch.bfloat16 and torch.cuda.get_device_capability(h.device)[0] in (9, 10)
+
+
 class Experts(nn.Module):
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -185,12 +202,7 @@ class Experts(nn.Module):
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
-        up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)
-        # under autocast the stacked weights are cast once, not per expert
-        device_type = sorted_x.device.type
-        if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            up, down, sorted_x = up.to(dtype), down.to(dtype), sorted_x.to(dtype)
+        up, down, sorted_x = self.compute_weights(sorted_x)
         if backend.grouped_experts(sorted_x):
             # one grouped GEMM per projection, offsets on the device: no host sync
             if torch.compiler.is_compiling():
@@ -215,6 +227,16 @@ class Experts(nn.Module):
         if not outs:
             return zero_rows_output(self, sorted_x, up.shape[2])
         return torch.cat(outs, dim=0)
+
+    def compute_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(up, down, x) as the experts compute with them: the local shards, under autocast all
+        three in its dtype (the stacked weights cast once, not per expert)."""
+        up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)
+        device_type = x.device.type
+        if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            up, down, x = up.to(dtype), down.to(dtype), x.to(dtype)
+        return up, down, x
 
     def _grouped(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
@@ -285,38 +307,53 @@ class MoE(nn.Module):
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layer for the few tokens of a decoding step (one per row): the chosen experts
         only, as :meth:`forward`. With the local experts, outside the eager CPU forms
-        (``ops.backend.cpu_decode_forms``): each token's k experts as one batched product over
-        their gathered weights, all on the device (no sort, no host sync: a captured CUDA graph
-        replays it); else grouped by expert on the host (a few ints) instead of by sort /
-        counting / scatter kernels, through the token dispatcher (expert parallelism)."""
+        (``ops.backend.cpu_decode_forms``), all on the device with fixed shapes and no host value
+        (a captured CUDA graph replays it) and without copying expert weights: the token copies
+        sorted by expert and one grouped GEMM per projection where the kernel takes its offsets
+        on the device (:func:`decode_grouped_mm`), else every local expert over the step's few
+        tokens (:meth:`_experts_dense`). Else grouped by expert on the host (a few ints),
+        through the token dispatcher (expert parallelism)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, idx = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         local = type(self.experts) is Experts and type(self.token_dispatcher) is LocalDispatcher
-        if local and not backend.cpu_decode_forms(x, fp32=False):
-            y = self._experts_gathered(h, weights, idx)
-        else:
+        if not local or backend.cpu_decode_forms(x, fp32=False):
             y = self._experts_host_grouped(h, weights, idx, local)
+        elif decode_grouped_mm(h, self.experts.up_proj.shape[1]):
+            y = self._experts_grouped(h, weights, idx)
+        else:
+            y = self._experts_dense(h, weights, idx)
         y = y.to(hidden_states.dtype)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         return y.view(shape) + self.shared_experts.step(hidden_states)
 
-    def _experts_gathered(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Gate-weighted sum (fp32) of each token's k experts, h [T, H], idx [T, k]: the chosen
-        experts' weights gathered, one batched product per projection."""
-        T, k = idx.shape
+    def _experts_grouped(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Gate-weighted sum (fp32) of each token's k experts, h [T, H], idx [T, k], as the
+        training forward computes it: the T k copies sorted by expert on the device, one
+        ``grouped_mm`` per projection over the stacked weights as they are, unsorted."""
         ex = self.experts
-        e = idx.reshape(-1)
-        up, down = local_tensor(ex.up_proj)[e], local_tensor(ex.down_proj)[e]  # [T k, I, H], [T k, H, I]
-        hk = h[:, None].expand(T, k, h.shape[-1]).reshape(T * k, -1, 1)
-        y = torch.bmm(down, ex.act_fn(torch.bmm(up, hk.to(up.dtype))))  # [T k, H, 1]
-        return gate_weighted_sum(y.view(T, k, -1), weights)
+        up, down, h = ex.compute_weights(h)
+        sorted_h, order, counts, _ = permute(h, idx, ex.num_experts, up.dtype)
+        return unpermute(ex._grouped(sorted_h, up, down, counts), order, weights)
+
+    def _experts_dense(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """As :meth:`_experts_grouped` where that kernel does not apply: every local expert over
+        the step's T tokens, one product per projection over the stacked weights as they are
+        (each weight read once, E / k times the chosen experts' FLOPs), then each token's k
+        outputs picked. Outputs are [T, E I] and [E, T, H]: no weight-sized temporary."""
+        ex = self.experts
+        up, down, h = ex.compute_weights(h)
+        E, I, H = up.shape
+        T = h.shape[0]
+        a = ex.act_fn(F.linear(h.to(up.dtype), up.reshape(E * I, H))).view(T, E, I)
+        y = torch.matmul(a.transpose(0, 1), down.transpose(1, 2))  # [E, T, H]
+        return gate_weighted_sum(y[idx, torch.arange(T, device=y.device)[:, None]], weights)
 
     def _experts_host_grouped(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                               local: bool) -> torch.Tensor:
-        """As :meth:`_experts_gathered`, the copies grouped by expert on the host."""
+        """As :meth:`_experts_grouped`, the copies grouped by expert on the host."""
         T, k = idx.shape
         flat = idx.view(-1).tolist()
         if T == 1 and local:
