@@ -241,3 +241,83 @@ def test_a_tokenizer_folder_without_a_tokenizer_names_the_key(tmp_path):
     recipe.write_text(f"tokenizer:\n  _target_: hybridtrain.data.load_tokenizer\n  path: {tmp_path / 'model'}\n")
     with pytest.raises(DataError, match=r"r.yaml:3: tokenizer.path .* holds no tokenizer"):
         check_input_paths(load_config(recipe))
+
+
+def _tokenizer_with_code(tok_dir, folder, marker, keep_class: bool):
+    """A copy of ``tok_dir`` with a Python file that would create ``marker`` and an ``auto_map``
+    naming it (with or without a standard ``tokenizer_class`` beside it)."""
+    import shutil
+
+    shutil.copytree(tok_dir, folder)
+    (folder / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class Evil(PreTrainedTokenizerFast):\n    pass\n")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": [None, "evil.Evil"]}
+    if not keep_class:
+        cfg.pop("tokenizer_class", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "dataset"])
+def test_a_recipe_cannot_switch_on_trust_remote_code(tmp_path, tok_dir, capsys, where):
+    marker = tmp_path / "pwned"
+    code_tok = _tokenizer_with_code(tok_dir, tmp_path / "tok", marker, keep_class=False)
+    data = write_jsonl(tmp_path / "train.jsonl", [squad_rec(i) for i in range(4)])
+    dataset = {"_target_": SQUAD, "path": str(data), "tokenizer": str(code_tok)}
+    tokenizer = {"_target_": "hybridtrain.data.load_tokenizer", "path": str(code_tok)}
+    (dataset if where == "dataset" else tokenizer)["trust_remote_code"] = True
+    code = finetune(tmp_path, tok_dir, dataset, tokenizer=tokenizer)
+    err = capsys.readouterr().err
+    assert code == 2 and not marker.exists()
+    assert f"'{where}.trust_remote_code: True'" in err and "recipe.yaml" in err, err[-2000:]
+    assert "is refused" in err and "Traceback" not in err
+    # nor from the command line
+    dataset.pop("trust_remote_code", None), tokenizer.pop("trust_remote_code", None)
+    assert finetune(tmp_path, tok_dir, dataset, f"--+{where}.trust_remote_code=true",
+                    tokenizer=tokenizer) == 2
+    assert not marker.exists() and "is refused" in capsys.readouterr().err
+
+
+def test_a_tokenizer_folder_that_asks_for_its_own_code_never_runs_it(tmp_path, tok_dir, capsys):
+    from hybridtrain.data import build_squad_dataset, load_tokenizer
+    from hybridtrain.data.io import DataError
+
+    marker = tmp_path / "pwned"
+    needs_code = _tokenizer_with_code(tok_dir, tmp_path / "needs", marker, keep_class=False)
+    with pytest.raises(DataError, match=r"asks to run its own Python code \(auto_map .*evil.Evil"):
+        load_tokenizer(needs_code)
+    # with a standard class beside the auto_map: loads as that class, the file never runs
+    has_class = _tokenizer_with_code(tok_dir, tmp_path / "has", marker, keep_class=True)
+    assert type(load_tokenizer(has_class)).__module__.startswith("transformers.")
+    # asked for through the Python API: refused, also through a dataset builder's forwarding
+    for call in (lambda: load_tokenizer(has_class, trust_remote_code=True),
+                 lambda: load_tokenizer(has_class, local_files_only=False),
+                 lambda: load_tokenizer(has_class, revision="main"),
+                 lambda: build_squad_dataset(tmp_path / "x.jsonl", str(has_class),
+                                             trust_remote_code=True)):
+        with pytest.raises(DataError, match="is refused"):
+            call()
+    # through the CLI: the tokenizer section names the folder
+    data = write_jsonl(tmp_path / "train.jsonl", [squad_rec(i) for i in range(4)])
+    assert finetune(tmp_path, tok_dir, {"_target_": SQUAD, "path": str(data)},
+                    tokenizer={"_target_": "hybridtrain.data.load_tokenizer",
+                               "path": str(needs_code)}) == 2
+    assert "asks to run its own Python code" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_missing_tokenizer_json_says_so(tmp_path, tok_dir):
+    import shutil
+
+    from hybridtrain.data import load_tokenizer
+    from hybridtrain.data.io import DataError
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tok_dir, folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=rf"{folder / 'tokenizer.json'} is missing .*copy the "
+                                        "model's tokenizer.json"):
+        load_tokenizer(folder)

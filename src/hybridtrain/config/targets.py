@@ -28,7 +28,8 @@ from typing import Any, Iterable
 from hybridtrain.config.errors import ConfigError
 
 __all__ = ["DEFAULT_ALLOWED_PREFIXES", "CODE_LOADING", "normalize_prefixes", "is_target_allowed",
-           "check_target", "check_defining_module", "private_segment"]
+           "check_target", "check_defining_module", "private_segment", "CODE_LOADING_OPTIONS",
+           "check_code_loading_option"]
 
 # what recipes need: the package itself, torch modules and optimizers / LR schedules
 DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("hybridtrain.", "torch.nn.", "torch.optim.")
@@ -47,6 +48,28 @@ CODE_LOADING: tuple[str, ...] = (
     # fileio writes any bytes to any path (a .pth file in site-packages runs at the next start)
     "hybridtrain.cli.", "hybridtrain.config.", "hybridtrain.recipes.", "hybridtrain.fileio.",
 )
+
+
+# keyword options of dependencies that make them run code from a folder or a pickle, with the
+# only value a recipe may give them: loading code is the user's explicit act, never a recipe's
+CODE_LOADING_OPTIONS: dict[str, bool] = {
+    "trust_remote_code": False,  # transformers / datasets: run the Python files of a folder
+    "allow_pickle": False,       # numpy.load
+    "weights_only": True,        # torch.load
+}
+
+
+def check_code_loading_option(key: Any, value: Any, key_path: str, where: str) -> None:
+    """Raise ``ConfigError`` when a recipe key ``key`` switches on code loading."""
+    safe = CODE_LOADING_OPTIONS.get(key) if isinstance(key, str) else None
+    if safe is None or value is None or value is safe:
+        return
+    raise ConfigError(
+        f"'{key_path}: {value!r}' ({where}) is refused: it would let a dependency run Python "
+        "code from a model, tokenizer or data folder (or a pickle). hybridtrain never loads code "
+        f"from files a recipe names; remove the key (or set it to {safe}). To use a model or "
+        "tokenizer that needs its own code, convert it to a standard Hugging Face folder "
+        "(config.json, tokenizer.json); see docs/safety.md")
 
 
 def normalize_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:
