@@ -179,7 +179,8 @@ def _load_failure(folder: Path, e: Exception) -> str:
                 "(e.g. PreTrainedTokenizerFast) in tokenizer_config.json")
     if not (folder / "tokenizer.json").is_file():
         present = ", ".join(sorted(f.name for f in folder.iterdir())) or "nothing"
-        return (f"{folder / 'tokenizer.json'} is missing (the folder holds: {present}): copy the "
+        return (f"could not load a tokenizer from {folder}: {folder / 'tokenizer.json'} is "
+                f"missing (the folder holds: {present}); copy the "
                 "model's tokenizer.json into it (a folder with only a slow tokenizer's files, "
                 "such as tokenizer.model, needs sentencepiece or tiktoken to convert them)")
     return f"could not load a tokenizer from {folder}: {e}"
