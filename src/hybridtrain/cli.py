@@ -47,7 +47,7 @@ from hybridtrain.config import ConfigError, apply_dist_env, apply_process_defaul
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
-from hybridtrain.fileio import write_error
+from hybridtrain.fileio import output_folder, write_error
 from hybridtrain.launch import first_to_report, launch, worker_argv
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.preemption import Preempted
@@ -315,8 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         if args.command == "convert":
+            out_dir = output_folder(args.out_dir, "convert OUT_HF_DIR")
             convert = _load_entry("hybridtrain.training.checkpoint", "convert", "convert")
-            convert(args.ckpt_dir, args.out_dir, **({"dtype": args.dtype} if args.dtype else {}))
+            convert(os.path.expanduser(args.ckpt_dir), out_dir,
+                    **({"dtype": args.dtype} if args.dtype else {}))
             return 0
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, CommandUnavailable) as e:

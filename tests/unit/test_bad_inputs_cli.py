@@ -321,3 +321,39 @@ def test_a_missing_tokenizer_json_says_so(tmp_path, tok_dir):
     with pytest.raises(DataError, match=rf"{folder / 'tokenizer.json'} is missing .*copy the "
                                         "model's tokenizer.json"):
         load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("how", ["recipe", "blank", "env", "command line"])
+def test_an_empty_checkpoint_dir_is_refused_naming_where(tmp_path, capsys, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UNSET_RUN_DIR", raising=False)
+    mine = tmp_path / "config.yaml"
+    mine.write_text("the user's own file\n")
+    value = {"recipe": "''", "blank": "'   '", "env": "${env:UNSET_RUN_DIR,}",
+             "command line": "somewhere"}[how]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  _target_: hybridtrain.models.nemotron_h.NemotronHForCausalLM\n"
+                      f"checkpoint:\n  dir: {value}\n")
+    extra = ["--checkpoint.dir="] if how == "command line" else []
+    assert main(["finetune", "-c", str(recipe), *extra]) == 2
+    err = capsys.readouterr().err
+    where = "command-line override '--checkpoint.dir='" if how == "command line" else f"{recipe}:4"
+    assert f"'checkpoint.dir' is empty" in err and where in err, err
+    assert mine.read_text() == "the user's own file\n"
+
+
+def test_convert_to_a_file_or_under_one_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "run"
+    ckpt.mkdir()
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for out, message in ((a_file, "is a file, not a folder"),
+                         (a_file / "out", f"lies under the file {a_file}")):
+        assert main(["convert", str(ckpt), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"convert OUT_HF_DIR {out}: {message}" in err and "Traceback" not in err, err
+    assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'nope'} is not a checkpoint" in capsys.readouterr().err
+    assert main(["merge", "--base", str(ckpt), "--adapter", str(ckpt), "--out",
+                 str(a_file / "m")]) == 2
+    assert f"--out {a_file / 'm'}: lies under the file {a_file}" in capsys.readouterr().err

@@ -353,6 +353,12 @@ def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
     if spec.minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
             and value < spec.minimum:
         raise ConfigError(f"'{name}.{key}' must be >= {spec.minimum}, got {value!r} in {where}")
+    if spec.path and isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"'{name}.{key}' is empty ({value!r}) in {where}: give a "
+                              f"{spec.path} path (an unset ${{env:VAR,}} gives an empty one), or "
+                              "leave the key out for its default")
+        return os.path.expanduser(value)
     if spec.choices and isinstance(value, str):
         low = canonical_dtype_name(value) or value.lower()
         for choice in spec.choices:

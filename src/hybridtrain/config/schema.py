@@ -47,7 +47,9 @@ class K:
     the default is ``None``). ``int`` is accepted where ``float`` is. ``choices``: allowed values
     for strings (matched case-insensitively and normalised to the spelling given here).
     ``minimum``: the smallest number accepted (checked when the recipe is loaded, so before
-    anything is built, and by ``--print-config``).
+    anything is built, and by ``--print-config``). ``path``: the value, when a string, is a
+    path the user gives (``"file"`` or ``"folder"``): an empty or blank one is refused naming the
+    key and where it was set, and ``~`` is expanded, as for data paths.
     """
 
     default: Any
@@ -56,6 +58,7 @@ class K:
     choices: tuple[str, ...] | None = None
     minimum: float | None = None  # numbers below it are refused (null stays allowed)
     env: str | None = None  # an environment variable that, when set, replaces the default
+    path: str | None = None  # "file" | "folder": a path the user gives
 
 
 @dataclass(frozen=True)
@@ -190,10 +193,10 @@ LR_SCHEDULER = {
 
 CHECKPOINT = {
     "dir": K("outputs/run", "the run's output folder: training.jsonl, validation.jsonl, "
-                            "step_{N}/, latest, loss.png", (str,)),
+                            "step_{N}/, latest, loss.png", (str,), path="folder"),
     "enabled": K(True, "write step_{N}/ checkpoints (every ckpt_every_steps and at the end)"),
     "resume": K(None, "null: start fresh; auto: resume from <dir>/latest if present; "
-                      "or a path to a step_{N} folder", (str, bool, type(None))),
+                      "or a path to a step_{N} folder", (str, bool, type(None)), path="folder"),
     "overwrite": K(False, "with resume null, start over in a checkpoint.dir that holds an earlier "
                           "run's step_{N}/ (deleting them); false -> refuse with an error"),
     "keep_last": K(None, "keep only the newest K step_{N}/ folders (null: keep all)", _OPT_INT),
@@ -332,7 +335,7 @@ METRICS = {
     "jsonl": K(True, "write <checkpoint.dir>/training.jsonl and validation.jsonl"),
     "progress_bar": K(True, "rank-0 tqdm bar (loss, lr, tokens/s, ETA)"),
     "tensorboard": K(False, "write TensorBoard events (needs the tb extra)"),
-    "tensorboard_dir": K(None, "null -> <checkpoint.dir>/tb", _OPT_STR),
+    "tensorboard_dir": K(None, "null -> <checkpoint.dir>/tb", _OPT_STR, path="folder"),
     "plot": K(True, "write <checkpoint.dir>/loss.png at the end (needs the plot extra)"),
     "peak_tflops": K(None, "per-device peak TFLOPs for MFU; null -> detect from device name",
                      _OPT_FLOAT),
@@ -358,11 +361,12 @@ BENCHMARK = {
     "dtypes": K(None, "compute dtypes to compare, e.g. [float32, bfloat16] (single process "
                       "only); null -> training.dtype", (list, type(None))),
     "profile": K(False, "true or a folder: torch profiler trace (Chrome/Perfetto JSON) of "
-                        "profile_steps steps after the timed ones", (bool, str)),
+                        "profile_steps steps after the timed ones", (bool, str), path="folder"),
     "profile_steps": K(2, "steps traced when profile is on", (int,)),
     "measure_peak": K(False, "also measure the device's matmul peak (an n x n matmul) and report "
                              "MFU against it"),
-    "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR),
+    "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR,
+                path="file"),
 }
 
 RL = {
@@ -418,7 +422,7 @@ EVALUATION = {
     "num_samples": K(4, "replies written to samples_file at each validation (prompt, reply, "
                         "reference); 0: none", (int,), minimum=0),
     "samples_file": K("samples.jsonl", "file in checkpoint.dir the sample replies are appended to",
-                      (str,)),
+                      (str,), path="file"),
 }
 
 SECTIONS: dict[str, Section] = {s.name: s for s in [
