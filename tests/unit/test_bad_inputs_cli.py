@@ -357,3 +357,17 @@ def test_convert_to_a_file_or_under_one_is_refused(tmp_path, capsys):
     assert main(["merge", "--base", str(ckpt), "--adapter", str(ckpt), "--out",
                  str(a_file / "m")]) == 2
     assert f"--out {a_file / 'm'}: lies under the file {a_file}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override", ["--training.max_val_steps=-1", "--training.max_val_steps=0",
+                                      "--training.ckpt_every_steps=-1",
+                                      "--training.val_every_steps=-2",
+                                      "--checkpoint.keep_last=0", "--dataloader.num_workers=-1"])
+def test_a_count_that_would_silently_skip_work_is_refused(tmp_path, override):
+    from hybridtrain.config import ConfigError, load_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("training:\n  max_steps: 2\n")
+    key = override[2:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"'{key}' must be >= \d+, got -?\d+ in command-line"):
+        load_config(recipe, [override])
