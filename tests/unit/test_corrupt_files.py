@@ -244,3 +244,32 @@ def test_a_bad_model_class_in_trainer_state_is_named(tmp_path, two_checkpoints, 
     err = capsys.readouterr().err
     assert f"{state_path}: 'model_class'" in err and "restore 'model_class'" in err, err[-2000:]
     assert "Traceback" not in err
+
+
+def test_a_corrupt_data_cache_is_named_and_rebuilt(tmp_path, caplog):
+    import json
+    import logging
+
+    from hybridtrain.data import build_bpe_tokenizer, build_squad_dataset, write_synthetic_squad
+
+    data = write_synthetic_squad(tmp_path / "train.json", 12, seed=0)
+    tok = build_bpe_tokenizer([data.read_text()], tmp_path / "tok", vocab_size=270)
+    cache = tmp_path / "cache"
+    first = build_squad_dataset(str(data), tok, seq_length=128, cache_dir=str(cache))
+    want = [first.get_unpadded(i) for i in range(len(first))]
+    entry = first.cache_path
+    for damage in ("arrow", "record", "rows"):
+        if damage == "arrow":
+            truncate(next(entry.glob("*.arrow")), 0.5)
+        elif damage == "record":
+            (entry / "hybridtrain_meta.json").write_text("{not json")
+        else:
+            meta = json.loads((entry / "hybridtrain_meta.json").read_text())
+            meta["stats"]["kept"] += 5
+            (entry / "hybridtrain_meta.json").write_text(json.dumps(meta))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hybridtrain.data"):
+            again = build_squad_dataset(str(data), tok, seq_length=128, cache_dir=str(cache))
+        assert f"the tokenized-data cache {entry} cannot be read" in caplog.text, damage
+        assert "rebuilding it" in caplog.text
+        assert [again.get_unpadded(i) for i in range(len(again))] == want, damage
