@@ -273,3 +273,21 @@ def test_a_corrupt_data_cache_is_named_and_rebuilt(tmp_path, caplog):
         assert f"the tokenized-data cache {entry} cannot be read" in caplog.text, damage
         assert "rebuilding it" in caplog.text
         assert [again.get_unpadded(i) for i in range(len(again))] == want, damage
+
+
+def test_a_truncated_image_names_the_image_and_the_record(tmp_path):
+    from hybridtrain.data import (build_bpe_tokenizer, build_vision_chat_dataset, shapes_texts,
+                                  write_synthetic_shapes)
+    from hybridtrain.data.io import DataError
+
+    tok = build_bpe_tokenizer(shapes_texts()[:50], tmp_path / "tok", vocab_size=270,
+                              extra_special_tokens=["<image>"])
+    write_synthetic_shapes(tmp_path / "data", 4, seed=0, text_only=0.0)
+    ds = build_vision_chat_dataset(str(tmp_path / "data" / "data.jsonl"), tok, patch_size=4,
+                                   min_patches=16, max_patches=64)
+    image = ds.image_list(0)[0][0]
+    truncate(image, 0.5)
+    with pytest.raises(DataError) as e:
+        ds[0]
+    assert str(e.value).startswith(f"{ds.record_id(0)}: image {image} is truncated or corrupt")
+    assert "replace the file" in str(e.value)
