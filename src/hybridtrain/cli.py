@@ -281,7 +281,7 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         return launch(command, args, nproc)
     if command == "evaluate":  # several processes: under the recipe's layout
         run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
-        run(cfg, args.checkpoint)
+        run(cfg, os.path.expanduser(args.checkpoint) if args.checkpoint else None)
         return 0
     if command in ("finetune", "dpo", "grpo"):
         run = _load_entry(f"hybridtrain.recipes.{command}", "run", command)

@@ -4,6 +4,7 @@ the file (and line, and why), never a traceback from a library."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -371,3 +372,17 @@ def test_a_count_that_would_silently_skip_work_is_refused(tmp_path, override):
     key = override[2:].split("=")[0]
     with pytest.raises(ConfigError, match=rf"'{key}' must be >= \d+, got -?\d+ in command-line"):
         load_config(recipe, [override])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--evaluation.temperature=-0.5"], "evaluation.temperature must be a finite number >= 0"),
+    (["--evaluation.do_sample=true", "--evaluation.temperature=0"], "temperature 0 is greedy"),
+    (["--evaluation.top_p=1.5"], "evaluation.top_p must be in (0, 1]"),
+])
+def test_evaluation_sampling_out_of_range_is_refused_at_load(tmp_path, overrides, message):
+    from hybridtrain.config import ConfigError, load_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("evaluation:\n  num_examples: 2\n")
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*command-line"):
+        load_config(recipe, overrides)

@@ -284,6 +284,18 @@ def _check_checkpoint(checkpoint: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _check_evaluation(evaluation: dict[str, Any]) -> tuple[str, str] | None:
+    t, p = evaluation["temperature"], evaluation["top_p"]
+    if not (t == t and abs(t) != float("inf") and t >= 0):  # t == t: not NaN
+        return "temperature", f"evaluation.temperature must be a finite number >= 0, got {t!r}"
+    if evaluation["do_sample"] and t == 0:
+        return "temperature", ("evaluation.temperature 0 with do_sample: true; temperature 0 is "
+                               "greedy decoding: set do_sample: false (or a temperature > 0)")
+    if not 0 < p <= 1:
+        return "top_p", f"evaluation.top_p must be in (0, 1] (1.0: all), got {p!r}"
+    return None
+
+
 def _check_peft(peft: dict[str, Any]) -> tuple[str, str] | None:
     if not peft["match_all_linear"] and not peft["target_modules"]:
         return "match_all_linear", (
@@ -450,7 +462,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
     Section("evaluation", "fixed", "answers generated for validation examples at each validation: "
             "SQuAD exact match / F1 and sample replies in validation.jsonl (absent -> off)",
-            EVALUATION, optional=True),
+            EVALUATION, optional=True, check=_check_evaluation),
     Section("benchmark", "fixed", "options of `hybridtrain benchmark`; finetune ignores them",
             BENCHMARK, optional=True),
     Section("rl", "fixed", "the RL Policy's batch layout (hybridtrain.rl.Policy)", RL),

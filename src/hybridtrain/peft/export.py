@@ -503,8 +503,9 @@ def merge_cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-base-mismatch", action="store_true",
                         help="merge even though adapter_config.json names another base model")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    output_folder(args.out, "--out")  # not a file, nor under one: said before the base is read
-    out = merge_adapter_into_hf(args.base, args.adapter, args.out, dtype=args.dtype,
+    base, adapter = os.path.expanduser(args.base), os.path.expanduser(args.adapter)
+    out_dir = output_folder(args.out, "--out")  # not a file, nor under one: said before reading
+    out = merge_adapter_into_hf(base, adapter, out_dir, dtype=args.dtype,
                                 max_shard_size=args.max_shard_size,
                                 allow_base_mismatch=args.allow_base_mismatch)
     print(f"merged {args.adapter} into {args.base} -> {out}")

@@ -321,12 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    args.model = os.path.expanduser(args.model)  # as data paths: `--model=~/run` works too
+    args.adapter = os.path.expanduser(args.adapter) if args.adapter else args.adapter
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = sampling_settings(args.temperature, args.top_k, args.top_p)
-    if args.adapter is not None and not os.path.isdir(os.path.expanduser(args.adapter)):
+    if args.adapter is not None and not os.path.isdir(args.adapter):
         raise ValueError(f"--adapter {args.adapter}: no such folder (a PEFT adapter folder with "
                          "adapter_config.json)")
     output = output_file(args.output, "--output") if args.output else None
