@@ -120,14 +120,16 @@ def refuse_code_loading(options: dict) -> None:
 
 
 def _custom_code(folder: Path) -> str | None:
-    """Where ``folder`` asks for its own Python code (an ``auto_map`` naming a tokenizer)."""
+    """Where ``folder`` asks for its own Python code (an ``auto_map`` in its tokenizer or model
+    config)."""
     for name in ("tokenizer_config.json", "config.json"):
         try:
             auto_map = json.loads((folder / name).read_text(encoding="utf-8")).get("auto_map")
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(auto_map, dict) and "AutoTokenizer" in auto_map:
-            return f"auto_map {auto_map['AutoTokenizer']!r} in {folder / name}"
+        if isinstance(auto_map, dict) and auto_map:
+            key = "AutoTokenizer" if "AutoTokenizer" in auto_map else next(iter(auto_map))
+            return f"auto_map {key}: {auto_map[key]!r} in {folder / name}"
     return None
 
 
