@@ -47,7 +47,7 @@ from hybridtrain.config import ConfigError, apply_dist_env, apply_process_defaul
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
-from hybridtrain.fileio import output_folder, write_error
+from hybridtrain.fileio import given_path, output_folder, write_error
 from hybridtrain.launch import first_to_report, launch, worker_argv
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.preemption import Preempted
@@ -281,7 +281,7 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         return launch(command, args, nproc)
     if command == "evaluate":  # several processes: under the recipe's layout
         run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
-        run(cfg, os.path.expanduser(args.checkpoint) if args.checkpoint else None)
+        run(cfg, given_path(args.checkpoint, "--checkpoint"))
         return 0
     if command in ("finetune", "dpo", "grpo"):
         run = _load_entry(f"hybridtrain.recipes.{command}", "run", command)
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             out_dir = output_folder(args.out_dir, "convert OUT_HF_DIR")
             convert = _load_entry("hybridtrain.training.checkpoint", "convert", "convert")
-            convert(os.path.expanduser(args.ckpt_dir), out_dir,
+            convert(given_path(args.ckpt_dir, "convert CKPT_DIR"), out_dir,
                     **({"dtype": args.dtype} if args.dtype else {}))
             return 0
         parser.error(f"unknown command {args.command!r}")

@@ -6,6 +6,7 @@ the same time (every rank of a run).
     read_text(path) -> str                               # UTF-8; EncodingError names file:line
     read_json(path) -> Any                               # ... and syntax errors file:line
     open_safetensors(path, device="cpu") -> safe_open    # a truncated file: ValueError naming it
+    given_path(path, what) -> str | None                 # ~ expanded; empty: ValueError
     input_file(path, what) / output_file(path, what) / output_folder(path, what) -> str
                                                          # a path the user gave, checked first
     write_error(exc, what, path) -> WriteError | None    # a full or read-only disk, named
@@ -36,7 +37,7 @@ from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
            "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
-           "open_safetensors", "WriteError", "write_error", "append_text", "input_file",
+           "open_safetensors", "WriteError", "write_error", "append_text", "given_path", "input_file",
            "output_file", "output_folder"]
 
 
@@ -123,6 +124,17 @@ def read_json(path: str | os.PathLike) -> Any:
 # -- paths the user gives ----------------------------------------------------------------------
 def _cwd_hint(path: str) -> str:
     return "" if os.path.isabs(path) else f" (relative paths are read from {os.getcwd()})"
+
+
+def given_path(path: str | os.PathLike | None, what: str) -> str | None:
+    """``path`` with ``~`` expanded (None stays None); an empty or blank one (an unset
+    variable) is a ``ValueError`` naming ``what``, never the working directory."""
+    if path is None:
+        return None
+    raw = os.fspath(path)
+    if not raw.strip():
+        raise ValueError(f"{what} is empty ({raw!r}): give a path (an unset shell variable?)")
+    return os.path.expanduser(raw)
 
 
 def input_file(path: str | os.PathLike, what: str) -> str:

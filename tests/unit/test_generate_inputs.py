@@ -160,3 +160,16 @@ def test_non_utf8_prompts_name_the_file_and_line(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
     assert f"{prompts}: line 2: column" in err and "not UTF-8" in err, err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model", "", "--prompt", "hi"], "--model is empty"),
+    (["--model", "{tmp}", "--prompts", " "], "--prompts is empty"),
+    (["--model", "{tmp}", "--prompt", "hi", "--output", ""], "--output is empty"),
+    (["--model", "{tmp}", "--prompt", "hi", "--adapter", ""], "--adapter is empty"),
+])
+def test_an_empty_path_flag_is_refused_not_read_as_the_working_directory(tmp_path, capsys,
+                                                                         flags, message):
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    assert main(["generate", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -34,7 +34,8 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
-from hybridtrain.fileio import apply_umask, open_safetensors, output_folder, read_json
+from hybridtrain.fileio import (apply_umask, given_path, open_safetensors, output_folder,
+                                read_json)
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
@@ -503,7 +504,7 @@ def merge_cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-base-mismatch", action="store_true",
                         help="merge even though adapter_config.json names another base model")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    base, adapter = os.path.expanduser(args.base), os.path.expanduser(args.adapter)
+    base, adapter = given_path(args.base, "--base"), given_path(args.adapter, "--adapter")
     out_dir = output_folder(args.out, "--out")  # not a file, nor under one: said before reading
     out = merge_adapter_into_hf(base, adapter, out_dir, dtype=args.dtype,
                                 max_shard_size=args.max_shard_size,

@@ -34,7 +34,7 @@ import torch
 from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
 from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
-from hybridtrain.fileio import decode_utf8, input_file, output_file, write_error
+from hybridtrain.fileio import decode_utf8, given_path, input_file, output_file, write_error
 from hybridtrain.models.spec import get_model_spec
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    args.model = os.path.expanduser(args.model)  # as data paths: `--model=~/run` works too
-    args.adapter = os.path.expanduser(args.adapter) if args.adapter else args.adapter
+    for flag in ("model", "adapter", "prompts", "output"):  # as data paths: ~ expanded
+        setattr(args, flag, given_path(getattr(args, flag), f"--{flag}"))
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
@@ -331,10 +331,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.adapter is not None and not os.path.isdir(args.adapter):
         raise ValueError(f"--adapter {args.adapter}: no such folder (a PEFT adapter folder with "
                          "adapter_config.json)")
-    output = output_file(args.output, "--output") if args.output else None
+    output = output_file(args.output, "--output") if args.output is not None else None
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
-    records = read_prompts(args.prompts) if args.prompts else \
+    records = read_prompts(args.prompts) if args.prompts is not None else \
         [check_prompt({"prompt": args.prompt}, "--prompt")]
     model, tok = load_model(args.model, args.adapter, dtype=args.dtype, device=device)
     if args.chat and not getattr(tok, "chat_template", None):
