@@ -173,3 +173,11 @@ def test_an_empty_path_flag_is_refused_not_read_as_the_working_directory(tmp_pat
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     assert main(["generate", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_evaluate_names_its_own_flag_for_a_missing_checkpoint(tmp_path, capsys):
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "squad_tiny.yaml"
+    assert main(["evaluate", "-c", str(recipe), "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert f"--checkpoint {tmp_path / 'nope'}: no such folder" in capsys.readouterr().err

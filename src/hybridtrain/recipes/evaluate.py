@@ -90,15 +90,16 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
         return _run_laid_out(cfg, checkpoint)
     out_dir = run_folder_path(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
+    flag = "--checkpoint" if checkpoint else "checkpoint.dir"  # what errors name
     device = resolve_device(cfg.training.device)
     step_dir = unexported_checkpoint(ckpt)
     if step_dir is None:
-        hf_dir, adapter = resolve_export(ckpt)
+        hf_dir, adapter = resolve_export(ckpt, flag)
         source = adapter or hf_dir
         step = _step_of(os.path.dirname(source))
     else:
         source, step = step_dir, _step_of(step_dir)
-    model, tokenizer = load_model(ckpt, device=device)
+    model, tokenizer = load_model(ckpt, device=device, flag=flag)
     dtype = resolve_dtype(cfg.training.dtype, device, model.config.hidden_size, cfg.training.cpu_bf16)
     val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")

@@ -53,14 +53,14 @@ def _read_json(path: str) -> dict:
         raise ValueError(f"{path}: cannot read it ({e})") from None
 
 
-def resolve_export(path: str) -> tuple[str, str | None]:
+def resolve_export(path: str, flag: str = "--model") -> tuple[str, str | None]:
     """(Hugging Face folder, adapter folder or None) that ``path`` names: a run folder (its
     ``latest`` checkpoint), a ``step_N`` checkpoint (its export: ``merged_hf/``, ``hf/``, then
     ``adapter/``; its own ``config.json`` is the model config, not an export), an adapter folder
-    or an HF folder."""
+    or an HF folder. Errors name ``flag``, the option that gave ``path``."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"--model {path}: no such folder")
+        raise ValueError(f"{flag} {path}: no such folder")
     path = latest_checkpoint(path) or path
     for sub in ("merged_hf", "hf"):
         if os.path.isfile(os.path.join(path, sub, "config.json")):
@@ -74,11 +74,11 @@ def resolve_export(path: str) -> tuple[str, str | None]:
         raise ValueError(f"{adapter} is a LoRA adapter whose base model ({base!r}) is not a local "
                          "folder here; pass --model BASE_DIR --adapter ADAPTER_DIR")
     if os.path.isfile(os.path.join(path, "trainer_state.json")):  # a checkpoint, no export
-        raise ValueError(f"--model {path}: a checkpoint without an export (hf/, merged_hf/ or "
+        raise ValueError(f"{flag} {path}: a checkpoint without an export (hf/, merged_hf/ or "
                          f"adapter/); write one with `hybridtrain convert {path} OUT_DIR`")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, None
-    raise ValueError(f"--model {path}: neither a Hugging Face folder (config.json) nor a checkpoint "
+    raise ValueError(f"{flag} {path}: neither a Hugging Face folder (config.json) nor a checkpoint "
                      "or run folder with an export (hf/, merged_hf/ or adapter/)")
 
 
@@ -95,7 +95,7 @@ def unexported_checkpoint(path: str) -> str | None:
 
 
 def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", flag: str = "--model"):
     """(model, tokenizer) for generation: the model class registered for the folder's
     ``model_type``, with a PEFT adapter applied when given (not merged); a ``step_N`` checkpoint
     without an export: the model its sharded checkpoint holds, with its tokenizer."""
@@ -113,7 +113,7 @@ def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtyp
         if dtype is not None:
             model = model.to(to_torch_dtype(dtype, "--dtype"))
         return model.to(device).eval(), load_tokenizer(tok_dir)
-    hf_dir, found_adapter = resolve_export(model_dir)
+    hf_dir, found_adapter = resolve_export(model_dir, flag)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
     model = get_model_spec(str(model_type)).model_cls.from_pretrained(hf_dir, dtype=dtype)
