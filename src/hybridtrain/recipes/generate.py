@@ -240,6 +240,10 @@ def check_generation_length(model, batch_size: int, prompt_length: int, max_new_
     memory available, before anything is allocated."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not hasattr(model, "generation_cache_bytes"):  # the contract's optional generation part
+        raise ValueError(f"{type(model).__name__} does not implement generation (generate and "
+                         "generation_cache_bytes, hybridtrain.models.spec); `hybridtrain "
+                         "generate` needs a model that does")
     context = getattr(model.config, "max_position_embeddings", None)
     if context and prompt_length + max_new_tokens > context:
         raise ValueError(
