@@ -37,8 +37,8 @@ from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
            "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
-           "open_safetensors", "WriteError", "write_error", "append_text", "given_path", "input_file",
-           "output_file", "output_folder"]
+           "open_safetensors", "WriteError", "write_error", "append_text", "given_path",
+           "input_file", "output_file", "output_folder"]
 
 
 # -- errors -----------------------------------------------------------------------------------

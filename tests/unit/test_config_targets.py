@@ -98,8 +98,9 @@ def test_payload_recipe_runs_nothing(tmp_path):
     from hybridtrain.config import build_config
 
     marker = tmp_path / "pwned"
-    for target in ("hybridtrain.cli.__builtins__.__setitem__", "tests.helpers.target_payloads.put",
-                   "tests.helpers.target_payloads.system", "tests.helpers.target_payloads.os.system"):
+    for target in ("hybridtrain.cli.__builtins__.__setitem__",
+                   "tests.helpers.target_payloads.put", "tests.helpers.target_payloads.system",
+                   "tests.helpers.target_payloads.os.system"):
         with pytest.raises(ConfigError, match="target"):
             cfg = build_config({"allowed_target_prefixes": list(_PAYLOADS),
                                 "model": {"_target_": target, "_args_": [f"touch {marker}"]}})

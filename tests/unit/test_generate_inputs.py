@@ -130,14 +130,16 @@ def test_generation_cache_bytes_are_what_prefill_allocates():
                                     for t in vars(state).values() if isinstance(t, torch.Tensor))
     head_copy = 0 if cache.head_t is None else cache.head_t.nbytes
     bound = model.generation_cache_bytes(3, 57)
-    assert held + head_copy <= bound <= held + model.config.vocab_size * model.config.hidden_size * 4
+    head_bound = model.config.vocab_size * model.config.hidden_size * 4
+    assert held + head_copy <= bound <= held + head_bound
 
 
 def test_prompts_and_output_paths_are_checked_first(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     cases = [
-        (["--prompts", str(tmp_path / "nope.jsonl")], f"--prompts {tmp_path / 'nope.jsonl'}: no such file"),
+        (["--prompts", str(tmp_path / "nope.jsonl")],
+         f"--prompts {tmp_path / 'nope.jsonl'}: no such file"),
         (["--prompts", str(tmp_path)], f"--prompts {tmp_path}: is a folder; give a file"),
         (["--prompts", str(prompts), "--output", str(tmp_path)],
          f"--output {tmp_path}: is a folder; give a file name"),

@@ -204,8 +204,9 @@ def build_cached(
         try:
             stats = Stats(json.loads(meta_file.read_text(encoding="utf-8"))["stats"])
         except Exception as e:  # a damaged or half-written record
-            raise CorruptCacheError(f"the tokenized-data cache {final} cannot be read ({meta_file}: "
-                                    f"{type(e).__name__}: {str(e).strip()[:200]})") from e
+            raise CorruptCacheError(f"the tokenized-data cache {final} cannot be read "
+                                    f"({meta_file}: {type(e).__name__}: "
+                                    f"{str(e).strip()[:200]})") from e
         if not stats.get("kept"):  # an empty entry (earlier versions wrote them): build again
             return (*build(), None)
         try:
