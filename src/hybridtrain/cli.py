@@ -48,7 +48,7 @@ from hybridtrain.config import ConfigError, apply_dist_env, apply_process_defaul
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
-from hybridtrain.fileio import write_error
+from hybridtrain.fileio import given_path, output_folder, write_error
 from hybridtrain.launch import first_to_report, launch, worker_argv
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.preemption import (
@@ -291,7 +291,7 @@ def _run_loaded(command: str, args: argparse.Namespace, cfg, sub_argv: list[str]
         return launch(command, args, nproc)
     if command == "evaluate":  # several processes: under the recipe's layout
         run = _load_entry("hybridtrain.recipes.evaluate", "run", command)
-        run(cfg, args.checkpoint)
+        run(cfg, given_path(args.checkpoint, "--checkpoint"))
         return 0
     if command in ("finetune", "dpo", "grpo"):
         run = _load_entry(f"hybridtrain.recipes.{command}", "run", command)
@@ -337,8 +337,10 @@ def _main(argv: list[str]) -> int:
             parser.print_help()
             return 2
         if args.command == "convert":
+            out_dir = output_folder(args.out_dir, "convert OUT_HF_DIR")
             convert = _load_entry("hybridtrain.training.checkpoint", "convert", "convert")
-            convert(args.ckpt_dir, args.out_dir, **({"dtype": args.dtype} if args.dtype else {}))
+            convert(given_path(args.ckpt_dir, "convert CKPT_DIR"), out_dir,
+                    **({"dtype": args.dtype} if args.dtype else {}))
             return 0
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, CommandUnavailable) as e:

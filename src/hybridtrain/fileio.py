@@ -6,6 +6,9 @@ the same time (every rank of a run).
     read_text(path) -> str                               # UTF-8; EncodingError names file:line
     read_json(path) -> Any                               # ... and syntax errors file:line
     open_safetensors(path, device="cpu") -> safe_open    # a truncated file: ValueError naming it
+    given_path(path, what) -> str | None                 # ~ expanded; empty: ValueError
+    input_file(path, what) / output_file(path, what) / output_folder(path, what) -> str
+                                                         # a path the user gave, checked first
     write_error(exc, what, path) -> WriteError | None    # a full or read-only disk, named
     append_text(path, text) -> None                      # a log line; WriteError names path
     atomic_write(path, data, fsync=False) -> bool        # str or bytes
@@ -34,7 +37,8 @@ from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
            "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
-           "open_safetensors", "WriteError", "write_error", "append_text"]
+           "open_safetensors", "WriteError", "write_error", "append_text", "given_path",
+           "input_file", "output_file", "output_folder"]
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -115,6 +119,87 @@ def read_json(path: str | os.PathLike) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"{os.fspath(path)}: line {e.lineno}: column {e.colno}: not valid "
                          f"JSON ({e.msg})") from None
+
+
+# -- paths the user gives ----------------------------------------------------------------------
+def _cwd_hint(path: str) -> str:
+    return "" if os.path.isabs(path) else f" (relative paths are read from {os.getcwd()})"
+
+
+def given_path(path: str | os.PathLike | None, what: str) -> str | None:
+    """``path`` with ``~`` expanded (None stays None); an empty or blank one (an unset
+    variable) is a ``ValueError`` naming ``what``, never the working directory."""
+    if path is None:
+        return None
+    raw = os.fspath(path)
+    if not raw.strip():
+        raise ValueError(f"{what} is empty ({raw!r}): give a path (an unset shell variable?)")
+    return os.path.expanduser(raw)
+
+
+def input_file(path: str | os.PathLike, what: str) -> str:
+    """``path`` (``~`` expanded) when it is a readable file; else a ``ValueError`` naming
+    ``what`` (a flag or key, e.g. ``--prompts``) and the fix."""
+    raw = os.fspath(path)
+    p = os.path.expanduser(raw)
+    if not p.strip():
+        raise ValueError(f"{what} is empty: give a file")
+    if os.path.isdir(p):
+        raise ValueError(f"{what} {raw}: is a folder; give a file (e.g. {what} {raw}/FILE)")
+    if not os.path.isfile(p):
+        raise ValueError(f"{what} {raw}: no such file{_cwd_hint(p)}")
+    if not os.access(p, os.R_OK):
+        raise ValueError(f"{what} {raw}: not readable (permission denied); fix its permissions")
+    return p
+
+
+def _existing_ancestor(p: str) -> str:
+    """The nearest part of ``p`` (itself or a parent folder) that exists."""
+    p = os.path.abspath(p)
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def output_file(path: str | os.PathLike, what: str) -> str:
+    """``path`` (``~`` expanded) when a file can be written there: not a folder, in a folder
+    that exists and is writable; else a ``ValueError`` naming ``what`` and the fix."""
+    raw = os.fspath(path)
+    p = os.path.expanduser(raw)
+    if not p.strip():
+        raise ValueError(f"{what} is empty: give a file name")
+    if os.path.isdir(p):
+        raise ValueError(f"{what} {raw}: is a folder; give a file name (e.g. "
+                         f"{what} {os.path.join(raw, 'out.jsonl')})")
+    parent = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(parent):
+        found = _existing_ancestor(parent)
+        why = (f"{found} is a file, not a folder" if os.path.lexists(found)
+               and not os.path.isdir(found) else f"its folder {parent} does not exist")
+        raise ValueError(f"{what} {raw}: {why}; create the folder first (mkdir -p) or choose "
+                         "another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {raw}: the folder {parent} is not writable; choose another path")
+    return p
+
+
+def output_folder(path: str | os.PathLike, what: str) -> str:
+    """``path`` (``~`` expanded) when it is, or can be created as, a writable folder: not a
+    file, not under a file; else a ``ValueError`` naming ``what`` and the fix."""
+    raw = os.fspath(path)
+    p = os.path.expanduser(raw)
+    if not p.strip():
+        raise ValueError(f"{what} is empty: give a folder")
+    found = _existing_ancestor(p)
+    if not os.path.isdir(found):
+        where = "is a file" if found == os.path.abspath(p) else f"lies under the file {found}"
+        raise ValueError(f"{what} {raw}: {where}, not a folder; choose a folder path")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {raw}: {found} is not writable; choose another folder")
+    return p
 
 
 def open_safetensors(path: str | os.PathLike, device: str = "cpu"):

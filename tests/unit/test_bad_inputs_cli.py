@@ -4,6 +4,7 @@ the file (and line, and why), never a traceback from a library."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -241,3 +242,147 @@ def test_a_tokenizer_folder_without_a_tokenizer_names_the_key(tmp_path):
     recipe.write_text(f"tokenizer:\n  _target_: hybridtrain.data.load_tokenizer\n  path: {tmp_path / 'model'}\n")
     with pytest.raises(DataError, match=r"r.yaml:3: tokenizer.path .* holds no tokenizer"):
         check_input_paths(load_config(recipe))
+
+
+def _tokenizer_with_code(tok_dir, folder, marker, keep_class: bool):
+    """A copy of ``tok_dir`` with a Python file that would create ``marker`` and an ``auto_map``
+    naming it (with or without a standard ``tokenizer_class`` beside it)."""
+    import shutil
+
+    shutil.copytree(tok_dir, folder)
+    (folder / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class Evil(PreTrainedTokenizerFast):\n    pass\n")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": [None, "evil.Evil"]}
+    if not keep_class:
+        cfg.pop("tokenizer_class", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "dataset"])
+def test_a_recipe_cannot_switch_on_trust_remote_code(tmp_path, tok_dir, capsys, where):
+    marker = tmp_path / "pwned"
+    code_tok = _tokenizer_with_code(tok_dir, tmp_path / "tok", marker, keep_class=False)
+    data = write_jsonl(tmp_path / "train.jsonl", [squad_rec(i) for i in range(4)])
+    dataset = {"_target_": SQUAD, "path": str(data), "tokenizer": str(code_tok)}
+    tokenizer = {"_target_": "hybridtrain.data.load_tokenizer", "path": str(code_tok)}
+    (dataset if where == "dataset" else tokenizer)["trust_remote_code"] = True
+    code = finetune(tmp_path, tok_dir, dataset, tokenizer=tokenizer)
+    err = capsys.readouterr().err
+    assert code == 2 and not marker.exists()
+    assert f"'{where}.trust_remote_code: True'" in err and "recipe.yaml" in err, err[-2000:]
+    assert "is refused" in err and "Traceback" not in err
+    # nor from the command line
+    dataset.pop("trust_remote_code", None), tokenizer.pop("trust_remote_code", None)
+    assert finetune(tmp_path, tok_dir, dataset, f"--+{where}.trust_remote_code=true",
+                    tokenizer=tokenizer) == 2
+    assert not marker.exists() and "is refused" in capsys.readouterr().err
+
+
+def test_a_tokenizer_folder_that_asks_for_its_own_code_never_runs_it(tmp_path, tok_dir, capsys):
+    from hybridtrain.data import build_squad_dataset, load_tokenizer
+    from hybridtrain.data.io import DataError
+
+    marker = tmp_path / "pwned"
+    needs_code = _tokenizer_with_code(tok_dir, tmp_path / "needs", marker, keep_class=False)
+    with pytest.raises(DataError, match=r"asks to run its own Python code \(auto_map .*evil.Evil"):
+        load_tokenizer(needs_code)
+    # with a standard class beside the auto_map: loads as that class, the file never runs
+    has_class = _tokenizer_with_code(tok_dir, tmp_path / "has", marker, keep_class=True)
+    assert type(load_tokenizer(has_class)).__module__.startswith("transformers.")
+    # asked for through the Python API: refused, also through a dataset builder's forwarding
+    for call in (lambda: load_tokenizer(has_class, trust_remote_code=True),
+                 lambda: load_tokenizer(has_class, local_files_only=False),
+                 lambda: load_tokenizer(has_class, revision="main"),
+                 lambda: build_squad_dataset(tmp_path / "x.jsonl", str(has_class),
+                                             trust_remote_code=True)):
+        with pytest.raises(DataError, match="is refused"):
+            call()
+    # through the CLI: the tokenizer section names the folder
+    data = write_jsonl(tmp_path / "train.jsonl", [squad_rec(i) for i in range(4)])
+    assert finetune(tmp_path, tok_dir, {"_target_": SQUAD, "path": str(data)},
+                    tokenizer={"_target_": "hybridtrain.data.load_tokenizer",
+                               "path": str(needs_code)}) == 2
+    assert "asks to run its own Python code" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_missing_tokenizer_json_says_so(tmp_path, tok_dir):
+    import shutil
+
+    from hybridtrain.data import load_tokenizer
+    from hybridtrain.data.io import DataError
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tok_dir, folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=rf"{folder / 'tokenizer.json'} is missing .*copy the "
+                                        "model's tokenizer.json"):
+        load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("how", ["recipe", "blank", "env", "command line"])
+def test_an_empty_checkpoint_dir_is_refused_naming_where(tmp_path, capsys, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UNSET_RUN_DIR", raising=False)
+    mine = tmp_path / "config.yaml"
+    mine.write_text("the user's own file\n")
+    value = {"recipe": "''", "blank": "'   '", "env": "${env:UNSET_RUN_DIR,}",
+             "command line": "somewhere"}[how]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  _target_: hybridtrain.models.nemotron_h.NemotronHForCausalLM\n"
+                      f"checkpoint:\n  dir: {value}\n")
+    extra = ["--checkpoint.dir="] if how == "command line" else []
+    assert main(["finetune", "-c", str(recipe), *extra]) == 2
+    err = capsys.readouterr().err
+    where = "command-line override '--checkpoint.dir='" if how == "command line" else f"{recipe}:4"
+    assert "'checkpoint.dir' is empty" in err and where in err, err
+    assert mine.read_text() == "the user's own file\n"
+
+
+def test_convert_to_a_file_or_under_one_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "run"
+    ckpt.mkdir()
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for out, message in ((a_file, "is a file, not a folder"),
+                         (a_file / "out", f"lies under the file {a_file}")):
+        assert main(["convert", str(ckpt), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"convert OUT_HF_DIR {out}: {message}" in err and "Traceback" not in err, err
+    assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'nope'} is not a checkpoint" in capsys.readouterr().err
+    assert main(["merge", "--base", str(ckpt), "--adapter", str(ckpt), "--out",
+                 str(a_file / "m")]) == 2
+    assert f"--out {a_file / 'm'}: lies under the file {a_file}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override", ["--training.max_val_steps=-1", "--training.max_val_steps=0",
+                                      "--training.ckpt_every_steps=-1",
+                                      "--training.val_every_steps=-2",
+                                      "--checkpoint.keep_last=0", "--dataloader.num_workers=-1"])
+def test_a_count_that_would_silently_skip_work_is_refused(tmp_path, override):
+    from hybridtrain.config import ConfigError, load_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("training:\n  max_steps: 2\n")
+    key = override[2:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"'{key}' must be >= \d+, got -?\d+ in command-line"):
+        load_config(recipe, [override])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--evaluation.temperature=-0.5"], "evaluation.temperature must be a finite number >= 0"),
+    (["--evaluation.do_sample=true", "--evaluation.temperature=0"], "temperature 0 is greedy"),
+    (["--evaluation.top_p=1.5"], "evaluation.top_p must be in (0, 1]"),
+])
+def test_evaluation_sampling_out_of_range_is_refused_at_load(tmp_path, overrides, message):
+    from hybridtrain.config import ConfigError, load_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("evaluation:\n  num_examples: 2\n")
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*command-line"):
+        load_config(recipe, overrides)

@@ -51,6 +51,95 @@ def test_code_loading_entry_points_are_refused_even_under_a_wide_prefix(target):
     assert "code-loading entry point" in msg and "explicitly" in msg
 
 
+_PAYLOADS = ("tests.helpers.target_payloads.",)
+
+
+@pytest.mark.parametrize("target", [
+    # dunder and private hops: through a module's globals or builtins
+    "hybridtrain.cli.__builtins__.exec",
+    "hybridtrain.config.__builtins__.get",
+    "hybridtrain.data.__spec__.loader.exec_module",
+    "tests.helpers.target_payloads.build.__globals__.get",
+    "tests.helpers.target_payloads._private",
+    "tests.helpers.target_payloads.Holder.make.__func__",
+    # bound builtin methods (no defining module) and stdlib builtins re-exported
+    "tests.helpers.target_payloads.put",
+    "tests.helpers.target_payloads.get",
+    "tests.helpers.target_payloads.join",
+    "tests.helpers.target_payloads.system",
+    "tests.helpers.target_payloads.Holder.run",
+    # re-exported stdlib modules and classes re-exported from torch / stdlib
+    "tests.helpers.target_payloads.os.system",
+    "tests.helpers.target_payloads.subprocess.run",
+    "tests.helpers.target_payloads.Tensor",
+    "tests.helpers.target_payloads.OrderedDict",
+    # getattr chains through instances
+    "tests.helpers.target_payloads.logger.info",
+    "tests.helpers.target_payloads.REGISTRY.update",
+    "tests.helpers.target_payloads.Holder.env.setdefault",
+])
+def test_payload_paths_are_refused(target):
+    msg = _refused(target, DEFAULT_ALLOWED_PREFIXES + _PAYLOADS)
+    assert target in msg
+
+
+def test_payload_module_legitimate_targets_resolve():
+    from hybridtrain.config import resolve_target
+    from tests.helpers import target_payloads as tp
+
+    assert resolve_target("tests.helpers.target_payloads.build", _PAYLOADS) is tp.build
+    assert resolve_target("tests.helpers.target_payloads.Holder", _PAYLOADS) is tp.Holder
+    assert resolve_target("tests.helpers.target_payloads.Holder.make", _PAYLOADS)(3) == 3
+
+
+def test_payload_recipe_runs_nothing(tmp_path):
+    """A recipe of only allowed-prefix targets that tries to rebind a builtin and run a shell
+    command is refused before anything runs."""
+    from hybridtrain.config import build_config
+
+    marker = tmp_path / "pwned"
+    for target in ("hybridtrain.cli.__builtins__.__setitem__",
+                   "tests.helpers.target_payloads.put", "tests.helpers.target_payloads.system",
+                   "tests.helpers.target_payloads.os.system"):
+        with pytest.raises(ConfigError, match="target"):
+            cfg = build_config({"allowed_target_prefixes": list(_PAYLOADS),
+                                "model": {"_target_": target, "_args_": [f"touch {marker}"]}})
+            instantiate(cfg.model)
+        assert not marker.exists()
+
+
+def test_every_shipped_target_resolves():
+    """The targets the examples and the schema's defaults name keep resolving."""
+    import pathlib
+
+    import yaml
+
+    from hybridtrain.config import resolve_target
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def targets(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("_target_"), str):
+                yield node["_target_"]
+            for v in node.values():
+                yield from targets(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from targets(v)
+
+    seen = set()
+    for recipe in sorted((root / "examples").glob("*.yaml")):
+        doc = yaml.safe_load(recipe.read_text())
+        prefixes = DEFAULT_ALLOWED_PREFIXES + tuple((doc or {}).get("allowed_target_prefixes")
+                                                    or ())
+        for t in targets(doc):
+            if t not in seen:
+                seen.add(t)
+                assert callable(resolve_target(t, prefixes)), (recipe, t)
+    assert len(seen) >= 5
+
+
 def test_narrow_defaults_and_explicit_listing():
     assert "torch." not in DEFAULT_ALLOWED_PREFIXES
     assert "not allowed" in _refused("torch.load")  # torch. itself is not allowed by default

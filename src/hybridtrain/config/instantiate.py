@@ -34,9 +34,13 @@ _RESERVED = ("_target_", "_partial_", "_args_")
 
 def resolve_target(target: str, prefixes: Iterable[str] = DEFAULT_ALLOWED_PREFIXES) -> Callable:
     """Import ``a.b.c.attr``: the longest prefix that is a real module, then attributes that
-    are not modules (``torch.serialization.os.system`` is refused: ``os`` is reached through
-    another module's attribute). The object's defining module must pass the allow-list
-    ``prefixes`` too (:func:`hybridtrain.config.targets.check_defining_module`)."""
+    are classes (on the way) and, last, a class, function or method. Refused: a private
+    segment, a module reached as another module's attribute (``torch.serialization.os.system``),
+    an instance on the way (``pkg.logger.info``), an object that does not say where it is
+    defined (a bound builtin method), and anything whose defining module (or that of a class
+    on the way) the allow-list ``prefixes`` does not admit
+    (:func:`hybridtrain.config.targets.check_defining_module`)."""
+    check_target(target, prefixes, "_target_", "being resolved")
     parts = target.split(".")
     for i in range(len(parts), 0, -1):
         name = ".".join(parts[:i])
@@ -49,6 +53,9 @@ def resolve_target(target: str, prefixes: Iterable[str] = DEFAULT_ALLOWED_PREFIX
             raise
         obj: Any = module
         for j, attr in enumerate(parts[i:], start=i):
+            reached = ".".join(parts[:j + 1])
+            if obj is not module:  # a class on the way: judged like the target itself
+                check_defining_module(target, _defined_as(obj, target, reached), prefixes)
             try:
                 obj = getattr(obj, attr)
             except AttributeError:
@@ -59,21 +66,41 @@ def resolve_target(target: str, prefixes: Iterable[str] = DEFAULT_ALLOWED_PREFIX
             if inspect.ismodule(obj):
                 raise ConfigError(
                     f"_target_ '{target}' reaches module '{obj.__name__}' through the attribute "
-                    f"'{'.'.join(parts[:j + 1])}': name callables by the module that defines "
+                    f"'{reached}': name callables by the module that defines "
                     "them, not through another module's attributes")
-        check_defining_module(target, _qualified_name(obj, name, parts[i:]), prefixes)
+            if j < len(parts) - 1 and not inspect.isclass(obj):
+                raise ConfigError(
+                    f"_target_ '{target}' passes through '{reached}', a "
+                    f"{type(obj).__name__} object, not a module or class: name a module-level "
+                    "class or function, or a class's method")
+        check_defining_module(target, _defined_as(obj, target, target), prefixes)
         return obj
     raise ConfigError(f"cannot resolve _target_ '{target}': no module '{parts[0]}'")
 
 
-def _qualified_name(obj: Any, module_name: str, attrs: list[str]) -> str:
-    """``defining_module.QualName`` of ``obj`` (bound methods: their function's); objects that
-    do not say where they are defined keep the path they were reached by."""
-    fn = getattr(obj, "__func__", obj)
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    if isinstance(module, str) and isinstance(qualname, str):
-        return f"{module}.{qualname}"
-    return ".".join([module_name, *attrs])
+def _defined_as(obj: Any, target: str, reached: str) -> str:
+    """``defining_module.QualName`` of ``obj``, a class, function or method (bound methods:
+    their function's, and their class's must be allowed too); anything else, or an object that
+    does not say where it is defined (a bound builtin method, an instance), is refused."""
+    if inspect.ismethod(obj):  # a classmethod reached through its class
+        owner = obj.__self__
+        if not inspect.isclass(owner):
+            raise ConfigError(f"_target_ '{target}' resolves to a method of a "
+                              f"{type(owner).__name__} object ('{reached}'): name a class, a "
+                              "function or a class's method")
+        obj = obj.__func__
+    elif inspect.isbuiltin(obj) and not (obj.__self__ is None or inspect.ismodule(obj.__self__)):
+        obj = None  # a builtin method bound to an object: {}.get, "".join
+    elif not (inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+        obj = None
+    module = getattr(obj, "__module__", None) if obj is not None else None
+    qualname = getattr(obj, "__qualname__", None) if obj is not None else None
+    if not (isinstance(module, str) and isinstance(qualname, str)):
+        raise ConfigError(f"_target_ '{target}' resolves to '{reached}', which is not a class, "
+                          "function or method that says where it is defined (a bound builtin "
+                          "method or an instance): it is refused, since the allow-list judges an "
+                          "object by its defining module")
+    return f"{module}.{qualname}"
 
 
 def _location(node: Mapping) -> tuple[str, str, tuple[str, ...]]:

@@ -10,7 +10,9 @@
 4. replace ``${env:VAR}`` / ``${env:VAR,default}`` in string values (a value that is exactly one
    reference is parsed as a YAML scalar, so ``${env:STEPS,10}`` is the int 10);
 5. validate fixed sections (unknown keys with a suggestion, types, choices), ``dist_env``, and
-   every ``_target_`` against the allow-list (without importing anything);
+   every ``_target_`` against the allow-list (without importing anything); a key that would
+   let a dependency load code (``trust_remote_code: true``, ``targets.CODE_LOADING_OPTIONS``)
+   is refused anywhere in the recipe;
 6. warn about settings that contradict each other (``consistency.py``).
 
 Nothing here imports torch, so ``dist_env`` can be applied before CUDA is touched.
@@ -31,7 +33,8 @@ from hybridtrain.config.dtypes import canonical_dtype_name
 from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
 from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
-from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, check_target, normalize_prefixes
+from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_code_loading_option,
+                                        check_target, normalize_prefixes)
 from hybridtrain.fileio import EncodingError, read_text
 
 __all__ = [
@@ -350,6 +353,12 @@ def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
     if spec.minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
             and value < spec.minimum:
         raise ConfigError(f"'{name}.{key}' must be >= {spec.minimum}, got {value!r} in {where}")
+    if spec.path and isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"'{name}.{key}' is empty ({value!r}) in {where}: give a "
+                              f"{spec.path} path (an unset ${{env:VAR,}} gives an empty one), or "
+                              "leave the key out for its default")
+        return os.path.expanduser(value)
     if spec.choices and isinstance(value, str):
         low = canonical_dtype_name(value) or value.lower()
         for choice in spec.choices:
@@ -404,6 +413,7 @@ def _check_targets(value: Any, path: tuple, meta: ConfigMeta) -> None:
                 raise ConfigError(f"'{dotted(path + ('_partial_',))}' must be true or false "
                                   f"({meta.where(path + ('_partial_',))})")
         for k, v in value.items():
+            check_code_loading_option(k, v, dotted(path + (k,)), meta.where(path + (k,)))
             _check_targets(v, path + (k,), meta)
     elif isinstance(value, list):
         for i, v in enumerate(value):

@@ -47,7 +47,9 @@ class K:
     the default is ``None``). ``int`` is accepted where ``float`` is. ``choices``: allowed values
     for strings (matched case-insensitively and normalised to the spelling given here).
     ``minimum``: the smallest number accepted (checked when the recipe is loaded, so before
-    anything is built, and by ``--print-config``).
+    anything is built, and by ``--print-config``). ``path``: the value, when a string, is a
+    path the user gives (``"file"`` or ``"folder"``): an empty or blank one is refused naming the
+    key and where it was set, and ``~`` is expanded, as for data paths.
     """
 
     default: Any
@@ -56,6 +58,7 @@ class K:
     choices: tuple[str, ...] | None = None
     minimum: float | None = None  # numbers below it are refused (null stays allowed)
     env: str | None = None  # an environment variable that, when set, replaces the default
+    path: str | None = None  # "file" | "folder": a path the user gives
 
 
 @dataclass(frozen=True)
@@ -82,16 +85,16 @@ TRAINING = {
     "max_steps": K(None, "optimizer steps to run; null -> derived from num_epochs", _OPT_INT, minimum=1),
     "num_epochs": K(1, "epochs over the dataset when max_steps is null", (int, float)),
     "val_every_steps": K(None, "validate every N steps; null or 0 -> only at the end "
-                               "(if a validation_dataset is given)", _OPT_INT),
+                               "(if a validation_dataset is given)", _OPT_INT, minimum=0),
     "max_val_steps": K(None, "cap on validation batches per validation; null -> whole set",
-                       _OPT_INT),
+                       _OPT_INT, minimum=1),
     "val_micro_batch_size": K(None, "validation batch per rank; null -> micro_batch_size",
-                              _OPT_INT),
+                              _OPT_INT, minimum=1),
     "val_accuracy": K(False, "also report teacher-forced answer_accuracy / token_accuracy at "
                              "validation (one more forward per batch, full logits)"),
     "ckpt_every_steps": K(None, "checkpoint every N steps; null or 0 -> only at the end",
-                          _OPT_INT),
-    "log_every_steps": K(1, "write training.jsonl / progress every N steps", (int,)),
+                          _OPT_INT, minimum=0),
+    "log_every_steps": K(1, "write training.jsonl / progress every N steps", (int,), minimum=1),
     "seed": K(42, "global seed (model init, data order, dropout)", (int,)),
     "dtype": K("auto", "compute dtype (master weights and optimizer state stay float32; "
                        "bfloat16 runs under autocast); auto -> bfloat16 on CUDA and on CPUs with "
@@ -126,7 +129,8 @@ TRAINING = {
                                  "plain full-logit loss", (int, str, type(None)), choices=("auto",)),
     "max_consecutive_skipped_steps": K(5, "stop the run (non-zero exit, no export) after this "
                                           "many skipped steps in a row (non-finite loss or "
-                                          "gradient norm); null or 0 -> never stop", _OPT_INT),
+                                          "gradient norm); null or 0 -> never stop", _OPT_INT,
+                                          minimum=0),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT, minimum=0),
     "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
                                          "'all', k (every k-th block), layer types "
@@ -144,17 +148,17 @@ TRAINING = {
 
 DATALOADER = {
     "shuffle": K(True, "shuffle the training set each epoch (seeded by training.seed)"),
-    "num_workers": K(0, "torch DataLoader workers", (int,)),
+    "num_workers": K(0, "torch DataLoader workers", (int,), minimum=0),
     "drop_last": K(True, "drop the last incomplete global batch of an epoch"),
     "pin_memory": K(True, "pin host memory when training on GPU"),
 }
 
 PACKING = {
     "enabled": K(False, "pack several examples per sequence (document-masked, no leakage)"),
-    "pack_size": K(2048, "tokens per packed sequence", (int,)),
+    "pack_size": K(2048, "tokens per packed sequence", (int,), minimum=2),
     "split_across_pack": K(False, "split an example that does not fit instead of moving it "
                                   "to the next pack"),
-    "max_packs": K(None, "cap on the number of packs built (null: all)", _OPT_INT),
+    "max_packs": K(None, "cap on the number of packs built (null: all)", _OPT_INT, minimum=1),
     "pad_to_multiple_of": K(1, "pad each document in a pack to a multiple of this",
                             (int,)),
 }
@@ -190,13 +194,14 @@ LR_SCHEDULER = {
 
 CHECKPOINT = {
     "dir": K("outputs/run", "the run's output folder: training.jsonl, validation.jsonl, "
-                            "step_{N}/, latest, loss.png", (str,)),
+                            "step_{N}/, latest, loss.png", (str,), path="folder"),
     "enabled": K(True, "write step_{N}/ checkpoints (every ckpt_every_steps and at the end)"),
     "resume": K(None, "null: start fresh; auto: resume from <dir>/latest if present; "
-                      "or a path to a step_{N} folder", (str, bool, type(None))),
+                      "or a path to a step_{N} folder", (str, bool, type(None)), path="folder"),
     "overwrite": K(False, "with resume null, start over in a checkpoint.dir that holds an earlier "
                           "run's step_{N}/ (deleting them); false -> refuse with an error"),
-    "keep_last": K(None, "keep only the newest K step_{N}/ folders (null: keep all)", _OPT_INT),
+    "keep_last": K(None, "keep only the newest K step_{N}/ folders (null: keep all)", _OPT_INT,
+                   minimum=1),
     "save_hf_at_end": K(True, "write a consolidated HF export (hf/ or adapter/) at the end"),
     "save_hf_every": K(False, "also write the HF export inside every step_{N}/"),
     "save_dtype": K("auto", "dtype of the HF export (hf/, convert); step_{N}/ always keeps the "
@@ -212,7 +217,7 @@ CHECKPOINT = {
 
 PEFT = {
     "method": K("lora", "PEFT method", choices=("lora",)),
-    "dim": K(8, "LoRA rank", (int,)),
+    "dim": K(8, "LoRA rank", (int,), minimum=1),
     "alpha": K(32, "LoRA alpha (scale = alpha / dim)", (int, float)),
     "dropout": K(0.0, "dropout on the LoRA input", (float, int)),
     "target_modules": K([], "glob patterns of module names to adapt (e.g. '*.q_proj')",
@@ -279,6 +284,18 @@ def _check_checkpoint(checkpoint: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _check_evaluation(evaluation: dict[str, Any]) -> tuple[str, str] | None:
+    t, p = evaluation["temperature"], evaluation["top_p"]
+    if not (t == t and abs(t) != float("inf") and t >= 0):  # t == t: not NaN
+        return "temperature", f"evaluation.temperature must be a finite number >= 0, got {t!r}"
+    if evaluation["do_sample"] and t == 0:
+        return "temperature", ("evaluation.temperature 0 with do_sample: true; temperature 0 is "
+                               "greedy decoding: set do_sample: false (or a temperature > 0)")
+    if not 0 < p <= 1:
+        return "top_p", f"evaluation.top_p must be in (0, 1] (1.0: all), got {p!r}"
+    return None
+
+
 def _check_peft(peft: dict[str, Any]) -> tuple[str, str] | None:
     if not peft["match_all_linear"] and not peft["target_modules"]:
         return "match_all_linear", (
@@ -325,14 +342,14 @@ DISTRIBUTED = {
     "fsdp_reduce_dtype": K("float32", "gradient reduce-scatter dtype",
                            choices=("float32", "bfloat16")),
     "cpu_offload": K(False, "FSDP2 CPU offload of parameters/optimizer state"),
-    "timeout_seconds": K(1800, "process-group timeout", (int,)),
+    "timeout_seconds": K(1800, "process-group timeout", (int,), minimum=1),
 }
 
 METRICS = {
     "jsonl": K(True, "write <checkpoint.dir>/training.jsonl and validation.jsonl"),
     "progress_bar": K(True, "rank-0 tqdm bar (loss, lr, tokens/s, ETA)"),
     "tensorboard": K(False, "write TensorBoard events (needs the tb extra)"),
-    "tensorboard_dir": K(None, "null -> <checkpoint.dir>/tb", _OPT_STR),
+    "tensorboard_dir": K(None, "null -> <checkpoint.dir>/tb", _OPT_STR, path="folder"),
     "plot": K(True, "write <checkpoint.dir>/loss.png at the end (needs the plot extra)"),
     "peak_tflops": K(None, "per-device peak TFLOPs for MFU; null -> detect from device name",
                      _OPT_FLOAT),
@@ -350,19 +367,20 @@ BENCHMARK = {
     "tokens_per_step": K(None, "synthetic: rows per step = tokens_per_step / seq_len (per rank, "
                                "one micro-batch); null -> global_batch_size / dp * seq_len",
                          _OPT_INT),
-    "warmup_steps": K(2, "steps run before timing", (int,)),
-    "steps": K(5, "timed steps", (int,)),
+    "warmup_steps": K(2, "steps run before timing", (int,), minimum=0),
+    "steps": K(5, "timed steps", (int,), minimum=1),
     "seq_lengths": K([512, 2048, 8192], "cost growth: the synthetic measurement repeated at each "
                                         "length with the same tokens per step ([] to skip)",
                      (list, type(None))),
     "dtypes": K(None, "compute dtypes to compare, e.g. [float32, bfloat16] (single process "
                       "only); null -> training.dtype", (list, type(None))),
     "profile": K(False, "true or a folder: torch profiler trace (Chrome/Perfetto JSON) of "
-                        "profile_steps steps after the timed ones", (bool, str)),
-    "profile_steps": K(2, "steps traced when profile is on", (int,)),
+                        "profile_steps steps after the timed ones", (bool, str), path="folder"),
+    "profile_steps": K(2, "steps traced when profile is on", (int,), minimum=1),
     "measure_peak": K(False, "also measure the device's matmul peak (an n x n matmul) and report "
                              "MFU against it"),
-    "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR),
+    "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR,
+                path="file"),
 }
 
 RL = {
@@ -418,7 +436,7 @@ EVALUATION = {
     "num_samples": K(4, "replies written to samples_file at each validation (prompt, reply, "
                         "reference); 0: none", (int,), minimum=0),
     "samples_file": K("samples.jsonl", "file in checkpoint.dir the sample replies are appended to",
-                      (str,)),
+                      (str,), path="file"),
 }
 
 SECTIONS: dict[str, Section] = {s.name: s for s in [
@@ -444,7 +462,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
     Section("evaluation", "fixed", "answers generated for validation examples at each validation: "
             "SQuAD exact match / F1 and sample replies in validation.jsonl (absent -> off)",
-            EVALUATION, optional=True),
+            EVALUATION, optional=True, check=_check_evaluation),
     Section("benchmark", "fixed", "options of `hybridtrain benchmark`; finetune ignores them",
             BENCHMARK, optional=True),
     Section("rl", "fixed", "the RL Policy's batch layout (hybridtrain.rl.Policy)", RL),

@@ -10,11 +10,15 @@ YAML must not become arbitrary code execution. Two checks, both against the reci
   ``torch.load``, ``torch.hub``, ``torch.utils.cpp_extension``, ...) unless the user listed
   that entry point, or a prefix inside it, explicitly (``torch.`` does not count for
   ``torch.hub.load``; ``torch.hub.`` does);
+* every segment of the dotted name is public: a segment starting with ``_`` (``__builtins__``,
+  ``__globals__``, ``_private``) is refused, so a path cannot hop through a module's globals;
 * at resolution (:func:`hybridtrain.config.instantiate.resolve_target`), the object is reached
-  only through real module imports (an attribute that is itself a module, as in
-  ``torch.serialization.os.system``, is refused) and the module that *defines* it
-  (``__module__``) must pass the same check: ``hybridtrain.cli.system`` is refused if ``cli``
-  imported ``os.system``.
+  only through real module imports and classes (an attribute that is itself a module, as in
+  ``torch.serialization.os.system``, or an instance on the way, as in ``pkg.logger.info``, is
+  refused); it must be a class, a function or a method that says where it is defined (a bound
+  builtin method such as ``{}.get`` does not, and is refused); and the module that *defines* it
+  (``__module__``, and that of every class on the way) must pass the same check:
+  ``hybridtrain.cli.system`` is refused if ``cli`` imported ``os.system``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any, Iterable
 from hybridtrain.config.errors import ConfigError
 
 __all__ = ["DEFAULT_ALLOWED_PREFIXES", "CODE_LOADING", "normalize_prefixes", "is_target_allowed",
-           "check_target", "check_defining_module"]
+           "check_target", "check_defining_module", "private_segment", "CODE_LOADING_OPTIONS",
+           "check_code_loading_option"]
 
 # what recipes need: the package itself, torch modules and optimizers / LR schedules
 DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("hybridtrain.", "torch.nn.", "torch.optim.")
@@ -43,6 +48,28 @@ CODE_LOADING: tuple[str, ...] = (
     # fileio writes any bytes to any path (a .pth file in site-packages runs at the next start)
     "hybridtrain.cli.", "hybridtrain.config.", "hybridtrain.recipes.", "hybridtrain.fileio.",
 )
+
+
+# keyword options of dependencies that make them run code from a folder or a pickle, with the
+# only value a recipe may give them: loading code is the user's explicit act, never a recipe's
+CODE_LOADING_OPTIONS: dict[str, bool] = {
+    "trust_remote_code": False,  # transformers / datasets: run the Python files of a folder
+    "allow_pickle": False,       # numpy.load
+    "weights_only": True,        # torch.load
+}
+
+
+def check_code_loading_option(key: Any, value: Any, key_path: str, where: str) -> None:
+    """Raise ``ConfigError`` when a recipe key ``key`` switches on code loading."""
+    safe = CODE_LOADING_OPTIONS.get(key) if isinstance(key, str) else None
+    if safe is None or value is None or value is safe:
+        return
+    raise ConfigError(
+        f"'{key_path}: {value!r}' ({where}) is refused: it would let a dependency run Python "
+        "code from a model, tokenizer or data folder (or a pickle). hybridtrain never loads code "
+        f"from files a recipe names; remove the key (or set it to {safe}). To use a model or "
+        "tokenizer that needs its own code, convert it to a standard Hugging Face folder "
+        "(config.json, tokenizer.json); see docs/safety.md")
 
 
 def normalize_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:
@@ -79,8 +106,20 @@ def _explicitly_listed(name: str, entry: str, prefixes: tuple[str, ...]) -> bool
                for p in prefixes)
 
 
+def private_segment(name: str) -> str | None:
+    """The first segment of a dotted ``name`` that is not a public identifier (``_x``,
+    ``__builtins__``, ``<locals>``, empty), else ``None``."""
+    for seg in name.split("."):
+        if not seg.isidentifier() or seg.startswith("_"):
+            return seg
+    return None
+
+
 def is_target_allowed(target: str, prefixes: Iterable[str]) -> bool:
-    """Under an allowed prefix, and not a code-loading entry point the user did not list."""
+    """Public, under an allowed prefix, and not a code-loading entry point the user did not
+    list."""
+    if private_segment(target) is not None:
+        return False
     prefixes = normalize_prefixes(prefixes)
     if not any(_under(target, p) for p in prefixes):
         return False
@@ -89,6 +128,11 @@ def is_target_allowed(target: str, prefixes: Iterable[str]) -> bool:
 
 
 def _refusal(name: str, prefixes: tuple[str, ...], what: str) -> str:
+    seg = private_segment(name)
+    if seg is not None:
+        return (f"{what} is not a public name: its segment '{seg}' is private or not an "
+                "identifier. A recipe may name only public module-level classes, functions "
+                "and their methods (no '_' segments, no hops through a module's globals)")
     entry = _code_loading_entry(name)
     if entry is not None and any(_under(name, p) for p in prefixes):
         allow = entry if entry.endswith(".") else entry + "."

@@ -20,6 +20,8 @@ size, mtime) or the source ``datasets`` fingerprint, the tokenizer fingerprint a
 that changes the output, so changing any of them re-tokenises. ``cache_dir=None`` uses
 ``$HYBRIDTRAIN_DATA_CACHE`` or ``<HF datasets cache>/hybridtrain``; ``cache_dir=False`` keeps
 everything in memory. A file lock makes concurrent ranks build once and share the result.
+An entry that cannot be read (a truncated Arrow file, a damaged record) is named in a warning
+and rebuilt.
 """
 
 from __future__ import annotations
@@ -40,12 +42,16 @@ import numpy as np
 import torch
 
 from .batch import IGNORE_INDEX
-from .io import EmptyDatasetError, describe_drop_reasons, resolve_data_files
+from .io import DataError, EmptyDatasetError, describe_drop_reasons, resolve_data_files
 from .tokenizer import tokenizer_fingerprint
 
 logger = logging.getLogger("hybridtrain.data")
 
 CACHE_FORMAT_VERSION = 1
+
+
+class CorruptCacheError(DataError):
+    """A tokenized-data cache entry that cannot be read (it is rebuilt once)."""
 
 
 def default_cache_dir() -> Path:
@@ -195,20 +201,41 @@ def build_cached(
     meta_file = final / "hybridtrain_meta.json"
 
     def load():
-        stats = Stats(json.loads(meta_file.read_text())["stats"])
+        try:
+            stats = Stats(json.loads(meta_file.read_text(encoding="utf-8"))["stats"])
+        except Exception as e:  # a damaged or half-written record
+            raise CorruptCacheError(f"the tokenized-data cache {final} cannot be read "
+                                    f"({meta_file}: {type(e).__name__}: "
+                                    f"{str(e).strip()[:200]})") from e
         if not stats.get("kept"):  # an empty entry (earlier versions wrote them): build again
             return (*build(), None)
-        with _quiet_datasets():
-            ds = datasets.load_from_disk(str(final))
+        try:
+            with _quiet_datasets():
+                ds = datasets.load_from_disk(str(final))
+            missing = {"input_ids", "labels", "length", "num_label_tokens"} - set(ds.column_names)
+            if missing or len(ds) != stats["kept"]:
+                raise ValueError(f"it holds {len(ds)} rows ({', '.join(sorted(missing))} missing)"
+                                 if missing else f"it holds {len(ds)} rows, its record says "
+                                 f"{stats['kept']}")
+        except Exception as e:  # Arrow or file errors of a damaged entry
+            raise CorruptCacheError(
+                f"the tokenized-data cache {final} cannot be read ({type(e).__name__}: "
+                f"{str(e).strip()[:200]})") from e
         return ds, stats, final
 
     if meta_file.is_file():
-        return load()
+        try:
+            return load()
+        except CorruptCacheError as e:
+            logger.warning("%s; rebuilding it", e)
     from filelock import FileLock
 
     with FileLock(str(final) + ".lock"):
         if meta_file.is_file():  # another process built it while we waited
-            return load()
+            try:
+                return load()
+            except CorruptCacheError:
+                pass
         ds, stats = build()
         if len(ds) == 0:  # nothing to cache (the caller reports why); Arrow cannot reload it
             return ds, stats, None
@@ -221,7 +248,11 @@ def build_cached(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    return load()
+    try:
+        return load()
+    except CorruptCacheError as e:
+        raise CorruptCacheError(f"{e}; it was just written: check the disk, or set the "
+                                "dataset's cache_dir to another folder (false: no cache)") from e
 
 
 def build_source(kind: str, path, split: str | None, tokenizer, seq_length: int | None,

@@ -93,8 +93,12 @@ def load_patches(path: str | os.PathLike, grid: tuple[int, int], patch_size: int
 
     rows, cols = grid
     with _open(path) as im:
-        im = im.convert("RGB").resize((cols * patch_size, rows * patch_size),
-                                      Image.Resampling.BICUBIC)
+        try:  # the pixels are decoded here: a truncated or damaged file fails only now
+            im = im.convert("RGB").resize((cols * patch_size, rows * patch_size),
+                                          Image.Resampling.BICUBIC)
+        except (OSError, SyntaxError, ValueError) as e:
+            raise DataError(f"image {path} is truncated or corrupt ({e}); replace the file or "
+                            "remove the records that use it") from None
         data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
     x = data.view(rows * patch_size, cols * patch_size, 3).permute(2, 0, 1).float() / 255.0
     x = (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)

@@ -1,8 +1,10 @@
 """Tokenizers: load a local Hugging Face tokenizer offline, or train a small byte-level BPE.
 
-- ``load_tokenizer(path, trust_remote_code=False, **kwargs)``: ``AutoTokenizer`` from a local
-  directory with ``local_files_only=True`` (never the Hub). A tokenizer without a pad token gets
-  its eos token as pad token.
+- ``load_tokenizer(path, **kwargs)``: ``AutoTokenizer`` from a local directory with
+  ``local_files_only=True`` (never the Hub) and ``trust_remote_code=False``: the Python files of a
+  tokenizer folder never run (``trust_remote_code=True`` and the Hub options are refused, also
+  when a recipe or a dataset builder forwards them). A tokenizer without a pad token gets its
+  eos token as pad token.
 - ``build_bpe_tokenizer(texts, out_dir, vocab_size=4000, min_frequency=2,
   chat_template=CHATML_TEMPLATE)``: trains a byte-level BPE with the ``tokenizers`` library on
   ``texts`` and saves a standard HF tokenizer directory (``tokenizer.json``,
@@ -87,10 +89,48 @@ def template_has_generation_markers(template: str | None) -> bool:
 
 
 def as_tokenizer(tokenizer, trust_remote_code: bool = False):
-    """``tokenizer`` itself, or the tokenizer loaded from it when it is a path."""
+    """``tokenizer`` itself, or the tokenizer loaded from it when it is a path.
+    ``trust_remote_code`` is accepted only as ``False`` (see :func:`refuse_code_loading`)."""
+    refuse_code_loading({"trust_remote_code": trust_remote_code})
     if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
-        return load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+        return load_tokenizer(tokenizer)
     return tokenizer
+
+
+# options of ``from_pretrained`` that would run a folder's code or reach the network
+_REFUSED_OPTIONS = ("trust_remote_code", "local_files_only", "revision", "code_revision",
+                    "force_download", "token", "use_auth_token", "proxies", "cache_dir",
+                    "subfolder")
+
+
+def refuse_code_loading(options: dict) -> None:
+    """Raise :class:`DataError` for a tokenizer option that would run code from a folder
+    (``trust_remote_code`` other than False) or reach the Hub (``local_files_only``,
+    ``revision``, ``token``, ...; private ``_`` options too): hybridtrain loads tokenizers
+    offline and never runs a folder's Python files."""
+    for key, value in options.items():
+        if key == "trust_remote_code" and value in (False, None):
+            continue
+        if key in _REFUSED_OPTIONS or key.startswith("_"):
+            raise DataError(
+                f"tokenizer option {key}={value!r} is refused: hybridtrain loads tokenizers from "
+                "a local folder only and never runs Python code from it (docs/safety.md, "
+                "'Untrusted files'). Remove the option; a tokenizer that needs its own code must "
+                "be saved as a standard tokenizer.json first")
+
+
+def _custom_code(folder: Path) -> str | None:
+    """Where ``folder`` asks for its own Python code (an ``auto_map`` in its tokenizer or model
+    config)."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            auto_map = json.loads((folder / name).read_text(encoding="utf-8")).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(auto_map, dict) and auto_map:
+            key = "AutoTokenizer" if "AutoTokenizer" in auto_map else next(iter(auto_map))
+            return f"auto_map {key}: {auto_map[key]!r} in {folder / name}"
+    return None
 
 
 TEXT_SUFFIXES = (".json", ".txt", ".jinja")  # the text files of a tokenizer folder
@@ -104,9 +144,12 @@ def check_text_files(folder: Path) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs):
-    """Load a tokenizer from a local directory, never from the network."""
+    """Load a tokenizer from a local directory, never from the network, never running a
+    folder's code (``trust_remote_code`` is accepted only as False; other ``kwargs`` go to
+    ``AutoTokenizer.from_pretrained`` unless :func:`refuse_code_loading` refuses them)."""
     from transformers import AutoTokenizer
 
+    refuse_code_loading({"trust_remote_code": trust_remote_code, **kwargs})
     p = Path(os.path.expanduser(str(path)))
     if not p.is_dir():
         raise DataError(
@@ -115,16 +158,34 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **k
         )
     try:
         tok = AutoTokenizer.from_pretrained(
-            str(p), local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
+            str(p), local_files_only=True, trust_remote_code=False, **kwargs
         )
     except Exception as e:
         check_text_files(p)  # a file that is not UTF-8 is named with its line
         if not isinstance(e, (OSError, ValueError)):
             raise
-        raise DataError(f"could not load a tokenizer from {p}: {e}") from e
+        raise DataError(_load_failure(p, e)) from e
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _load_failure(folder: Path, e: Exception) -> str:
+    """The message of a tokenizer folder that did not load: its own code asked for, its
+    ``tokenizer.json`` missing, or transformers' own words."""
+    code = _custom_code(folder)
+    if code is not None and "trust_remote_code" in str(e):
+        return (f"the tokenizer in {folder} asks to run its own Python code ({code}); "
+                "hybridtrain never runs code from a tokenizer folder (docs/safety.md). Give it a "
+                "standard tokenizer: a tokenizer.json and a tokenizer_class transformers knows "
+                "(e.g. PreTrainedTokenizerFast) in tokenizer_config.json")
+    if not (folder / "tokenizer.json").is_file():
+        present = ", ".join(sorted(f.name for f in folder.iterdir())) or "nothing"
+        return (f"could not load a tokenizer from {folder}: {folder / 'tokenizer.json'} is "
+                f"missing (the folder holds: {present}); copy the "
+                "model's tokenizer.json into it (a folder with only a slow tokenizer's files, "
+                "such as tokenizer.model, needs sentencepiece or tiktoken to convert them)")
+    return f"could not load a tokenizer from {folder}: {e}"
 
 
 def build_bpe_tokenizer(

@@ -57,8 +57,8 @@ from .collate import PackedCollator, PaddingCollator
 from .dataset import check_padding, shifted_labels
 from .templates import template_origin
 from .images import DEFAULT_MEAN, DEFAULT_STD, image_size, load_patches, patch_grid
-from .io import (ChatFormatError, EmptyDatasetError, choose_split, iter_records, record_name,
-                 resolve_data_files)
+from .io import (ChatFormatError, DataError, EmptyDatasetError, choose_split, iter_records,
+                 record_name, resolve_data_files)
 from .packing import _check, _round_up, build_row, first_fit_decreasing
 from .tokenizer import as_tokenizer, template_has_generation_markers
 
@@ -245,7 +245,10 @@ class VisionChatDataset(torch.utils.data.Dataset):
         out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
                "image_grid": self.image_grid(i)}
         if pixels:
-            out["pixel_values"] = self.load_pixels(self.image_list(i))
+            try:
+                out["pixel_values"] = self.load_pixels(self.image_list(i))
+            except DataError as e:
+                raise type(e)(f"{self.ids[i]}: {e}") from None
         return out
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:

@@ -22,6 +22,9 @@ What a model of a spec promises (the model contract):
 * ``config`` (with ``to_dict()``, ``hidden_size`` and ``vocab_size``),
   ``save_pretrained(dir, state_dict=, dtype=)`` and the class method
   ``from_pretrained(dir, dtype=)``.
+* for ``hybridtrain generate``: ``generate(input_ids, attention_mask, **settings)`` and
+  ``generation_cache_bytes(batch_size, max_length)`` (what its decoding state will take,
+  known before allocating it); ``config.max_position_embeddings`` bounds its context.
 """
 
 from __future__ import annotations

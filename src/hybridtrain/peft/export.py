@@ -34,7 +34,8 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
-from hybridtrain.fileio import apply_umask, open_safetensors, read_json
+from hybridtrain.fileio import (apply_umask, given_path, open_safetensors, output_folder,
+                                read_json)
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
@@ -505,9 +506,11 @@ def merge_cli(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     from hybridtrain.training.checkpoint import read_checkpoint  # (training imports peft)
 
+    base, adapter = given_path(args.base, "--base"), given_path(args.adapter, "--adapter")
+    out_dir = output_folder(args.out, "--out")  # not a file, nor under one: said before reading
     # an adapter inside a run's step_N/ is read with that step pinned (a live run keeps it)
-    out = read_checkpoint(args.adapter, lambda adapter: merge_adapter_into_hf(
-        args.base, adapter, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+    out = read_checkpoint(adapter, lambda path: merge_adapter_into_hf(
+        base, path, out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
         allow_base_mismatch=args.allow_base_mismatch))
     print(f"merged {args.adapter} into {args.base} -> {out}")
     return 0

@@ -92,10 +92,11 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
         return _run_laid_out(cfg, checkpoint)
     out_dir = run_folder_path(cfg.checkpoint.dir)
     ckpt = checkpoint or out_dir
+    flag = "--checkpoint" if checkpoint else "checkpoint.dir"  # what errors name
     device = resolve_device(cfg.training.device)
 
     def read(path: str):  # the step's number read while the step is pinned
-        loaded = open_model(path, device=device)
+        loaded = open_model(path, device=device, flag=flag)
         return loaded, _step_of(loaded.source if loaded.hf_dir is None
                                 else os.path.dirname(loaded.source))
 

@@ -9,9 +9,12 @@
 export: its sharded checkpoint, read as ``hybridtrain convert`` reads it). ``--prompts``:
 JSONL records with ``prompt`` (text) or ``messages`` (a chat, always rendered with the chat
 template). ``--chat`` renders each text prompt as one user turn with the tokenizer's chat template
-and its generation prompt. Greedy unless ``--temperature`` or ``--top-k``/``--top-p`` is given.
-Writes one JSON object per prompt (``prompt``, ``completion``, ``new_tokens``, ``tokens_per_s``
-of its batch) to stdout or ``--output``.
+and its generation prompt. Greedy unless ``--temperature`` (> 0) or ``--top-k``/``--top-p`` is
+given; ``--temperature 0`` is greedy whatever else is given. Out-of-range settings are refused
+naming the flag, and so is a ``--max-new-tokens`` past the model's context
+(``max_position_embeddings``) or whose decoding cache would not fit in the memory available
+(computed before anything is allocated). Writes one JSON object per prompt (``prompt``,
+``completion``, ``new_tokens``, ``tokens_per_s`` of its batch) to stdout or ``--output``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -31,6 +35,7 @@ import torch
 from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
 from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
+from hybridtrain.fileio import decode_utf8, given_path, input_file, output_file, write_error
 from hybridtrain.models.spec import get_model_spec
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
@@ -49,14 +54,14 @@ def _read_json(path: str) -> dict:
         raise ValueError(f"{path}: cannot read it ({e})") from None
 
 
-def resolve_export(path: str) -> tuple[str, str | None]:
+def resolve_export(path: str, flag: str = "--model") -> tuple[str, str | None]:
     """(Hugging Face folder, adapter folder or None) that ``path`` names: a run folder (its
     ``latest`` checkpoint), a ``step_N`` checkpoint (its export: ``merged_hf/``, ``hf/``, then
     ``adapter/``; its own ``config.json`` is the model config, not an export), an adapter folder
-    or an HF folder."""
+    or an HF folder. Errors name ``flag``, the option that gave ``path``."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"--model {path}: no such folder")
+        raise ValueError(f"{flag} {path}: no such folder")
     path = latest_checkpoint(path) or path
     for sub in ("merged_hf", "hf"):
         if os.path.isfile(os.path.join(path, sub, "config.json")):
@@ -70,11 +75,11 @@ def resolve_export(path: str) -> tuple[str, str | None]:
         raise ValueError(f"{adapter} is a LoRA adapter whose base model ({base!r}) is not a local "
                          "folder here; pass --model BASE_DIR --adapter ADAPTER_DIR")
     if os.path.isfile(os.path.join(path, "trainer_state.json")):  # a checkpoint, no export
-        raise ValueError(f"--model {path}: a checkpoint without an export (hf/, merged_hf/ or "
+        raise ValueError(f"{flag} {path}: a checkpoint without an export (hf/, merged_hf/ or "
                          f"adapter/); write one with `hybridtrain convert {path} OUT_DIR`")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, None
-    raise ValueError(f"--model {path}: neither a Hugging Face folder (config.json) nor a checkpoint "
+    raise ValueError(f"{flag} {path}: neither a Hugging Face folder (config.json) nor a checkpoint "
                      "or run folder with an export (hf/, merged_hf/ or adapter/)")
 
 
@@ -98,22 +103,23 @@ class Loaded(NamedTuple):
 
 
 def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", flag: str = "--model"):
     """(model, tokenizer) for generation: the model class registered for the folder's
     ``model_type``, with a PEFT adapter applied when given (not merged); a ``step_N`` checkpoint
     without an export: the model its sharded checkpoint holds, with its tokenizer."""
-    return tuple(open_model(model_dir, adapter_dir, dtype, device)[:2])
+    return tuple(open_model(model_dir, adapter_dir, dtype, device, flag)[:2])
 
 
 def open_model(model_dir: str, adapter_dir: str | None = None,
-               dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu") -> Loaded:
+               dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               flag: str = "--model") -> Loaded:
     """:func:`load_model`, with what it read. A run folder or checkpoint is read as
     :func:`~hybridtrain.training.checkpoint.read_checkpoint` reads it: its step pinned, nothing
     written (a live run's folder too)."""
-    return read_checkpoint(model_dir, lambda path: _open_model(path, adapter_dir, dtype, device))
+    return read_checkpoint(model_dir, lambda path: _open_model(path, adapter_dir, dtype, device, flag))
 
 
-def _open_model(model_dir: str, adapter_dir: str | None, dtype, device) -> Loaded:
+def _open_model(model_dir: str, adapter_dir: str | None, dtype, device, flag: str) -> Loaded:
     step_dir = unexported_checkpoint(model_dir)
     if step_dir is not None:
         if adapter_dir:
@@ -128,7 +134,7 @@ def _open_model(model_dir: str, adapter_dir: str | None, dtype, device) -> Loade
         if dtype is not None:
             model = model.to(to_torch_dtype(dtype, "--dtype"))
         return Loaded(model.to(device).eval(), load_tokenizer(tok_dir), None, step_dir)
-    hf_dir, found_adapter = resolve_export(model_dir)
+    hf_dir, found_adapter = resolve_export(model_dir, flag)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
     model = get_model_spec(str(model_type)).model_cls.from_pretrained(hf_dir, dtype=dtype)
@@ -182,9 +188,12 @@ def check_prompt(record: dict, where: str) -> dict:
 
 
 def read_prompts(path: str) -> list[dict]:
+    """The prompt records of a JSONL file (errors name the file and line)."""
+    path = input_file(path, "--prompts")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode_utf8(raw, path, line=n, error=ValueError)
             if not line.strip():
                 continue
             try:
@@ -197,6 +206,88 @@ def read_prompts(path: str) -> list[dict]:
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def sampling_settings(temperature: float | None, top_k: int, top_p: float) -> dict:
+    """``do_sample``/``temperature``/``top_k``/``top_p`` for ``generate`` from the flags, each
+    checked (ValueError naming the flag). ``--temperature 0`` is greedy; sampling when a
+    temperature > 0, ``--top-k`` > 0 or ``--top-p`` < 1 is given."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got "
+                         f"{temperature}")
+    if top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0: no top-k filtering), got {top_k}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filtering), got {top_p}")
+    if temperature == 0:
+        return {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    do_sample = temperature is not None or top_k > 0 or top_p < 1.0
+    return {"do_sample": do_sample, "temperature": temperature or 1.0, "top_k": top_k,
+            "top_p": top_p}
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes free for new tensors on ``device``, how it was measured)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {device}"
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # a cgroup (container, Slurm job) may allow less than the machine has
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            free = min(free if free is not None else 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return free, "available in host memory"
+
+
+def check_generation_length(model, batch_size: int, prompt_length: int, max_new_tokens: int,
+                            device: torch.device, memory_fraction: float = 0.9) -> None:
+    """Refuse (ValueError naming ``--max-new-tokens`` and the numbers) a generation past the
+    model's context (``config.max_position_embeddings``) or whose decoding cache (the model's
+    ``generation_cache_bytes``) and output ids would take more than ``memory_fraction`` of the
+    memory available, before anything is allocated."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not hasattr(model, "generation_cache_bytes"):  # the contract's optional generation part
+        raise ValueError(f"{type(model).__name__} does not implement generation (generate and "
+                         "generation_cache_bytes, hybridtrain.models.spec); `hybridtrain "
+                         "generate` needs a model that does")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and prompt_length + max_new_tokens > context:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens}: the longest prompt ({prompt_length} tokens) plus "
+            f"{max_new_tokens} new tokens exceeds the model's context of {context} tokens "
+            f"(max_position_embeddings); use --max-new-tokens {max(context - prompt_length, 0)} "
+            "or less")
+
+    def need(n: int) -> int:
+        length = prompt_length + n
+        return model.generation_cache_bytes(batch_size, length) + batch_size * length * 8
+
+    free, how = available_memory(device)
+    budget = int(free * memory_fraction)
+    if need(max_new_tokens) > budget:
+        per_token = max(need(2) - need(1), 1)
+        most = max((budget - need(0)) // per_token, 0)
+        gib = 2 ** 30
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens}: the decoding cache for {batch_size} prompt(s) of "
+            f"up to {prompt_length} tokens takes {need(max_new_tokens) / gib:.2f} GiB, more than "
+            f"{memory_fraction:.0%} of the {free / gib:.2f} GiB {how}; use --max-new-tokens "
+            f"{most} or less, or a smaller --batch-size")
 
 
 # ---------------------------------------------------------------------------------- generation
@@ -255,28 +346,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    for flag in ("model", "adapter", "prompts", "output"):  # as data paths: ~ expanded
+        setattr(args, flag, given_path(getattr(args, flag), f"--{flag}"))
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = sampling_settings(args.temperature, args.top_k, args.top_p)
+    if args.adapter is not None and not os.path.isdir(args.adapter):
+        raise ValueError(f"--adapter {args.adapter}: no such folder (a PEFT adapter folder with "
+                         "adapter_config.json)")
+    output = output_file(args.output, "--output") if args.output is not None else None
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
-    records = read_prompts(args.prompts) if args.prompts else \
+    records = read_prompts(args.prompts) if args.prompts is not None else \
         [check_prompt({"prompt": args.prompt}, "--prompt")]
     model, tok, hf_dir, _ = open_model(args.model, args.adapter, dtype=args.dtype, device=device)
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError("--chat: the tokenizer has no chat template")
     prompts = [encode_prompt(tok, r, args.chat, "--prompt" if args.prompts is None
                              else f"{args.prompts} record {i + 1}") for i, r in enumerate(records)]
-    do_sample = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
+    check_generation_length(model, min(args.batch_size, len(prompts)),
+                            max(len(p) for p in prompts), args.max_new_tokens, device)
     results = complete(model, tok, prompts, batch_size=args.batch_size,
                        stop_ids=stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records)),
-                       max_new_tokens=args.max_new_tokens, do_sample=do_sample,
-                       temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
+    lines = "".join(json.dumps({"prompt": rec.get("prompt", rec.get("messages")), **res},
+                               ensure_ascii=False) + "\n" for rec, res in zip(records, results))
+    if output is None:
+        sys.stdout.write(lines)
+        return 0
     try:
-        for rec, res in zip(records, results):
-            out.write(json.dumps({"prompt": rec.get("prompt", rec.get("messages")), **res}, ensure_ascii=False) + "\n")
-    finally:
-        if args.output:
-            out.close()
-            logger.info("wrote %d completions to %s", len(results), args.output)
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(lines)
+    except OSError as e:
+        err = write_error(e, "the completions", output)
+        if err is None:
+            raise ValueError(f"--output {args.output}: cannot write it ({e.strerror})") from None
+        raise err from e
+    logger.info("wrote %d completions to %s", len(results), output)
     return 0

@@ -29,7 +29,6 @@ a run folder's ``latest`` names, pinned while it is read; they write nothing int
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 import logging
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from hybridtrain.config import resolve_target
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size, is_distributed
 from hybridtrain.fileio import (
@@ -59,6 +59,8 @@ from hybridtrain.peft.export import export_peft
 from hybridtrain.peft.lora import apply_lora
 from hybridtrain.runfolder import STEP_RE, latest_checkpoint, live_holder, pin_step, unpinned
 from hybridtrain.training.preemption import deferred_signals
+from hybridtrain.training.dcp_safe import (SafeFileSystemReader, UnsafeCheckpointError,
+                                           read_metadata)
 from hybridtrain.training.precision import resolve_save_dtype
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
@@ -87,13 +89,27 @@ def _dcp_save(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def _dcp_load(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Loads in place into ``tensors`` (plain or DTensor, resharding as needed); an unreadable
-    shard or metadata file raises :func:`_unreadable`'s error."""
+    """Loads in place into ``tensors`` (plain or DTensor, resharding as needed); the index is
+    read as data (:mod:`hybridtrain.training.dcp_safe`: a ``.metadata`` that names code is
+    refused). An unreadable shard or metadata file raises :func:`_unreadable`'s error."""
+    try:
+        read_metadata(path)  # checked up front: a clear error, before torch logs its own
+    except UnsafeCheckpointError:
+        raise
+    except ValueError as e:
+        raise _unreadable(os.path.dirname(path), str(e)) from None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
         try:
-            dcp.load(tensors, checkpoint_id=path, no_dist=not is_distributed())
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path),
+                     no_dist=not is_distributed())
+        except UnsafeCheckpointError:
+            raise
         except (Exception, dcp.CheckpointException) as e:  # the latter: each rank's failure
+            causes = [c for c, _ in e.failures.values()] if hasattr(e, "failures") else [e]
+            unsafe = [c for c in causes if isinstance(c, UnsafeCheckpointError)]
+            if unsafe:
+                raise unsafe[0] from None
             causes = [c for c, _ in e.failures.values()] if hasattr(e, "failures") else [e]
             detail = "; ".join(map(_describe, causes))
             raise _unreadable(os.path.dirname(path), f"{path} cannot be read ({detail})") from e
@@ -585,13 +601,25 @@ class Checkpointer:
 
 
 # -- convert ----------------------------------------------------------------------------------
-def _import_model_class(dotted: str):
-    """The model class a checkpoint names: imported when it is hybridtrain's, else a class
-    whose spec this program registered (nothing else is imported)."""
-    if not dotted.startswith("hybridtrain."):
+def _import_model_class(dotted: Any, state_path: str) -> type:
+    """The model class a checkpoint's ``trainer_state.json`` names: a registered spec's, or a
+    public ``hybridtrain.models`` subclass of one (resolved like a recipe's ``_target_``);
+    nothing else is imported."""
+    try:
         return registered_model_class(dotted)
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    except ValueError as e:
+        why = str(e)
+    if isinstance(dotted, str) and dotted.startswith("hybridtrain.models."):
+        try:
+            cls = resolve_target(dotted, ("hybridtrain.models.",))
+            if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+                model_spec_for(cls)
+                return cls
+        except (ValueError, ImportError):
+            pass
+    raise ValueError(f"{state_path}: 'model_class': {why}. The file was edited, or the run's "
+                     "model family is not registered in this program; restore 'model_class' to "
+                     "the class the run trained (module.Class)")
 
 
 def step_folder(path: str) -> str:
@@ -743,7 +771,7 @@ def _open_checkpoint(ckpt_dir: str) -> tuple[str, dict, type, Any]:
         raise ValueError(f"{ckpt_dir} is not a checkpoint (no trainer_state.json) nor a run "
                          "folder with a 'latest' file")
     state = _read_json(state_path)
-    cls = _import_model_class(state["model_class"])
+    cls = _import_model_class(state.get("model_class"), state_path)
     cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
     config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)

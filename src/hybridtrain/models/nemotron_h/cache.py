@@ -53,3 +53,21 @@ class NemotronHCache:
             if isinstance(s, MambaState):
                 out += [s.conv, s.ssm]
         return out
+
+
+def cache_bytes(config, batch_size: int, max_length: int, dtype: torch.dtype) -> int:
+    """Bytes of the decoding state ``prefill`` allocates for ``batch_size`` rows and
+    ``max_length`` positions with activations in ``dtype`` (known before allocating it): the
+    key/value cache of each attention layer, the conv window (``dtype``) and fp32 SSM state of
+    each Mamba2 layer, the ``valid`` mask, and the LM head's transposed fp32 copy (an upper
+    bound: made only where ``ops.backend`` chooses it)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    b, c = batch_size, config
+    total = b * max_length  # valid (bool)
+    for kind in c.layers_block_type:
+        if kind == "full_attention":
+            total += 2 * b * c.num_key_value_heads * max_length * c.head_dim * e
+        elif kind == "linear_attention":
+            total += b * c.mamba_conv_dim * (c.conv_kernel - 1) * e
+            total += b * c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size * 4
+    return total + c.vocab_size * c.hidden_size * 4

@@ -34,6 +34,7 @@ from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.distributed.context_parallel import gather_sequence
 from hybridtrain.ops.sampling import GenerationConfig
 from .attention import Attention
+from .cache import cache_bytes
 from .config import NemotronHConfig
 from .context_parallel import CPSlice
 from .generation import generate
@@ -348,6 +349,12 @@ class NemotronHForCausalLM(nn.Module):
         return self.loss(h, self.lm_head, labels)
 
     # ------------------------------------------------------------------ generation
+    def generation_cache_bytes(self, batch_size: int, max_length: int) -> int:
+        """Bytes ``generate`` allocates for its decoding state (key/value cache, Mamba states)
+        for ``batch_size`` prompts and ``max_length`` positions (prompt + new tokens)."""
+        dtype = next(p.dtype for p in self.parameters() if p.is_floating_point())
+        return cache_bytes(self.config, batch_size, max_length, dtype)
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  pipeline=None, lockstep_group=None, **settings) -> torch.Tensor:
