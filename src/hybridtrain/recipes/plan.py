@@ -37,7 +37,8 @@ host (``RankMemory.host``), not in the device total.
 With ``--device-memory`` the plan applies the headroom rule (:data:`HEADROOM`): the peak may
 take at most 90 % of the device, the rest being for what it does not count (the CUDA context,
 the allocator's fragmentation, NCCL's buffers). A plan over it (or over the device) exits with
-status 1 and lists changes (each planned again) that lower the peak.
+status 1 and lists changes (each planned again) that lower the peak. For a CPU run the
+allocators' caches (glibc's heap, oneDNN's per-shape GEMM kernels) are not counted either.
 """
 
 from __future__ import annotations
