@@ -305,12 +305,14 @@ def write_checkpoint(out: str, cfg, max_shard_size: str = "200MB") -> int:
     return checkpoint_bytes(out)
 
 
-def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", **training) -> dict:
+def lora_recipe(layout: dict, ckpt: str, allocator: str = "system", packed: bool = False,
+                **training) -> dict:
     """The parity recipe (tests.helpers.parity) with LoRA on all linear layers and experts over
-    the bf16 Hub checkpoint ``ckpt`` as a bf16 frozen base, computing in bf16."""
+    the bf16 Hub checkpoint ``ckpt`` as a bf16 frozen base, computing in bf16 (``packed``: rows
+    of one length, so the CPU GEMMs see one shape per layer)."""
     from tests.helpers import parity as pu
 
-    recipe = pu.recipe(layout, packed=False, peft={"dim": 8, "alpha": 16, "match_all_linear": True},
+    recipe = pu.recipe(layout, packed=packed, peft={"dim": 8, "alpha": 16, "match_all_linear": True},
                        training={"dtype": "bfloat16", "cpu_allocator": allocator, **training})
     recipe["model"] = {
         "_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
@@ -338,3 +340,35 @@ def train(b, steps: int) -> tuple[list[float], list[float]]:
     from tests.helpers import parity as pu
 
     return pu.train(b, trainer(b, steps), steps=steps)
+
+
+class RssAnonSampler:
+    """The peak of this process's anonymous resident memory (``RssAnon`` of
+    ``/proc/self/status``), sampled every ``interval`` seconds by a thread while the run goes
+    (``with RssAnonSampler() as s: ...; s.peak``); :meth:`reset` starts a new peak."""
+
+    def __init__(self, interval: float = 0.005):
+        import threading
+
+        self.interval, self.peak = interval, status("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, status("RssAnon"))
+            self._stop.wait(self.interval)
+
+    def reset(self) -> int:
+        """The peak so far (sampled once more now); the next peak starts from now."""
+        peak, self.peak = max(self.peak, status("RssAnon")), status("RssAnon")
+        return peak
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status("RssAnon"))

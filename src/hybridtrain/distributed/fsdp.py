@@ -29,6 +29,8 @@ __all__ = [
     "reshard_in_pipeline_backward",
     "no_backward_prefetch",
     "free_all_gather_after_copy_out",
+    "no_prefetch_of_units_without_backward",
+    "InPlaceAllGather",
 ]
 
 def resolve_dtype(value: Any, key: str) -> torch.dtype | None:
@@ -115,7 +117,9 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
     i.e. bf16 all-gathers and compute in bf16 runs; ``fsdp_reduce_dtype``,
     ``fsdp_reshard_after_forward``, ``fsdp_backward_prefetch``, ``cpu_offload``). Gradients are summed, never averaged.
     Where the backend settings say so (CPU: ``ops.backend``'s ``fsdp_free_all_gather``), each
-    unit's all-gather buffer is freed right after its copy-out (:func:`free_all_gather_after_copy_out`).
+    unit's all-gather buffer is freed right after its copy-out (:func:`free_all_gather_after_copy_out`)
+    and gathered in place (:class:`InPlaceAllGather`). A unit whose output needs no gradient
+    (a frozen embedding) is not prefetched in backward (:func:`no_prefetch_of_units_without_backward`).
     """
     from torch.distributed.tensor import Shard
 
@@ -143,9 +147,14 @@ def apply_fsdp(model: nn.Module, units: Sequence[nn.Module], dims, distributed, 
     if backend.settings().fsdp_free_all_gather:
         for unit in [*expert_units, *units]:
             free_all_gather_after_copy_out(unit)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(InPlaceAllGather())
     sum_gradients(model)
     if not distributed.fsdp_backward_prefetch:
         no_backward_prefetch(model)
+    else:
+        no_prefetch_of_units_without_backward([*expert_units, *units])
 
 
 def reshard_in_pipeline_backward(unit: nn.Module | Sequence[nn.Module]) -> None:
@@ -195,3 +204,50 @@ def no_backward_prefetch(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_modules_to_backward_prefetch([m])
+
+
+class InPlaceAllGather:
+    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``) as one broadcast per rank, each
+    into its own slice of the output. Gloo's ``all_gather_into_tensor`` gathers into a temporary
+    buffer of the output's size and copies it over: a second copy of every unit while it is
+    gathered. A broadcast of a contiguous CPU tensor is done in place. The same bytes land in
+    the same places: results are bit-identical."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
+                 async_op: bool = False):
+        import torch.distributed as dist
+
+        n = input_tensor.numel()
+        works = [dist.broadcast(output_tensor.narrow(0, r * n, n), group=group, group_src=r,
+                                async_op=True) for r in range(group.size())]
+        for w in works[:-1]:
+            w.wait()
+        if async_op:
+            return works[-1]
+        works[-1].wait()
+        return None
+
+
+def no_prefetch_of_units_without_backward(units: Sequence[nn.Module | Sequence[nn.Module]]) -> None:
+    """FSDP2 prefetches in backward the unit that finished its forward before the one starting
+    its backward. A unit whose output does not require grad (a frozen embedding under LoRA: no
+    trainable parameter, integer inputs) has no backward, so that prefetch all-gathers it for
+    nothing and keeps it gathered until the end of backward. A forward hook on every unit notes
+    whether the previous unit's output required grad, and when it did not, the unit prefetches
+    no other unit in backward (``set_modules_to_backward_prefetch``; else FSDP2's default)."""
+    mods = [list(u) if isinstance(u, (list, tuple)) else [u] for u in units]
+    last_needs_grad = [True]
+
+    def hook(unit, module, args, output):
+        outs = output if isinstance(output, (tuple, list)) else [output]
+        needs = any(isinstance(t, torch.Tensor) and t.requires_grad for t in outs)
+        if torch.is_grad_enabled():
+            unit.set_modules_to_backward_prefetch([] if last_needs_grad[0] else [unit])
+        last_needs_grad[0] = needs
+
+    for ms in mods:
+        ms[-1].register_forward_hook(lambda module, args, output, unit=ms[0]:
+                                     hook(unit, module, args, output))

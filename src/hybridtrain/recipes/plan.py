@@ -34,8 +34,11 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
 With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
 host (``RankMemory.host``), not in the device total.
 
-With ``--device-memory`` a plan over it exits with status 1 and lists changes (each planned
-again) that lower the peak. Allocator overhead (CUDA context, fragmentation) is not included.
+With ``--device-memory`` the plan applies the headroom rule (:data:`HEADROOM`): the peak may
+take at most 90 % of the device, the rest being for what it does not count (the CUDA context,
+the allocator's fragmentation, NCCL's buffers). A plan over it (or over the device) exits with
+status 1 and lists changes (each planned again) that lower the peak. For a CPU run the
+allocators' caches (glibc's heap, oneDNN's per-shape GEMM kernels) are not counted either.
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ from hybridtrain.recipes.benchmark import _default_seq_len
 from hybridtrain.training.builder import as_config, instantiate_with
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
 
-__all__ = ["RankMemory", "MemoryPlan", "meta_model", "plan_memory", "format_plan",
+__all__ = ["HEADROOM", "RankMemory", "MemoryPlan", "meta_model", "plan_memory", "format_plan",
            "parse_memory", "run"]
 
 GiB = 1024 ** 3
+# the headroom rule: a plan may take this fraction of the device memory; the rest is for what it
+# does not count (CUDA context, allocator fragmentation, NCCL buffers: a few GiB on an 80 GB GPU)
+HEADROOM = 0.90
 # AdamW's per-parameter state: exp_avg and exp_avg_sq (parameter dtype), step (fp32 scalar)
 _ADAM_MOMENTS, _STEP_BYTES = 2, 4
 
@@ -131,7 +137,18 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
+        """The peak is at most the device memory (None: no device memory given)."""
         return None if self.device_memory is None else self.peak <= self.device_memory
+
+    @property
+    def limit(self) -> float | None:
+        """What the headroom rule lets the plan take: :data:`HEADROOM` of the device memory."""
+        return None if self.device_memory is None else HEADROOM * self.device_memory
+
+    @property
+    def within_headroom(self) -> bool | None:
+        """The peak is within the headroom rule (None: no device memory given)."""
+        return None if self.device_memory is None else self.peak <= self.limit
 
     def roles(self) -> list[list[RankMemory]]:
         """Ranks grouped by identical figures (e.g. one group per pipeline stage)."""
@@ -146,7 +163,8 @@ class MemoryPlan:
         d = asdict(self)
         for r, rd in zip(self.ranks, d["ranks"]):
             rd.update(total=r.total, host=r.host)
-        d.update(peak=self.peak, fits=self.fits)
+        d.update(peak=self.peak, fits=self.fits, headroom=HEADROOM, limit=self.limit,
+                 within_headroom=self.within_headroom)
         return d
 
 
@@ -577,7 +595,8 @@ def advise(cfg: ConfigNode, world_size: int, plan: MemoryPlan, device_type: str)
         except ValueError:  # the change does not fit this layout (divisibility, ...)
             continue
         if alt.peak < plan.peak * 0.995:
-            entry = {"change": label, "peak": alt.peak, "fits": alt.fits}
+            entry = {"change": label, "peak": alt.peak, "fits": alt.fits,
+                     "within_headroom": alt.within_headroom}
             (layouts if label.startswith("pp=") else out).append(entry)
     # of the other layouts, the best two
     return sorted(out + sorted(layouts, key=lambda a: a["peak"])[:2], key=lambda a: a["peak"])
@@ -637,17 +656,27 @@ def format_plan(plan: MemoryPlan) -> str:
     peak = f"peak {_gib(plan.peak)} GiB"
     if plan.device_memory is None:
         lines.append(peak + " (give --device-memory to check it against a device)")
-    elif plan.fits:
-        lines.append(f"{peak}: fits {_gib(plan.device_memory)} GiB per device "
-                     f"({_gib(plan.device_memory - plan.peak)} GiB left for allocator overhead)")
+        return "\n".join(lines)
+    lines.append(f"headroom rule: the peak may take {HEADROOM:.0%} of the device memory, "
+                 f"{_gib(plan.limit)} of {_gib(plan.device_memory)} GiB; the rest is for what the "
+                 "plan does not count (CUDA context, allocator fragmentation, NCCL buffers)")
+    if plan.within_headroom:
+        lines.append(f"{peak}: fits {_gib(plan.device_memory)} GiB per device within the "
+                     f"headroom ({_gib(plan.device_memory - plan.peak)} GiB left)")
+        return "\n".join(lines)
+    if plan.fits:
+        lines.append(f"{peak}: OVER THE HEADROOM: fits {_gib(plan.device_memory)} GiB per device "
+                     f"with only {_gib(plan.device_memory - plan.peak)} GiB left, above the "
+                     f"{_gib(plan.limit)} GiB the rule allows; what lowers it (each planned again):")
     else:
         lines.append(f"{peak}: does NOT fit {_gib(plan.device_memory)} GiB per device; what "
                      "lowers it (each planned again):")
-        for a in plan.advice or [{"change": "nothing among pp, ep, checkpointing, micro-batch, "
-                                            "LoRA and more GPUs lowers it", "peak": plan.peak,
-                                  "fits": False}]:
-            lines.append(f"  - {a['change']}: peak {_gib(a['peak'])} GiB"
-                         + (" (fits)" if a["fits"] else ""))
+    for a in plan.advice or [{"change": "nothing among pp, ep, checkpointing, micro-batch, "
+                                        "LoRA and more GPUs lowers it", "peak": plan.peak,
+                              "fits": False, "within_headroom": False}]:
+        lines.append(f"  - {a['change']}: peak {_gib(a['peak'])} GiB"
+                     + (" (within the headroom)" if a["within_headroom"]
+                        else " (fits, over the headroom)" if a["fits"] else ""))
     return "\n".join(lines)
 
 
@@ -666,12 +695,13 @@ def parse_memory(text: str) -> float:
 
 def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bool = False,
         device_type: str = "cuda") -> int:
-    """Print the plan; 1 when it exceeds ``device_memory`` (then with advice), else 0."""
+    """Print the plan; 1 when it is over the headroom rule of ``device_memory`` (then with
+    advice), else 0."""
     cfg = as_config(cfg)
     limit = parse_memory(device_memory) if device_memory else None
     plan = plan_memory(cfg, world_size, device_type, limit)
-    if plan.fits is False:
+    if plan.within_headroom is False:
         plan.advice = advise(cfg, world_size, plan, device_type)
     sys.stdout.write((json.dumps(plan.to_dict(), indent=1) if as_json else format_plan(plan))
                      + "\n")
-    return 1 if plan.fits is False else 0
+    return 1 if plan.within_headroom is False else 0
