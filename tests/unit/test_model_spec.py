@@ -88,12 +88,12 @@ def _sources(*packages: str):
 
 
 def _dense_spec(**changes):
-    """The test family's spec (tests/families/dense.py) with ``changes``."""
+    """The outside family's spec (tests/families/hybridtrain_dense) with ``changes``."""
     import dataclasses
 
-    from tests.families.dense import DENSE
+    from tests.helpers.families import dense_spec
 
-    return dataclasses.replace(DENSE, name="dense_variant", **changes)
+    return dataclasses.replace(dense_spec(), name="dense_variant", **changes)
 
 
 def test_registration_names_a_missing_or_ill_typed_piece():
@@ -123,7 +123,7 @@ def test_a_missing_optional_part_is_named_with_the_spec():
     assert spec.find(HeteroSupport) is None
     with pytest.raises(ValueError, match="encoder_ranks needs the model spec 'dense_variant' to "
                                          "have a HeteroSupport part; it has MetaInit, PeftSupport, "
-                                         "MemoryPlanSupport"):
+                                         "MemoryPlanSupport, Decoding"):
         spec.part(HeteroSupport, "distributed.encoder_ranks")
 
 
@@ -132,7 +132,9 @@ def test_layer_types_name_activation_checkpointing_policies():
     a model without that part takes only all / every k-th."""
     from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
     from hybridtrain.models.spec import LayerTypes
-    from tests.families.dense import DENSE, DenseConfig, DenseLM
+    from tests.helpers.families import dense_spec, require_dense
+
+    DenseConfig, DenseLM, DENSE = require_dense().DenseConfig, require_dense().DenseLM, dense_spec()
 
     types = get_model_spec("nemotron_h").part(LayerTypes, "per-type checkpointing")
     assert parse_ac_policy("mamba, moe", types).layer_types == ("linear_attention", "moe")

@@ -41,7 +41,6 @@ again) that lower the peak. Allocator overhead (CUDA context, fragmentation) is 
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import math
 import os
@@ -124,6 +123,7 @@ class MemoryPlan:
     # under pp with FSDP: {distributed.fsdp_reshard_after_forward: peak} for the recipe's policy
     # and the other one (default: units stay gathered through the step; always: they reshard)
     reshard_peaks: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what the figures leave out
 
     @property
     def peak(self) -> float:
@@ -169,12 +169,13 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
         return _meta_model_of_factory(model_node)
     spec = model_spec_for(owner)
-    kwargs = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
-    try:
-        bound = inspect.signature(target).bind_partial(**kwargs).arguments
-    except TypeError as e:
-        raise ValueError(f"{model_node.where()}: {e}") from None
-    local_dir = bound.get(next(iter(inspect.signature(target).parameters)))
+    # from_pretrained(local_dir, dtype=None, device=None): the model contract (models/spec.py)
+    bound = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
+    bound.update(zip(("local_dir", "dtype", "device"), model_node.get("_args_") or ()))
+    local_dir = bound.get("local_dir")
+    if local_dir is None:
+        raise ValueError(f"{model_node.where()}: {model_node['_target_']} needs local_dir (the "
+                         "checkpoint folder)")
     path = os.path.join(str(local_dir), "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_node.where()}: {path} does not exist; the plan reads the "
@@ -454,7 +455,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         activation_checkpointing=t.activation_checkpointing, ranks=ranks,
         device_memory=device_memory,
         reshard_peaks=({} if other is None else {
-            str(d.fsdp_reshard_after_forward): max(r.total for r in ranks), other: other_peak}))
+            str(d.fsdp_reshard_after_forward): max(r.total for r in ranks), other: other_peak}),
+        warnings=[] if act is not None else [
+            f"the model spec {spec.name!r} gives no activation estimate "
+            "(MemoryPlanSupport.activation_bytes): the activations of its layers and loss are "
+            "not counted (shown as 0)"])
 
 
 def _elsize(dtype: torch.dtype) -> int:
@@ -629,6 +634,7 @@ def format_plan(plan: MemoryPlan) -> str:
     w = max(10, *(len(v) + 2 for _, vals in rows for v in vals))
     lines += [f"{name:<{w0}}" + "".join(f"{v:>{w}}" for v in vals) for name, vals in rows]
     lines.append("")
+    lines += [f"warning: {w}" for w in plan.warnings]
     if plan.reshard_peaks:
         lines.append("under pp, FSDP2's policy sets the peak (distributed.fsdp_reshard_after_forward): "
                      + "; ".join(f"{k}: {_gib(v)} GiB" for k, v in plan.reshard_peaks.items())

@@ -166,7 +166,7 @@ def _parallelize(cfg: RecipeConfig, spec: ModelSpec, model, world_size: int,
 def _weight_source(model: nn.Module, seed: int) -> dict:
     """Where a meta-device model's weights come from: its checkpoint (``from_pretrained``
     records ``name_or_path``), else a seeded random initialisation of an untouched copy."""
-    src = getattr(model, "name_or_path", None)
+    src = model.name_or_path
     return {"checkpoint": src, "names": set(model.state_dict()), "seed": seed,
             "twin": None if src else copy.deepcopy(model)}
 
@@ -331,6 +331,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
                     "full on every rank", cfg.model.where())
         model = instantiate_with(cfg.model)
     spec = model_spec_for(model)
+    spec.check_model(model)
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
     configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import glob
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -174,17 +173,9 @@ def _config_diff(saved: dict, current: dict) -> list[str]:
 
 def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | None,
                      dtype: torch.dtype | None = None) -> None:
-    """``dtype``: the dtype to write (``checkpoint.save_dtype``; None: as held)."""
-    if not hasattr(model, "save_pretrained"):
-        raise ValueError(f"{type(model).__name__} has no save_pretrained(); cannot export hf/")
-    params = inspect.signature(model.save_pretrained).parameters
-    kw = {"dtype": dtype} if dtype is not None and "dtype" in params else {}
-    if state_dict is None:
-        model.save_pretrained(out_dir, **kw)
-    elif "state_dict" in params:
-        model.save_pretrained(out_dir, state_dict=state_dict, **kw)
-    else:  # gathered full tensors of a sharded model
-        model_spec_for(model).hf.save(state_dict, model.config, out_dir, dtype=dtype)
+    """``dtype``: the dtype to write (``checkpoint.save_dtype``; None: as held);
+    ``state_dict``: gathered full tensors of a sharded model (None: the model's own)."""
+    model.save_pretrained(out_dir, state_dict=state_dict, dtype=dtype)
 
 
 def _state_format(model: torch.nn.Module) -> str | None:
@@ -569,7 +560,7 @@ def _open_checkpoint(ckpt_dir: str) -> tuple[str, dict, type, Any]:
     cls = _import_model_class(state["model_class"])
     cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
-    config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
+    config = cfg_cls.from_dict(cfg, source=os.path.join(path, "config.json"))
     return path, state, cls, config
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX
 from hybridtrain.distributed.pipeline_decode import PipelineDecoder
+from hybridtrain.models.spec import Decoding, model_spec_for
 from hybridtrain.ops.sampling import GenerationConfig
 from hybridtrain.training.precision import autocast_context
 
@@ -194,9 +195,7 @@ class GenerationEvaluator:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, step: int) -> dict[str, Any]:
-        if not hasattr(model, "generate"):
-            raise ValueError(f"evaluation: {type(model).__name__} has no generate(); remove the "
-                             "evaluation section")
+        model_spec_for(model).part(Decoding, "the evaluation section (answers by generation)")
         t0 = time.perf_counter()
         device = next(model.parameters()).device
         examples = [self._example(i) for i in self.indices + [0] * self.fillers]

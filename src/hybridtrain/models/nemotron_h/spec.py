@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridtrain.models.spec import (
-    FlopsCount, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
+    Decoding, FlopsCount, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
     register_model_spec)
 
 from . import flops
@@ -95,5 +95,6 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
         BLOCK_TYPES,
+        Decoding(pipeline=True, lockstep=True),
     ),
 ))

@@ -105,9 +105,11 @@ def batch_flops(config: NemotronVLMConfig, batch: dict, head_on_label_tokens_onl
             + vision_flops(config, batch.get("image_grid")))
 
 
-def save_hf(state_dict, config, out_dir, dtype=None, tensors=None) -> None:
+def save_hf(state_dict, config, out_dir, *, dtype=None, max_shard_size="5GB", tensors=None
+            ) -> None:
     """safetensors + config.json, the language model's tensors in the Hub's names and layout."""
-    save_vlm(state_dict, config, out_dir, dtype=dtype, tensors=tensors)
+    save_vlm(state_dict, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+             tensors=tensors)
 
 
 def state_format(model: nn.Module) -> str | None:
