@@ -178,8 +178,9 @@ class DenseLM(nn.Module):
                  **settings):
         """Decoding without a cache (each step runs the whole sequence again): the prompt
         [B, L] (left-padded where ``attention_mask`` is 0) and up to ``max_new_tokens`` new
-        tokens. In one process only (its spec's Decoding part says so)."""
-        assert pipeline is None and lockstep_group is None, "dense_test decodes in one process"
+        tokens; ``lockstep_group``: ranks that step together until all are done. Not through
+        pipeline stages (its spec's Decoding part says so)."""
+        assert pipeline is None, "dense_test does not decode through pipeline stages"
         config = GenerationConfig(**settings)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         seq = [input_ids]
@@ -197,7 +198,7 @@ class DenseLM(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            return decode(logits, step, input_ids, config)
+            return decode(logits, step, input_ids, config, lockstep_group=lockstep_group)
         finally:
             self.train(was_training)
 

@@ -52,5 +52,5 @@ DENSE = ModelSpec(
     parts=(MetaInit(init_units=DenseLM.init_units),
            PeftSupport(module_prefixes={"model.": "model."}),
            MemoryPlanSupport(fsdp_units=fsdp_units),  # no activation estimate: plan warns
-           Decoding()),  # in one process
+           Decoding(lockstep=True)),  # not through pipeline stages
 )
