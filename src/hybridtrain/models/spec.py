@@ -3,7 +3,7 @@
 A model family registers one :class:`ModelSpec`: a small required core (how to build, lay out,
 split, count and export the model) plus optional *parts* (:class:`PeftSupport`,
 :class:`MetaInit`, :class:`MemoryPlanSupport`, :class:`HeteroSupport`, :class:`LayerTypes`,
-:class:`Decoding`), each a typed dataclass. Families are found through the Python entry-point
+:class:`Decoding`, :class:`LayoutRules`), each a typed dataclass. Families are found through the Python entry-point
 group ``hybridtrain.models`` (:data:`ENTRY_POINT_GROUP`; hybridtrain's own families are
 declared in its ``pyproject.toml`` like any other package's), loaded on first lookup.
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
-           "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "PART_TYPES",
+           "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "LayoutRules", "PART_TYPES",
            "CausalLM", "ModelConfig", "Decoder", "HFSave", "ENTRY_POINT_GROUP",
            "register_model_spec", "get_model_spec", "model_spec_for", "registered_model_class",
            "set_train_loss"]
@@ -343,7 +343,22 @@ class Decoding:
     lockstep: bool = False
 
 
-PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes, Decoding)
+@dataclass(frozen=True)
+class LayoutRules:
+    """``check(config, dims, distributed, training, device_type)``: ValueError for a layout the
+    spec's ``parallelize_fn`` cannot apply to a model of ``config`` (e.g. experts that do not
+    split over ``ep``), without building anything. ``parallelize_fn`` applies the same rules;
+    ``training.validate.validate_run`` calls it before a run builds its layout and when
+    ``hybridtrain plan`` plans one, so both refuse the same layouts (None: no rules)."""
+
+    check: Callable[..., None]
+
+    def __post_init__(self):
+        _check(self, ("check",))
+
+
+PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes, Decoding,
+              LayoutRules)
 P = TypeVar("P")
 
 

@@ -53,11 +53,11 @@ import torch
 from torch import nn
 
 from hybridtrain.config import ConfigNode, build_config, instantiate, resolve_target
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
 from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
 )
-from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.pipeline import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
@@ -66,8 +66,9 @@ from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types
 from hybridtrain.recipes.benchmark import _default_seq_len
-from hybridtrain.training.builder import as_config, instantiate_with
+from hybridtrain.training.builder import instantiate_with
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
+from hybridtrain.training.validate import validate_run
 
 __all__ = ["RankMemory", "MemoryPlan", "meta_model", "plan_memory", "format_plan",
            "parse_memory", "run"]
@@ -257,7 +258,7 @@ def _compute_dtype(training, device_type: str) -> torch.dtype:
     return parse_dtype(training.dtype, "training.dtype")
 
 
-def _seq_len(cfg: ConfigNode) -> int:
+def _seq_len(cfg: RecipeConfig) -> int:
     return _default_seq_len(cfg)
 
 
@@ -351,14 +352,17 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 device_memory: float | None = None) -> MemoryPlan:
     """The per-rank memory plan of recipe ``cfg`` (a path, dict or loaded config) on
     ``world_size`` ranks of ``device_type`` (its ``auto`` dtype)."""
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     t, d = cfg.training, cfg.distributed
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     spec, model = meta_model(cfg.model)
     if cfg.peft is not None:
         apply_lora(model, **cfg.peft.to_dict())
-    dims = parallel_dims_from_config(d, world_size, device_type, build_mesh=False)
+    dims = validate_run(cfg, world_size, spec, model, device_type)
+    if dims is None:
+        raise ValueError(f"distributed.encoder_ranks={d.encoder_ranks}: hybridtrain plan does "
+                         "not plan an encoder on its own ranks yet; plan with encoder_ranks: 0")
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     experts = _expert_params(model)
@@ -528,9 +532,10 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
 
 
 # -- advice --------------------------------------------------------------------------------------
-def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tuple[str, dict, int]]:
+def _candidates(cfg: RecipeConfig, world_size: int, plan: MemoryPlan
+                ) -> list[tuple[str, dict, int]]:
     """(what to change, recipe data with it, world size) to try when the plan does not fit."""
-    base = cfg.to_dict()
+    base = cfg.node.to_dict()
     t, d = cfg.training, cfg.distributed
     out = []
 
@@ -572,8 +577,10 @@ def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tupl
     return out
 
 
-def advise(cfg: ConfigNode, world_size: int, plan: MemoryPlan, device_type: str) -> list[dict]:
+def advise(cfg: Any, world_size: int, plan: MemoryPlan, device_type: str
+           ) -> list[dict]:
     """The candidate changes that lower the peak, each planned again, best first."""
+    cfg = recipe_config(cfg)
     out, layouts = [], []
     for label, data, world in _candidates(cfg, world_size, plan):
         try:
@@ -673,7 +680,7 @@ def parse_memory(text: str) -> float:
 def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bool = False,
         device_type: str = "cuda") -> int:
     """Print the plan; 1 when it exceeds ``device_memory`` (then with advice), else 0."""
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     limit = parse_memory(device_memory) if device_memory else None
     plan = plan_memory(cfg, world_size, device_type, limit)
     if plan.fits is False:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from hybridtrain.distributed.fsdp import apply_fsdp
-from hybridtrain.models.spec import (Decoding, FlopsCount, HFAdapter, MemoryPlanSupport,
-                                     MetaInit, ModelSpec, PeftSupport, PipelineSplit)
+from hybridtrain.models.spec import (Decoding, FlopsCount, HFAdapter, LayoutRules,
+                                     MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport,
+                                     PipelineSplit)
 
 from hybridtrain_dense.model import DenseConfig, DenseLM, save_hf
 
@@ -17,9 +18,15 @@ def fsdp_units(model) -> tuple[list, list]:
     return list(model.model.layers.values()), []
 
 
-def parallelize(model, dims, distributed, training, *, device, autocast_dtype):
+def check_layout(config, dims, distributed, training, device_type):
+    """The layouts :func:`parallelize` refuses (the LayoutRules part)."""
     if dims.tp > 1 or dims.cp > 1 or dims.ep > 1:
-        raise ValueError("dense_test supports data and pipeline parallelism only")
+        raise ValueError("dense_test supports data and pipeline parallelism only; set "
+                         "distributed.tp, cp and ep to 1")
+
+
+def parallelize(model, dims, distributed, training, *, device, autocast_dtype):
+    check_layout(model.config, dims, distributed, training, device.type)
     if training.activation_checkpointing:  # no LayerTypes part: all or every k-th block only
         apply_activation_checkpointing(model.model.layers, training.activation_checkpointing)
     if dims.fsdp_enabled:
@@ -52,5 +59,6 @@ DENSE = ModelSpec(
     parts=(MetaInit(init_units=DenseLM.init_units),
            PeftSupport(module_prefixes={"model.": "model."}),
            MemoryPlanSupport(fsdp_units=fsdp_units),  # no activation estimate: plan warns
-           Decoding(lockstep=True)),  # not through pipeline stages
+           Decoding(lockstep=True),  # not through pipeline stages
+           LayoutRules(check=check_layout)),
 )
