@@ -158,7 +158,7 @@ def _measure(b: Built, plan: ParallelPlan, base_mem: int, name: str, dataset, ma
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(plan, b.optimizer, None, sched, TrainData(dataset, make_loader),
-                      trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
+                      trainer_settings(t, {"save_hf_at_end": False, "enabled": False}),
                       throughput=Throughput(b.flops_fn, peak))
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):

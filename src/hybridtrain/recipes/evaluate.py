@@ -21,14 +21,14 @@ import logging
 import os
 from typing import Any
 
-from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.recipes.generate import load_model, resolve_export, unexported_checkpoint
 from hybridtrain.runfolder import latest_checkpoint, run_folder_path
 from hybridtrain.training.builder import (
-    as_config, build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
+    build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
     resolve_device,
 )
 from hybridtrain.training.evaluation import evaluator_from_config
@@ -64,7 +64,7 @@ def _step_dir(path: str) -> str:
     return path
 
 
-def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | None:
+def _run_laid_out(cfg: RecipeConfig, checkpoint: str | None) -> dict[str, Any] | None:
     """The evaluation under the recipe's layout (several processes); the record on the main rank."""
     out_dir = run_folder_path(cfg.checkpoint.dir)
     path = _step_dir(checkpoint or out_dir)
@@ -82,7 +82,7 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
 
 
 def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
-    cfg: ConfigNode = as_config(cfg)
+    cfg = recipe_config(cfg)
     if cfg.validation_dataset is None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")
     check_input_paths(cfg, ("validation_dataset",))  # before the model is loaded

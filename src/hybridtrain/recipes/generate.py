@@ -30,7 +30,7 @@ import torch
 from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
 from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
-from hybridtrain.models.spec import get_model_spec
+from hybridtrain.models.spec import Decoding, get_model_spec
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
 from hybridtrain.training.checkpoint import load_checkpoint_model, step_folder
@@ -111,7 +111,9 @@ def load_model(model_dir: str, adapter_dir: str | None = None, dtype: torch.dtyp
     hf_dir, found_adapter = resolve_export(model_dir)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
-    model = get_model_spec(str(model_type)).model_cls.from_pretrained(hf_dir, dtype=dtype)
+    spec = get_model_spec(str(model_type))
+    spec.part(Decoding, "hybridtrain generate")  # the family generates text
+    model = spec.model_cls.from_pretrained(hf_dir, dtype=dtype)
     if adapter_dir:
         load_peft_adapter(model, adapter_dir)
     tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
