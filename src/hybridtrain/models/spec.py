@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -28,6 +29,8 @@ from typing import Any, Callable, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
            "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "LayoutRules", "PART_TYPES",
@@ -477,6 +480,7 @@ _SPECS: dict[str, ModelSpec] = {}
 # entry's name equal to the spec's
 ENTRY_POINT_GROUP = "hybridtrain.models"
 _loaded_all = False
+_broken: dict[str, str] = {}  # entry point name: why it failed to load
 
 
 def register_model_spec(spec: ModelSpec) -> ModelSpec:
@@ -506,18 +510,25 @@ def _load_entry_point(ep) -> None:
 
 
 def _load_families(name: str | None = None) -> None:
-    """Load the entry points of group ``hybridtrain.models`` (only ``name``'s when given)."""
+    """Load the entry points of group ``hybridtrain.models`` (only ``name``'s when given). A
+    family that fails to load is left out (its error is kept, and named when a lookup finds
+    nothing), so one broken package does not stop runs of the others."""
     global _loaded_all
     if _loaded_all or (name is not None and name in _SPECS):
         return
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if (name is None or ep.name == name) and ep.name not in _SPECS:
-            _load_entry_point(ep)
+        if (name is None or ep.name == name) and ep.name not in _SPECS and ep.name not in _broken:
+            try:
+                _load_entry_point(ep)
+            except ValueError as e:
+                _broken[ep.name] = str(e)
+                logger.warning("%s", e)
     _loaded_all = _loaded_all or name is None
 
 
 def _unknown(what: str) -> str:
-    return (f"{what}; registered: {', '.join(sorted(_SPECS)) or 'none'}. A model family "
+    broken = "".join(f"; {e}" for e in _broken.values())
+    return (f"{what}; registered: {', '.join(sorted(_SPECS)) or 'none'}{broken}. A model family "
             f"registers through the entry-point group {ENTRY_POINT_GROUP!r} of an installed "
             "package (pip install it; hybridtrain's own families need hybridtrain installed, "
             "`pip install -e .`), or by calling register_model_spec")
