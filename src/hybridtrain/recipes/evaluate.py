@@ -70,7 +70,8 @@ def _run_laid_out(cfg: RecipeConfig, checkpoint: str | None) -> dict[str, Any] |
     path = _step_dir(checkpoint or out_dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
     with process_group(cfg) as info:
-        b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True)
+        b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True,
+                  evaluation=True)
         state = build_checkpointer(b, out_dir).load(path, b.model)
         val_ds = main_process_first(lambda: instantiate_with(
             cfg.validation_dataset, tokenizer=b.tokenizer, default_split="validation"), info.is_main)

@@ -296,7 +296,7 @@ class Built:
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None,
           loss: nn.Module | None = None, tokenizer: bool | None = None,
-          train_loop: bool = False) -> Built:
+          train_loop: bool = False, evaluation: bool | None = None) -> Built:
     """Builds a recipe's parts in a fixed order: seeds -> input paths checked
     (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
@@ -308,7 +308,9 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     through (default: the summing chunked cross-entropy of ``training.loss_chunk_size``).
     The recipe is checked by :func:`~hybridtrain.training.validate.validate_run` before the
     layout is built (``train_loop``: also what a training loop over the recipe's batches and
-    its ``evaluation`` section need, as ``finetune`` runs them).
+    its ``evaluation`` section need, as ``finetune`` runs them; ``evaluation``: whether the
+    model generates under the layout, default with ``train_loop`` and an ``evaluation``
+    section).
     ``cfg``: a :class:`~hybridtrain.config.sections.RecipeConfig` (or a path, a ``ConfigNode``
     or a dict, made into one here).
     """
@@ -365,7 +367,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
-    validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop)
+    validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
+                 evaluation=evaluation)
     if cfg.distributed.encoder_ranks:
         plan = spec.find(HeteroSupport).plan(
             model, cfg.distributed, world_size, device=device, autocast_dtype=autocast_dtype,

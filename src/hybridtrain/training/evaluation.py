@@ -40,7 +40,6 @@ from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX
 from hybridtrain.distributed.pipeline_decode import PipelineDecoder
-from hybridtrain.models.spec import Decoding, model_spec_for
 from hybridtrain.ops.sampling import GenerationConfig
 from hybridtrain.training.precision import autocast_context
 
@@ -195,7 +194,8 @@ class GenerationEvaluator:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, step: int) -> dict[str, Any]:
-        model_spec_for(model).part(Decoding, "the evaluation section (answers by generation)")
+        """(``model`` generates: its spec has a ``Decoding`` part for this layout, which
+        ``training.validate.validate_run`` checks before the run is built)"""
         t0 = time.perf_counter()
         device = next(model.parameters()).device
         examples = [self._example(i) for i in self.indices + [0] * self.fillers]

@@ -26,14 +26,16 @@ __all__ = ["validate_run"]
 
 
 def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.Module,
-                 device_type: str, *, train_loop: bool = True) -> ParallelDims | None:
+                 device_type: str, *, train_loop: bool = True, evaluation: bool | None = None
+                 ) -> ParallelDims | None:
     """The layout's degrees over ``world_size`` ranks (no meshes built), after checking
     everything the run would refuse about them: the degrees, the family's rules
     (``LayoutRules``), the pipeline split and schedule, the activation-checkpointing policy, an
     encoder on its own ranks; with ``train_loop`` (a training loop over the recipe's batches:
-    finetune, benchmark, plan) also the batch sizes, ``training.val_accuracy`` and the
-    ``evaluation`` section. ValueError naming the setting and the fix. Returns None for a
-    layout with ``distributed.encoder_ranks`` (its plan lays it out: ``HeteroSupport``)."""
+    finetune, plan) also the batch sizes and ``training.val_accuracy``; with ``evaluation``
+    (default: ``train_loop`` and an ``evaluation`` section) whether the family generates under
+    the layout. ValueError naming the setting and the fix. Returns None for a layout with
+    ``distributed.encoder_ranks`` (its plan lays it out: ``HeteroSupport``)."""
     d, t = cfg.distributed, cfg.training
     if d.encoder_ranks:
         spec.part(HeteroSupport, f"distributed.encoder_ranks={d.encoder_ranks} (an encoder on "
@@ -50,11 +52,15 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
                         spec.flops.layer(config, pipeline_split_seq_len(cfg.packing)),
                         spec.flops.head(config))
     if train_loop:
-        _check_train_loop(cfg, spec, dims)
+        _check_train_loop(cfg, dims)
+    if evaluation is None:
+        evaluation = train_loop and cfg.evaluation is not None
+    if evaluation:
+        _check_decoding(spec, dims)
     return dims
 
 
-def _check_train_loop(cfg: RecipeConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+def _check_train_loop(cfg: RecipeConfig, dims: ParallelDims) -> None:
     d, t = cfg.distributed, cfg.training
     # the batch sizes over the data-parallel ranks (the run's scheduler refuses them)
     sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=dims.dp, max_steps=1)
@@ -68,14 +74,17 @@ def _check_train_loop(cfg: RecipeConfig, spec: ModelSpec, dims: ParallelDims) ->
         if t.val_accuracy:
             raise ValueError("training.val_accuracy is not available under pipeline "
                              "parallelism (distributed.pp > 1); set it to false")
-    if cfg.evaluation is not None:
-        decoding = spec.part(Decoding, "the evaluation section (answers by generation; remove "
-                                       "the section)")
-        if dims.pp > 1 and not decoding.pipeline:
-            raise ValueError(f"evaluation: the model spec {spec.name!r} does not decode through "
-                             "pipeline stages (its Decoding part); remove the evaluation section "
-                             "or set distributed.pp: 1")
-        if dims.world_size > 1 and not decoding.lockstep:
-            raise ValueError(f"evaluation: the model spec {spec.name!r} does not decode on "
-                             "several ranks in lockstep (its Decoding part); remove the "
-                             "evaluation section or run on one process")
+
+
+def _check_decoding(spec: ModelSpec, dims: ParallelDims) -> None:
+    """The evaluation (answers by generation) under ``dims``."""
+    decoding = spec.part(Decoding, "the evaluation section (answers by generation; remove "
+                                   "the section)")
+    if dims.pp > 1 and not decoding.pipeline:
+        raise ValueError(f"evaluation: the model spec {spec.name!r} does not decode through "
+                         "pipeline stages (its Decoding part); remove the evaluation section "
+                         "or set distributed.pp: 1")
+    if dims.world_size > 1 and not decoding.lockstep:
+        raise ValueError(f"evaluation: the model spec {spec.name!r} does not decode on "
+                         "several ranks in lockstep (its Decoding part); remove the "
+                         "evaluation section or run on one process")
