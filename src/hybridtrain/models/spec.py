@@ -45,11 +45,16 @@ class ModelConfig(Protocol):
 
     * ``model_type``: a class attribute equal to the spec's ``name`` (and to ``model_type`` of
       the ``config.json`` it writes: ``hybridtrain generate``/``convert`` find the family by it).
+    * ``hidden_size`` / ``vocab_size`` (fields or properties): the width of the hidden states
+      (the compute dtype ``auto`` is chosen by it on CPU) and of the vocabulary (the
+      tokenizer must fit in it; synthetic data draws from it).
     * ``to_dict()``: the ``config.json`` content; ``from_dict(d, source=...)``: the config of
       a ``config.json`` (``source``: the file, named in its errors).
     """
 
     model_type: ClassVar[str]
+    hidden_size: int
+    vocab_size: int
 
     def to_dict(self) -> dict[str, Any]: ...
 
@@ -437,6 +442,10 @@ class ModelSpec:
         for name in ("to_dict", "from_dict"):
             if not callable(getattr(config, name, None)):
                 raise ValueError(f"{c} has no {name} (ModelConfig in models/spec.py)")
+        for name in ("hidden_size", "vocab_size"):
+            if not (hasattr(config, name) or name in getattr(config, "__dataclass_fields__", {})):
+                raise ValueError(f"{c} has no field or property {name} (ModelConfig in "
+                                 "models/spec.py)")
         _check_signature(f"{c}.from_dict", config.from_dict, ModelConfig.from_dict)
         for name in ("name_or_path", "checkpoint_dtype"):
             if not hasattr(model, name):

@@ -239,7 +239,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     names = opts["dtypes"] or [t.dtype]
     b = build(cfg, device, is_main, world_size, data=opts["data"] == "recipe", dtype=names[0])
     # `auto` depends on the model's width on CPU (as in finetune): resolved after building it
-    hidden = getattr(b.model_config, "hidden_size", None)
+    hidden = b.model_config.hidden_size
     dtypes = [b.dtype] + [resolve_dtype(n, device, hidden, t.cpu_bf16) for n in names[1:]]
     dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
     if world_size > 1 and len(set(dtypes)) > 1:
@@ -271,8 +271,6 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
 
     def synthetic(L):
         rows = max(1, tokens_per_step // L)
-        if vocab is None:
-            raise ValueError("benchmark.data=synthetic needs a model with config.vocab_size")
         ds = synthetic_rows(rows * dp * (opts["warmup_steps"] + opts["steps"] + opts["profile_steps"]),
                             L, vocab, opts["doc_length"], seed=t.seed)
         packed = opts["doc_length"] is not None

@@ -155,12 +155,8 @@ def _tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
             _tensors(v, f"{prefix}.{i}", out)
 
 
-def model_config_dict(model: torch.nn.Module) -> dict[str, Any] | None:
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None
-    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-    return json.loads(json.dumps(d, default=str))
+def model_config_dict(model: torch.nn.Module) -> dict[str, Any]:
+    return json.loads(json.dumps(model.config.to_dict(), default=str))
 
 
 def _config_diff(saved: dict, current: dict) -> list[str]:
