@@ -219,7 +219,7 @@ def test_registration_checks_the_model_contract():
             register_model_spec(dataclasses.replace(spec, **changes))
 
 
-def test_a_built_model_keeps_its_head_last():
+def test_a_built_model_keeps_its_head_last_and_its_layers_by_index():
     from tests.helpers.families import dense_spec, require_dense
 
     spec, dense = dense_spec(), require_dense()
@@ -227,6 +227,10 @@ def test_a_built_model_keeps_its_head_last():
     spec.check_model(model)
     model.extra = nn.Linear(2, 2)  # registered after the head
     with pytest.raises(ValueError, match="lm_head's parameters must come last.*'extra.bias'"):
+        spec.check_model(model)
+    model = dense.DenseLM(dense.DenseConfig())
+    model.model.layers = nn.ModuleDict({f"block{k}": b for k, b in model.model.layers.items()})
+    with pytest.raises(ValueError, match="keyed by their global index.*'block0'"):
         spec.check_model(model)
 
 

@@ -466,7 +466,8 @@ class ModelSpec:
 
     def check_model(self, model: nn.Module) -> None:
         """ValueError naming what a built model (complete, not a stage) of this spec lacks of
-        the contract's instance side: ``lm_head`` registered last, a ``loss``."""
+        the contract's instance side: ``lm_head`` registered last, a ``loss``, layers keyed by
+        their global index."""
         m = f"model spec {self.name!r}: {type(model).__name__}"
         heads = [n for n, _ in model.named_modules() if n.rpartition(".")[2] == "lm_head"]
         if len(heads) != 1:
@@ -479,6 +480,11 @@ class ModelSpec:
                              f"(register lm_head last); the last is {names[-1]!r}")
         if not isinstance(model.loss, nn.Module):
             raise ValueError(f"{m} has no loss module (CausalLM in models/spec.py)")
+        layers = self.pipeline.layers(model)
+        if layers != [str(i) for i in range(len(layers))]:
+            raise ValueError(f"{m}: its layers must sit in an nn.ModuleDict keyed by their global "
+                             "index ('0', '1', ...), the names PipelineSplit.layers gives in "
+                             f"order; got {layers[:4]}")
 
 
 assert len(dataclasses.fields(ModelSpec)) <= 8  # the core stays small: new needs are parts
