@@ -378,8 +378,9 @@ class ModelSpec:
     ``parallelize_fn(model, dims, distributed, training, *, device, autocast_dtype)`` applies
     TP/EP/CP/activation checkpointing/compile/FSDP to one (stage) model in place
     (``distributed`` / ``training``: the recipe's typed sections, ``DistributedSection`` /
-    ``TrainingSection`` of :mod:`hybridtrain.config.sections`); ``config_cls``: the config class
-    (``from_dict``) of a saved checkpoint.
+    ``TrainingSection`` of :mod:`hybridtrain.config.sections`); ``name``: the config's
+    ``model_type``; ``model_cls`` keeps :class:`CausalLM`, ``config_cls`` :class:`ModelConfig`
+    (``from_dict`` reads a saved checkpoint's config).
     """
 
     name: str
@@ -559,7 +560,7 @@ def get_model_spec(name: str) -> ModelSpec:
 def model_spec_for(model: nn.Module | type) -> ModelSpec:
     """The spec whose model class ``model`` (an instance or a class) is."""
     cls = model if isinstance(model, type) else type(model)
-    for attempt in range(2):
+    for _ in range(2):  # the families registered so far, then all of them
         for spec in _SPECS.values():
             if issubclass(cls, spec.model_cls):
                 return spec
