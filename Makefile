@@ -26,6 +26,7 @@ demo: setup
 	@echo "  $(BIN)/hybridtrain finetune -c examples/chat_lora_tiny.yaml"
 
 test: setup
+	$(BIN)/python -m pip install -q --no-deps -e tests/families/hybridtrain_dense
 	$(BIN)/python -m pytest -q tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 

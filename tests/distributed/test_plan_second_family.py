@@ -1,5 +1,5 @@
 """``hybridtrain plan`` for the second model family (the dense Transformer of
-tests/families/dense.py, registered by the test suite alone) against real runs of the recipe's
+tests/families/hybridtrain_dense, a package outside hybridtrain) against real runs of the recipe's
 builder and trainer: each rank's parameter, gradient and AdamW-state bytes at an optimizer step
 equal the plan's, in one process, under FSDP2 over 2 ranks (the plan asks the spec for the
 units its parallelize function shards: ``MemoryPlanSupport.fsdp_units``) and under 2 pipeline
@@ -10,12 +10,12 @@ import pytest
 
 from tests.helpers import parity as pu
 from tests.helpers.distributed import run_distributed
+from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
 from tests.helpers.memory import held_at_optimizer_step, planned_bytes
 
-DENSE = {"_target_": "tests.families.dense.DenseLM",
-         "config": {"_target_": "tests.families.dense.DenseConfig"}}
 LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
-SECTIONS = {"full": {}, "lora": {"peft": LORA}}
+SECTIONS = {"full": {"allowed_target_prefixes": DENSE_PREFIXES},
+            "lora": {"peft": LORA, "allowed_target_prefixes": DENSE_PREFIXES}}
 
 
 def _held(layout, world):
@@ -41,10 +41,12 @@ def _check(layout, world, res):
 
 
 def test_dense_family_plan_matches_one_process():
+    require_dense()
     _check({}, 1, [_held({}, 1)])
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"pp": 2}], ids=["fsdp2", "pp2"])
 def test_dense_family_plan_matches_real_allocation_per_rank(layout):
+    require_dense()
     _check(layout, 2, run_distributed(_worker, 2, layout))

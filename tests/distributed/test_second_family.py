@@ -1,5 +1,6 @@
-"""A second model family, defined and registered by the test suite alone (a plain dense
-Transformer: tests/families/dense.py), trains through the generic recipe path: the finetune
+"""A second model family, from a package outside hybridtrain (a plain dense Transformer:
+tests/families/hybridtrain_dense, found through its entry point), trains through the generic
+recipe path: the finetune
 recipe in one process, and LoRA under FSDP2 over 2 ranks and under 2 pipeline stages equal to
 the single-process run, exporting the adapters (PEFT) and the merged Hugging Face checkpoint."""
 
@@ -9,10 +10,9 @@ from safetensors.torch import load_file
 
 from tests.helpers import parity as pu
 from tests.helpers.distributed import run_distributed
+from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
 from tests.helpers.recipes import tiny_recipe
 
-DENSE = {"_target_": "tests.families.dense.DenseLM",
-         "config": {"_target_": "tests.families.dense.DenseConfig"}}
 LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
 
 
@@ -21,7 +21,8 @@ def _train(layout, world, out_dir):
     writes the PEFT adapter and the merged HF checkpoint under ``out_dir``."""
     from hybridtrain.peft import export_peft, save_merged_hf
 
-    b, trainer = pu.build(layout, world, peft=LORA, model=DENSE)
+    b, trainer = pu.build(layout, world, peft=LORA, model=DENSE,
+                          allowed_target_prefixes=DENSE_PREFIXES)
     losses, norms = pu.train(b, trainer)
     layout = {"layers": len(b.model.model.layers),
               "sharded": all(hasattr(p, "full_tensor") for p in b.model.parameters())}
@@ -37,8 +38,7 @@ def _worker(rank, world, layout, out_dir):
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"pp": 2}], ids=["fsdp2", "pp2"])
 def test_dense_family_lora_layouts_match_one_process(tmp_path, layout):
-    from tests.families.dense import DenseLM
-
+    DenseLM = require_dense().DenseLM
     ref_losses, ref_norms, ref_state, _ = _train({}, 1, str(tmp_path / "ref"))
     assert ref_losses[-1] < ref_losses[0]
     res = run_distributed(_worker, 2, layout, str(tmp_path / "run"))
@@ -69,10 +69,10 @@ def test_dense_family_finetune_recipe_exports_hf(tmp_path):
     family's spec)."""
     from hybridtrain.recipes.finetune import run
     from hybridtrain.training.checkpoint import convert
-    from tests.families.dense import DenseLM
-
+    DenseLM = require_dense().DenseLM
     out = tmp_path / "run"
-    recipe = tiny_recipe(model=DENSE, training={"max_steps": 4},
+    recipe = tiny_recipe(model=DENSE, allowed_target_prefixes=DENSE_PREFIXES,
+                         training={"max_steps": 4},
                          checkpoint={"dir": str(out), "save_hf_at_end": True})
     run(recipe)
     exported = sorted(out.glob("step_*/hf/model.safetensors"))

@@ -59,7 +59,10 @@ class _Block(torch.nn.Module):
 class TinyLM(torch.nn.Module):
     """A small stand-in keeping the model contract the trainer uses: ``forward(input_ids,
     position_ids=, cu_seqlens=, labels=)`` (logits, or with ``labels`` ``self.loss(hidden,
-    lm_head, labels)``), ``config``, ``save_pretrained``."""
+    lm_head, labels)``), ``config``, ``save_pretrained`` (models/spec.py: ``CausalLM``)."""
+
+    name_or_path: str | None = None
+    checkpoint_dtype: torch.dtype | None = None
 
     def __init__(self, config: TinyConfig):
         super().__init__()
@@ -84,7 +87,7 @@ class TinyLM(torch.nn.Module):
             return self.lm_head(h)
         return self.loss(h, self.lm_head, labels)
 
-    def save_pretrained(self, out_dir, state_dict=None):
+    def save_pretrained(self, out_dir, *, dtype=None, state_dict=None):
         import json
         import os
 
@@ -92,7 +95,7 @@ class TinyLM(torch.nn.Module):
 
         os.makedirs(out_dir, exist_ok=True)
         sd = state_dict if state_dict is not None else self.state_dict()
-        save_file({k: v.contiguous() for k, v in sd.items()},
+        save_file({k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in sd.items()},
                   os.path.join(out_dir, "model.safetensors"))
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(self.config.to_dict(), f)

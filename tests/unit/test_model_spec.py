@@ -88,12 +88,12 @@ def _sources(*packages: str):
 
 
 def _dense_spec(**changes):
-    """The test family's spec (tests/families/dense.py) with ``changes``."""
+    """The outside family's spec (tests/families/hybridtrain_dense) with ``changes``."""
     import dataclasses
 
-    from tests.families.dense import DENSE
+    from tests.helpers.families import dense_spec
 
-    return dataclasses.replace(DENSE, name="dense_variant", **changes)
+    return dataclasses.replace(dense_spec(), name="dense_variant", **changes)
 
 
 def test_registration_names_a_missing_or_ill_typed_piece():
@@ -123,7 +123,7 @@ def test_a_missing_optional_part_is_named_with_the_spec():
     assert spec.find(HeteroSupport) is None
     with pytest.raises(ValueError, match="encoder_ranks needs the model spec 'dense_variant' to "
                                          "have a HeteroSupport part; it has MetaInit, PeftSupport, "
-                                         "MemoryPlanSupport"):
+                                         "MemoryPlanSupport, Decoding"):
         spec.part(HeteroSupport, "distributed.encoder_ranks")
 
 
@@ -132,7 +132,9 @@ def test_layer_types_name_activation_checkpointing_policies():
     a model without that part takes only all / every k-th."""
     from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
     from hybridtrain.models.spec import LayerTypes
-    from tests.families.dense import DENSE, DenseConfig, DenseLM
+    from tests.helpers.families import dense_spec, require_dense
+
+    DenseConfig, DenseLM, DENSE = require_dense().DenseConfig, require_dense().DenseLM, dense_spec()
 
     types = get_model_spec("nemotron_h").part(LayerTypes, "per-type checkpointing")
     assert parse_ac_policy("mamba, moe", types).layer_types == ("linear_attention", "moe")
@@ -167,3 +169,86 @@ def test_no_runtime_patching():
     hits = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p, text in _sources(".")
             for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
     assert not hits, f"runtime patching: {hits}"
+
+
+def test_registration_checks_the_model_contract():
+    """A spec whose model, config or HF writer lacks a piece of the contract (models/spec.py:
+    CausalLM, ModelConfig, HFSave, Decoder) is refused naming that piece."""
+    import dataclasses
+
+    from hybridtrain.models.spec import Decoding, HFAdapter, register_model_spec
+    from tests.helpers.families import dense_spec
+
+    spec = dense_spec()
+    model, config = spec.model_cls, spec.config_cls
+
+    class NoSource(config):
+        @classmethod
+        def from_dict(cls, d):
+            return cls()
+
+    class OtherType(config):
+        model_type = "llama"
+
+    class OldSave(model):
+        def save_pretrained(self, save_dir):
+            pass
+
+    class NoGenerate(model):
+        generate = None
+
+    def save_without_tensors(state_dict, config, out_dir, dtype=None):
+        pass
+
+    bare = type("Bare", (nn.Module,), {"forward": model.forward,
+                                       "save_pretrained": model.save_pretrained,
+                                       "from_pretrained": model.from_pretrained})
+    cases = [
+        (dict(config_cls=NoSource), "NoSource.from_dict must take .* it lacks source"),
+        (dict(config_cls=OtherType), "OtherType must have the class attribute model_type = "
+                                     "'dense_test'"),
+        (dict(model_cls=bare, parts=()), "Bare must declare the class attribute name_or_path"),
+        (dict(model_cls=OldSave), "OldSave.save_pretrained must take .* it lacks dtype, "
+                                  "state_dict"),
+        (dict(hf=HFAdapter(save=save_without_tensors)), "HFAdapter.save must take .* it lacks "
+                                                         "max_shard_size, tensors"),
+        (dict(model_cls=NoGenerate, parts=(Decoding(),)), "NoGenerate has no generate"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            register_model_spec(dataclasses.replace(spec, **changes))
+
+
+def test_a_built_model_keeps_its_head_last_and_its_layers_by_index():
+    from tests.helpers.families import dense_spec, require_dense
+
+    spec, dense = dense_spec(), require_dense()
+    model = dense.DenseLM(dense.DenseConfig())
+    spec.check_model(model)
+    model.extra = nn.Linear(2, 2)  # registered after the head
+    with pytest.raises(ValueError, match="lm_head's parameters must come last.*'extra.bias'"):
+        spec.check_model(model)
+    model = dense.DenseLM(dense.DenseConfig())
+    model.model.layers = nn.ModuleDict({f"block{k}": b for k, b in model.model.layers.items()})
+    with pytest.raises(ValueError, match="keyed by their global index.*'block0'"):
+        spec.check_model(model)
+
+
+def test_families_come_from_entry_points():
+    """The built-in families and the outside one are found through the entry-point group; the
+    plan says so when a family gives no activation estimate."""
+    from importlib.metadata import entry_points
+
+    from hybridtrain.models.spec import ENTRY_POINT_GROUP
+    from hybridtrain.recipes.plan import format_plan, plan_memory
+    from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
+    from tests.helpers.recipes import tiny_recipe
+
+    names = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    assert {"nemotron_h", "nemotron_h_vlm"} <= names, names
+    require_dense()
+    assert model_spec_for(require_dense().DenseLM) is get_model_spec("dense_test")
+    plan = plan_memory(tiny_recipe(model=DENSE, allowed_target_prefixes=DENSE_PREFIXES), 1,
+                       device_type="cpu")
+    assert "warning: the model spec 'dense_test' gives no activation estimate" in format_plan(plan)
+    assert not plan_memory(tiny_recipe(), 1, device_type="cpu").warnings

@@ -161,6 +161,7 @@ def test_plan_reads_no_weights(tmp_path):
     """A from_pretrained section whose folder holds only config.json plans fine."""
     (tmp_path / "config.json").write_text((NANO / "config.json").read_text())
     recipe = _from_pretrained_recipe(tmp_path)
+    recipe["training"]["global_batch_size"] = 16  # micro-batches of 2 on 8 ranks
     plan = plan_memory(recipe, 8, device_type="cuda")
     assert plan.param_dtypes == ["bfloat16"]  # config.json torch_dtype, no dtype given
     assert os.listdir(tmp_path) == ["config.json"]

@@ -297,7 +297,8 @@ def test_trainer_clips_then_steps(max_norm):
     from hybridtrain.distributed.utils import clip_grad_norm_
 
     tr = build_trainer(None, max_steps=2, val=False)
-    tr.settings = dataclasses.replace(tr.settings, grad_clip=max_norm)
+    tr.settings = dataclasses.replace(tr.settings, training=tr.settings.training.replace(
+        grad_clip=max_norm))
     model = train_model(tiny_model, 0)
     opt = build_optimizer(model, lr=tr.optimizer.param_groups[0]["lr"], weight_decay=0.1)
     micro = [collate(tr.data.train, [tr.data.train[i] for i in range(k, k + 2)])
@@ -320,10 +321,11 @@ def test_trainer_settings_come_from_the_recipe_sections_over_the_schema_defaults
 
     s = trainer_settings({"grad_clip": None, "gc_every_steps": 3}, {"enabled": False})
     t = section_defaults("training")
-    assert (s.grad_clip, s.gc_every_steps, s.save_ckpt) == (None, 3, False)
-    assert s.max_consecutive_skipped_steps == t["max_consecutive_skipped_steps"]
-    assert s.save_hf_at_end == section_defaults("checkpoint")["save_hf_at_end"]
+    assert (s.training.grad_clip, s.training.gc_every_steps, s.checkpoint.enabled) == \
+        (None, 3, False)
+    assert s.training.max_consecutive_skipped_steps == t["max_consecutive_skipped_steps"]
+    assert s.checkpoint.save_hf_at_end == section_defaults("checkpoint")["save_hf_at_end"]
     with pytest.raises(ConfigError, match="training.grad_clipp"):
         trainer_settings({"grad_clipp": 1.0})
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.grad_clip = 2.0
+        s.training = None

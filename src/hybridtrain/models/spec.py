@@ -2,43 +2,173 @@
 
 A model family registers one :class:`ModelSpec`: a small required core (how to build, lay out,
 split, count and export the model) plus optional *parts* (:class:`PeftSupport`,
-:class:`MetaInit`, :class:`MemoryPlanSupport`, :class:`HeteroSupport`, :class:`LayerTypes`),
-each a typed
-dataclass. :func:`register_model_spec` checks the core and every part, so a missing or
-ill-typed piece names itself when the family registers, not mid-run; a generic caller that
+:class:`MetaInit`, :class:`MemoryPlanSupport`, :class:`HeteroSupport`, :class:`LayerTypes`,
+:class:`Decoding`, :class:`LayoutRules`), each a typed dataclass. Families are found through the Python entry-point
+group ``hybridtrain.models`` (:data:`ENTRY_POINT_GROUP`; hybridtrain's own families are
+declared in its ``pyproject.toml`` like any other package's), loaded on first lookup.
+
+What generic code calls on a model and its config is stated once, here, as code:
+:class:`CausalLM` and :class:`ModelConfig` (typing protocols, with :class:`Decoder` for a
+family with a :class:`Decoding` part) and the signature of :attr:`HFAdapter.save`.
+:func:`register_model_spec` checks a spec against them (:meth:`ModelSpec.validate`), so a
+missing or ill-shaped piece names itself when the family registers, not mid-run; generic code
+then calls the contract directly and never probes a model's attributes. A generic caller that
 needs an optional part asks ``spec.part(PartClass, "what for")``, which raises a ValueError
-naming the spec and the part when the family has none. Everything outside ``models/`` asks the
-registry (:func:`get_model_spec` by name, :func:`model_spec_for` by model object) and never
-imports a model package itself, so a new model is added by writing its package and its spec
-(tests/families/ holds a dense Transformer registered from the test suite alone).
-
-What a model of a spec promises (the model contract):
-
-* ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None)``: hidden states
-  ``[B, L, H]`` when it holds no head (a pipeline stage before the last), else logits, or with
-  ``labels`` the loss ``self.loss(hidden, head, labels)`` (an ``ops.loss.LinearCrossEntropy``;
-  the trainer installs its summing one with :func:`set_train_loss`). A stage without
-  embeddings takes hidden states as ``input_ids``.
-* ``config`` (with ``to_dict()``, ``hidden_size`` and ``vocab_size``),
-  ``save_pretrained(dir, state_dict=, dtype=)`` and the class method
-  ``from_pretrained(dir, dtype=)``.
-* for ``hybridtrain generate``: ``generate(input_ids, attention_mask, **settings)`` and
-  ``generation_cache_bytes(batch_size, max_length)`` (what its decoding state will take,
-  known before allocating it); ``config.max_position_embeddings`` bounds its context.
+naming the spec and the part when the family has none.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import inspect
+import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from importlib.metadata import entry_points
+from typing import Any, Callable, ClassVar, Protocol, TypeVar
 
+import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
-           "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "PART_TYPES", "register_model_spec",
-           "get_model_spec", "model_spec_for", "registered_model_class", "set_train_loss"]
+           "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "LayoutRules", "PART_TYPES",
+           "CausalLM", "ModelConfig", "Decoder", "HFSave", "ENTRY_POINT_GROUP",
+           "register_model_spec", "get_model_spec", "model_spec_for", "registered_model_class",
+           "set_train_loss"]
+
+
+# -- the model contract -----------------------------------------------------------------------
+class ModelConfig(Protocol):
+    """A family's config class (``ModelSpec.config_cls``).
+
+    * ``model_type``: a class attribute equal to the spec's ``name`` (and to ``model_type`` of
+      the ``config.json`` it writes: ``hybridtrain generate``/``convert`` find the family by it).
+    * ``hidden_size`` / ``vocab_size`` (fields or properties): the width of the hidden states
+      (the compute dtype ``auto`` is chosen by it on CPU) and of the vocabulary (the
+      tokenizer must fit in it; synthetic data draws from it).
+    * ``to_dict()``: the ``config.json`` content; ``from_dict(d, source=...)``: the config of
+      a ``config.json`` (``source``: the file, named in its errors).
+    """
+
+    model_type: ClassVar[str]
+    hidden_size: int
+    vocab_size: int
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = ...) -> "ModelConfig": ...
+
+
+class CausalLM(Protocol):
+    """What generic code calls on a model of a spec (``ModelSpec.model_cls``).
+
+    * ``forward(input_ids, position_ids=None, cu_seqlens=None, labels=None)``: hidden states
+      ``[B, L, H]`` when it holds no head (a pipeline stage before the last), else logits, or
+      with ``labels`` the loss ``self.loss(hidden, self.lm_head, labels)``. A stage without
+      embeddings takes hidden states as ``input_ids``. More keyword inputs (e.g. images) come
+      from ``PipelineSplit.row_inputs``.
+    * ``lm_head``: the output projection (an ``nn.Linear``; None on a pipeline stage before
+      the last), registered last: its parameters come last in ``parameters()`` (LoRA never
+      adapts it; ``plan`` counts it as the last stage's).
+    * ``loss``: an ``ops.loss.LinearCrossEntropy`` (generic code installs its own with
+      :func:`set_train_loss` and sets ``loss.recompute`` for zero-bubble pipelines); it may be a
+      property whose setter stores it in a sub-model.
+    * the decoder layers sit in an ``nn.ModuleDict`` keyed by their global index (``"0"``,
+      ``"1"``, ...; a pipeline stage keeps the keys of the layers it holds), the names
+      ``PipelineSplit.layers`` returns.
+    * ``name_or_path`` / ``checkpoint_dtype``: the folder and the dtype ``from_pretrained``
+      read (class attributes None otherwise; the builder reads the weights of a meta-device
+      model from ``name_or_path``, ``checkpoint.save_dtype: auto`` exports in
+      ``checkpoint_dtype``).
+    * ``save_pretrained(save_dir, *, dtype=None, state_dict=None)`` writes a Hub checkpoint
+      (``state_dict``: full tensors to write instead of the model's); the class method
+      ``from_pretrained(local_dir, dtype=None, device=None)`` reads one.
+    """
+
+    config: ModelConfig
+    lm_head: nn.Module | None
+    loss: nn.Module
+    name_or_path: ClassVar[str | None]
+    checkpoint_dtype: ClassVar[torch.dtype | None]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None
+                ) -> torch.Tensor: ...
+
+    def save_pretrained(self, save_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                        state_dict: dict[str, torch.Tensor] | None = None) -> None: ...
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None) -> "CausalLM": ...
+
+
+class Decoder(Protocol):
+    """A model of a family with a :class:`Decoding` part also has ``generate``: the prompt
+    ``input_ids`` [B, L] (left-padded where ``attention_mask`` is 0) followed by up to
+    ``max_new_tokens`` new tokens, [B, L + n]. ``settings``: the fields of
+    ``ops.sampling.GenerationConfig``; ``pipeline``: a ``distributed.pipeline_decode.
+    PipelineDecoder`` over this rank's stages; ``lockstep_group``: ranks that decode together."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 pipeline: Any = None, lockstep_group: Any = None, **settings: Any
+                 ) -> torch.Tensor: ...
+
+    def generation_cache_bytes(self, batch_size: int, max_length: int) -> int:
+        """Bytes ``generate`` allocates for its decoding state (a key/value cache, recurrent
+        states) for ``batch_size`` rows of ``max_length`` positions: known before allocating,
+        so ``hybridtrain generate`` refuses a length that would not fit."""
+        ...
+
+
+class HFSave(Protocol):
+    """``HFAdapter.save``: write full tensors as a Hub checkpoint in ``out_dir`` (config.json
+    and safetensors); ``dtype``: the dtype to write (None: as held); ``max_shard_size``: the
+    largest safetensors file; ``tensors``: ``(name, full tensor)`` pairs streamed one at a time
+    instead of ``state_dict``'s (whose names and shapes they follow)."""
+
+    def __call__(self, state_dict: dict[str, Any], config: Any, out_dir: str | os.PathLike, *,
+                 dtype: torch.dtype | None = None, max_shard_size: int | str = ...,
+                 tensors: Any = None) -> None: ...
+
+
+def _missing_parameters(fn: Callable, protocol_fn: Callable, positional: int,
+                        same_names: bool) -> list[str]:
+    """The parameters of ``protocol_fn`` (after ``self``/``cls``) that ``fn`` cannot take as
+    the protocol passes them: its first ``positional`` by position (under the same names when
+    ``same_names``), the others by keyword."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ["a signature"]
+    want = [n for n in inspect.signature(protocol_fn).parameters
+            if n not in ("self", "cls", "settings")]
+    have = [p for p in params.values() if p.name not in ("self", "cls")]
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in have)
+    by_position = [p.name for p in have if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    missing = []
+    for i, name in enumerate(want):
+        if i < positional:
+            ok = i < len(by_position) and (not same_names or by_position[i] == name)
+        else:
+            ok = var_kw or (name in params and params[name].kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+        if not ok:
+            missing.append(name)
+    return missing
+
+
+def _check_signature(where: str, fn: Callable, protocol_fn: Callable, positional: int = 1,
+                     same_names: bool = False) -> None:
+    """ValueError naming ``where`` and what it lacks of ``protocol_fn``'s signature."""
+    missing = _missing_parameters(fn, protocol_fn, positional, same_names)
+    if missing:
+        raise ValueError(f"{where} must take {protocol_fn.__qualname__.split('.')[-1]}"
+                         f"{inspect.signature(protocol_fn)} (models/spec.py); it lacks "
+                         f"{', '.join(missing)}")
 
 
 def _check(obj: Any, callables: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> None:
@@ -96,7 +226,8 @@ class FlopsCount:
 class HFAdapter:
     """The Hugging Face side of the model.
 
-    * ``save(state_dict, config, out_dir, dtype)``: write full tensors as a Hub checkpoint.
+    * ``save(state_dict, config, out_dir, *, dtype=None, max_shard_size=..., tensors=None)``:
+      write full tensors as a Hub checkpoint (see :class:`HFSave`).
     * ``hub_tensors(state_dict, config) -> iterator of (Hub name, tensor)``: a full state dict
       in the Hub's names and layout (None: the names and layout are the Hub's already).
     * ``hub_layout(name, tensor, config, to_hub) -> tensor``: our tensor ``name`` (a parameter
@@ -106,7 +237,7 @@ class HFAdapter:
       stored with each checkpoint; a checkpoint whose marker differs is refused (None: plain).
     """
 
-    save: Callable[..., None]
+    save: HFSave
     hub_tensors: Callable[..., Any] | None = None
     hub_layout: Callable[[str, Any, Any, bool], Any] | None = None
     state_format: Callable[[nn.Module], str | None] | None = None
@@ -214,7 +345,34 @@ class LayerTypes:
             raise ValueError(f"LayerTypes.aliases must map str to one of names; not {bad}")
 
 
-PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes)
+@dataclass(frozen=True)
+class Decoding:
+    """The model generates text: its class has ``generate`` (:class:`Decoder`), which
+    ``hybridtrain generate``, the ``evaluation`` section and GRPO's rollouts call.
+    ``pipeline``: it also decodes through pipeline stages (its ``generate`` takes a
+    ``PipelineDecoder``); ``lockstep``: ranks whose model holds collectives (tensor, expert or
+    context parallel) can decode together (``lockstep_group``)."""
+
+    pipeline: bool = False
+    lockstep: bool = False
+
+
+@dataclass(frozen=True)
+class LayoutRules:
+    """``check(config, dims, distributed, training, device_type)``: ValueError for a layout the
+    spec's ``parallelize_fn`` cannot apply to a model of ``config`` (e.g. experts that do not
+    split over ``ep``), without building anything. ``parallelize_fn`` applies the same rules;
+    ``training.validate.validate_run`` calls it before a run builds its layout and when
+    ``hybridtrain plan`` plans one, so both refuse the same layouts (None: no rules)."""
+
+    check: Callable[..., None]
+
+    def __post_init__(self):
+        _check(self, ("check",))
+
+
+PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes, Decoding,
+              LayoutRules)
 P = TypeVar("P")
 
 
@@ -226,8 +384,9 @@ class ModelSpec:
     ``parallelize_fn(model, dims, distributed, training, *, device, autocast_dtype)`` applies
     TP/EP/CP/activation checkpointing/compile/FSDP to one (stage) model in place
     (``distributed`` / ``training``: the recipe's typed sections, ``DistributedSection`` /
-    ``TrainingSection`` of :mod:`hybridtrain.config.sections`); ``config_cls``: the config class
-    (``from_dict``) of a saved checkpoint.
+    ``TrainingSection`` of :mod:`hybridtrain.config.sections`); ``name``: the config's
+    ``model_type``; ``model_cls`` keeps :class:`CausalLM`, ``config_cls`` :class:`ModelConfig`
+    (``from_dict`` reads a saved checkpoint's config).
     """
 
     name: str
@@ -254,18 +413,16 @@ class ModelSpec:
         return found
 
     def validate(self) -> None:
-        """ValueError naming the first missing or ill-typed piece."""
+        """ValueError naming the first piece of the spec, its model class or its config class
+        that the model contract (:class:`CausalLM`, :class:`ModelConfig`, :class:`HFSave`,
+        :class:`Decoder`) asks for and it lacks."""
         where = f"model spec {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{where}: name must be a non-empty string")
         if not (isinstance(self.model_cls, type) and issubclass(self.model_cls, nn.Module)):
             raise ValueError(f"{where}: model_cls must be an nn.Module class")
-        if not (isinstance(self.config_cls, type) and callable(getattr(self.config_cls,
-                                                                        "from_dict", None))):
-            raise ValueError(f"{where}: config_cls must be a class with from_dict")
-        for name in ("save_pretrained", "from_pretrained"):
-            if not callable(getattr(self.model_cls, name, None)):
-                raise ValueError(f"{where}: {self.model_cls.__name__} has no {name}")
+        if not isinstance(self.config_cls, type):
+            raise ValueError(f"{where}: config_cls must be a class")
         if not callable(self.parallelize_fn):
             raise ValueError(f"{where}: parallelize_fn must be callable")
         for f, kind in (("pipeline", PipelineSplit), ("flops", FlopsCount), ("hf", HFAdapter)):
@@ -280,14 +437,77 @@ class ModelSpec:
             if type(p) in seen:
                 raise ValueError(f"{where}: two {type(p).__name__} parts")
             seen.add(type(p))
+        self._check_contract(where)
+
+    def _check_contract(self, where: str) -> None:
+        model, config = self.model_cls, self.config_cls
+        m, c = f"{where}: {model.__name__}", f"{where}: {config.__name__}"
+        if getattr(config, "model_type", None) != self.name:
+            raise ValueError(f"{c} must have the class attribute model_type = {self.name!r} (the "
+                             "spec's name, as config.json spells it), got "
+                             f"{getattr(config, 'model_type', None)!r}")
+        for name in ("to_dict", "from_dict"):
+            if not callable(getattr(config, name, None)):
+                raise ValueError(f"{c} has no {name} (ModelConfig in models/spec.py)")
+        for name in ("hidden_size", "vocab_size"):
+            if not (hasattr(config, name) or name in getattr(config, "__dataclass_fields__", {})):
+                raise ValueError(f"{c} has no field or property {name} (ModelConfig in "
+                                 "models/spec.py)")
+        _check_signature(f"{c}.from_dict", config.from_dict, ModelConfig.from_dict)
+        for name in ("name_or_path", "checkpoint_dtype"):
+            if not hasattr(model, name):
+                raise ValueError(f"{m} must declare the class attribute {name} (None until "
+                                 "from_pretrained sets it; CausalLM in models/spec.py)")
+        for name in ("save_pretrained", "from_pretrained"):
+            if not callable(getattr(model, name, None)):
+                raise ValueError(f"{m} has no {name} (CausalLM in models/spec.py)")
+        _check_signature(f"{m}.forward", model.forward, CausalLM.forward, 4, same_names=True)
+        _check_signature(f"{m}.save_pretrained", model.save_pretrained, CausalLM.save_pretrained)
+        _check_signature(f"{m}.from_pretrained", model.from_pretrained, CausalLM.from_pretrained)
+        _check_signature(f"{where}: HFAdapter.save", self.hf.save, HFSave.__call__, 3)
+        if self.find(Decoding) is not None:
+            if not callable(getattr(model, "generate", None)):
+                raise ValueError(f"{m} has no generate, which its Decoding part promises "
+                                 "(Decoder in models/spec.py)")
+            _check_signature(f"{m}.generate", model.generate, Decoder.generate, 2)
+            if not callable(getattr(model, "generation_cache_bytes", None)):
+                raise ValueError(f"{m} has no generation_cache_bytes, which its Decoding part "
+                                 "promises (Decoder in models/spec.py)")
+            _check_signature(f"{m}.generation_cache_bytes", model.generation_cache_bytes,
+                             Decoder.generation_cache_bytes, 2)
+
+    def check_model(self, model: nn.Module) -> None:
+        """ValueError naming what a built model (complete, not a stage) of this spec lacks of
+        the contract's instance side: ``lm_head`` registered last, a ``loss``, layers keyed by
+        their global index."""
+        m = f"model spec {self.name!r}: {type(model).__name__}"
+        heads = [n for n, _ in model.named_modules() if n.rpartition(".")[2] == "lm_head"]
+        if len(heads) != 1:
+            raise ValueError(f"{m} must hold one module named lm_head (CausalLM in "
+                             f"models/spec.py), found {heads or 'none'}")
+        names = [n for n, _ in model.named_parameters()]
+        head_names = [n for n in names if n.startswith(heads[0] + ".")]
+        if head_names and names[-len(head_names):] != head_names:
+            raise ValueError(f"{m}: the lm_head's parameters must come last in parameters() "
+                             f"(register lm_head last); the last is {names[-1]!r}")
+        if not isinstance(model.loss, nn.Module):
+            raise ValueError(f"{m} has no loss module (CausalLM in models/spec.py)")
+        layers = self.pipeline.layers(model)
+        if layers != [str(i) for i in range(len(layers))]:
+            raise ValueError(f"{m}: its layers must sit in an nn.ModuleDict keyed by their global "
+                             "index ('0', '1', ...), the names PipelineSplit.layers gives in "
+                             f"order; got {layers[:4]}")
 
 
 assert len(dataclasses.fields(ModelSpec)) <= 8  # the core stays small: new needs are parts
 
 _SPECS: dict[str, ModelSpec] = {}
-# model packages that register a spec when imported (imported on first lookup)
-_BUILTIN = {"nemotron_h": "hybridtrain.models.nemotron_h.spec",
-            "nemotron_h_vlm": "hybridtrain.models.nemotron_vlm.spec"}
+# the entry-point group families register through: ``name = "package.module:SPEC"`` in the
+# ``[project.entry-points."hybridtrain.models"]`` table of the family's pyproject.toml, the
+# entry's name equal to the spec's
+ENTRY_POINT_GROUP = "hybridtrain.models"
+_loaded_all = False
+_broken: dict[str, str] = {}  # entry point name: why it failed to load
 
 
 def register_model_spec(spec: ModelSpec) -> ModelSpec:
@@ -301,47 +521,80 @@ def register_model_spec(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
-def _load_builtins() -> None:
-    for name, module in _BUILTIN.items():
-        if name not in _SPECS:
-            importlib.import_module(module)
+def _load_entry_point(ep) -> None:
+    try:
+        spec = ep.load()
+    except Exception as e:  # a broken third-party package names itself
+        raise ValueError(f"model family entry point {ep.name} = {ep.value} (group "
+                         f"{ENTRY_POINT_GROUP!r}) failed to load: {type(e).__name__}: {e}") from e
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"entry point {ep.name} = {ep.value} (group {ENTRY_POINT_GROUP!r}) "
+                         f"must name a ModelSpec, got {type(spec).__name__}")
+    if spec.name != ep.name:
+        raise ValueError(f"entry point {ep.name} = {ep.value} (group {ENTRY_POINT_GROUP!r}) "
+                         f"names the spec {spec.name!r}; the entry's name must be the spec's")
+    register_model_spec(spec)
+
+
+def _load_families(name: str | None = None) -> None:
+    """Load the entry points of group ``hybridtrain.models`` (only ``name``'s when given). A
+    family that fails to load is left out (its error is kept, and named when a lookup finds
+    nothing), so one broken package does not stop runs of the others."""
+    global _loaded_all
+    if _loaded_all or (name is not None and name in _SPECS):
+        return
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if (name is None or ep.name == name) and ep.name not in _SPECS and ep.name not in _broken:
+            try:
+                _load_entry_point(ep)
+            except ValueError as e:
+                _broken[ep.name] = str(e)
+                logger.warning("%s", e)
+    _loaded_all = _loaded_all or name is None
+
+
+def _unknown(what: str) -> str:
+    broken = "".join(f"; {e}" for e in _broken.values())
+    return (f"{what}; registered: {', '.join(sorted(_SPECS)) or 'none'}{broken}. A model family "
+            f"registers through the entry-point group {ENTRY_POINT_GROUP!r} of an installed "
+            "package (pip install it; hybridtrain's own families need hybridtrain installed, "
+            "`pip install -e .`), or by calling register_model_spec")
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    _load_builtins()
+    _load_families(name)
     if name not in _SPECS:
-        raise ValueError(f"no model spec named {name!r}; registered: {', '.join(sorted(_SPECS))}")
+        raise ValueError(_unknown(f"no model spec named {name!r}"))
     return _SPECS[name]
 
 
 def model_spec_for(model: nn.Module | type) -> ModelSpec:
     """The spec whose model class ``model`` (an instance or a class) is."""
-    _load_builtins()
     cls = model if isinstance(model, type) else type(model)
-    for spec in _SPECS.values():
-        if issubclass(cls, spec.model_cls):
-            return spec
-    raise ValueError(
-        f"{cls.__module__}.{cls.__name__} is not a registered model (known: "
-        f"{', '.join(s.model_cls.__name__ for s in _SPECS.values())}); a model enters "
-        "hybridtrain through a ModelSpec (hybridtrain.models.spec.register_model_spec)")
+    for _ in range(2):  # the families registered so far, then all of them
+        for spec in _SPECS.values():
+            if issubclass(cls, spec.model_cls):
+                return spec
+        _load_families()
+    raise ValueError(_unknown(f"{cls.__module__}.{cls.__name__} is not a registered model"))
 
 
 def registered_model_class(dotted: str) -> type[nn.Module]:
     """The model class of a registered spec named ``module.Class``; ValueError otherwise."""
-    _load_builtins()
+    _load_families()
     for spec in _SPECS.values():
         if f"{spec.model_cls.__module__}.{spec.model_cls.__qualname__}" == dotted:
             return spec.model_cls
-    raise ValueError(f"checkpoint model class {dotted!r} is not a hybridtrain model nor one "
-                     "whose spec this program registered (register_model_spec)")
+    raise ValueError(_unknown(f"checkpoint model class {dotted!r} is not the model class of a "
+                              "registered model spec"))
 
 
 def set_train_loss(model: nn.Module, loss: nn.Module) -> None:
-    """Install the loss ``model.forward(labels=...)`` returns (the model contract's ``loss``);
-    a model whose loss lives in a sub-model installs it with its own ``set_train_loss``."""
-    if hasattr(model, "set_train_loss"):
-        model.set_train_loss(loss)
-        return
-    assert hasattr(model, "loss"), f"{type(model).__name__} has no loss module"
-    model.loss = loss
+    """Install the loss ``model.forward(labels=...)`` returns (the contract's ``loss``) in the
+    place of ``model.loss``, wherever the model holds it (e.g. in a sub-model)."""
+    old = model.loss
+    holders = [(mod, name) for mod in model.modules() for name, child in mod.named_children()
+               if child is old]
+    assert holders, f"{type(model).__name__}.loss is not one of its modules"
+    for mod, name in holders:
+        setattr(mod, name, loss)

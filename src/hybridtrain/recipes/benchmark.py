@@ -160,7 +160,7 @@ def _measure(b: Built, plan: ParallelPlan, base_mem: int, name: str, dataset, ma
                           max_steps=warmup + steps + n_prof, num_train_samples=len(dataset),
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(plan, b.optimizer, None, sched, TrainData(dataset, make_loader),
-                      trainer_settings(t, save_hf_at_end=False, save_ckpt=False),
+                      trainer_settings(t, {"save_hf_at_end": False, "enabled": False}),
                       throughput=Throughput(b.flops_fn, peak))
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
@@ -241,7 +241,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     names = opts["dtypes"] or [t.dtype]
     b = build(cfg, device, is_main, world_size, data=opts["data"] == "recipe", dtype=names[0])
     # `auto` depends on the model's width on CPU (as in finetune): resolved after building it
-    hidden = getattr(b.model_config, "hidden_size", None)
+    hidden = b.model_config.hidden_size
     dtypes = [b.dtype] + [resolve_dtype(n, device, hidden, t.cpu_bf16) for n in names[1:]]
     dtype_names = [str(dt).replace("torch.", "") for dt in dtypes]
     if world_size > 1 and len(set(dtypes)) > 1:
@@ -273,8 +273,6 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
 
     def synthetic(L):
         rows = max(1, tokens_per_step // L)
-        if vocab is None:
-            raise ValueError("benchmark.data=synthetic needs a model with config.vocab_size")
         ds = synthetic_rows(rows * dp * (opts["warmup_steps"] + opts["steps"] + opts["profile_steps"]),
                             L, vocab, opts["doc_length"], seed=t.seed)
         packed = opts["doc_length"] is not None

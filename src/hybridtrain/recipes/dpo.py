@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridtrain.config.sections import recipe_config
 from hybridtrain.data.preference import preference_batch
 from hybridtrain.distributed.init import process_group
 from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
 from hybridtrain.rl.batch import prepare
 from hybridtrain.rl.losses import DPOLoss
-from hybridtrain.training.builder import as_config, instantiate_with
+from hybridtrain.training.builder import instantiate_with
 from hybridtrain.training.rng import generator_state, set_generator_state
 
 __all__ = ["run", "evaluate"]
@@ -55,7 +56,7 @@ def evaluate(policy, reference, dataset, loss_fn, pairs_per_batch: int) -> dict[
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file}); DPO needs "
                          "preference pairs (hybridtrain.data.build_preference_dataset)")

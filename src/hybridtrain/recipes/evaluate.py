@@ -21,14 +21,14 @@ import logging
 import os
 from typing import Any
 
-from hybridtrain.config import ConfigNode
 from hybridtrain.config.schema import section_defaults
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.recipes.generate import open_model
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import (
-    as_config, build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
+    build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
     resolve_device,
 )
 from hybridtrain.training.checkpoint import read_checkpoint
@@ -63,14 +63,15 @@ def _check_step(path: str) -> str:
     return path
 
 
-def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | None:
+def _run_laid_out(cfg: RecipeConfig, checkpoint: str | None) -> dict[str, Any] | None:
     """The evaluation under the recipe's layout (several processes); the record on the main rank.
     The checkpoint is read as :func:`~hybridtrain.training.checkpoint.read_checkpoint` reads it
     (rank 0 chooses the step, every rank pins it; nothing is written into its run folder)."""
     out_dir = run_folder_path(cfg.checkpoint.dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
     with process_group(cfg) as info:
-        b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True)
+        b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True,
+                  evaluation=True)
         checkpointer = build_checkpointer(b, out_dir)
         path, state = read_checkpoint(checkpoint or out_dir, lambda step: (
             step, checkpointer.load(_check_step(step), b.model)))
@@ -84,7 +85,7 @@ def _run_laid_out(cfg: ConfigNode, checkpoint: str | None) -> dict[str, Any] | N
 
 
 def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
-    cfg: ConfigNode = as_config(cfg)
+    cfg = recipe_config(cfg)
     if cfg.validation_dataset is None:
         raise ValueError(f"hybridtrain evaluate: the recipe {cfg.source_file} has no validation_dataset")
     check_input_paths(cfg, ("validation_dataset",))  # before the model is loaded

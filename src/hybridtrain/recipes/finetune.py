@@ -103,7 +103,7 @@ def _start(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: i
     there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
     t = cfg.training
     resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
-    b = build(cfg, device, is_main, world_size)
+    b = build(cfg, device, is_main, world_size, train_loop=True)
     train_ds = b.data.train
 
     # step scheduler, LR scheduler

@@ -36,7 +36,7 @@ from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
 from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
 from hybridtrain.fileio import decode_utf8, given_path, input_file, output_file, write_error
-from hybridtrain.models.spec import get_model_spec
+from hybridtrain.models.spec import Decoding, get_model_spec, model_spec_for
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
 from hybridtrain.training.checkpoint import load_checkpoint_model, read_checkpoint, step_folder
@@ -137,7 +137,9 @@ def _open_model(model_dir: str, adapter_dir: str | None, dtype, device, flag: st
     hf_dir, found_adapter = resolve_export(model_dir, flag)
     adapter_dir = adapter_dir or found_adapter
     model_type = _read_json(os.path.join(hf_dir, "config.json")).get("model_type")
-    model = get_model_spec(str(model_type)).model_cls.from_pretrained(hf_dir, dtype=dtype)
+    spec = get_model_spec(str(model_type))
+    spec.part(Decoding, "hybridtrain generate")  # the family generates text
+    model = spec.model_cls.from_pretrained(hf_dir, dtype=dtype)
     if adapter_dir:
         load_peft_adapter(model, adapter_dir)
     tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
@@ -261,10 +263,7 @@ def check_generation_length(model, batch_size: int, prompt_length: int, max_new_
     memory available, before anything is allocated."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if not hasattr(model, "generation_cache_bytes"):  # the contract's optional generation part
-        raise ValueError(f"{type(model).__name__} does not implement generation (generate and "
-                         "generation_cache_bytes, hybridtrain.models.spec); `hybridtrain "
-                         "generate` needs a model that does")
+    model_spec_for(model).part(Decoding, "hybridtrain generate")  # generate, its cache's bytes
     context = getattr(model.config, "max_position_embeddings", None)
     if context and prompt_length + max_new_tokens > context:
         raise ValueError(

@@ -54,12 +54,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.config import instantiate
+from hybridtrain.config.sections import recipe_config
 from hybridtrain.data.preference import response_batch
 from hybridtrain.distributed.init import process_group
 from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
 from hybridtrain.rl.losses import ClippedPGLoss
 from hybridtrain.rl.tasks import CountingTask, check_task, method_name, score, task_prompts
-from hybridtrain.training.builder import as_config
 from hybridtrain.training.evaluation import left_pad
 from hybridtrain.training.rng import generator_state, set_generator_state
 
@@ -171,7 +171,7 @@ def _check_settings(g) -> None:
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     g, t = cfg.grpo, cfg.training
     _check_settings(g)
     task = instantiate(g.task) if g.task else CountingTask()

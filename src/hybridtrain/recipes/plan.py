@@ -44,7 +44,6 @@ allocators' caches (glibc's heap, oneDNN's per-shape GEMM kernels) are not count
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import math
 import os
@@ -56,12 +55,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.config import ConfigNode, build_config, instantiate, resolve_target
+from hybridtrain.config import build_config, instantiate, resolve_target
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
 from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
 )
-from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.pipeline_layout import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
@@ -70,8 +69,9 @@ from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types
 from hybridtrain.recipes.benchmark import _default_seq_len
-from hybridtrain.training.builder import as_config, instantiate_with
+from hybridtrain.training.builder import instantiate_with
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
+from hybridtrain.training.validate import validate_run
 
 __all__ = ["HEADROOM", "RankMemory", "MemoryPlan", "meta_model", "plan_memory", "format_plan",
            "parse_memory", "run"]
@@ -130,6 +130,7 @@ class MemoryPlan:
     # under pp with FSDP: {distributed.fsdp_reshard_after_forward: peak} for the recipe's policy
     # and the other one (default: units stay gathered through the step; always: they reshard)
     reshard_peaks: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what the figures leave out
 
     @property
     def peak(self) -> float:
@@ -187,12 +188,13 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
         return _meta_model_of_factory(model_node)
     spec = model_spec_for(owner)
-    kwargs = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
-    try:
-        bound = inspect.signature(target).bind_partial(**kwargs).arguments
-    except TypeError as e:
-        raise ValueError(f"{model_node.where()}: {e}") from None
-    local_dir = bound.get(next(iter(inspect.signature(target).parameters)))
+    # from_pretrained(local_dir, dtype=None, device=None): the model contract (models/spec.py)
+    bound = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
+    bound.update(zip(("local_dir", "dtype", "device"), model_node.get("_args_") or ()))
+    local_dir = bound.get("local_dir")
+    if local_dir is None:
+        raise ValueError(f"{model_node.where()}: {model_node['_target_']} needs local_dir (the "
+                         "checkpoint folder)")
     path = os.path.join(str(local_dir), "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_node.where()}: {path} does not exist; the plan reads the "
@@ -274,7 +276,7 @@ def _compute_dtype(training, device_type: str) -> torch.dtype:
     return parse_dtype(training.dtype, "training.dtype")
 
 
-def _seq_len(cfg: ConfigNode) -> int:
+def _seq_len(cfg: RecipeConfig) -> int:
     return _default_seq_len(cfg)
 
 
@@ -368,14 +370,17 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 device_memory: float | None = None) -> MemoryPlan:
     """The per-rank memory plan of recipe ``cfg`` (a path, dict or loaded config) on
     ``world_size`` ranks of ``device_type`` (its ``auto`` dtype)."""
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     t, d = cfg.training, cfg.distributed
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     spec, model = meta_model(cfg.model)
     if cfg.peft is not None:
         apply_lora(model, **cfg.peft.to_dict())
-    dims = parallel_dims_from_config(d, world_size, device_type, build_mesh=False)
+    dims = validate_run(cfg, world_size, spec, model, device_type)
+    if dims is None:
+        raise ValueError(f"distributed.encoder_ranks={d.encoder_ranks}: hybridtrain plan does "
+                         "not plan an encoder on its own ranks yet; plan with encoder_ranks: 0")
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     experts = _expert_params(model)
@@ -472,7 +477,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         activation_checkpointing=t.activation_checkpointing, ranks=ranks,
         device_memory=device_memory,
         reshard_peaks=({} if other is None else {
-            str(d.fsdp_reshard_after_forward): max(r.total for r in ranks), other: other_peak}))
+            str(d.fsdp_reshard_after_forward): max(r.total for r in ranks), other: other_peak}),
+        warnings=[] if act is not None else [
+            f"the model spec {spec.name!r} gives no activation estimate "
+            "(MemoryPlanSupport.activation_bytes): the activations of its layers and loss are "
+            "not counted (shown as 0)"])
 
 
 def _elsize(dtype: torch.dtype) -> int:
@@ -541,9 +550,10 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
 
 
 # -- advice --------------------------------------------------------------------------------------
-def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tuple[str, dict, int]]:
+def _candidates(cfg: RecipeConfig, world_size: int, plan: MemoryPlan
+                ) -> list[tuple[str, dict, int]]:
     """(what to change, recipe data with it, world size) to try when the plan does not fit."""
-    base = cfg.to_dict()
+    base = cfg.node.to_dict()
     t, d = cfg.training, cfg.distributed
     out = []
 
@@ -585,8 +595,10 @@ def _candidates(cfg: ConfigNode, world_size: int, plan: MemoryPlan) -> list[tupl
     return out
 
 
-def advise(cfg: ConfigNode, world_size: int, plan: MemoryPlan, device_type: str) -> list[dict]:
+def advise(cfg: Any, world_size: int, plan: MemoryPlan, device_type: str
+           ) -> list[dict]:
     """The candidate changes that lower the peak, each planned again, best first."""
+    cfg = recipe_config(cfg)
     out, layouts = [], []
     for label, data, world in _candidates(cfg, world_size, plan):
         try:
@@ -648,6 +660,7 @@ def format_plan(plan: MemoryPlan) -> str:
     w = max(10, *(len(v) + 2 for _, vals in rows for v in vals))
     lines += [f"{name:<{w0}}" + "".join(f"{v:>{w}}" for v in vals) for name, vals in rows]
     lines.append("")
+    lines += [f"warning: {w}" for w in plan.warnings]
     if plan.reshard_peaks:
         lines.append("under pp, FSDP2's policy sets the peak (distributed.fsdp_reshard_after_forward): "
                      + "; ".join(f"{k}: {_gib(v)} GiB" for k, v in plan.reshard_peaks.items())
@@ -697,7 +710,7 @@ def run(cfg: Any, world_size: int, device_memory: str | None = None, as_json: bo
         device_type: str = "cuda") -> int:
     """Print the plan; 1 when it is over the headroom rule of ``device_memory`` (then with
     advice), else 0."""
-    cfg = as_config(cfg)
+    cfg = recipe_config(cfg)
     limit = parse_memory(device_memory) if device_memory else None
     plan = plan_memory(cfg, world_size, device_type, limit)
     if plan.within_headroom is False:

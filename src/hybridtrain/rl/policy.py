@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
+from hybridtrain.config.sections import RecipeConfig
 from hybridtrain.distributed.context_parallel import ContextParallel, gather_sequence, shard_batches
 from hybridtrain.distributed.init import init_distributed
 from hybridtrain.rl import batch as rb
@@ -60,6 +61,8 @@ LossFn = Callable[[torch.Tensor, dict, float, float], tuple[torch.Tensor, dict]]
 
 def _load(recipe: Any, overrides) -> ConfigNode:
     ov = parse_overrides(overrides or ())
+    if isinstance(recipe, RecipeConfig):
+        recipe = recipe.node
     if isinstance(recipe, ConfigNode):
         return build_config(recipe.to_dict(), ov, source=recipe.source_file or "<config>")
     if isinstance(recipe, (str, os.PathLike)):

@@ -45,6 +45,7 @@ from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
 from hybridtrain.training.checkpoint import Checkpointer, default_export
 from hybridtrain.training.evaluation import evaluator_from_config
+from hybridtrain.training.validate import validate_run
 from hybridtrain.training.flops import Throughput, peak_tflops
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.metrics import MetricsLogger
@@ -166,7 +167,7 @@ def _parallelize(cfg: RecipeConfig, spec: ModelSpec, model, world_size: int,
 def _weight_source(model: nn.Module, seed: int) -> dict:
     """Where a meta-device model's weights come from: its checkpoint (``from_pretrained``
     records ``name_or_path``), else a seeded random initialisation of an untouched copy."""
-    src = getattr(model, "name_or_path", None)
+    src = model.name_or_path
     return {"checkpoint": src, "names": set(model.state_dict()), "seed": seed,
             "twin": None if src else copy.deepcopy(model)}
 
@@ -294,7 +295,8 @@ class Built:
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None,
-          loss: nn.Module | None = None, tokenizer: bool | None = None) -> Built:
+          loss: nn.Module | None = None, tokenizer: bool | None = None,
+          train_loop: bool = False, evaluation: bool | None = None) -> Built:
     """Builds a recipe's parts in a fixed order: seeds -> input paths checked
     (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
@@ -304,6 +306,11 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     ``training.device``, one process). ``data=False`` builds no datasets (and no tokenizer unless ``tokenizer``).
     ``dtype`` replaces ``training.dtype``. ``loss``: the module ``model(..., labels=)`` returns
     through (default: the summing chunked cross-entropy of ``training.loss_chunk_size``).
+    The recipe is checked by :func:`~hybridtrain.training.validate.validate_run` before the
+    layout is built (``train_loop``: also what a training loop over the recipe's batches and
+    its ``evaluation`` section need, as ``finetune`` runs them; ``evaluation``: whether the
+    model generates under the layout, default with ``train_loop`` and an ``evaluation``
+    section).
     ``cfg``: a :class:`~hybridtrain.config.sections.RecipeConfig` (or a path, a ``ConfigNode``
     or a dict, made into one here).
     """
@@ -331,6 +338,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
                     "full on every rank", cfg.model.where())
         model = instantiate_with(cfg.model)
     spec = model_spec_for(model)
+    spec.check_model(model)
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
     configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
@@ -359,11 +367,9 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
+    validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
+                 evaluation=evaluation)
     if cfg.distributed.encoder_ranks:
-        if spec.find(HeteroSupport) is None:
-            raise ValueError(f"distributed.encoder_ranks={cfg.distributed.encoder_ranks}: "
-                             f"{type(model).__name__} has no encoder to place on its own ranks; "
-                             "set it to 0")
         plan = spec.find(HeteroSupport).plan(
             model, cfg.distributed, world_size, device=device, autocast_dtype=autocast_dtype,
             parallelize=lambda m, dims: _parallelize(cfg, spec, m, world_size, device,

@@ -29,7 +29,6 @@ a run folder's ``latest`` names, pinned while it is read; they write nothing int
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 import os
@@ -178,12 +177,8 @@ def _tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
             _tensors(v, f"{prefix}.{i}", out)
 
 
-def model_config_dict(model: torch.nn.Module) -> dict[str, Any] | None:
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None
-    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-    return json.loads(json.dumps(d, default=str))
+def model_config_dict(model: torch.nn.Module) -> dict[str, Any]:
+    return json.loads(json.dumps(model.config.to_dict(), default=str))
 
 
 def _config_diff(saved: dict, current: dict) -> list[str]:
@@ -196,17 +191,9 @@ def _config_diff(saved: dict, current: dict) -> list[str]:
 
 def _save_pretrained(model, out_dir: str, state_dict: dict[str, torch.Tensor] | None,
                      dtype: torch.dtype | None = None) -> None:
-    """``dtype``: the dtype to write (``checkpoint.save_dtype``; None: as held)."""
-    if not hasattr(model, "save_pretrained"):
-        raise ValueError(f"{type(model).__name__} has no save_pretrained(); cannot export hf/")
-    params = inspect.signature(model.save_pretrained).parameters
-    kw = {"dtype": dtype} if dtype is not None and "dtype" in params else {}
-    if state_dict is None:
-        model.save_pretrained(out_dir, **kw)
-    elif "state_dict" in params:
-        model.save_pretrained(out_dir, state_dict=state_dict, **kw)
-    else:  # gathered full tensors of a sharded model
-        model_spec_for(model).hf.save(state_dict, model.config, out_dir, dtype=dtype)
+    """``dtype``: the dtype to write (``checkpoint.save_dtype``; None: as held);
+    ``state_dict``: gathered full tensors of a sharded model (None: the model's own)."""
+    model.save_pretrained(out_dir, state_dict=state_dict, dtype=dtype)
 
 
 def _state_format(model: torch.nn.Module) -> str | None:
@@ -774,7 +761,7 @@ def _open_checkpoint(ckpt_dir: str) -> tuple[str, dict, type, Any]:
     cls = _import_model_class(state.get("model_class"), state_path)
     cfg_cls = model_spec_for(cls).config_cls
     cfg = _read_json(os.path.join(path, "config.json"))
-    config = cfg_cls.from_dict(cfg) if hasattr(cfg_cls, "from_dict") else cfg_cls(**cfg)
+    config = cfg_cls.from_dict(cfg, source=os.path.join(path, "config.json"))
     return path, state, cls, config
 
 

@@ -194,9 +194,8 @@ class GenerationEvaluator:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, step: int) -> dict[str, Any]:
-        if not hasattr(model, "generate"):
-            raise ValueError(f"evaluation: {type(model).__name__} has no generate(); remove the "
-                             "evaluation section")
+        """(``model`` generates: its spec has a ``Decoding`` part for this layout, which
+        ``training.validate.validate_run`` checks before the run is built)"""
         t0 = time.perf_counter()
         device = next(model.parameters()).device
         examples = [self._example(i) for i in self.indices + [0] * self.fillers]

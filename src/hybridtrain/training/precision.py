@@ -114,7 +114,7 @@ def resolve_save_dtype(name: str | torch.dtype | None, model: torch.nn.Module | 
     model's weights were loaded from (``model.checkpoint_dtype``, set by ``from_pretrained``),
     else the dtype of its floating-point parameters."""
     if name is None or (not isinstance(name, torch.dtype) and str(name).lower() == "auto"):
-        loaded = getattr(model, "checkpoint_dtype", None) if model is not None else None
+        loaded = model.checkpoint_dtype if model is not None else None
         if loaded is not None:
             return loaded
         if model is not None:

@@ -187,12 +187,11 @@ class Trainer:
         self.checkpointer = checkpointer
         self.metrics = metrics
         self.throughput = throughput
-        self.val_micro_batch_size = (self.settings.val_micro_batch_size
+        self.val_micro_batch_size = (self.settings.training.val_micro_batch_size
                                      or step_scheduler.micro_batch_size)
-        if self.settings.val_accuracy and not hasattr(self.train_step.pipeline or self.train_step,
-                                                      "eval_logits"):
-            raise ValueError("training.val_accuracy is not available under pipeline "
-                             "parallelism (distributed.pp > 1); set it to false")
+        # (training.validate.validate_run refuses val_accuracy under pipeline parallelism)
+        assert not (self.settings.training.val_accuracy and self.train_step.pipeline), \
+            "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
         self._saved_step: int | None = None  # step of this process's latest checkpoint
@@ -230,7 +229,7 @@ class Trainer:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
-            grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.grad_clip)
+            grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
         if skipped:
@@ -287,7 +286,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
         acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see answer_counts
         for i, batch in enumerate(self.data.make_loader(self.data.val, sampler)):
-            if self.settings.max_val_steps and i >= self.settings.max_val_steps:
+            if self.settings.training.max_val_steps and i >= self.settings.training.max_val_steps:
                 break
             batch = _to_device(batch, self.device)
             n_real = sampler.num_real[i]
@@ -300,7 +299,7 @@ class Trainer:
             ce = self.train_step.eval_loss(self.model, batch)
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
-            if self.settings.val_accuracy:
+            if self.settings.training.val_accuracy:
                 logits = self.train_step.eval_logits(self.model, batch)
                 if logits is not None:
                     acc += answer_counts(logits, batch).to(self.device)
@@ -322,7 +321,7 @@ class Trainer:
 
     def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
-        if not self.settings.val_accuracy:
+        if not self.settings.training.val_accuracy:
             return {}
         self.dims.all_reduce_dp_cp(acc)
         return {"answer_accuracy": float(acc[0] / acc[1]) if acc[1] else None,
@@ -338,7 +337,7 @@ class Trainer:
     def save_checkpoint(self, final: bool = False) -> str | None:
         if self.checkpointer is None:
             return None
-        export = self.checkpointer.save_hf or (final and self.settings.save_hf_at_end)
+        export = self.checkpointer.save_hf or (final and self.settings.checkpoint.save_hf_at_end)
         return self.checkpointer.save(
             self.sched.step, self.model, self.optimizer, self.lr_scheduler, self.sched,
             export=export, final=final)
@@ -353,7 +352,7 @@ class Trainer:
     def _stop_early(self, reason: str, last_ckpt: str | None) -> None:
         """Saves (unless this step is saved already) and raises :class:`Preempted`."""
         step = self.sched.step
-        if self.checkpointer is None or not self.settings.save_ckpt:
+        if self.checkpointer is None or not self.settings.checkpoint.enabled:
             where = "checkpoints are off (checkpoint.enabled: false): nothing was saved"
         elif self._nonfinite_streak:
             where = (f"no checkpoint written (the last {self._nonfinite_streak} steps were "
@@ -376,7 +375,7 @@ class Trainer:
         nonfinite = rec["num_label_tokens"] > 0 and not (
             math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]))
         self._nonfinite_streak = self._nonfinite_streak + 1 if nonfinite else 0
-        limit = self.settings.max_consecutive_skipped_steps
+        limit = self.settings.training.max_consecutive_skipped_steps
         return bool(limit) and self._nonfinite_streak >= limit
 
     def _stop_diverged(self) -> None:
@@ -411,7 +410,7 @@ class Trainer:
         import gc
 
         sched, last_ckpt, settings = self.sched, None, self.settings
-        saving = self.checkpointer is not None and settings.save_ckpt
+        saving = self.checkpointer is not None and settings.checkpoint.enabled
         while not sched.done:
             micro_batches = next(batches)
             rec = self.train_one_step(micro_batches)
@@ -423,7 +422,8 @@ class Trainer:
                 self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
             if diverged:
                 self._stop_diverged()
-            if settings.gc_every_steps and sched.step % settings.gc_every_steps == 0:
+            gc_every = settings.training.gc_every_steps
+            if gc_every and sched.step % gc_every == 0:
                 gc.collect()
             if self.data.val is not None and sched.is_val_step:
                 self._validate_and_log()
@@ -441,9 +441,9 @@ class Trainer:
     def _final_export(self, last_ckpt: str | None) -> str | None:
         """The export of the finished run (``save_hf_at_end``) and its ``final`` link; returns
         the folder holding it."""
-        if not (self.settings.save_hf_at_end and self.checkpointer is not None):
+        if not (self.settings.checkpoint.save_hf_at_end and self.checkpointer is not None):
             return None
-        if last_ckpt is None and self.settings.save_ckpt:
+        if last_ckpt is None and self.settings.checkpoint.enabled:
             last_ckpt = self.checkpointer.latest()  # a finished run resumed: nothing to do
         if last_ckpt is not None:
             export_dir = last_ckpt

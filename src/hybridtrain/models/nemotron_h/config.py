@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .mlp import ACTIVATIONS
 
@@ -73,6 +73,8 @@ def _to_float(value: Any, name: str) -> float:
 @dataclass
 class NemotronHConfig:
     """Architecture hyper-parameters of a Nemotron-H model (names as on the Hub)."""
+
+    model_type: ClassVar[str] = "nemotron_h"
 
     layers_block_type: list[str] = field(
         default_factory=lambda: ["linear_attention", "moe", "full_attention", "mlp"]

@@ -198,6 +198,9 @@ class NemotronHForCausalLM(nn.Module):
     :meth:`pipeline_stage`): without embeddings it takes hidden states as ``input_ids``, without
     the head it returns its hidden states."""
 
+    name_or_path: str | None = None  # the folder from_pretrained read
+    checkpoint_dtype: torch.dtype | None = None  # the dtype it stored
+
     def __init__(self, config: NemotronHConfig, layer_ids: Iterable[int] | None = None):
         super().__init__()
         if not isinstance(config, NemotronHConfig):

@@ -60,6 +60,18 @@ def check_tp(config, tp: int) -> None:
                         config.moe_shared_expert_intermediate_size, tp)
 
 
+def check_layout(config, dims: ParallelDims, distributed: DistributedSection,
+                 training: TrainingSection, device_type: str) -> None:
+    """The layouts :func:`parallelize_nemotron_h` refuses for a model of ``config`` (the spec's
+    ``LayoutRules``): heads, groups and widths that do not split over ``tp``, experts that do
+    not split over ``ep``, an expert dispatcher the device lacks."""
+    if dims.tp > 1:
+        check_tp(config, dims.tp)
+    if dims.ep > 1:
+        check_ep_backend(distributed.ep_backend, device_type)
+        dims.check_experts(config.n_routed_experts)
+
+
 def tp_plan(model: nn.Module, tp: int) -> dict:
     """The tensor-parallel plan of a (stage) model over ``tp`` ranks (see the module docstring and
     ``distributed.tensor_parallel``): {submodule path: style, or parameters sharded along dim 0}."""
@@ -111,6 +123,7 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: Di
                            training: TrainingSection, *, device: torch.device,
                            autocast_dtype: torch.dtype | None) -> None:
     """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
+    check_layout(model.config, dims, distributed, training, device.type)
     if dims.tp > 1:
         apply_tp(model, tp_mesh(dims), distributed.sequence_parallel)
     if dims.cp > 1:
@@ -118,8 +131,6 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: Di
     layers = model.backbone.layers
     moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
     if dims.ep > 1:
-        check_ep_backend(distributed.ep_backend, device.type)
-        dims.check_experts(model.config.n_routed_experts)
         for block in moe_blocks:
             block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
                                                                  dims.mesh("ep"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridtrain.models.spec import (
-    FlopsCount, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
+    Decoding, FlopsCount, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
     register_model_spec)
 
 from . import flops
@@ -15,7 +15,7 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
-from .parallelize import BLOCK_TYPES, fsdp_units, parallelize_nemotron_h, tp_plan
+from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
 
 
 def pipeline_layers(model: nn.Module) -> list[str]:
@@ -95,5 +95,7 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
         BLOCK_TYPES,
+        Decoding(pipeline=True, lockstep=True),
+        LayoutRules(check=check_layout),
     ),
 ))

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hybridtrain.models.nemotron_h.config import NemotronHConfig
 
@@ -49,6 +49,7 @@ class NemotronVLMConfig:
     ``image_token_id``: the placeholder token the data layer repeats once per image embedding."""
 
     text_config: NemotronHConfig
+    model_type: ClassVar[str] = MODEL_TYPE
     vision_config: VisionConfig = field(default_factory=VisionConfig)
     projector_hidden_size: int = 4096
     downsample_ratio: float = 0.5

@@ -33,6 +33,9 @@ class NemotronVLMForConditionalGeneration(nn.Module):
     placeholder positions (``image_embeds``: already projected, see
     :meth:`place_row_embeddings`)."""
 
+    name_or_path: str | None = None  # the folder from_pretrained read
+    checkpoint_dtype: torch.dtype | None = None  # the dtype it stored
+
     def __init__(self, config: NemotronVLMConfig, language_model: NemotronHForCausalLM | None = None):
         super().__init__()
         self.config = config
@@ -74,11 +77,8 @@ class NemotronVLMForConditionalGeneration(nn.Module):
     # ------------------------------------------------------------------ training hooks
     @property
     def loss(self) -> nn.Module:
-        return self.language_model.loss
-
-    def set_train_loss(self, loss: nn.Module) -> None:
         """The loss the forward returns with ``labels`` (it lives in the language model)."""
-        self.language_model.loss = loss
+        return self.language_model.loss
 
     def freeze(self, modules: Iterable[str]) -> None:
         """Stop training the named module groups (``vision``, ``projector``, ``language``)."""

@@ -14,9 +14,10 @@ from hybridtrain.models.nemotron_h import spec as lm_spec
 from hybridtrain.models.nemotron_h.moe import Experts
 from hybridtrain.models.nemotron_h.parallelize import fsdp_units as lm_fsdp_units
 from hybridtrain.models.nemotron_h.parallelize import BLOCK_TYPES, parallelize_nemotron_h
+from hybridtrain.models.nemotron_h.parallelize import check_layout as lm_check_layout
 from hybridtrain.models.spec import (
-    FlopsCount, HeteroSupport, HFAdapter, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport,
-    PipelineSplit, register_model_spec)
+    FlopsCount, HeteroSupport, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec,
+    PeftSupport, PipelineSplit, register_model_spec)
 
 from .config import NemotronVLMConfig
 from .hetero import hetero_plan
@@ -42,6 +43,11 @@ def parallelize_vlm(model: nn.Module, dims, distributed: DistributedSection,
         apply_compile(blocks, training.compile, device)
     if dims.fsdp_enabled:
         apply_fsdp(model, _vision_units(model), dims, distributed, autocast_dtype=autocast_dtype)
+
+
+def check_layout(config, dims, distributed, training, device_type: str) -> None:
+    """The language model's rules (:func:`parallelize_vlm` lays it out as Nemotron-H)."""
+    lm_check_layout(config.text_config, dims, distributed, training, device_type)
 
 
 def _vision_units(model: nn.Module) -> list[nn.Module]:
@@ -105,9 +111,11 @@ def batch_flops(config: NemotronVLMConfig, batch: dict, head_on_label_tokens_onl
             + vision_flops(config, batch.get("image_grid")))
 
 
-def save_hf(state_dict, config, out_dir, dtype=None, tensors=None) -> None:
+def save_hf(state_dict, config, out_dir, *, dtype=None, max_shard_size="5GB", tensors=None
+            ) -> None:
     """safetensors + config.json, the language model's tensors in the Hub's names and layout."""
-    save_vlm(state_dict, config, out_dir, dtype=dtype, tensors=tensors)
+    save_vlm(state_dict, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+             tensors=tensors)
 
 
 def state_format(model: nn.Module) -> str | None:
@@ -132,5 +140,6 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, fsdp_units=fsdp_units,
                           encoder_activation_bytes=encoder_activation_bytes),
         BLOCK_TYPES,  # the language model's (its parallelize function checkpoints by them)
+        LayoutRules(check=check_layout),
     ),
 ))

@@ -1,24 +1,20 @@
-"""A plain dense decoder (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP), registered
-as the model spec ``dense_test`` from the test suite alone: the second model family that proves
-the generic packages reach a model only through its spec. Parameter names follow the Llama
-layout of the Hub (``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj``, ...)."""
+"""The dense decoder and its config, written to the model contract of
+``hybridtrain.models.spec`` (``CausalLM``, ``ModelConfig``, ``Decoder``)."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from hybridtrain.distributed.fsdp import apply_fsdp
-from hybridtrain.models.spec import (FlopsCount, HFAdapter, MemoryPlanSupport, MetaInit,
-                                     ModelSpec, PeftSupport, PipelineSplit, register_model_spec)
 from hybridtrain.ops.loss import LinearCrossEntropy
+from hybridtrain.ops.sampling import GenerationConfig, decode
 
 
 @dataclass
@@ -32,13 +28,16 @@ class DenseConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
-    model_type: str = "dense_test"
+    model_type: ClassVar[str] = "dense_test"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "model_type": self.model_type}
 
     @classmethod
-    def from_dict(cls, d: dict, source: str | None = None) -> "DenseConfig":
+    def from_dict(cls, d: dict, source: str = "config") -> "DenseConfig":
+        if d.get("model_type", cls.model_type) != cls.model_type:
+            raise ValueError(f"{source}: model_type is {d['model_type']!r}, expected "
+                             f"{cls.model_type!r}")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -114,6 +113,9 @@ class DenseLM(nn.Module):
     contract; a pipeline stage holds some layers, the embeddings only when first and the final
     norm and head only when last (the others are None)."""
 
+    name_or_path: str | None = None  # the folder from_pretrained read
+    checkpoint_dtype: torch.dtype | None = None  # the dtype it stored
+
     def __init__(self, config: DenseConfig, layer_ids=None):
         super().__init__()
         self.config = c = config
@@ -171,21 +173,60 @@ class DenseLM(nn.Module):
             return self.lm_head(h).float()
         return self.loss(h, self.lm_head, labels)
 
-    def save_pretrained(self, out_dir, state_dict=None, dtype=None, **_):
-        save_hf(self.state_dict() if state_dict is None else state_dict, self.config, out_dir,
+    def generation_cache_bytes(self, batch_size, max_length):
+        """No decoding state: every step runs the whole sequence again."""
+        return 0
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, *, pipeline=None, lockstep_group=None,
+                 **settings):
+        """Decoding without a cache (each step runs the whole sequence again): the prompt
+        [B, L] (left-padded where ``attention_mask`` is 0) and up to ``max_new_tokens`` new
+        tokens; ``lockstep_group``: ranks that step together until all are done. Not through
+        pipeline stages (its spec's Decoding part says so)."""
+        assert pipeline is None, "dense_test does not decode through pipeline stages"
+        config = GenerationConfig(**settings)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        seq = [input_ids]
+
+        def logits():
+            ids = torch.cat(seq, 1)
+            m = torch.cat([mask, mask.new_ones(ids.shape[0], ids.shape[1] - mask.shape[1])], 1)
+            pos = (m.cumsum(1) - 1).clamp(min=0)  # left padding: each pad token its own document
+            return self(ids, position_ids=pos)[:, -1]
+
+        def step(tokens):
+            seq.append(tokens[:, None])
+            return logits()
+
+        was_training = self.training
+        self.eval()
+        try:
+            return decode(logits, step, input_ids, config, lockstep_group=lockstep_group)
+        finally:
+            self.train(was_training)
+
+    def save_pretrained(self, save_dir, *, dtype=None, state_dict=None):
+        save_hf(self.state_dict() if state_dict is None else state_dict, self.config, save_dir,
                 dtype=dtype)
 
     @classmethod
     def from_pretrained(cls, local_dir, dtype=None, device=None):
-        with open(os.path.join(local_dir, "config.json")) as f:
-            model = cls(DenseConfig.from_dict(json.load(f)))
-        model.load_state_dict(load_file(os.path.join(local_dir, "model.safetensors")))
+        path = os.path.join(local_dir, "config.json")
+        with open(path) as f:
+            config = DenseConfig.from_dict(json.load(f), source=path)
+        tensors = load_file(os.path.join(local_dir, "model.safetensors"))
+        model = cls(config)  # in full on any device (no MetaInit.hf_slice_reader)
+        model.load_state_dict(tensors)
+        model.name_or_path = str(local_dir)
+        model.checkpoint_dtype = next(iter(tensors.values())).dtype
         return model.to(dtype=dtype) if dtype is not None else model
 
 
-def save_hf(state_dict, config, out_dir, max_shard_size=None, dtype=None, tensors=None):
+def save_hf(state_dict, config, out_dir, *, dtype=None, max_shard_size=None, tensors=None):
     """config.json and one model.safetensors (``tensors``: the full tensors streamed as
-    ``(name, tensor)`` pairs instead of ``state_dict``'s)."""
+    ``(name, tensor)`` pairs instead of ``state_dict``'s; one file whatever
+    ``max_shard_size``)."""
     pairs = tensors if tensors is not None else state_dict.items()
     out = {n: (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
            for n, t in pairs}
@@ -193,46 +234,3 @@ def save_hf(state_dict, config, out_dir, max_shard_size=None, dtype=None, tensor
     save_file(out, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
-
-
-def fsdp_units(model) -> tuple[list, list]:
-    """(the FSDP2 units: each decoder layer, no expert units); the root holds the rest."""
-    return list(model.model.layers.values()), []
-
-
-def parallelize(model, dims, distributed, training, *, device, autocast_dtype):
-    if dims.tp > 1 or dims.cp > 1 or dims.ep > 1:
-        raise ValueError("dense_test supports data and pipeline parallelism only")
-    if training.activation_checkpointing:  # no LayerTypes part: all or every k-th block only
-        apply_activation_checkpointing(model.model.layers, training.activation_checkpointing)
-    if dims.fsdp_enabled:
-        units, _ = fsdp_units(model)
-        apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype)
-
-
-def layer_flops(c: DenseConfig, seq_len: int) -> list[float]:
-    H, kv = c.hidden_size, c.hidden_size // c.num_attention_heads * c.num_key_value_heads
-    per = 2 * (2 * H * H + 2 * H * kv + 3 * H * c.intermediate_size) + 4 * seq_len * H
-    return [float(per)] * c.num_hidden_layers
-
-
-def batch_flops(c: DenseConfig, batch: dict, head_on_label_tokens_only: bool) -> float:
-    tokens = batch["input_ids"].numel()
-    return 3.0 * tokens * (sum(layer_flops(c, batch["input_ids"].shape[1]))
-                           + 2 * c.hidden_size * c.vocab_size)
-
-
-DENSE = register_model_spec(ModelSpec(
-    name="dense_test", model_cls=DenseLM, config_cls=DenseConfig, parallelize_fn=parallelize,
-    pipeline=PipelineSplit(
-        layers=lambda m: list(m.model.layers.keys()),
-        stage=lambda m, layers, first, last: m.pipeline_stage(layers, first, last),
-        is_complete=lambda m: (len(m.model.layers) == m.config.num_hidden_layers
-                               and m.lm_head is not None and m.model.embed_tokens is not None)),
-    flops=FlopsCount(layer=layer_flops, head=lambda c: 2.0 * c.hidden_size * c.vocab_size,
-                     batch=batch_flops),
-    hf=HFAdapter(save=save_hf),
-    parts=(MetaInit(init_units=DenseLM.init_units),
-           PeftSupport(module_prefixes={"model.": "model."}),
-           MemoryPlanSupport(fsdp_units=fsdp_units)),  # no activation estimate: the plan shows 0
-))

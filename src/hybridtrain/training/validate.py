@@ -1,0 +1,90 @@
+"""Every refusal of a recipe's layout and settings, in one pure function.
+
+    dims = validate_run(cfg, world_size, spec, model, device_type)
+
+``finetune``, ``benchmark``, ``dpo`` and ``grpo`` call it through the builder (before anything
+is laid out, allocated or loaded) and ``hybridtrain plan`` calls it before it plans, so the plan
+refuses exactly the layouts the run refuses, with the same message. It reads the recipe, the
+model spec and the model built on the meta device; it builds no process group and allocates
+nothing, so a test can walk every refusal through both in one process.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridtrain.config.sections import RecipeConfig
+from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
+from hybridtrain.distributed.layout import parallel_dims_from_config
+from hybridtrain.distributed.parallel_dims import ParallelDims
+from hybridtrain.distributed.pipeline import pipeline_layout
+from hybridtrain.distributed.plan import pipeline_split_seq_len
+from hybridtrain.models.spec import Decoding, HeteroSupport, LayerTypes, LayoutRules, ModelSpec
+from hybridtrain.training.step_scheduler import StepScheduler
+
+__all__ = ["validate_run"]
+
+
+def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.Module,
+                 device_type: str, *, train_loop: bool = True, evaluation: bool | None = None
+                 ) -> ParallelDims | None:
+    """The layout's degrees over ``world_size`` ranks (no meshes built), after checking
+    everything the run would refuse about them: the degrees, the family's rules
+    (``LayoutRules``), the pipeline split and schedule, the activation-checkpointing policy, an
+    encoder on its own ranks; with ``train_loop`` (a training loop over the recipe's batches:
+    finetune, plan) also the batch sizes and ``training.val_accuracy``; with ``evaluation``
+    (default: ``train_loop`` and an ``evaluation`` section) whether the family generates under
+    the layout. ValueError naming the setting and the fix. Returns None for a layout with
+    ``distributed.encoder_ranks`` (its plan lays it out: ``HeteroSupport``)."""
+    d, t = cfg.distributed, cfg.training
+    if d.encoder_ranks:
+        spec.part(HeteroSupport, f"distributed.encoder_ranks={d.encoder_ranks} (an encoder on "
+                                 "its own ranks; set it to 0)")
+        return None
+    dims = parallel_dims_from_config(d, world_size, device_type, build_mesh=False)
+    rules = spec.find(LayoutRules)
+    if rules is not None:
+        rules.check(model.config, dims, d, t, device_type)
+    parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
+    if dims.pp > 1:
+        config = model.config
+        pipeline_layout(len(spec.pipeline.layers(model)), dims, d,
+                        spec.flops.layer(config, pipeline_split_seq_len(cfg.packing)),
+                        spec.flops.head(config))
+    if train_loop:
+        _check_train_loop(cfg, dims)
+    if evaluation is None:
+        evaluation = train_loop and cfg.evaluation is not None
+    if evaluation:
+        _check_decoding(spec, dims)
+    return dims
+
+
+def _check_train_loop(cfg: RecipeConfig, dims: ParallelDims) -> None:
+    d, t = cfg.distributed, cfg.training
+    # the batch sizes over the data-parallel ranks (the run's scheduler refuses them)
+    sched = StepScheduler(t.global_batch_size, t.micro_batch_size, dp_size=dims.dp, max_steps=1)
+    if dims.pp > 1:
+        local = sched.micro_batch_size * sched.grad_acc_steps
+        if d.pp_microbatch_size and local % d.pp_microbatch_size:
+            raise ValueError(
+                f"pipeline: the local batch of {local} samples (micro_batch_size × "
+                f"gradient accumulation) is not divisible by distributed.pp_microbatch_size="
+                f"{d.pp_microbatch_size}")
+        if t.val_accuracy:
+            raise ValueError("training.val_accuracy is not available under pipeline "
+                             "parallelism (distributed.pp > 1); set it to false")
+
+
+def _check_decoding(spec: ModelSpec, dims: ParallelDims) -> None:
+    """The evaluation (answers by generation) under ``dims``."""
+    decoding = spec.part(Decoding, "the evaluation section (answers by generation; remove "
+                                   "the section)")
+    if dims.pp > 1 and not decoding.pipeline:
+        raise ValueError(f"evaluation: the model spec {spec.name!r} does not decode through "
+                         "pipeline stages (its Decoding part); remove the evaluation section "
+                         "or set distributed.pp: 1")
+    if dims.world_size > 1 and not decoding.lockstep:
+        raise ValueError(f"evaluation: the model spec {spec.name!r} does not decode on "
+                         "several ranks in lockstep (its Decoding part); remove the "
+                         "evaluation section or run on one process")
