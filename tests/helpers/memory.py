@@ -201,11 +201,24 @@ def count_every_block() -> None:
     assert _glibc().mallopt(_M_MMAP_THRESHOLD, PAGE) == 1
 
 
+def no_blas_buffer_pool(monkeypatch) -> None:
+    """Ranks started from now on (``run_distributed`` spawns them: the variable is read at
+    process start) run Intel MKL with its memory manager off (``MKL_DISABLE_FAST_MM``): MKL
+    frees a GEMM's packing buffers when the call returns instead of keeping them in its pool,
+    so :func:`step_peak` counts what the step allocates, not MKL's cache. That pool is no
+    activation and its size depends on the CPU: on an AVX-512 Xeon (2026-11-28, torch 2.13)
+    the tiny VLM's first step left ~7 MiB in it (4.3 MiB after a first 578x64x256 GEMM,
+    9.2 MiB after a 2048x512x512 one), which made a 21-22 MiB activation peak read 28-29 MiB;
+    MKL's other code paths keep less or none (``MKL_ENABLE_INSTRUCTIONS=SSE4_2``: none)."""
+    monkeypatch.setenv("MKL_DISABLE_FAST_MM", "1")
+
+
 def step_peak(b, trainer, step: int = 0) -> int:
     """The most bytes allocated at once during training step ``step`` (glibc's mmapped blocks,
     :func:`count_every_block` called before the build) above those alive before it, its
     micro-batches loaded before. glibc keeps one peak for the process's life: the step's must
-    be above every earlier one (asserted)."""
+    be above every earlier one (asserted). Ranks started under :func:`no_blas_buffer_pool`
+    count no MKL buffer pool in it."""
     import gc
 
     from tests.helpers import parity as pu
