@@ -17,8 +17,8 @@ from hybridtrain.config.sections import RecipeConfig
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.parallel_dims import ParallelDims
-from hybridtrain.distributed.pipeline import pipeline_layout
-from hybridtrain.distributed.plan import pipeline_split_seq_len
+from hybridtrain.distributed.pipeline_layout import pipeline_layout
+from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
 from hybridtrain.models.spec import Decoding, HeteroSupport, LayerTypes, LayoutRules, ModelSpec
 from hybridtrain.training.step_scheduler import StepScheduler
 
