@@ -27,7 +27,7 @@ save), 130 interrupted (Ctrl-C).
 The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
 ``hybridtrain.recipes.benchmark:run(cfg, args)``,
-``hybridtrain.training.checkpoint:convert(ckpt_dir, out_dir)``,
+``hybridtrain.training.checkpoint_reader:convert(ckpt_dir, out_dir)``,
 ``hybridtrain.peft.export:merge_cli(argv)``, ``hybridtrain.recipes.generate:run(argv)``,
 ``hybridtrain.recipes.evaluate:run(cfg, checkpoint)``.
 """
@@ -338,7 +338,7 @@ def _main(argv: list[str]) -> int:
             return 2
         if args.command == "convert":
             out_dir = output_folder(args.out_dir, "convert OUT_HF_DIR")
-            convert = _load_entry("hybridtrain.training.checkpoint", "convert", "convert")
+            convert = _load_entry("hybridtrain.training.checkpoint_reader", "convert", "convert")
             convert(given_path(args.ckpt_dir, "convert CKPT_DIR"), out_dir,
                     **({"dtype": args.dtype} if args.dtype else {}))
             return 0

@@ -68,7 +68,7 @@ def test_dense_family_finetune_recipe_exports_hf(tmp_path):
     reloads, and equals ``hybridtrain convert`` of the run's checkpoint (read back through the
     family's spec)."""
     from hybridtrain.recipes.finetune import run
-    from hybridtrain.training.checkpoint import convert
+    from hybridtrain.training.checkpoint_reader import convert
     DenseLM = require_dense().DenseLM
     out = tmp_path / "run"
     recipe = tiny_recipe(model=DENSE, allowed_target_prefixes=DENSE_PREFIXES,

@@ -31,7 +31,7 @@ def _exports(layout, world, out):
     from hybridtrain.models.spec import model_spec_for
     from hybridtrain.peft.export import save_merged_hf
     from hybridtrain.training.builder import build
-    from hybridtrain.training.checkpoint import export_hf
+    from hybridtrain.training.hf_export import export_hf
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     b = build(pu.recipe(layout, packed=False), "cpu", is_main=rank == 0, world_size=world,

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tests.helpers.models import standin_model, tiny_model
 
-from hybridtrain.training.checkpoint import Checkpointer, convert
+from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.checkpoint_reader import convert
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.optim import build_optimizer
 from hybridtrain.training.step_scheduler import StepScheduler
@@ -145,7 +146,7 @@ def test_lora_checkpoint_holds_adapters_only(tmp_path):
 
     # read back whole (generate / evaluate of a step without an export): the recorded base
     # model's weights with the checkpoint's adapters
-    from hybridtrain.training.checkpoint import load_checkpoint_model
+    from hybridtrain.training.checkpoint_reader import load_checkpoint_model
 
     tiny_model(0).save_pretrained(str(tmp_path / "base"))
     Checkpointer(str(tmp_path / "run2"), state_extra={

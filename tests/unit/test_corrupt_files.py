@@ -204,7 +204,7 @@ def test_a_non_tensor_entry_in_metadata_is_refused(tmp_path, two_checkpoints):
 
     import torch
 
-    from hybridtrain.training.checkpoint import load_checkpoint_model
+    from hybridtrain.training.checkpoint_reader import load_checkpoint_model
     from hybridtrain.training.dcp_safe import UnsafeCheckpointError, read_metadata
 
     src, _ = two_checkpoints

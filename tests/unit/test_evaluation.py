@@ -191,7 +191,8 @@ def test_a_checkpoint_loads_as_its_export(tmp_path):
     """load_checkpoint_model (a step's sharded dcp/ in one process) gives the HF export's tensors."""
     from tests.helpers.models import tiny_model
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM
-    from hybridtrain.training.checkpoint import Checkpointer, load_checkpoint_model
+    from hybridtrain.training.checkpoint import Checkpointer
+    from hybridtrain.training.checkpoint_reader import load_checkpoint_model
 
     step = Checkpointer(str(tmp_path)).save(3, tiny_model(), None, export=True)
     loaded, path = load_checkpoint_model(str(tmp_path))  # the run folder: its latest

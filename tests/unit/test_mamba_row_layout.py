@@ -45,7 +45,8 @@ def test_hub_layout_round_trip():
 def test_checkpoint_of_the_older_row_order_is_refused(tmp_path):
     from tests.helpers.models import tiny_model
 
-    from hybridtrain.training.checkpoint import Checkpointer, convert
+    from hybridtrain.training.checkpoint import Checkpointer
+    from hybridtrain.training.checkpoint_reader import convert
     from hybridtrain.training.optim import build_optimizer
 
     model = tiny_model(0)  # n_groups=2: rows held group-major

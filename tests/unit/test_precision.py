@@ -473,7 +473,7 @@ def test_bf16_training_follows_fp32():
 
 def test_hf_export_in_save_dtype(tmp_path):
     """The trainer's export path (``default_export`` -> ``export_hf``) writes ``save_dtype``."""
-    from hybridtrain.training.checkpoint import default_export, export_hf
+    from hybridtrain.training.hf_export import default_export, export_hf
 
     model = perturbed_model(tiny_config("moe"))
     export_hf(model, str(tmp_path / "a"), dtype=torch.bfloat16)

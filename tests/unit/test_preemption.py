@@ -179,7 +179,7 @@ def _signal_during_save(monkeypatch, sig: int, step: int) -> None:
     tensors and its JSON files), if a handler is installed (a default action would end pytest)."""
     from hybridtrain.training import checkpoint
 
-    real = checkpoint._dcp_save
+    real = checkpoint.dcp_save
 
     def dcp_save_under_signal(tensors, path):
         if f".step_{step}.tmp" in path and \
@@ -187,7 +187,7 @@ def _signal_during_save(monkeypatch, sig: int, step: int) -> None:
             os.kill(os.getpid(), sig)
         return real(tensors, path)
 
-    monkeypatch.setattr(checkpoint, "_dcp_save", dcp_save_under_signal)
+    monkeypatch.setattr(checkpoint, "dcp_save", dcp_save_under_signal)
 
 
 def _complete(out, step: int) -> None:

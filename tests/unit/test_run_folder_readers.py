@@ -21,8 +21,9 @@ from tests.helpers.recipes import tiny_recipe
 from hybridtrain import runfolder
 from hybridtrain.cli import main
 from hybridtrain.runfolder import LOCK_NAME, RunLock
-from hybridtrain.training import checkpoint as ck
-from hybridtrain.training.checkpoint import Checkpointer, read_checkpoint
+from hybridtrain.training import checkpoint_reader as ck
+from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.checkpoint_reader import read_checkpoint
 from hybridtrain.training.preemption import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def test_a_live_run_saving_every_step_survives_its_readers(tmp_path, capsys):
     """A training saving every step with keep_last 1 in a subprocess; convert, generate's loader
     and evaluate's sharded load read its folder meanwhile: each reads a whole checkpoint, the
     training goes on (its `.step_N.tmp` and lock untouched) and stops normally on SIGTERM."""
-    from hybridtrain.training.checkpoint import load_checkpoint_model
+    from hybridtrain.training.checkpoint_reader import load_checkpoint_model
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe()))
@@ -92,7 +93,7 @@ def test_readers_leave_a_held_run_folder_as_it_is(tmp_path, capsys):
     nothing in the folder changes (its lock and a `.step_N.tmp` stay; a reader takes no lock)."""
     from tests.helpers.models import tiny_model
 
-    from hybridtrain.training.checkpoint import load_checkpoint_model
+    from hybridtrain.training.checkpoint_reader import load_checkpoint_model
 
     out = tmp_path / "run"
     Checkpointer(str(out)).save(2, tiny_model(), None)

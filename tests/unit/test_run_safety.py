@@ -164,7 +164,7 @@ def test_latest_that_leads_out_of_the_run_folder_is_refused(tmp_path, pointer):
         (run / "step_9").symlink_to(elsewhere, target_is_directory=True)
     (run / "latest").write_text(pointer + "\n")
     from hybridtrain.recipes.generate import resolve_export
-    from hybridtrain.training.checkpoint import convert
+    from hybridtrain.training.checkpoint_reader import convert
 
     folder = Checkpointer(str(run))
     refused = r"latest names .*not a step_N folder of the run folder .* \(it would lead out of it\)"
@@ -186,7 +186,7 @@ def test_a_disk_turned_read_only_mid_run_is_reported_against_the_failed_write(tm
     from hybridtrain import runfolder
     from hybridtrain.training import checkpoint
 
-    real_save, real_remove = checkpoint._dcp_save, os.remove
+    real_save, real_remove = checkpoint.dcp_save, os.remove
     read_only = []
 
     def dcp_save(tensors, path):
@@ -201,7 +201,7 @@ def test_a_disk_turned_read_only_mid_run_is_reported_against_the_failed_write(tm
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
         return real_remove(path, *a, **kw)
 
-    monkeypatch.setattr(checkpoint, "_dcp_save", dcp_save)
+    monkeypatch.setattr(checkpoint, "dcp_save", dcp_save)
     monkeypatch.setattr(runfolder.os, "remove", remove)
     out = tmp_path / "run"
     assert main(_args(tmp_path, out, "--training.ckpt_every_steps=1")) == 2

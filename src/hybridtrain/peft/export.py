@@ -504,7 +504,7 @@ def merge_cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-base-mismatch", action="store_true",
                         help="merge even though adapter_config.json names another base model")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    from hybridtrain.training.checkpoint import read_checkpoint  # (training imports peft)
+    from hybridtrain.training.checkpoint_reader import read_checkpoint  # (training imports peft)
 
     base, adapter = given_path(args.base, "--base"), given_path(args.adapter, "--adapter")
     out_dir = output_folder(args.out, "--out")  # not a file, nor under one: said before reading

@@ -31,7 +31,7 @@ from hybridtrain.training.builder import (
     build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
     resolve_device,
 )
-from hybridtrain.training.checkpoint import read_checkpoint
+from hybridtrain.training.checkpoint_reader import read_checkpoint
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.precision import autocast_dtype, resolve_dtype
 
@@ -65,7 +65,7 @@ def _check_step(path: str) -> str:
 
 def _run_laid_out(cfg: RecipeConfig, checkpoint: str | None) -> dict[str, Any] | None:
     """The evaluation under the recipe's layout (several processes); the record on the main rank.
-    The checkpoint is read as :func:`~hybridtrain.training.checkpoint.read_checkpoint` reads it
+    The checkpoint is read as :func:`~hybridtrain.training.checkpoint_reader.read_checkpoint` reads it
     (rank 0 chooses the step, every rank pins it; nothing is written into its run folder)."""
     out_dir = run_folder_path(cfg.checkpoint.dir)
     section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")

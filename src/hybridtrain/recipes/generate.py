@@ -39,7 +39,7 @@ from hybridtrain.fileio import decode_utf8, given_path, input_file, output_file,
 from hybridtrain.models.spec import Decoding, get_model_spec, model_spec_for
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
-from hybridtrain.training.checkpoint import load_checkpoint_model, read_checkpoint, step_folder
+from hybridtrain.training.checkpoint_reader import load_checkpoint_model, read_checkpoint, step_folder
 from hybridtrain.training.evaluation import left_pad
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def open_model(model_dir: str, adapter_dir: str | None = None,
                dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                flag: str = "--model") -> Loaded:
     """:func:`load_model`, with what it read. A run folder or checkpoint is read as
-    :func:`~hybridtrain.training.checkpoint.read_checkpoint` reads it: its step pinned, nothing
+    :func:`~hybridtrain.training.checkpoint_reader.read_checkpoint` reads it: its step pinned, nothing
     written (a live run's folder too)."""
     return read_checkpoint(model_dir, lambda path: _open_model(path, adapter_dir, dtype, device, flag))
 

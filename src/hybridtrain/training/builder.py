@@ -43,7 +43,8 @@ from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
-from hybridtrain.training.checkpoint import Checkpointer, default_export
+from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.validate import validate_run
 from hybridtrain.training.flops import Throughput, peak_tflops
