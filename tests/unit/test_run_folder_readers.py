@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tests.helpers.models import standin_model
 from tests.helpers.recipes import tiny_recipe
 
 from hybridtrain import runfolder
@@ -35,9 +36,8 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(folder.rglob("*"))}
 
 
-def _linear() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Linear(3, 2)
+def _small() -> torch.nn.Module:
+    return standin_model()
 
 
 def test_a_live_run_saving_every_step_survives_its_readers(tmp_path, capsys):
@@ -118,16 +118,16 @@ def test_readers_leave_a_held_run_folder_as_it_is(tmp_path, capsys):
 def test_a_pinned_step_outlives_keep_last_until_its_reader_is_done(tmp_path):
     run = tmp_path / "run"
     writer = Checkpointer(str(run), keep_last=1)
-    writer.save(1, _linear(), None)
+    writer.save(1, _small(), None)
     pin = runfolder.pin_step(run / "step_1")
     try:
-        writer.save(2, _linear(), None)
+        writer.save(2, _small(), None)
         assert writer.steps() == [1, 2]  # kept while a reader reads it
-        loaded = Checkpointer(str(run)).load(str(run / "step_1"), _linear())
+        loaded = Checkpointer(str(run)).load(str(run / "step_1"), _small())
         assert loaded["step"] == 1
     finally:
         os.close(pin)
-    writer.save(3, _linear(), None)
+    writer.save(3, _small(), None)
     assert writer.steps() == [3]
     assert not list(run.glob(".step_*"))
 
@@ -146,8 +146,8 @@ def _rotating_read(run: Path, writer: Checkpointer, rotations: int):
     def read(step):
         calls.append(os.path.basename(step))
         if len(calls) <= rotations:
-            writer.save(int(writer.steps()[-1]) + 1, _linear(), None)
-        return Checkpointer(str(run)).load(step, _linear())["step"]
+            writer.save(int(writer.steps()[-1]) + 1, _small(), None)
+        return Checkpointer(str(run)).load(step, _small())["step"]
     return read, calls
 
 
@@ -155,7 +155,7 @@ def test_without_locks_a_rotated_step_is_retried_with_the_newest(tmp_path, no_fi
                                                                caplog):
     run = tmp_path / "run"
     writer = Checkpointer(str(run), keep_last=1)
-    writer.save(1, _linear(), None)
+    writer.save(1, _small(), None)
     read, calls = _rotating_read(run, writer, rotations=2)
     with caplog.at_level(logging.WARNING):
         assert read_checkpoint(str(run), read) == 3
@@ -167,7 +167,7 @@ def test_without_locks_a_rotated_step_is_retried_with_the_newest(tmp_path, no_fi
 def test_without_locks_a_named_rotated_step_is_reported_as_removed(tmp_path, no_file_locks):
     run = tmp_path / "run"
     writer = Checkpointer(str(run), keep_last=1)
-    writer.save(1, _linear(), None)
+    writer.save(1, _small(), None)
     read, _ = _rotating_read(run, writer, rotations=1)
     with RunLock(run), pytest.raises(ValueError) as e:
         read_checkpoint(str(run / "step_1"), read)
@@ -180,7 +180,7 @@ def test_without_locks_a_named_rotated_step_is_reported_as_removed(tmp_path, no_
 def test_without_locks_a_run_rotating_faster_than_the_read_is_named(tmp_path, no_file_locks):
     run = tmp_path / "run"
     writer = Checkpointer(str(run), keep_last=1)
-    writer.save(1, _linear(), None)
+    writer.save(1, _small(), None)
     read, calls = _rotating_read(run, writer, rotations=100)
     with RunLock(run), pytest.raises(ValueError, match=rf"^{run}: a live run holds this folder "
                                      r"\(process \d+ on .*\) and removed each of its last 5 "
@@ -191,8 +191,8 @@ def test_without_locks_a_run_rotating_faster_than_the_read_is_named(tmp_path, no
 
 def test_a_corrupt_step_that_stays_is_still_called_corrupt(tmp_path):
     run = tmp_path / "run"
-    Checkpointer(str(run)).save(1, _linear(), None)
+    Checkpointer(str(run)).save(1, _small(), None)
     for f in (run / "step_1" / "dcp").glob("*.distcp"):
         f.write_bytes(b"")
     with pytest.raises(ValueError, match="step_1 is truncated or corrupt"):
-        read_checkpoint(str(run), lambda s: Checkpointer(str(run)).load(s, _linear()))
+        read_checkpoint(str(run), lambda s: Checkpointer(str(run)).load(s, _small()))
