@@ -142,7 +142,7 @@ def test_no_rank_holds_more_than_fsdp_needs(checkpoints, monkeypatch):
     1024: +1-2 MB each) and grow step by step on rows of varying length: with it on, 0.78-0.80x
     here and 0.65x (floor 0.43x) on a 0.75 GB checkpoint; off, 0.54-0.56x and 0.48x. That
     cache is not FSDP's (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 leaves 0.66x here)."""
-    from hybridtrain.recipes.plan import plan_memory
+    from hybridtrain.recipes.memory_plan import plan_memory
 
     tiny, big, size = checkpoints
     if not mem.glibc_malloc():
