@@ -50,7 +50,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.ops import triton_interpret
+from hybridtrain.ops import liger_loader, triton_interpret
 
 log = logging.getLogger(__name__)
 
@@ -306,9 +306,7 @@ def resolve_fused_loss(mode: str, device: torch.device | str) -> str:
         raise ValueError(f"training.fused_loss: {mode!r} is not one of {', '.join(FUSED_LOSS_CHOICES)}")
     if mode in ("torch", "compiled") or (mode == "auto" and torch.device(device).type != "cuda"):
         return "torch" if mode == "auto" else mode
-    from hybridtrain.ops import liger  # (imports nothing of Liger until asked)
-
-    problem = liger.problem()
+    problem = liger_loader.problem()
     if mode == "liger" and problem:
         raise ValueError(f"training.fused_loss: liger, but {problem}; set it to auto, compiled or torch")
     if mode == "liger" or problem is None:
@@ -351,9 +349,7 @@ def kernel_paths_line(paths: dict[str, str]) -> str:
 def _loss_path() -> str:
     impl = _settings.fused_loss
     if impl == "liger":
-        from hybridtrain.ops import liger
-
-        return liger.describe() + (", Triton interpreter" if triton_interpret.interpreting() else "")
+        return liger_loader.describe() + (", Triton interpreter" if triton_interpret.interpreting() else "")
     if impl == "compiled":
         return "PyTorch chunked loss, chunk functions under torch.compile (hybridtrain.ops.loss)"
     return "PyTorch chunked loss (hybridtrain.ops.loss)"

@@ -2,7 +2,7 @@
 implementation (shapes and dtypes) and a registered autograd each, so ``torch.compile`` never
 traces into a kernel's Python wrapper (mamba_ssm's autotuned Triton launchers, a C++ extension)
 and a compiled Mamba block stays one graph with the real kernels, also under activation
-checkpointing. Each op calls the kernel :func:`kernels.kernel` finds when it runs.
+checkpointing. Each op calls the kernel :func:`.kernel_loader.kernel` finds when it runs.
 
 * ``ssd_scan`` / ``ssd_scan_backward``: mamba_ssm's ``_mamba_chunk_scan_combined_fwd`` / ``_bwd``,
   the two calls its own ``MambaChunkScanCombinedFn`` makes (the same signature in 2.2.2 -
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import kernels
+from .kernel_loader import kernel
 
 _EMPTY = (0,)  # the gradient of an absent optional input (a custom op returns tensors only)
 
@@ -31,7 +31,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, 
              initial_states: Optional[Tensor], seq_idx: Optional[Tensor], chunk_size: int, dt_min: float,
              dt_max: float) -> tuple[Tensor, Tensor]:
     """(y [b, L, h, p] in x's dtype, final state [b, h, p, n] fp32) of mamba_ssm's SSD."""
-    out, _, _, _, _, final, *_ = kernels.kernel("ssd_fwd")(
+    out, _, _, _, _, final, *_ = kernel("ssd_fwd")(
         x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, cu_seqlens=None, dt_softplus=True, dt_limit=(dt_min, dt_max))
     return out.to(x.dtype).contiguous(), final.float().contiguous()
@@ -50,7 +50,7 @@ def ssd_scan_backward(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Ten
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`ssd_scan` for x, dt, A, B, C, D, dt_bias, initial_states (empty when
     there is none)."""
-    dx, ddt, dA, dB, dC, dD, _, ddt_bias, dinit = kernels.kernel("ssd_bwd")(
+    dx, ddt, dA, dB, dC, dD, _, ddt_bias, dinit = kernel("ssd_bwd")(
         dout, x, dt, A, B, C, out, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=initial_states,
         dfinal_states=dfinal, seq_idx=seq_idx, dt_softplus=True, dt_limit=(dt_min, dt_max))
     grads = [_like(g, t) for g, t in zip((dx, ddt, dA, dB, dC, dD, ddt_bias), (x, dt, A, B, C, D, dt_bias))]
@@ -97,7 +97,7 @@ def ssd_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
     ``dt_bias`` (every release reads its strides) and ``dt_softplus=False``."""
     h, p, n = state.shape[1:]
     per_head = lambda t: t[:, None].expand(h, p)  # noqa: E731
-    y = kernels.kernel("selective_state_update")(
+    y = kernel("selective_state_update")(
         state, x.float(), dt.float()[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n),
         B.float(), C.float(), D=per_head(D.float()), z=None,
         dt_bias=per_head(torch.zeros(h, dtype=torch.float32, device=state.device)), dt_softplus=False)
@@ -113,7 +113,7 @@ def _(state, x, dt, A, B, C, D):
 @torch.library.custom_op("hybridtrain::causal_conv1d", mutates_args=())
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor]) -> Tensor:
     """SiLU(causal depthwise conv) of x [b, d, L] (its layout kept) by causal_conv1d's C++ forward."""
-    return kernels.kernel("conv_fwd_cpp")(x, weight, bias, seq_idx, None, None, True)
+    return kernel("conv_fwd_cpp")(x, weight, bias, seq_idx, None, None, True)
 
 
 @causal_conv1d.register_fake
@@ -127,7 +127,7 @@ def causal_conv1d_backward(dout: Tensor, x: Tensor, weight: Tensor, bias: Option
     """(dx, dweight, dbias (empty without a bias)) by causal_conv1d's C++ backward."""
     if dout.stride(2) != 1 and dout.stride(1) != 1:
         dout = dout.contiguous()
-    dx, dw, db, _ = kernels.kernel("conv_bwd_cpp")(x, weight, bias, dout, seq_idx, None, None, None, False, True)
+    dx, dw, db, _ = kernel("conv_bwd_cpp")(x, weight, bias, dout, seq_idx, None, None, None, False, True)
     return dx, dw.to(weight.dtype), x.new_empty(_EMPTY) if bias is None else db.to(bias.dtype)
 
 
@@ -156,7 +156,7 @@ torch.library.register_autograd("hybridtrain::causal_conv1d", _conv_backward, se
 def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """One token of SiLU(causal depthwise conv): x [b, d] in ``conv_state``'s dtype, the window
     [b, d, k - 1] shifted in place."""
-    y = kernels.kernel("causal_conv1d_update")(x, conv_state, weight, bias, activation="silu")
+    y = kernel("causal_conv1d_update")(x, conv_state, weight, bias, activation="silu")
     return y.clone() if y is x else y
 
 
