@@ -214,7 +214,7 @@ def check_compiled():
 
         def step():
             model.zero_grad(set_to_none=True)
-            loss = model(ids, labels=ids).loss
+            loss = model(ids, labels=ids)  # (the summed loss over label tokens)
             loss.backward()
             return [loss.detach()] + [p.grad for p in model.parameters()]
 

@@ -11,12 +11,9 @@ take the same arguments, including ``seq_idx`` for packed documents, and compute
 function. :func:`paths` says which one each part runs (``ops.backend.kernel_paths``).
 
 The kernels are reached through ``torch.library`` custom ops (:mod:`.kernel_ops`), so a
-compiled block stays one graph. They are looked up by module name when first needed
-(:func:`kernel`), so a test can stand fake modules in ``sys.modules`` (and call
-:func:`forget_kernels`). ``import mamba_ssm`` runs a package ``__init__`` that loads its C++
-extension (``selective_scan_cuda``), absent from a ``MAMBA_SKIP_CUDA_BUILD`` install or broken
-by a wheel built for another torch; where it fails, the Triton modules are loaded without that
-``__init__`` (:func:`_import`), and a later ``import mamba_ssm`` fails as it did before.
+compiled block stays one graph. :mod:`.kernel_loader` finds them by module name when first
+needed (also where ``import mamba_ssm`` fails on its C++ extension), so a test can stand fake
+modules in ``sys.modules`` (and call :func:`forget_kernels`).
 
 The calls follow the releases people install: mamba_ssm 2.2.2 - 2.3.x (2.2.0/2.2.1's SSD
 backward returns too few gradients; before 2.2.5 a warning: no exp clamp nor seq_idx fix,
@@ -35,8 +32,8 @@ import torch.nn.functional as F
 from hybridtrain.ops import backend, triton_interpret
 
 from . import kernel_ops
-from .kernel_loader import (KERNELS, TRITON_PACKAGES, _failures, _init_skipped, conv_has_own_ops, forget_loaded,
-                            kernel, mamba_ssm_floor_problem, package_version)
+from .kernel_loader import (KERNELS, TRITON_PACKAGES, _failures, _init_skipped, conv_has_own_ops,  # noqa: F401
+                            forget_loaded, kernel, mamba_ssm_floor_problem, package_version)
 from .numerics import fp32_region
 from .recurrent import conv_step_torch, ssd_step_torch
 from .ssd import causal_conv1d_torch, ssd_chunked
@@ -94,6 +91,9 @@ def paths(device: torch.device) -> dict[str, str]:
     under ``training.mamba_kernels``. Refuses (``ValueError``) where ``true`` asks for a kernel
     that does not import; warns where ``auto`` on CUDA falls back to PyTorch."""
     mode = backend.settings().mamba_kernels
+    if mode is True or (mode == "auto" and device.type == "cuda"):
+        for name in KERNELS:  # looked up now, not first inside a block being compiled
+            kernel(name)
     out = {}
     for part, names in PARTS.items():
         package = KERNELS[names[0]][2]
