@@ -7,9 +7,31 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test clean
+# The GPU path's kernels, which the tests run on the CPU under Triton's interpreter
+# (TRITON_INTERPRET=1): Triton, Liger-Kernel, and mamba_ssm without its CUDA extension
+# (MAMBA_SKIP_CUDA_BUILD; FORCE_BUILD skips its prebuilt-wheel lookup; torch must be installed
+# first). `make test` installs them once; a Triton or mamba_ssm already importable (a cluster's
+# CUDA build) is kept. `make demo` does not need them.
+TRITON_PIN ?= triton==3.7.1
+KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging
+MAMBA_PIN ?= mamba-ssm==2.3.2.post1
+
+.PHONY: setup test-deps demo test clean
 
 setup: $(VENV)/.installed
+
+# The test suite's own packages: those kernels, and the model family the tests install from
+# outside the source tree (tests/families/hybridtrain_dense, found through its entry point).
+test-deps: $(VENV)/.test-deps
+
+$(VENV)/.test-deps: $(VENV)/.installed Makefile tests/families/hybridtrain_dense/pyproject.toml
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "$(TRITON_PIN)"
+	$(BIN)/python -m pip install -q $(KERNEL_PINS)
+	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('mamba_ssm') is None)" || \
+	  MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(BIN)/python -m pip install -q --no-deps \
+	    --no-build-isolation "$(MAMBA_PIN)"
+	$(BIN)/python -m pip install -q --no-deps -e tests/families/hybridtrain_dense
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
@@ -25,8 +47,7 @@ demo: setup
 	@echo "  $(BIN)/hybridtrain generate --model outputs/squad_tiny --prompt 'Context: ... Question: ... Answer:'"
 	@echo "  $(BIN)/hybridtrain finetune -c examples/chat_lora_tiny.yaml"
 
-test: setup
-	$(BIN)/python -m pip install -q --no-deps -e tests/families/hybridtrain_dense
+test: setup test-deps
 	$(BIN)/python -m pytest -q tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 

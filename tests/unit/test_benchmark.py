@@ -28,6 +28,9 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
     res = run(_cfg(tmp_path, profile=str(tmp_path / "prof"), measure_peak=True, doc_length=12))
     out = capsys.readouterr().out
     assert "tokens/s" in out and "MFU" in out and "cost growth" in out
+    # which implementation each part ran: one line, and the same in the JSON
+    line = next(x for x in out.splitlines() if x.startswith("kernel paths: "))
+    assert "ssd=PyTorch (auto: kernels for CUDA tensors)" in line and "loss=PyTorch chunked loss" in line, line
     on_disk = json.loads(open(tmp_path / "run" / "benchmark.json").read())
     assert [r["name"] for r in on_disk["runs"]] == ["float32_main", "float32_L16", "float32_L64"]
     for r in on_disk["runs"]:
@@ -49,6 +52,7 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
     growth = on_disk["cost_growth"]["torch.float32"]
     assert [g["seq_len"] for g in growth] == [16, 64]
     assert res["output"] == str(tmp_path / "run" / "benchmark.json")
+    assert set(on_disk["kernel_paths"]) == {"ssd", "state_update", "conv", "loss", "attention"}
 
 
 def test_benchmark_compares_dtypes(tmp_path):

@@ -85,3 +85,33 @@ def test_liger_matches_the_torch_loop():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _forward_0_8_2(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                   label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
+                   use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False): ...
+
+
+def _forward_0_8_5(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                   label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
+                   use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False, ce_impl=None,
+                   ce_mode=None, chunk_mem_const=4): ...
+
+
+def test_liger_is_checked_against_the_call_it_gets(monkeypatch, caplog):
+    """A Liger release whose LigerFusedLinearCrossEntropyFunction takes fewer positional arguments
+    (0.8.2: no chunk_mem_const; the first loss would raise TypeError) is refused for
+    fused_loss=liger and replaced by the compiled loss, with a warning, under auto on CUDA."""
+    from hybridtrain.ops import liger_loader as liger
+
+    assert liger.signature_problem(_forward_0_8_5) is None
+    problem = liger.signature_problem(_forward_0_8_2)
+    assert problem and "chunk_mem_const" in problem
+    monkeypatch.setattr(liger, "problem", lambda: f"liger-kernel 0.8.2: {problem}; {liger.FIX}")
+    with pytest.raises(ValueError, match="fused_loss: liger, but liger-kernel 0.8.2.*liger-kernel>=0.8.5"):
+        backend.resolve_fused_loss("liger", "cuda")
+    with caplog.at_level("WARNING", logger=backend.__name__):
+        assert backend.resolve_fused_loss("auto", "cuda") == "compiled"
+    if importlib.util.find_spec("liger_kernel"):
+        assert "liger-kernel 0.8.2" in caplog.text and "compiled loss" in caplog.text
+    assert backend.resolve_fused_loss("auto", "cpu") == "torch"

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from hybridtrain.models.nemotron_h import kernels, tiny_config
 from hybridtrain.models.nemotron_h.mamba2 import Mamba2Mixer
-from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_chunked
+from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_chunked, ssd_reference
 from hybridtrain.ops import backend
 
 
@@ -33,9 +33,14 @@ def ssu_2_3(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=Fal
             state_batch_indices=None): ...
 
 
-def scan_2_2_to_2_3(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                    seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                    return_final_states=False, return_varlen_states=False): ...
+# the two calls of mamba_ssm's own MambaChunkScanCombinedFn (what the custom op makes)
+def scan_fwd_2_2_to_2_3(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                        seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf"))): ...
+
+
+def scan_bwd_2_2_to_2_3(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                        dfinal_states=None, seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                        dx=None, ddt=None, dB=None, dC=None, dz=None, recompute_output=False): ...
 
 
 def conv_fn_1_4_to_1_6(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -49,9 +54,19 @@ def conv_update_1_5(x, conv_state, weight, bias=None, activation=None, cache_seq
                     conv_state_indices=None): ...
 
 
-MAMBA = {"mamba_ssm 2.2.2": (ssu_2_2, scan_2_2_to_2_3), "mamba_ssm 2.3.2": (ssu_2_3, scan_2_2_to_2_3)}
-CONV = {"causal_conv1d 1.4.0": (conv_fn_1_4_to_1_6, conv_update_1_4),
-        "causal_conv1d 1.6.1": (conv_fn_1_4_to_1_6, conv_update_1_5)}
+# causal_conv1d_cuda's entry points before 1.5.1 (pybind: positional)
+def conv_fwd_cpp_1_4(x, weight, bias, seq_idx, initial_states, final_states_out, silu_activation): ...
+
+
+def conv_bwd_cpp_1_4(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, return_dinitial_states,
+                     silu_activation): ...
+
+
+SCAN = (scan_fwd_2_2_to_2_3, scan_bwd_2_2_to_2_3)
+MAMBA = {"mamba_ssm 2.2.2": (ssu_2_2, SCAN), "mamba_ssm 2.3.2": (ssu_2_3, SCAN)}
+# (fn, update, registers torch.library ops of its own: 1.5.1 and later)
+CONV = {"causal_conv1d 1.4.0": (conv_fn_1_4_to_1_6, conv_update_1_4, False),
+        "causal_conv1d 1.6.1": (conv_fn_1_4_to_1_6, conv_update_1_5, True)}
 
 
 def _bind(signature_of, args, kwargs) -> dict:
@@ -102,34 +117,98 @@ def fake_selective_state_update(signature_of, calls):
     return selective_state_update
 
 
-def fake_mamba_chunk_scan_combined(signature_of, calls):
-    def mamba_chunk_scan_combined(*args, **kwargs):
-        a = _bind(signature_of, args, kwargs)
-        calls.append("mamba_chunk_scan_combined")
-        x, dt, A, B, C, D, dt_bias, seq_idx = (a[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "seq_idx"))
-        batch, seqlen, nheads, headdim = x.shape
-        ngroups, dstate = B.shape[2:]
-        assert nheads % ngroups == 0 and B.shape == (batch, seqlen, ngroups, dstate) and C.shape == B.shape
-        assert dt.shape == (batch, seqlen, nheads) and A.shape == (nheads,)
-        assert a["z"] is None or a["z"].shape == x.shape
-        if D is not None:
-            assert D.shape in ((nheads, headdim), (nheads,))
-        if dt_bias is not None:
-            assert dt_bias.shape == (nheads,)
-        if seq_idx is not None:
-            assert seq_idx.shape == (batch, seqlen) and seq_idx.dtype == torch.int32
-        if a["initial_states"] is not None:
-            assert a["initial_states"].shape == (batch, nheads, headdim, dstate)
-        assert not a["return_varlen_states"] or a["cu_seqlens"] is not None
-        # the reference: dt (+ bias), softplus, clamp to dt_limit, then the scan
+def _scan_reference(a):
+    """The release's math for the bound arguments ``a``: dt (+ bias), softplus, clamp to
+    dt_limit, then the scan -> (out, final state)."""
+    x, dt, A, B, C, D, dt_bias, seq_idx = (a[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "seq_idx"))
+
+    def scan(x, dt, A, B, C, D, dt_bias, initial_states):
         dt = dt.float() + (dt_bias.float() if dt_bias is not None else 0)
         dt = (F.softplus(dt) if a["dt_softplus"] else dt).clamp(*a["dt_limit"])
-        out = ssd_chunked(x.float(), dt, A, B.float(), C.float(), a["chunk_size"], D=D, seq_idx=seq_idx,
-                          initial_state=a["initial_states"], return_final_state=a["return_final_states"])
-        if a["return_final_states"]:
-            return out[0].to(x.dtype), out[1]
-        return out.to(x.dtype)
-    return mamba_chunk_scan_combined
+        # (the plain recurrence: torch.func.vjp differentiates it, not ssd_chunked's Functions)
+        out, final = ssd_reference(x.float(), dt, A, B.float(), C.float(), D=D, seq_idx=seq_idx,
+                                   initial_state=initial_states, return_final_state=True)
+        return out.to(x.dtype), final
+    return scan, (x, dt, A, B, C, D, dt_bias, a["initial_states"])
+
+
+def _check_scan_args(a):
+    x, dt, A, B, C, D, dt_bias, seq_idx = (a[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "seq_idx"))
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2:]
+    assert nheads % ngroups == 0 and B.shape == (batch, seqlen, ngroups, dstate) and C.shape == B.shape
+    assert dt.shape == (batch, seqlen, nheads) and A.shape == (nheads,)
+    assert a["z"] is None or a["z"].shape == x.shape
+    if D is not None:
+        assert D.shape in ((nheads, headdim), (nheads,))
+    if dt_bias is not None:
+        assert dt_bias.shape == (nheads,)
+    if seq_idx is not None:
+        assert seq_idx.shape == (batch, seqlen) and seq_idx.dtype == torch.int32
+    if a["initial_states"] is not None:
+        assert a["initial_states"].shape == (batch, nheads, headdim, dstate)
+
+
+def fake_mamba_chunk_scan_combined(signatures, calls):
+    """(``_mamba_chunk_scan_combined_fwd``, ``_bwd``) of a release (``signatures``)."""
+    def fwd(*args, **kwargs):
+        a = _bind(signatures[0], args, kwargs)
+        calls.append("mamba_chunk_scan_combined")
+        _check_scan_args(a)
+        assert a["cu_seqlens"] is None
+        scan, inputs = _scan_reference(a)
+        out, final = scan(*inputs)
+        return out, None, None, None, None, final  # (out, out_x, dt, dA_cumsum, states, final_states)
+
+    def bwd(*args, **kwargs):
+        a = _bind(signatures[1], args, kwargs)
+        calls.append("mamba_chunk_scan_combined_bwd")
+        _check_scan_args(a)
+        assert a["out"].shape == a["x"].shape and a["dout"].shape == a["x"].shape
+        scan, inputs = _scan_reference(a)
+        with_init = inputs[-1] is not None
+        (out, final), vjp = torch.func.vjp(lambda *t: scan(*t, *([] if with_init else [None])),
+                                           *inputs[:8 if with_init else 7])
+        dfinal = a["dfinal_states"] if a["dfinal_states"] is not None else torch.zeros_like(final)
+        grads = vjp((a["dout"], dfinal))
+        dx, ddt, dA, dB, dC, dD, ddt_bias = grads[:7]
+        return dx, ddt, dA, dB, dC, dD, None, ddt_bias, grads[7] if with_init else None
+    return fwd, bwd
+
+
+def _conv_reference(x, weight, bias, seq_idx):
+    """SiLU(causal depthwise conv) of x [b, d, L] in plain operators (for torch.func.vjp): tap
+    ``i`` of the kernel reads token ``t - (k - 1 - i)`` of the same document."""
+    k, L = weight.shape[-1], x.shape[-1]
+    xp = F.pad(x, (k - 1, 0))
+    same = None if seq_idx is None else F.pad(seq_idx, (k - 1, 0), value=-1)
+    out = 0
+    for i in range(k):
+        tap = xp[..., i:i + L] * weight[:, i, None]
+        if same is not None:
+            tap = tap * (same[:, i:i + L] == seq_idx)[:, None].to(x.dtype)
+        out = out + tap
+    return F.silu(out if bias is None else out + bias[:, None])
+
+
+def fake_causal_conv1d_cuda(calls):
+    """causal_conv1d_cuda's ``causal_conv1d_fwd`` / ``_bwd`` before 1.5.1."""
+    def fwd(*args):
+        a = _bind(conv_fwd_cpp_1_4, args, {})
+        calls.append("causal_conv1d_fwd")
+        assert a["initial_states"] is None and a["final_states_out"] is None and a["silu_activation"] is True
+        return causal_conv1d_torch(a["x"], a["weight"], a["bias"], a["seq_idx"], activation="silu")
+
+    def bwd(*args):
+        a = _bind(conv_bwd_cpp_1_4, args, {})
+        calls.append("causal_conv1d_bwd")
+        assert a["dx"] is None and a["return_dinitial_states"] is False and a["silu_activation"] is True
+        bias = a["bias"]
+        f = lambda x, w, *b: _conv_reference(x, w, b[0] if b else None, a["seq_idx"])  # noqa: E731
+        _, vjp = torch.func.vjp(f, a["x"], a["weight"], *([bias] if bias is not None else []))
+        grads = vjp(a["dout"])
+        return grads[0], grads[1], grads[2] if bias is not None else None, None
+    return fwd, bwd
 
 
 def fake_causal_conv1d_fn(signature_of, calls):
@@ -185,17 +264,22 @@ def releases(request, monkeypatch):
     yields the list of kernel calls."""
     calls: list[str] = []
     ssu, scan = MAMBA[request.param[0]]
-    conv_fn, conv_update = CONV[request.param[1]]
+    conv_fn, conv_update, own_ops = CONV[request.param[1]]
+    scan_fwd, scan_bwd = fake_mamba_chunk_scan_combined(scan, calls)
+    conv_fwd, conv_bwd = fake_causal_conv1d_cuda(calls)
     mods = {
         "causal_conv1d": dict(causal_conv1d_fn=fake_causal_conv1d_fn(conv_fn, calls),
                               causal_conv1d_update=fake_causal_conv1d_update(conv_update, calls)),
+        "causal_conv1d_cuda": dict(causal_conv1d_fwd=conv_fwd, causal_conv1d_bwd=conv_bwd),
         "mamba_ssm": {}, "mamba_ssm.ops": {}, "mamba_ssm.ops.triton": {},
-        "mamba_ssm.ops.triton.ssd_combined": dict(mamba_chunk_scan_combined=fake_mamba_chunk_scan_combined(scan, calls)),
+        "mamba_ssm.ops.triton.ssd_combined": dict(_mamba_chunk_scan_combined_fwd=scan_fwd,
+                                                  _mamba_chunk_scan_combined_bwd=scan_bwd),
         "mamba_ssm.ops.triton.selective_state_update": dict(
             selective_state_update=fake_selective_state_update(ssu, calls)),
     }
     for name, attrs in mods.items():
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(__name__=name, **attrs))
+    monkeypatch.setattr(kernels, "conv_has_own_ops", lambda: own_ops)
     kernels.forget_kernels()
     yield calls
     kernels.forget_kernels()
@@ -232,7 +316,8 @@ def test_training_forward_and_backward_through_the_kernels(releases, packed):
         y = _with_kernels(mode, m, xi, seq_idx=seq_idx)
         y.square().sum().backward()
         outs.append((y.detach(), xi.grad, m.in_proj.weight.grad, m.dt_bias.grad))
-    assert sorted(set(releases)) == ["causal_conv1d_fn", "mamba_chunk_scan_combined"]
+    conv = {"causal_conv1d_fn"} if kernels.conv_has_own_ops() else {"causal_conv1d_fwd", "causal_conv1d_bwd"}
+    assert set(releases) == {"mamba_chunk_scan_combined", "mamba_chunk_scan_combined_bwd"} | conv
     for got, want in zip(*outs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -296,11 +381,55 @@ def test_auto_keeps_cpu_tensors_on_the_torch_path(releases):
 
 
 def test_required_kernels_that_do_not_import_are_named(monkeypatch):
+    """``true``: a Triton kernel that does not import refuses, naming the package and the floor;
+    causal_conv1d (CUDA C++) leaves CPU tensors on the PyTorch path."""
     monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", None)  # import fails
     monkeypatch.setitem(sys.modules, "causal_conv1d", None)
     kernels.forget_kernels()
     try:
-        with pytest.raises(ValueError, match="training.mamba_kernels.*causal-conv1d"):
+        with pytest.raises(ValueError, match="training.mamba_kernels is true.*ssd_combined.*mamba-ssm>=2.2.5"):
             _with_kernels(True, _mamba_mixer(), torch.randn(1, 6, 16))
     finally:
         kernels.forget_kernels()
+
+
+def test_paths_refuse_under_true_and_warn_under_auto_on_cuda(monkeypatch, caplog):
+    """What a run's first log lines say: on a CUDA device a missing kernel refuses ``true`` and
+    is a WARNING under ``auto`` (package, reason, fix); CPU tensors under ``auto`` are PyTorch."""
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", None)
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.selective_state_update", None)
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    kernels.forget_kernels()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    try:
+        with pytest.raises(ValueError, match="mamba_kernels is true.*mamba-ssm"):
+            _with_kernels(True, kernels.paths, cuda)
+        with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+            paths = _with_kernels("auto", kernels.paths, cuda)
+        assert paths == {"ssd": "PyTorch (mamba-ssm does not import)",
+                         "state_update": "PyTorch (mamba-ssm does not import)",
+                         "conv": "PyTorch (causal-conv1d does not import)"}
+        warned = " ".join(r.getMessage() for r in caplog.records)
+        assert "ModuleNotFoundError" in warned and "pip install mamba-ssm>=2.2.5" in warned
+        assert "pip install causal-conv1d" in warned
+        assert set(_with_kernels("auto", kernels.paths, cpu).values()) == {"PyTorch (auto: kernels for CUDA tensors)"}
+        assert set(_with_kernels(False, kernels.paths, cuda).values()) == {"PyTorch (training.mamba_kernels=false)"}
+    finally:
+        kernels.forget_kernels()
+
+
+def test_paths_name_the_release_and_the_op(releases):
+    paths = _with_kernels(True, kernels.paths, torch.device("cuda"))
+    assert paths["ssd"].endswith("_mamba_chunk_scan_combined_fwd via hybridtrain::ssd_scan"), paths
+    assert paths["state_update"].endswith("selective_state_update via hybridtrain::ssd_state_update"), paths
+    own = kernels.conv_has_own_ops()
+    assert paths["conv"].endswith("causal_conv1d_fn" if own else "via hybridtrain::causal_conv1d"), paths
+
+
+@pytest.mark.parametrize("version, warns", [("2.2.2", True), ("2.2.4", True), ("2.2.5", False),
+                                            ("2.3.2.post1", False), ("2.2.6.post3", False)])
+def test_mamba_ssm_before_2_2_5_is_named_with_the_nan_risk(version, warns):
+    problem = kernels.mamba_ssm_floor_problem(version)
+    assert (problem is not None) == warns
+    if warns:
+        assert version in problem and "NaN" in problem and "#713" in problem and ">=2.2.5" in problem

@@ -50,6 +50,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from hybridtrain.ops import liger_loader, triton_interpret
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -57,7 +59,7 @@ __all__ = [
     "pad_rows", "unpad_rows", "configure_cpu_allocator", "cpu_bf16_flags", "cpu_has_native_bf16",
     "auto_dtype", "auto_chunk_size", "resolve_fused_loss", "CPU_LOWP_ROW_MULTIPLE", "CPU_BF16_MIN_HIDDEN",
     "FUSED_LOSS_CHOICES", "cpu_decode_forms", "few_rows_linear", "transposed_head", "decode_graph",
-    "grouped_experts",
+    "grouped_experts", "register_kernel_paths", "kernel_paths", "kernel_paths_line",
 ]
 
 CPU_LOWP_ROW_MULTIPLE = 64
@@ -102,9 +104,10 @@ def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_all
     if mamba_kernels not in (True, False, "auto"):
         raise ValueError(f"training.mamba_kernels: {mamba_kernels!r} is not one of auto, true, false")
     device = torch.device(device)
-    if mamba_kernels is True and device.type != "cuda":
+    if mamba_kernels is True and device.type != "cuda" and not triton_interpret.interpreting():
         raise ValueError(f"training.mamba_kernels: true needs a CUDA device (this run computes on "
-                         f"{device.type}); set it to auto or false")
+                         f"{device.type}), or TRITON_INTERPRET=1 in the environment to run the Triton "
+                         "kernels on the CPU (slow: for checking them); set it to auto or false")
     lowp_cpu = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     _settings = BackendSettings(gemm_row_multiple=CPU_LOWP_ROW_MULTIPLE if lowp_cpu else 1,
                                 grouped_mm=grouped_mm,
@@ -113,6 +116,7 @@ def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_all
                                 mamba_kernels=mamba_kernels,
                                 fsdp_free_all_gather=device.type == "cpu")
     log.info("backend: %s", _settings)
+    log.info(kernel_paths_line(kernel_paths(device)))
     return _settings
 
 
@@ -292,21 +296,71 @@ def auto_dtype(device: torch.device | str, hidden_size: int | None = None,
 # -- the linear cross-entropy's implementation --------------------------------------------------
 def resolve_fused_loss(mode: str, device: torch.device | str) -> str:
     """``training.fused_loss`` -> ``torch``, ``compiled`` or ``liger`` for a run on ``device``.
-    ``auto``: liger on CUDA where ``liger_kernel`` imports, else compiled on CUDA (no fp32
-    logits chunk in memory: the chunk's softmax and gradient fuse into one or two kernels), torch
-    elsewhere (on CPU the eager chunk loop is as fast and bit-identical to earlier runs).
-    ``liger`` needs ``liger_kernel`` (extra ``hybridtrain[cuda]``)."""
+    ``auto``: liger on CUDA where a usable ``liger_kernel`` imports (an installed one that is
+    not, e.g. older than the signature ``ops.liger`` calls: a warning and compiled), else
+    compiled on CUDA (no fp32 logits chunk in memory: the chunk's softmax and gradient fuse into
+    one or two kernels), torch elsewhere (on CPU the eager chunk loop is as fast and
+    bit-identical to earlier runs). ``liger`` needs a usable ``liger_kernel`` (extra
+    ``hybridtrain[cuda]``; on a CPU under ``TRITON_INTERPRET=1``)."""
     if mode not in FUSED_LOSS_CHOICES:
         raise ValueError(f"training.fused_loss: {mode!r} is not one of {', '.join(FUSED_LOSS_CHOICES)}")
-    has_liger = importlib.util.find_spec("liger_kernel") is not None
-    if mode == "liger" and not has_liger:
-        raise ValueError("training.fused_loss: liger needs the liger-kernel package (pip install "
-                         "'hybridtrain[cuda]' or liger-kernel); set it to auto, compiled or torch")
-    if mode != "auto":
-        return mode
-    if torch.device(device).type != "cuda":
-        return "torch"
-    return "liger" if has_liger else "compiled"
+    if mode in ("torch", "compiled") or (mode == "auto" and torch.device(device).type != "cuda"):
+        return "torch" if mode == "auto" else mode
+    problem = liger_loader.problem()
+    if mode == "liger" and problem:
+        raise ValueError(f"training.fused_loss: liger, but {problem}; set it to auto, compiled or torch")
+    if mode == "liger" or problem is None:
+        return "liger"
+    if importlib.util.find_spec("liger_kernel") is not None:
+        log.warning("training.fused_loss=auto: the compiled loss instead of Liger's, because %s", problem)
+    return "compiled"
+
+
+# -- where each kernel comes from ---------------------------------------------------------------
+_kernel_path_sources: list = []
+
+
+def register_kernel_paths(fn) -> None:
+    """A model family's kernel dispatch registers ``fn(device) -> {part: where it comes from}``
+    (it may refuse a run, ``ValueError``, or warn about a fallback); :func:`kernel_paths` asks it."""
+    if fn not in _kernel_path_sources:
+        _kernel_path_sources.append(fn)
+
+
+def kernel_paths(device: torch.device | str | None = None) -> dict[str, str]:
+    """Which implementation each part of a step runs on ``device`` under :func:`settings`:
+    the registered model kernels (Nemotron-H: ``ssd``, ``state_update``, ``conv``), then
+    ``loss`` and ``attention``; each value says where it comes from (package, version,
+    module, or the PyTorch path and why)."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    paths: dict[str, str] = {}
+    for fn in _kernel_path_sources:
+        paths.update(fn(device))
+    paths["loss"] = _loss_path()
+    paths["attention"] = _attention_path(device)
+    return paths
+
+
+def kernel_paths_line(paths: dict[str, str]) -> str:
+    """``kernel paths: ssd=...; state_update=...; ...`` (the line a run logs and ``benchmark`` prints)."""
+    return "kernel paths: " + "; ".join(f"{part}={where}" for part, where in paths.items())
+
+
+def _loss_path() -> str:
+    impl = _settings.fused_loss
+    if impl == "liger":
+        return liger_loader.describe() + (", Triton interpreter" if triton_interpret.interpreting() else "")
+    if impl == "compiled":
+        return "PyTorch chunked loss, chunk functions under torch.compile (hybridtrain.ops.loss)"
+    return "PyTorch chunked loss (hybridtrain.ops.loss)"
+
+
+def _attention_path(device: torch.device) -> str:
+    if device.type == "cuda":
+        eager = ("flash_attn varlen" if importlib.util.find_spec("flash_attn") is not None
+                 else "scaled_dot_product_attention per document")
+        return f"{eager} (eager), flex_attention (compiled blocks)"
+    return "scaled_dot_product_attention per document (eager), masked SDPA (compiled blocks)"
 
 
 # -- the auto loss chunk ------------------------------------------------------------------------

@@ -12,20 +12,14 @@ recomputes them in backward with the incoming per-token gradient folded in.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 
 import torch
 
 from hybridtrain.ops.backend import auto_chunk_size
+from hybridtrain.ops.liger_loader import fused_function
 
 __all__ = ["linear_cross_entropy", "chunk_budget"]
-
-
-@functools.cache
-def _function():
-    return importlib.import_module("liger_kernel.ops.fused_linear_cross_entropy").LigerFusedLinearCrossEntropyFunction
 
 
 def chunk_budget(tokens: int, hidden_size: int, vocab_size: int) -> int:
@@ -49,7 +43,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         # lse_square_scale, label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
         # use_token_scaling, return_token_accuracy, return_predicted_tokens, ce_impl, ce_mode,
         # chunk_mem_const
-        out = _function().apply(hidden.to(dtype), weight.to(dtype), labels, None, None, ignore_index, 0.0, 0.0,
+        out = fused_function().apply(hidden.to(dtype), weight.to(dtype), labels, None, None, ignore_index, 0.0, 0.0,
                                 reduction, None, False, torch.float32, False, False, False, None, None,
                                 chunk_budget(n, h, weight.shape[0]))
     return out[0]

@@ -37,7 +37,7 @@ from hybridtrain.config.schema import section_defaults
 from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.fileio import atomic_write
-from hybridtrain.ops.backend import configure_backend
+from hybridtrain.ops.backend import configure_backend, kernel_paths, kernel_paths_line
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.training.builder import Built, build
@@ -287,6 +287,10 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
     for dt, dname in zip(dtypes, dtype_names):
         configure_backend(device, dt, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
                           fused_loss=t.fused_loss, mamba_kernels=t.mamba_kernels)
+        if "kernel_paths" not in results:  # which implementation each part runs
+            results["kernel_paths"] = kernel_paths(device)
+            if is_main:
+                print(kernel_paths_line(results["kernel_paths"]), flush=True)
         plan = dataclasses.replace(b.plan, autocast_dtype=autocast_dtype(dt))
         peak = peak_for(dt)
         if opts["data"] == "recipe":

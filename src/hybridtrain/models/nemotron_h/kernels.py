@@ -1,69 +1,66 @@
-"""The one dispatch point between the pure-PyTorch Mamba2 path and the optional CUDA kernels
-(``causal_conv1d`` and ``mamba_ssm``, extra ``hybridtrain[cuda]``).
+"""The one dispatch point between the pure-PyTorch Mamba2 path and the optional kernels
+(``mamba_ssm``'s Triton SSD and state update, ``causal_conv1d``'s CUDA C++ conv; extra
+``hybridtrain[cuda]``).
 
 ``training.mamba_kernels`` (``ops.backend.settings().mamba_kernels``) chooses: ``auto`` -> the
-kernels where they import, for CUDA tensors; ``True`` -> always (a missing package raises);
-``False`` -> the PyTorch path. Both paths take the same arguments, including ``seq_idx`` for
-packed documents, and compute the same function.
+kernels where they import, for CUDA tensors (a CUDA run without them warns, naming the package,
+the reason and the fix); ``True`` -> always (a kernel that does not import refuses the run; on
+a CPU mamba_ssm's Triton kernels run under Triton's interpreter, ``TRITON_INTERPRET=1``, and
+the conv, CUDA C++ only, takes the PyTorch path); ``False`` -> the PyTorch path. Both paths
+take the same arguments, including ``seq_idx`` for packed documents, and compute the same
+function. :func:`paths` says which one each part runs (``ops.backend.kernel_paths``).
 
-The kernels are looked up by module name when first needed (:func:`kernel`), so a test can stand
-fake modules in ``sys.modules`` (and call :func:`forget_kernels`). The calls below follow the
-releases people install: mamba_ssm 2.2.2 - 2.3.x (2.2.0/2.2.1's SSD backward returns too few
-gradients) and causal_conv1d 1.4 - 1.6; ``tests/unit/test_mamba_kernel_contracts.py`` holds
-their signatures. ``selective_state_update`` reads ``dt_bias.stride()`` and ``D.stride()``
+The kernels are reached through ``torch.library`` custom ops (:mod:`.kernel_ops`), so a
+compiled block stays one graph. :mod:`.kernel_loader` finds them by module name when first
+needed (also where ``import mamba_ssm`` fails on its C++ extension), so a test can stand fake
+modules in ``sys.modules`` (and call :func:`forget_kernels`).
+
+The calls follow the releases people install: mamba_ssm 2.2.2 - 2.3.x (2.2.0/2.2.1's SSD
+backward returns too few gradients; before 2.2.5 a warning: no exp clamp nor seq_idx fix,
+upstream PRs #713 and #746) and causal_conv1d 1.4 - 1.6; ``tests/unit/test_mamba_kernel_contracts.py``
+holds their signatures. ``selective_state_update`` reads ``dt_bias.stride()`` and ``D.stride()``
 unconditionally in every one of them: both are always tensors here.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.ops import backend
+from hybridtrain.ops import backend, triton_interpret
 
+from . import kernel_ops
+from .kernel_loader import (KERNELS, TRITON_PACKAGES, _failures, _init_skipped, conv_has_own_ops,  # noqa: F401
+                            forget_loaded, kernel, mamba_ssm_floor_problem, package_version)
 from .numerics import fp32_region
 from .recurrent import conv_step_torch, ssd_step_torch
 from .ssd import causal_conv1d_torch, ssd_chunked
 
 log = logging.getLogger(__name__)
 
-# name -> (module, attribute, package to install)
-KERNELS = {
-    "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn", "causal-conv1d"),
-    "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update", "causal-conv1d"),
-    "mamba_chunk_scan_combined": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined",
-                                  "mamba-ssm"),
-    "selective_state_update": ("mamba_ssm.ops.triton.selective_state_update", "selective_state_update",
-                               "mamba-ssm"),
-}
-_AUTOTUNED = {"mamba_chunk_scan_combined"}  # Triton kernels that autotune on first use
+# the parts :func:`paths` reports -> the kernels each needs
+PARTS = {"ssd": ("ssd_fwd", "ssd_bwd"), "state_update": ("selective_state_update",),
+         "conv": ("causal_conv1d_fn", "causal_conv1d_update")}
+_AUTOTUNED = {"ssd_fwd"}  # Triton kernels that autotune on first use
 _announced: set[str] = set()
-
-
-@functools.cache
-def kernel(name: str):
-    """The kernel function ``name`` (a key of :data:`KERNELS`), or None where its package does
-    not import (not installed, or a CUDA build that fails to load)."""
-    module, attr, _ = KERNELS[name]
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except Exception as e:  # ImportError, or a broken CUDA build
-        log.debug("%s unavailable: %s", name, e)
-        return None
-
 
 def forget_kernels() -> None:
     """Look the kernels up again on next use (after installing one, or in tests)."""
-    kernel.cache_clear()
+    forget_loaded()
     _announced.clear()
 
 
 def kernels_available() -> dict[str, bool]:
     return {name: kernel(name) is not None for name in KERNELS}
+
+
+def _missing(name: str) -> str:
+    module, attr, package = KERNELS[name]
+    return (f"{module}.{attr} does not import ({_failures.get(name, 'not installed')}); "
+            f"pip install {package}" + (">=2.2.5" if package == "mamba-ssm" else "")
+            + " (or 'hybridtrain[cuda]')")
 
 
 def _use(name: str, x: torch.Tensor):
@@ -72,17 +69,72 @@ def _use(name: str, x: torch.Tensor):
     if mode is False or (mode == "auto" and not x.is_cuda):
         return None
     fn = kernel(name)
-    if fn is None and mode is True:
-        raise ValueError(f"training.mamba_kernels is true but {KERNELS[name][0]}.{KERNELS[name][1]} "
-                         f"does not import; pip install {KERNELS[name][2]} (or 'hybridtrain[cuda]') "
-                         "or set training.mamba_kernels to auto")
-    if fn is not None and name not in _announced:
+    if fn is None:
+        if mode is True and (x.is_cuda or KERNELS[name][2] in TRITON_PACKAGES):
+            raise ValueError(f"training.mamba_kernels is true but {_missing(name)}, or set "
+                             "training.mamba_kernels to auto")
+        if x.is_cuda and name not in _announced and not torch.compiler.is_compiling():
+            _announced.add(name)
+            log.warning("Mamba2 runs %s on the PyTorch path: %s", name, _missing(name))
+        return None
+    if name not in _announced and not torch.compiler.is_compiling():
         _announced.add(name)
         log.info("Mamba2: %s from %s", name, KERNELS[name][0])
         if name in _AUTOTUNED:
             log.warning("mamba_ssm Triton kernels autotune on first use (can take ~1-2 min per new "
                         "sequence shape); later steps reuse the tuned configurations")
     return fn
+
+
+def paths(device: torch.device) -> dict[str, str]:
+    """Where the SSD, the decoding state update and the conv come from in a run on ``device``
+    under ``training.mamba_kernels``. Refuses (``ValueError``) where ``true`` asks for a kernel
+    that does not import; warns where ``auto`` on CUDA falls back to PyTorch."""
+    mode = backend.settings().mamba_kernels
+    if mode is True or (mode == "auto" and device.type == "cuda"):
+        for name in KERNELS:  # looked up now, not first inside a block being compiled
+            kernel(name)
+    out = {}
+    for part, names in PARTS.items():
+        package = KERNELS[names[0]][2]
+        triton = package in TRITON_PACKAGES
+        if mode is False:
+            out[part] = "PyTorch (training.mamba_kernels=false)"
+            continue
+        if device.type != "cuda" and (mode == "auto" or not triton):
+            why = "auto: kernels for CUDA tensors" if mode == "auto" else f"{package} is CUDA C++ only"
+            out[part] = f"PyTorch ({why})"
+            continue
+        missing = [n for n in names if kernel(n) is None]
+        if missing:
+            if mode is True:
+                raise ValueError(f"training.mamba_kernels is true but {_missing(missing[0])}, or set "
+                                 "training.mamba_kernels to auto")
+            log.warning("training.mamba_kernels=auto on %s: Mamba2's %s runs on the PyTorch path (slower: "
+                        "0.9x the kernel path's step on an H100) because %s", device.type, part,
+                        _missing(missing[0]))
+            out[part] = f"PyTorch ({package} does not import)"
+            continue
+        out[part] = _describe(part, names[0], device)
+    return out
+
+
+def _describe(part: str, name: str, device: torch.device) -> str:
+    module, attr, package = KERNELS[name]
+    text = f"{package} {package_version(package) or '(version unknown)'} {module}.{attr}"
+    top = module.partition(".")[0]
+    if top in _init_skipped:
+        text += " (package __init__ skipped)"
+    if part == "conv":
+        text += "" if conv_has_own_ops() else " via hybridtrain::causal_conv1d"
+    else:
+        text += f" via hybridtrain::{'ssd_scan' if part == 'ssd' else 'ssd_state_update'}"
+    if package in TRITON_PACKAGES and triton_interpret.interpreting():
+        text += ", Triton interpreter"
+    return text
+
+
+backend.register_kernel_paths(paths)
 
 
 def causal_conv1d(
@@ -102,7 +154,9 @@ def causal_conv1d(
         x = x.contiguous()
     if seq_idx is not None:  # (only in the channel-last layout)
         seq_idx = seq_idx.to(torch.int32).contiguous()
-    return fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
+    if conv_has_own_ops():
+        return fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
+    return kernel_ops.causal_conv1d(x, weight, bias, seq_idx)
 
 
 def ssd_scan(
@@ -125,15 +179,12 @@ def ssd_scan(
     x [b, L, h, p], dt [b, L, h] (raw projection), A [h], B/C [b, L, g, n]. Returns [b, L, h, p]
     (and the final state [b, h, p, n], fp32, when ``return_final_state``); ``initial_state``
     [b, h, p, n] is the state before the first token."""
-    fn = _use("mamba_chunk_scan_combined", x)
-    if fn is not None:
+    if _use("ssd_fwd", x) is not None:
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
-        return fn(
-            x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
-            dt_limit=tuple(dt_limit), seq_idx=seq_idx, initial_states=initial_state,
-            return_final_states=return_final_state,
-        )
+        y, final = kernel_ops.ssd_scan(x, dt, A, B, C, D, dt_bias, initial_state, seq_idx, chunk_size,
+                                       float(dt_limit[0]), float(dt_limit[1]))
+        return (y, final) if return_final_state else y
     with fp32_region(dt):  # softplus(dt + dt_bias) and the scan in fp32 (see ssd_chunked)
         return ssd_chunked(x, discretize_dt(dt, dt_bias, dt_limit), A, B, C, chunk_size, D=D,
                            seq_idx=seq_idx, initial_state=initial_state,
@@ -159,7 +210,9 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, b
     # the state's dtype and the bias in the weight's
     if bias is not None:
         bias = bias.to(weight.dtype).contiguous()
-    return fn(x.to(conv_state.dtype), conv_state, weight, bias, activation="silu").to(x.dtype)
+    if conv_has_own_ops():
+        return fn(x.to(conv_state.dtype), conv_state, weight, bias, activation="silu").to(x.dtype)
+    return kernel_ops.causal_conv1d_update(x.to(conv_state.dtype), conv_state, weight, bias).to(x.dtype)
 
 
 def ssd_step(
@@ -178,17 +231,6 @@ def ssd_step(
     [b, h] (raw projection), A [h], B/C [b, g, n]. Returns y [b, h, p] fp32, as :func:`ssd_scan`."""
     with fp32_region(dt):
         dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
-        fn = _use("selective_state_update", x)
-        if fn is None:
+        if _use("selective_state_update", x) is None:
             return ssd_step_torch(state, x, dt, A, B, C, D)
-        h, p, n = state.shape[1:]
-        # dt already has its bias, softplus and clamp (the kernel has no clamp): a zero dt_bias
-        # (a tensor: every release reads its strides) and dt_softplus=False. Per-head values
-        # broadcast over head_dim (stride 0: the kernel's tied-head_dim path).
-        per_head = lambda t: t[:, None].expand(h, p)  # noqa: E731
-        y = fn(
-            state, x.float(), dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n),
-            B.float(), C.float(), D=per_head(D.float()), z=None,
-            dt_bias=per_head(torch.zeros(h, dtype=torch.float32, device=state.device)), dt_softplus=False,
-        )
-        return y.float()
+        return kernel_ops.ssd_state_update(state, x, dt, A, B, C, D)
