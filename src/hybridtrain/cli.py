@@ -8,7 +8,7 @@ Commands::
     hybridtrain dpo       -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain grpo      -c RECIPE.yaml [--section.key=value ...] [--nproc-per-node N]
     hybridtrain convert   CKPT_DIR OUT_HF_DIR
-    hybridtrain merge     ...   (arguments defined by hybridtrain.peft.export.merge_cli)
+    hybridtrain merge     ...   (arguments defined by hybridtrain.recipes.merge.run)
     hybridtrain generate  --model DIR (--prompt TEXT | --prompts FILE.jsonl) ...
                                 (arguments defined by hybridtrain.recipes.generate.build_parser)
     hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
@@ -28,7 +28,7 @@ The work itself lives in modules imported lazily:
 ``hybridtrain.recipes.finetune:run(cfg)`` (``dpo``, ``grpo``: ``recipes.dpo`` / ``recipes.grpo``),
 ``hybridtrain.recipes.benchmark:run(cfg, args)``,
 ``hybridtrain.training.checkpoint_reader:convert(ckpt_dir, out_dir)``,
-``hybridtrain.peft.export:merge_cli(argv)``, ``hybridtrain.recipes.generate:run(argv)``,
+``hybridtrain.recipes.merge:run(argv)``, ``hybridtrain.recipes.generate:run(argv)``,
 ``hybridtrain.recipes.evaluate:run(cfg, checkpoint)``.
 """
 
@@ -321,7 +321,7 @@ def _main(argv: list[str]) -> int:
         if argv and argv[0] == "generate":
             return _load_entry("hybridtrain.recipes.generate", "run", "generate")(argv[1:])
         if argv and argv[0] == "merge":
-            merge = _load_entry("hybridtrain.peft.export", "merge_cli", "merge")
+            merge = _load_entry("hybridtrain.recipes.merge", "run", "merge")
             result = merge(argv[1:])
             return result if isinstance(result, int) and not isinstance(result, bool) else 0
         parser, known = build_parser()

@@ -180,19 +180,19 @@ def test_missing_command_module_is_a_clear_error(recipe, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hybridtrain.recipes.finetune", None)
     assert cli.main(["finetune", "-c", str(recipe)]) == 2
     assert "'hybridtrain finetune' is not available" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "hybridtrain.peft.export", None)
+    monkeypatch.setitem(sys.modules, "hybridtrain.recipes.merge", None)
     assert cli.main(["merge", "a", "b"]) == 2
     assert "'hybridtrain merge' is not available" in capsys.readouterr().err
 
 
 def test_merge_and_convert_dispatch(monkeypatch, tmp_path):
     seen = {}
-    export = types.ModuleType("hybridtrain.peft.export")
-    export.merge_cli = lambda argv: seen.setdefault("merge", argv) and 0
-    ckpt = types.ModuleType("hybridtrain.training.checkpoint")
+    merge = types.ModuleType("hybridtrain.recipes.merge")
+    merge.run = lambda argv: seen.setdefault("merge", argv) and 0
+    ckpt = types.ModuleType("hybridtrain.training.checkpoint_reader")
     ckpt.convert = lambda src, dst: seen.setdefault("convert", (src, dst))
-    monkeypatch.setitem(sys.modules, "hybridtrain.peft.export", export)
-    monkeypatch.setitem(sys.modules, "hybridtrain.training.checkpoint", ckpt)
+    monkeypatch.setitem(sys.modules, "hybridtrain.recipes.merge", merge)
+    monkeypatch.setitem(sys.modules, "hybridtrain.training.checkpoint_reader", ckpt)
     assert cli.main(["merge", "--adapter", "x", "--help"]) == 0
     assert seen["merge"] == ["--adapter", "x", "--help"]
     assert cli.main(["convert", "runs/a/step_4", "out_hf"]) == 0

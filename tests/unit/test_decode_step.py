@@ -1,4 +1,4 @@
-"""The few-row forms of a decoding step (the mixers' ``step`` methods, ``step_ops``) compute what
+"""The few-row forms of a decoding step (the mixers' ``step`` methods, ``decode_ops``) compute what
 the layers' own forwards compute: the projections' CPU product forms, the MoE step (one token and
 several; host-grouped and grouped on the device), the fused block norm, and the LM head against
 its transposed copy on a long generation (cached logits = the full forward's)."""
@@ -13,8 +13,8 @@ from tests.helpers.models import perturbed_model
 from torch import nn
 
 from hybridtrain.models.nemotron_h import generation as G
-from hybridtrain.models.nemotron_h import step_ops, tiny_config
-from hybridtrain.models.nemotron_h.recurrent import ssd_step_torch
+from hybridtrain.models.nemotron_h import decode_ops, tiny_config
+from hybridtrain.models.nemotron_h.mamba_step import ssd_step_torch
 from hybridtrain.ops import backend
 
 
@@ -28,8 +28,8 @@ def test_few_row_linear_matches_the_module(rows):
     torch.manual_seed(0)
     lin = nn.Linear(48, 80)
     x = torch.randn(rows, 1, 48)
-    assert torch.allclose(step_ops.linear(lin, x), lin(x), atol=1e-6, rtol=1e-5)
-    assert step_ops.linear(lin, x).is_contiguous()
+    assert torch.allclose(decode_ops.linear(lin, x), lin(x), atol=1e-6, rtol=1e-5)
+    assert decode_ops.linear(lin, x).is_contiguous()
 
 
 @pytest.mark.parametrize("host_grouped", [True, False])
@@ -47,7 +47,7 @@ def test_block_norm_of_a_step_matches_the_module():
     norm = model.backbone.layers["0"].norm
     x = torch.randn(3, 1, model.config.hidden_size)
     with torch.no_grad():
-        assert torch.allclose(step_ops.norm(norm, x), norm(x), atol=1e-6, rtol=1e-5)
+        assert torch.allclose(decode_ops.norm(norm, x), norm(x), atol=1e-6, rtol=1e-5)
 
 
 def test_ssd_step_matches_the_per_head_recurrence():

@@ -22,7 +22,7 @@ from hybridtrain.peft import (
     save_merged_hf,
     save_peft_adapter,
 )
-from hybridtrain.peft.export import merge_cli
+from hybridtrain.recipes.merge import run as merge_cli
 
 from test_lora import ids, make_model, randomize_adapters
 

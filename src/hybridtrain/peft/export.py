@@ -18,14 +18,13 @@ model (whose module names the spec's ``peft_module_prefixes`` map to ours).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,8 +33,7 @@ from torch import nn
 
 from hybridtrain.distributed.activation_checkpoint import state_dict_name
 from hybridtrain.distributed.utils import barrier, get_rank, get_world_size
-from hybridtrain.fileio import (apply_umask, given_path, open_safetensors, output_folder,
-                                read_json)
+from hybridtrain.fileio import (apply_umask, open_safetensors, read_json)
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
@@ -54,7 +52,6 @@ __all__ = [
     "load_peft_adapter",
     "save_merged_hf",
     "merge_adapter_into_hf",
-    "merge_cli",
 ]
 
 logger = logging.getLogger(__name__)
@@ -484,33 +481,3 @@ def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.Pat
                 shutil.copyfile(os.path.join(src, fn), os.path.join(out_dir, fn))
     logger.info("merged %d adapted modules from %s into %s -> %s", len(names), adapter_dir, base_dir, out_dir)
     return out_dir
-
-
-# ---------------------------------------------------------------------------------- CLI
-def merge_cli(argv: Sequence[str] | None = None) -> int:
-    """``hybridtrain merge --base BASE_HF_DIR --adapter ADAPTER_DIR --out OUT_DIR [--dtype D]
-    [--allow-base-mismatch]``:
-    fold a PEFT-format LoRA adapter into its base checkpoint and write a plain HF checkpoint."""
-    parser = argparse.ArgumentParser(
-        prog="hybridtrain merge",
-        description="Merge a LoRA adapter (adapter_config.json + adapter_model.safetensors, as "
-                    "written by hybridtrain or PEFT) into its base Hugging Face checkpoint.")
-    parser.add_argument("--base", required=True, help="local base model directory (config.json + safetensors)")
-    parser.add_argument("--adapter", required=True, help="adapter directory")
-    parser.add_argument("--out", required=True, help="output directory for the merged checkpoint")
-    parser.add_argument("--dtype", default=None,
-                        help="dtype of the merged weights (default: the base checkpoint's)")
-    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    parser.add_argument("--allow-base-mismatch", action="store_true",
-                        help="merge even though adapter_config.json names another base model")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    from hybridtrain.training.checkpoint_reader import read_checkpoint  # (training imports peft)
-
-    base, adapter = given_path(args.base, "--base"), given_path(args.adapter, "--adapter")
-    out_dir = output_folder(args.out, "--out")  # not a file, nor under one: said before reading
-    # an adapter inside a run's step_N/ is read with that step pinned (a live run keeps it)
-    out = read_checkpoint(adapter, lambda path: merge_adapter_into_hf(
-        base, path, out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        allow_base_mismatch=args.allow_base_mismatch))
-    print(f"merged {args.adapter} into {args.base} -> {out}")
-    return 0

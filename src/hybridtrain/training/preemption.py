@@ -98,6 +98,7 @@ class RunStop:
     @classmethod
     def from_config(cls, cfg, device=None, started: float | None = None) -> "RunStop":
         """From ``checkpoint.save_on_signal`` and ``training.max_time`` of a loaded recipe."""
+        # (a light start-up: the CLI installs its signal handlers before torch or the schema load)
         from hybridtrain.config.schema import parse_duration, parse_signals
 
         text = cfg.training.max_time
@@ -235,7 +236,7 @@ def stopping_at_once(cfg_or_signals, release: Sequence[int] = ()) -> Iterator[No
     this while it runs); the signals of ``release`` that are not among them get their default
     action back. Main thread only; elsewhere nothing changes."""
     if hasattr(cfg_or_signals, "checkpoint"):
-        from hybridtrain.config.schema import parse_signals
+        from hybridtrain.config.schema import parse_signals  # (a light start-up, as above)
 
         signals = parse_signals(cfg_or_signals.checkpoint.save_on_signal)
     else:

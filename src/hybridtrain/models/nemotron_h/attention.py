@@ -10,7 +10,7 @@ from hybridtrain.ops.attention import document_causal_attention
 from . import context_parallel as cpl
 from .cache import KVCache
 from .config import NemotronHConfig
-from .step_ops import linear
+from .decode_ops import linear
 
 
 class Attention(nn.Module):

@@ -16,7 +16,7 @@ import torch
 class MambaState:
     conv: torch.Tensor  # [b, conv_dim, k - 1]: the last k - 1 conv inputs (zeros before the prompt)
     ssm: torch.Tensor  # [b, h, p, n] fp32: the SSM state after the last token
-    # the mixer's parameters as the fused fp32 CPU step reads them (recurrent.StepConstants),
+    # the mixer's parameters as the fused fp32 CPU step reads them (mamba_step.StepConstants),
     # made at prefill where ops.backend chooses that step; None: the generic step
     step: object | None = None
 

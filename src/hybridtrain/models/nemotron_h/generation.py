@@ -30,7 +30,7 @@ from hybridtrain.ops.sampling import GenerationConfig, decode
 
 from .cache import NemotronHCache
 from .moe import Experts, MoE
-from .step_ops import linear, norm, plain_linear
+from .decode_ops import linear, norm, plain_linear
 
 
 # ---------------------------------------------------------------------------------- model
@@ -93,7 +93,7 @@ def _transposed_head(model, h: torch.Tensor, steps: int) -> torch.Tensor | None:
 
 def _run_layers(model, h: torch.Tensor, run_block: Callable, step: bool) -> torch.Tensor:
     """``run_block(name, block, h)`` (the block's ``prefill`` or ``step``) over the blocks held,
-    then norm_f (if held). ``step``: a decoding step (``step_ops.norm``)."""
+    then norm_f (if held). ``step``: a decoding step (``decode_ops.norm``)."""
     for name, block in model.backbone.layers.items():
         h = run_block(name, block, h)
     return h if model.backbone.norm_f is None else norm(model.backbone.norm_f, h, step)

@@ -35,7 +35,7 @@ from . import kernel_ops
 from .kernel_loader import (KERNELS, TRITON_PACKAGES, _failures, _init_skipped, conv_has_own_ops,  # noqa: F401
                             forget_loaded, kernel, mamba_ssm_floor_problem, package_version)
 from .numerics import fp32_region
-from .recurrent import conv_step_torch, ssd_step_torch
+from .mamba_step import conv_step_torch, ssd_step_torch
 from .ssd import causal_conv1d_torch, ssd_chunked
 
 log = logging.getLogger(__name__)

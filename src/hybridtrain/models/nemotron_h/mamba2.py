@@ -21,12 +21,12 @@ from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 
 from . import context_parallel as cpl
-from . import kernels, recurrent
+from . import kernels, mamba_step
 from .cache import MambaState
 from .config import NemotronHConfig
 from .norms import RMSNormGated
 from .numerics import matmul_dtype
-from .step_ops import linear, plain_linear
+from .decode_ops import linear, plain_linear
 
 
 def group_major_rows(config: NemotronHConfig, conv: bool = False) -> torch.Tensor:
@@ -185,7 +185,7 @@ class Mamba2Mixer(nn.Module):
         place (no shape changes: a captured CUDA graph replays it)."""
         if state.step is not None and backend.cpu_decode_forms(hidden_states):
             # the fused fp32 CPU form, its constants made at prefill (bit-identical to the below)
-            y = recurrent.mixer_step_fp32(linear(self.in_proj, hidden_states[:, 0]), state.conv, state.ssm,
+            y = mamba_step.mixer_step_fp32(linear(self.in_proj, hidden_states[:, 0]), state.conv, state.ssm,
                                           state.step)
             return linear(self.out_proj, y)[:, None]
         z, xBC, dt = self.project_output(linear(self.in_proj, hidden_states[:, 0]))
@@ -199,8 +199,8 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(z.shape), z)
         return linear(self.out_proj, y.to(hidden_states.dtype))[:, None]
 
-    def _fused_step_constants(self, x: torch.Tensor) -> recurrent.StepConstants | None:
-        """The parameters for :func:`recurrent.mixer_step_fp32` where ``ops.backend`` chooses the
+    def _fused_step_constants(self, x: torch.Tensor) -> mamba_step.StepConstants | None:
+        """The parameters for :func:`mamba_step.mixer_step_fp32` where ``ops.backend`` chooses the
         fp32 CPU decoding forms for ``x`` and the mixer is plain (not LoRA, not tensor-parallel)."""
         if not (backend.cpu_decode_forms(x) and plain_linear(self.in_proj) and plain_linear(self.out_proj)
                 and type(self.norm) is RMSNormGated and self.conv1d.weight.shape[-1] > 1
@@ -208,6 +208,6 @@ class Mamba2Mixer(nn.Module):
                         for p in (self.in_proj.weight, self.conv1d.weight, self.A_log, self.D, self.dt_bias,
                                   self.norm.weight))):
             return None
-        return recurrent.StepConstants.make(
+        return mamba_step.StepConstants.make(
             self.A_log, self.dt_bias, self.dt_limit, self.D, self.conv1d.weight.squeeze(1), self.conv1d.bias,
             self.norm.weight, self.norm.eps, groups=self.n_groups, head_dim=self.head_dim, n=self.ssm_state_size)

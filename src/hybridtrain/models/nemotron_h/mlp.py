@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .step_ops import linear
+from .decode_ops import linear
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -43,5 +43,5 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(self.up_proj(x)))
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward for the few rows of a decoding step (``step_ops``' product forms)."""
+        """The forward for the few rows of a decoding step (``decode_ops``' product forms)."""
         return linear(self.down_proj, self.act_fn(linear(self.up_proj, x)))

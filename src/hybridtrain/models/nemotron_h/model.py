@@ -44,7 +44,7 @@ from .mlp import MLP
 from .moe import MoE
 from .norms import RMSNorm
 from .numerics import matmul_dtype
-from .step_ops import norm
+from .decode_ops import norm
 
 if TYPE_CHECKING:
     from hybridtrain.distributed.tensor_parallel import SequenceParallel
