@@ -1,8 +1,8 @@
 """hybridtrain vs TRL's ``SFTTrainer`` + PEFT on CPU: the same tiny Nemotron-H (squad_tiny's
 model, random weights, exported to a Hugging Face folder both load), the same chat data
 (examples/data/chat_tiny_train.jsonl, loss on assistant turns), the same LoRA (rank 8, alpha 32,
-attention q/k/v/o, Mamba in/out_proj, MLP and shared-expert up/down_proj; the routed experts,
-fused tensors in transformers, left frozen on both sides), the same schedule (33 steps, global
+attention q/k/v/o, Mamba in_proj, MLP and shared-expert up/down_proj; frozen on both sides: the
+routed experts, fused tensors in transformers, and Mamba's out_proj, which PEFT refuses), the same schedule (33 steps, global
 batch 4 = 2 x 2 accumulation, AdamW lr 3e-3 betas (0.9, 0.95), cosine to 3e-4 after 10 warm-up
 steps, clip 1.0), fp32, unpacked (rows of <= 256 tokens, padded per micro-batch) and packed
 (rows of 512 tokens: TRL's best-fit packing, padding-free).
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "chat_tiny_train.jsonl"
 STEPS, MBS, ACCUM, LR, MIN_LR, WARMUP, RANK, ALPHA, SEQ, PACK = 33, 2, 2, 3e-3, 3e-4, 10, 8, 32, 256, 512
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj")
 
 
 def _prepare(base: Path) -> None:
@@ -132,7 +132,7 @@ def _one(side: str, base: Path, out: Path, packed: bool, policy: str | None) -> 
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     result = out.parent / f"{out.name}.json"
     p = subprocess.run([sys.executable, __file__, "--side", side, "--base", str(base), "--out",
-                        str(out), *(["--packed"] if packed else [])], env=env,
+                        str(out), "--steps", str(STEPS), *(["--packed"] if packed else [])], env=env,
                        capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
         raise SystemExit(f"{side} ({'packed' if packed else 'unpacked'}) failed:\n"
@@ -141,14 +141,17 @@ def _one(side: str, base: Path, out: Path, packed: bool, policy: str | None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    global STEPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=STEPS, help="training steps (default 33)")
     ap.add_argument("--side", choices=("trl", "hybridtrain"), help=argparse.SUPPRESS)
     ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    STEPS = args.steps
     if args.prepare:
         _prepare(args.prepare)
         return 0
