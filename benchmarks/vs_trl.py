@@ -4,8 +4,9 @@ model, random weights, exported to a Hugging Face folder both load), the same ch
 attention q/k/v/o, Mamba in_proj, MLP and shared-expert up/down_proj; frozen on both sides: the
 routed experts, fused tensors in transformers, and Mamba's out_proj, which PEFT refuses), the same schedule (33 steps, global
 batch 4 = 2 x 2 accumulation, AdamW lr 3e-3 betas (0.9, 0.95), cosine to 3e-4 after 10 warm-up
-steps, clip 1.0), fp32, unpacked (rows of <= 256 tokens, padded per micro-batch) and packed
-(rows of 512 tokens: TRL's best-fit packing, padding-free).
+steps, clip 1.0), no activation checkpointing, fp32, unpacked (rows of <= 256 tokens, padded per
+micro-batch) and packed (rows of 512 tokens; TRL: its "wrapped" packing, since its best-fit
+packing is padding-free, which transformers refuses on CPU for Mamba layers without mamba_ssm).
 
     pip install "trl>=1.16"        # an optional benchmark dependency (not needed by hybridtrain)
     python benchmarks/vs_trl.py    # ~5 min on 2 cores
@@ -114,7 +115,11 @@ def _trl(base: Path, out: Path, packed: bool) -> dict:
         lr_scheduler_kwargs={"min_lr": MIN_LR}, warmup_steps=WARMUP, max_grad_norm=1.0,
         seed=1234, use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no",
         report_to=[], dataloader_num_workers=0, assistant_only_loss=True,
-        max_length=PACK if packed else SEQ, packing=packed, disable_tqdm=True)
+        max_length=PACK if packed else SEQ, packing=packed, disable_tqdm=True,
+        gradient_checkpointing=False,  # TRL's default is on; hybridtrain's run checkpoints nothing
+        # best-fit packing is padding-free, which transformers refuses for Mamba layers without
+        # mamba_ssm's CUDA kernels: on CPU, TRL packs by concatenating (documents see each other)
+        **({"packing_strategy": "wrapped", "padding_free": False} if packed else {}))
     lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                       target_modules=rf"^(?!.*\.experts\.).*\.({'|'.join(TARGETS)})$")
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tok,
