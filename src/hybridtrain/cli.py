@@ -261,8 +261,6 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
                 sub_argv: list[str]) -> int:
     cfg = load_config(args.config, parse_overrides(overrides))
     apply_dist_env(cfg.dist_env)  # first, before anything imports torch / touches CUDA
-    # the OpenMP wait policy, unless set: PASSIVE on oversubscribed cores (config/dist_env.py)
-    apply_process_defaults(local_processes=args.nproc_per_node or 1)
     if args.print_config:
         sys.stdout.write(cfg.to_yaml())
         return 0
@@ -271,6 +269,8 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
         run = _load_entry("hybridtrain.recipes.plan", "run", command)
         return run(cfg, (nproc or 1) * args.nnodes, args.device_memory, args.json,
                    args.device_type)
+    # the OpenMP wait policy, unless set: PASSIVE on oversubscribed cores (config/dist_env.py)
+    apply_process_defaults(local_processes=nproc or 1)
     if nproc is not None and under_torchrun():
         if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "
