@@ -16,9 +16,9 @@ the recipe set: the OpenMP wait policy, chosen by :func:`omp_wait_policy` from w
 doing when the command starts. Spinning threads (libgomp's default: a bounded spin, then sleep;
 ``ACTIVE``: spin) are fastest on cores of their own, but compete with the thread that has work
 whenever other jobs share the cores; ``PASSIVE`` threads sleep between parallel regions at once.
-Measured by ``benchmarks/thread_policy.py`` (squad_tiny, 2 cores): on idle cores ``PASSIVE``
-took 2.1-2.5x the time of ``ACTIVE``; with the cores busy, spinning made steps up to 10x slower
-(2026-11-26: 1.2-4.3 s per step spinning, 0.20 s passive). So ``PASSIVE`` is set only when the
+squad_tiny's 30 steps on 2 cores: on idle cores ``PASSIVE`` took 2.1-2.5x the time of
+``ACTIVE`` (2026-11-28); beside other jobs ``ACTIVE`` took 5-8x the time of ``PASSIVE``
+(``benchmarks/thread_policy.py``, docs/performance.md). So ``PASSIVE`` is set only when the
 cores are oversubscribed -- other processes' busy cores (sampled over 0.2 s from
 ``/proc/stat``) plus this launch's threads exceed the cores -- and libgomp's default is kept
 otherwise. ``OMP_WAIT_POLICY`` in the environment or ``dist_env`` decides instead.
