@@ -14,7 +14,8 @@ Commands::
     hybridtrain evaluate  -c RECIPE.yaml [--checkpoint DIR] [--section.key=value ...]
 
 ``finetune``/``benchmark``/``evaluate`` load the recipe, apply its ``dist_env`` and the process
-defaults (``OMP_WAIT_POLICY=PASSIVE`` unless set; both before torch is imported),
+defaults (``OMP_WAIT_POLICY=PASSIVE`` on oversubscribed cores, unless set; both before torch
+is imported),
 then either run in this process (one process, or under an external ``torchrun``) or, with
 ``--nproc-per-node N`` (N > 1), start N workers of themselves on this node with torchrun's
 environment (:mod:`hybridtrain.launch`: signals passed on, the workers' exit status, one
@@ -270,7 +271,6 @@ def _run_recipe(command: str, args: argparse.Namespace, overrides: list[str],
 
 def _run_loaded(command: str, args: argparse.Namespace, cfg, sub_argv: list[str]) -> int:
     apply_dist_env(cfg.dist_env)  # first, before anything imports torch / touches CUDA
-    apply_process_defaults()      # OMP_WAIT_POLICY=PASSIVE unless set: see config/dist_env.py
     if args.print_config:
         sys.stdout.write(cfg.to_yaml())
         return 0
@@ -279,6 +279,8 @@ def _run_loaded(command: str, args: argparse.Namespace, cfg, sub_argv: list[str]
         run = _load_entry("hybridtrain.recipes.plan", "run", command)
         return run(cfg, (nproc or 1) * args.nnodes, args.device_memory, args.json,
                    args.device_type)
+    # the OpenMP wait policy, unless set: PASSIVE on oversubscribed cores (config/dist_env.py)
+    apply_process_defaults(local_processes=nproc or 1)
     if nproc is not None and under_torchrun():
         if nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             logger.warning("--nproc-per-node %d ignored: already running under torchrun with "

@@ -50,9 +50,22 @@ def _ep_worker(rank, world):
     return eager, compiled, explained.graph_count, reasons, seconds
 
 
+def _all_workers(rank, world):
+    """ep2, tp2 and cp2 in one set of processes (one launch for the file)."""
+    return {"ep2": _ep_worker(rank, world), "tp2": _tp_worker(rank, world),
+            "cp2": _cp_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Per layout, each rank's result."""
+    res = run_distributed(_all_workers, 2)
+    return {name: [r[name] for r in res] for name in res[0]}
+
+
 @pytest.mark.distributed
-def test_ep2_compiled_moe_breaks_only_at_the_exchange_and_matches_eager():
-    for rank, (eager, compiled, graphs, reasons, seconds) in enumerate(run_distributed(_ep_worker, 2)):
+def test_ep2_compiled_moe_breaks_only_at_the_exchange_and_matches_eager(runs):
+    for rank, (eager, compiled, graphs, reasons, seconds) in enumerate(runs["ep2"]):
         print(f"\n[compile] ep=2 moe rank {rank}: {graphs} graphs, breaks {reasons}, "
               f"first compiled step {seconds:.1f} s")
         assert reasons == ["ep_dispatch", "ep_combine"] and graphs == 3, reasons
@@ -119,8 +132,8 @@ def _cp_worker(rank, world):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["tp2", "cp2"])
-def test_blocks_compile_under_model_parallelism(layout):
-    for rank, res in enumerate(run_distributed({"tp2": _tp_worker, "cp2": _cp_worker}[layout], 2)):
+def test_blocks_compile_under_model_parallelism(runs, layout):
+    for rank, res in enumerate(runs[layout]):
         for block_type, (graphs, reasons, err, seconds) in res.items():
             print(f"\n[compile] {layout} rank {rank} {block_type}: {graphs} graphs, breaks {reasons}, "
                   f"max |compiled - eager| {err:.1e}, first compiled step {seconds:.1f} s")

@@ -93,8 +93,13 @@ def _run(layout, world, dataset, eos, out_dir):
     return {k: rec.get(k) for k in ("exact_match", "f1", "eval_examples", "eval_new_tokens")}, tokens
 
 
-def _ranks(rank, world, layout, answers, eos, out_dir):
-    return _run(layout, world, _Scored(answers), eos, out_dir)
+def _ranks(rank, world, layouts, answers, eos, out_dir):
+    """Every layout of ``layouts`` ({name: layout}) in turn, in one set of processes."""
+    out = {}
+    for name, layout in layouts.items():
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+        out[name] = _run(layout, world, _Scored(answers), eos, os.path.join(out_dir, name))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +132,25 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def layout_runs(reference, tmp_path_factory):
+    """Each layout's per-rank (record, tokens): the layouts of one world size in one launch."""
+    _, _, answers, eos = reference
+    out = {}
+    for world in sorted({w for _, w in LAYOUTS.values()}):
+        layouts = {name: layout for name, (layout, w) in LAYOUTS.items() if w == world}
+        tmp = str(tmp_path_factory.mktemp(f"eval{world}"))
+        for rank, res in enumerate(run_distributed(_ranks, world, layouts, answers, eos, tmp)):
+            for name, got in res.items():
+                out.setdefault(name, []).append(got)
+    return out
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_evaluation_matches_one_process(name, reference, tmp_path):
-    ref_rec, ref_tokens, answers, eos = reference
-    layout, world = LAYOUTS[name]
-    for rec, tokens in run_distributed(_ranks, world, layout, answers, eos, str(tmp_path)):
+def test_evaluation_matches_one_process(name, reference, layout_runs):
+    ref_rec, ref_tokens, _, _ = reference
+    for rec, tokens in layout_runs[name]:
         assert rec == pytest.approx(ref_rec, rel=0, abs=1e-9), (name, rec, ref_rec)
         assert torch.equal(tokens, ref_tokens), name
 

@@ -72,32 +72,6 @@ def test_rollouts_split_over_ranks_equal_one_process():
         assert all(torch.equal(batch[k], ref_batch[k]) for k in ref_batch)
 
 
-def _grpo(rank, world, tmp):
-    from hybridtrain.recipes.grpo import run
-
-    texts = {"_target_": "hybridtrain.rl.tasks.counting_texts", "n": 100}
-    run(_recipe(tmp, texts, grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 4,
-                                  "max_new_tokens": 3, "updates_per_rollout": 2},
-                metrics={"progress_bar": False, "plot": False},
-                checkpoint={"dir": str(tmp / "run"), "save_hf_at_end": False}))
-    return [json.loads(line) for line in open(tmp / "run" / "training.jsonl")] if rank == 0 else None
-
-
-@pytest.mark.distributed
-def test_grpo_steps_on_two_ranks_equal_one_process(tmp_path):
-    """FSDP2 over 2 ranks, each sampling one of the 2 prompt groups: the same rewards, completion
-    lengths, losses, KL and gradient norms as one process sampling both."""
-    torch.set_num_threads(1)
-    ref = _grpo(0, 1, tmp_path / "one")
-    got = run_distributed(_grpo, 2, tmp_path / "two")[0]
-    assert len(got) == len(ref) == 2
-    for g, r in zip(got, ref):
-        for k in ("reward", "reward_std", "accuracy", "completion_tokens"):
-            assert g[k] == r[k], (k, g[k], r[k])
-        for k in ("loss", "kl", "grad_norm", "clip_fraction", "entropy", "ratio"):
-            assert abs(g[k] - r[k]) <= 1e-5 * max(abs(r[k]), 1e-6), (k, g[k], r[k])
-
-
 def _grpo_three_steps(rank, world, tmp, resume):
     """3 steps with a checkpoint after each (``resume``: a step folder to continue from)."""
     from hybridtrain.recipes.grpo import run
@@ -112,14 +86,38 @@ def _grpo_three_steps(rank, world, tmp, resume):
     return [json.loads(line) for line in open(tmp / "run" / "training.jsonl")] if rank == 0 else None
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The 3-step run under FSDP2 over 2 ranks (checkpoints after each step in ``tmp/run``):
+    (tmp, its records)."""
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("grpo2")
+    return tmp, run_distributed(_grpo_three_steps, 2, tmp, None)[0]
+
+
 @pytest.mark.distributed
-def test_grpo_on_two_ranks_resumes_exactly(tmp_path):
+def test_grpo_steps_on_two_ranks_equal_one_process(whole, tmp_path):
+    """FSDP2 over 2 ranks, each sampling one of the 2 prompt groups: the same rewards, completion
+    lengths, losses, KL and gradient norms as one process sampling both, at each of 3 steps."""
+    torch.set_num_threads(1)
+    ref = _grpo_three_steps(0, 1, tmp_path / "one", None)
+    got = whole[1]
+    assert len(got) == len(ref) == 3
+    for g, r in zip(got, ref):
+        for k in ("reward", "reward_std", "accuracy", "completion_tokens"):
+            assert g[k] == r[k], (k, g[k], r[k])
+        for k in ("loss", "kl", "grad_norm", "clip_fraction", "entropy", "ratio"):
+            assert abs(g[k] - r[k]) <= 1e-5 * max(abs(r[k]), 1e-6), (k, g[k], r[k])
+
+
+@pytest.mark.distributed
+def test_grpo_on_two_ranks_resumes_exactly(whole):
     """FSDP2 over 2 ranks: resumed from step_1 (every rank's RNG, the sharded optimizer state,
     the prompt generator), steps 2 and 3 log exactly what the uninterrupted run logged. (One
     run per set of processes: a second process group in the same processes can hang.)"""
     torch.set_num_threads(1)
-    whole = run_distributed(_grpo_three_steps, 2, tmp_path, None)[0]
-    resumed = run_distributed(_grpo_three_steps, 2, tmp_path, str(tmp_path / "run" / "step_1"))[0]
+    tmp, records = whole
+    resumed = run_distributed(_grpo_three_steps, 2, tmp, str(tmp / "run" / "step_1"))[0]
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for k in ("reward", "reward_std", "accuracy", "loss", "kl", "grad_norm", "lr", "ratio"):
-        assert [r[k] for r in resumed] == [r[k] for r in whole], k
+        assert [r[k] for r in resumed] == [r[k] for r in records], k

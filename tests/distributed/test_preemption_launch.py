@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,6 +40,13 @@ def _env() -> dict[str, str]:
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+
+
+def _messages(err: str, start: str) -> list[str]:
+    """The lines of the workers' stderr that start with ``start`` after the launcher's
+    ``[rank N] `` prefix."""
+    lines = (re.fullmatch(r"\[rank \d+\] (.*)", x) for x in err.splitlines())
+    return [m.group(1) for m in lines if m and m.group(1).startswith(start)]
 
 
 def _records(out: Path) -> list[dict]:
@@ -88,7 +96,7 @@ def _assert_stopped(out: Path, code: int, err: str, sig: int) -> int:
     assert (out / "latest").read_text().strip() == f"step_{reached}"
     state = json.loads((out / f"step_{reached}" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == reached
-    lines = [x for x in err.splitlines() if x.startswith("hybridtrain:")]
+    lines = _messages(err, "hybridtrain:")
     assert lines == [f"hybridtrain: {signal.Signals(sig).name} received: stopped after step "
                      f"{reached} of {STEPS}; saved {out}/step_{reached}; resume with "
                      "--checkpoint.resume=auto"], err[-3000:]
@@ -119,6 +127,6 @@ def test_a_startup_error_is_printed_once_and_exits_2(tmp_path):
     out = tmp_path / "run"
     r = _run(_argv(tmp_path, out, "--training.global_batch_size=6"))
     assert r.returncode == 2, r.stderr[-3000:]
-    errors = [x for x in r.stderr.splitlines() if x.startswith("hybridtrain: error:")]
+    errors = _messages(r.stderr, "hybridtrain: error:")
     assert len(errors) == 1 and "global_batch_size" in errors[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr

@@ -95,7 +95,7 @@ def test_vocab_parallel_cross_entropy_and_logprobs(world):
 
 
 # -- the parity matrix: tensor parallelism through the recipe's builder and trainer ---------------
-# (one spawned group per fixture, each under a minute; the single-process references once)
+# (one launch per world size; the single-process references once)
 from tests.helpers import parity as pu  # noqa: E402
 
 SAVE_AT = pu.SAVE_AT
@@ -105,18 +105,21 @@ ONE_KV_HEAD = {"model": {"_target_": "hybridtrain.models.nemotron_h.NemotronHFor
 LAYOUTS = {"tp2": ({"tp": 2}, 2), "tp2_pp2": ({"tp": 2, "pp": 2}, 4), "tp2_ep2": ({"tp": 2, "ep": 2}, 4)}
 
 
-def _layout_group(rank, world, layout, sections):
-    return {packed: pu.run_layout(layout, world, packed, **sections) for packed in (False, True)}
+def _two_rank_group(rank, world, ckpt):
+    """Everything of 2 ranks in one launch: TP=2 unpacked and packed, TP=2 with one kv head,
+    TP=2 saved at step ``SAVE_AT``, resumed from the one-process checkpoint, and with
+    activation checkpointing."""
+    layout = LAYOUTS["tp2"][0]
+    return {"tp2": {packed: pu.run_layout(layout, world, packed) for packed in (False, True)},
+            "one_kv": pu.run_layout(layout, world, False, **ONE_KV_HEAD),
+            "save_tp2": pu.train_and_save(layout, world, f"{ckpt}/tp2", SAVE_AT),
+            "single->tp2": pu.resume_and_train(layout, world, f"{ckpt}/single"),
+            "tp2_ac": pu.run_layout(layout, world, False, ac=True)[0]}
 
 
-def _one_kv_group(rank, world):
-    return pu.run_layout({"tp": 2}, world, False, **ONE_KV_HEAD)
-
-
-def _ckpt_group(rank, world, ckpt):
-    return {"save_tp2": pu.train_and_save({"tp": 2}, world, f"{ckpt}/tp2", SAVE_AT),
-            "single->tp2": pu.resume_and_train({"tp": 2}, world, f"{ckpt}/single"),
-            "tp2_ac": pu.run_layout({"tp": 2}, world, False, ac=True)[0]}
+def _four_rank_group(rank, world):
+    return {name: {packed: pu.run_layout(layout, world, packed) for packed in (False, True)}
+            for name, (layout, w) in LAYOUTS.items() if w == 4}
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +128,18 @@ def reference():
     return {packed: pu.reference(packed) for packed in (False, True)}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout_runs(request):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Rank 0's results of one 2-rank and one 4-rank launch, plus the one-process save and the
+    one-process resume of the TP=2 checkpoint."""
     torch.set_num_threads(1)
-    layout, world = LAYOUTS[request.param]
-    return request.param, run_distributed(_layout_group, world, layout, {})[0]
+    ckpt = str(tmp_path_factory.mktemp("tp_ckpt"))
+    saved_single = pu.train_and_save({}, 1, f"{ckpt}/single", SAVE_AT)
+    out = run_distributed(_two_rank_group, 2, ckpt)[0]
+    out.update(run_distributed(_four_rank_group, 4)[0])
+    out["saved_single"] = saved_single
+    out["tp2->single"] = pu.resume_and_train({}, 1, f"{ckpt}/tp2")
+    return out
 
 
 def _max_rel(a, b):
@@ -154,34 +164,29 @@ def _check(name, got, ref):
 
 
 @pytest.mark.distributed
-def test_tp_layout_matches_single_process(reference, layout_runs):
-    name, runs = layout_runs
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tp_layout_matches_single_process(reference, runs, name):
     for packed in (False, True):
-        _check(f"{name} {'packed' if packed else 'unpacked'}", runs[packed], reference[packed])
+        _check(f"{name} {'packed' if packed else 'unpacked'}", runs[name][packed], reference[packed])
 
 
 @pytest.mark.distributed
-def test_tp2_with_fewer_kv_heads_than_ranks():
+def test_tp2_with_fewer_kv_heads_than_ranks(runs):
     torch.set_num_threads(1)
     ref = pu.run_layout({}, 1, False, **ONE_KV_HEAD)
-    _check("tp2, 1 kv head", run_distributed(_one_kv_group, 2)[0], ref)
+    _check("tp2, 1 kv head", runs["one_kv"], ref)
 
 
 @pytest.mark.distributed
-def test_checkpoint_resumes_across_tp_layouts(reference, tmp_path):
+def test_checkpoint_resumes_across_tp_layouts(reference, runs):
     """TP=2 -> one process and one process -> TP=2 (checkpoints hold full tensors); TP=2 with
     activation checkpointing."""
-    torch.set_num_threads(1)
-    ckpt = str(tmp_path)
     ref_losses = reference[False][0]
-    saved_single = pu.train_and_save({}, 1, f"{ckpt}/single", SAVE_AT)
-    res = run_distributed(_ckpt_group, 2, ckpt)[0]
-    res["tp2->single"] = pu.resume_and_train({}, 1, f"{ckpt}/tp2")
-    assert _max_rel(saved_single, ref_losses[:SAVE_AT]) <= 1e-5
-    assert _max_rel(res["save_tp2"], ref_losses[:SAVE_AT]) <= 1e-5
+    assert _max_rel(runs["saved_single"], ref_losses[:SAVE_AT]) <= 1e-5
+    assert _max_rel(runs["save_tp2"], ref_losses[:SAVE_AT]) <= 1e-5
     for flow in ("tp2->single", "single->tp2"):
-        assert _max_rel(res[flow], ref_losses[SAVE_AT:]) <= 1e-5, (flow, res[flow], ref_losses[SAVE_AT:])
-    assert _max_rel(res["tp2_ac"], ref_losses) <= 1e-5
+        assert _max_rel(runs[flow], ref_losses[SAVE_AT:]) <= 1e-5, (flow, runs[flow], ref_losses[SAVE_AT:])
+    assert _max_rel(runs["tp2_ac"], ref_losses) <= 1e-5
 
 
 @pytest.mark.distributed

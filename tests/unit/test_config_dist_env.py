@@ -15,6 +15,7 @@ from hybridtrain.config import (
     load_config,
 )
 from hybridtrain.config import dist_env as dist_env_mod
+from hybridtrain.config.dist_env import busy_cores, omp_wait_policy
 
 
 @pytest.fixture(autouse=True)
@@ -107,11 +108,45 @@ def test_loaded_section_applies(tmp_path):
 def test_process_defaults_fill_only_what_environment_and_recipe_left_unset():
     env = {}
     apply_dist_env({"nccl_debug": "WARN"}, environ=env)
-    assert apply_process_defaults(environ=env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert apply_process_defaults(environ=env, others=2.0) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert env == {"NCCL_DEBUG": "WARN", "OMP_WAIT_POLICY": "PASSIVE"}
     recipe = {}
     apply_dist_env({"omp_wait_policy": "ACTIVE"}, environ=recipe)  # the recipe wins
-    assert apply_process_defaults(environ=recipe) == {} and recipe["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert apply_process_defaults(environ=recipe, others=2.0) == {}
+    assert recipe["OMP_WAIT_POLICY"] == "ACTIVE"
     user = {"OMP_WAIT_POLICY": "active"}  # and the user's environment wins over both
     apply_dist_env({"omp_wait_policy": "PASSIVE"}, environ=user)
-    assert apply_process_defaults(environ=user) == {} and user == {"OMP_WAIT_POLICY": "active"}
+    assert apply_process_defaults(environ=user, others=2.0) == {} and user == {"OMP_WAIT_POLICY": "active"}
+    idle = {}
+    assert apply_process_defaults(environ=idle, others=0.1) == {} and idle == {}
+
+
+@pytest.mark.parametrize("others,nproc,threads,cores,policy", [
+    (0.1, 1, None, 2, None),       # an idle machine: libgomp's default (a short spin)
+    (1.0, 1, None, 2, "PASSIVE"),  # one busy process beside 2 threads on 2 cores
+    (0.1, 2, None, 2, None),       # 2 launched workers of one thread each on 2 cores
+    (1.0, 2, None, 2, "PASSIVE"),
+    (0.2, 2, "2", 2, "PASSIVE"),   # 2 workers x 2 threads on 2 cores
+    (3.0, 1, "4", 8, None),        # 4 threads beside 3 busy cores of 8
+])
+def test_passive_only_on_oversubscribed_cores(others, nproc, threads, cores, policy):
+    env = {} if threads is None else {"OMP_NUM_THREADS": threads}
+    assert omp_wait_policy(env, nproc, others=others, cores=cores) == policy
+
+
+def test_busy_cores_sees_a_busy_process():
+    import subprocess
+    import sys
+
+    if busy_cores(0.05) is None:
+        pytest.skip("no /proc/stat")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        busy = busy_cores(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy >= 0.5  # the spinning process (and whatever else runs here)

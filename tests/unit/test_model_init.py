@@ -11,10 +11,17 @@ import torch.nn.functional as F
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
 
 
+def _large_config():
+    return tiny_config("mixed", mamba_num_heads=64, mamba_head_dim=4, hidden_size=256, n_groups=2)
+
+
 def test_reference_initialisation():
     torch.manual_seed(0)
-    cfg = tiny_config("mixed", mamba_num_heads=64, mamba_head_dim=4, hidden_size=256, n_groups=2)
-    m = NemotronHForCausalLM(cfg)
+    cfg = _large_config()
+    _assert_reference_initialisation(NemotronHForCausalLM(cfg), cfg)
+
+
+def _assert_reference_initialisation(m, cfg):
     mamba = m.backbone.layers["0"].mixer
     assert torch.allclose(mamba.A_log, torch.log(torch.arange(1, 65, dtype=torch.float32)))
     assert torch.equal(mamba.D, torch.ones(64))
@@ -37,13 +44,21 @@ def test_reference_initialisation():
             assert torch.equal(p, torch.zeros_like(p)), name
 
 
-def test_meta_construction_allocates_nothing():
-    with torch.device("meta"):
-        m = NemotronHForCausalLM(tiny_config("moe"))
-    assert all(p.is_meta for p in m.parameters())
-    m.to_empty(device="cpu")
-    m.init_weights()
-    assert torch.isfinite(m(torch.randint(0, 256, (1, 9)))).all()
+def test_meta_construction_allocates_nothing_then_initialises_as_the_reference():
+    """Built on the meta device, then ``to_empty`` + ``init_weights``: the reference
+    initialisation (as constructed on the CPU), the same weights again for the same seed."""
+    cfg = _large_config()
+    weights = []
+    for _ in range(2):
+        with torch.device("meta"):
+            m = NemotronHForCausalLM(cfg)
+        assert all(p.is_meta for p in m.parameters())
+        m.to_empty(device="cpu")
+        torch.manual_seed(0)
+        m.init_weights()
+        _assert_reference_initialisation(m, cfg)
+        weights.append(m.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 def test_forward_contract_logits_loss_hidden_states():

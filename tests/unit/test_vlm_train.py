@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from hybridtrain.data.batch import count_label_tokens, model_inputs
 from tests.helpers import parity, vlm
 
 
@@ -20,8 +21,13 @@ def test_trains_on_mixed_image_and_text_batches(data_dir):
     batches = [parity.micro_batches(b, s) for s in range(parity.STEPS)]
     grids = [mb["image_grid"].shape[0] for step in batches for mb in step]
     assert 0 in grids or min(grids) < parity.MBS  # some text-only samples in the batches
+    with torch.no_grad():  # the first step's loss: the model's own summed loss, per label token
+        total = sum(float(b.model(mb["input_ids"], labels=mb["labels"], **model_inputs(mb)))
+                    for mb in batches[0])
+    first = total / sum(count_label_tokens(mb) for mb in batches[0])
     losses, norms = parity.train(b, trainer)
-    assert all(math.isfinite(x) for x in losses + norms)
+    assert losses[0] == pytest.approx(first, rel=1e-6), (losses, first)
+    assert all(math.isfinite(x) and x > 0 for x in norms)
     mb = next(mb for step in batches for mb in step if mb["image_grid"].shape[0])
     vision = b.flops_fn(mb) - b.flops_fn({**mb, "image_grid": None})
     assert vision > 0  # the spec counts the vision encoder and projector

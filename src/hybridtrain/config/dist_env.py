@@ -11,13 +11,17 @@ Keys are upper-cased; ``true``/``false`` become ``1``/``0``; numbers their text.
 is already set in the environment wins (the launcher or user knows better) and is reported once
 per process. ``null`` is an error -- it is never exported as the string "None".
 
-Then the process defaults (:data:`PROCESS_DEFAULTS`, :func:`apply_process_defaults`) fill the
-variables neither the environment nor the recipe set: ``OMP_WAIT_POLICY=PASSIVE``, so torch's
-OpenMP threads sleep between parallel regions instead of spinning. Spinning threads compete with
-the one that has work whenever other jobs share the cores (2 cores at load ~4, 2026-11-26, the
-same invocation: squad_tiny's model 1.2-4.3 s per step spinning, 0.20 s passive, 0.17-0.20 s
-with one thread; vlm_tiny's 2.8 s vs 0.39 s vs 0.36 s). Restore spinning with
-``OMP_WAIT_POLICY=ACTIVE`` (environment or ``dist_env``).
+Then the process defaults (:func:`apply_process_defaults`) fill what neither the environment nor
+the recipe set: the OpenMP wait policy, chosen by :func:`omp_wait_policy` from what the cores are
+doing when the command starts. Spinning threads (libgomp's default: a bounded spin, then sleep;
+``ACTIVE``: spin) are fastest on cores of their own, but compete with the thread that has work
+whenever other jobs share the cores; ``PASSIVE`` threads sleep between parallel regions at once.
+squad_tiny's 30 steps on 2 cores: on idle cores ``PASSIVE`` took 2.1-2.5x the time of
+``ACTIVE`` (2026-11-28); beside other jobs ``ACTIVE`` took 5-8x the time of ``PASSIVE``
+(``benchmarks/thread_policy.py``, docs/performance.md). So ``PASSIVE`` is set only when the
+cores are oversubscribed -- other processes' busy cores (sampled over 0.2 s from
+``/proc/stat``) plus this launch's threads exceed the cores -- and libgomp's default is kept
+otherwise. ``OMP_WAIT_POLICY`` in the environment or ``dist_env`` decides instead.
 
 The CLI applies both right after loading the recipe, before importing torch. Call
 ``apply_dist_env(cfg.dist_env)`` yourself when driving hybridtrain from Python, before
@@ -30,18 +34,19 @@ import logging
 import os
 import re
 import sys
+import time
 from typing import Any, Callable, Mapping, MutableMapping
 
 from hybridtrain.config.errors import ConfigError
 
-__all__ = ["dist_env_vars", "apply_dist_env", "apply_process_defaults", "PROCESS_DEFAULTS"]
+__all__ = ["dist_env_vars", "apply_dist_env", "apply_process_defaults", "omp_wait_policy",
+           "busy_cores"]
 
 logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REPORTED: set[str] = set()  # variables already reported as "set in the environment"
 
-PROCESS_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}  # read by libgomp when torch first loads
 
 
 def _default_where(section: Mapping) -> Callable[[str], str]:
@@ -127,11 +132,71 @@ def _warn_if_too_late() -> None:
                        "some variables may have no effect")
 
 
-def apply_process_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set each of :data:`PROCESS_DEFAULTS` that ``environ`` (default ``os.environ``) lacks;
-    returns those set. Call after :func:`apply_dist_env` (a recipe's value wins) and before
-    ``import torch`` (libgomp reads the variable once, when it loads)."""
-    environ = os.environ if environ is None else environ
-    applied = {k: v for k, v in PROCESS_DEFAULTS.items() if k not in environ}
-    environ.update(applied)
-    return applied
+def busy_cores(window_s: float = 0.2) -> float | None:
+    """Cores kept busy by other processes: the machine's busy time over ``window_s`` seconds
+    (``/proc/stat``) less this process's own; ``None`` where ``/proc/stat`` cannot be read."""
+    def sample() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        own = os.times()
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return sum(ticks[:8]) - idle, sum(ticks[:8]), own.user + own.system
+
+    try:
+        busy0, total0, own0 = sample()
+        time.sleep(window_s)
+        busy1, total1, own1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    cores = os.cpu_count() or 1
+    busy = (busy1 - busy0) / (total1 - total0) * cores  # cores busy over the window
+    return max(0.0, busy - (own1 - own0) / window_s)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def omp_wait_policy(environ: Mapping[str, str], local_processes: int = 1,
+                    others: float | None = None, cores: int | None = None) -> str | None:
+    """``"PASSIVE"`` when the cores this process may use are oversubscribed: ``others`` (the
+    cores other processes keep busy, default :func:`busy_cores`, else the 1-minute load
+    average) plus ``local_processes`` x threads (``OMP_NUM_THREADS``; 1 per launched worker,
+    else one per core) exceed the cores by more than half a core; ``None`` (libgomp's default)
+    otherwise."""
+    cores = cores or _cores()
+    if others is None:
+        others = busy_cores()
+    if others is None:
+        others = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = int(environ.get("OMP_NUM_THREADS") or (1 if local_processes > 1 else cores))
+    demand = others + local_processes * threads
+    return "PASSIVE" if demand > cores + 0.5 else None
+
+
+def apply_process_defaults(environ: MutableMapping[str, str] | None = None,
+                           local_processes: int = 1, others: float | None = None
+                           ) -> dict[str, str]:
+    """Set ``OMP_WAIT_POLICY`` by :func:`omp_wait_policy` when ``environ`` (default
+    ``os.environ``) lacks it; returns what was set. ``local_processes``: the processes this
+    command runs on the node (``--nproc-per-node``). Call after :func:`apply_dist_env` (a
+    recipe's value wins) and before ``import torch`` (libgomp reads the variable once, when it
+    loads; with ``os.environ`` after that, nothing is set)."""
+    if environ is None:
+        if "torch" in sys.modules:  # libgomp has read its variables: nothing to choose
+            return {}
+        environ = os.environ
+    if "OMP_WAIT_POLICY" in environ:
+        return {}
+    policy = omp_wait_policy(environ, local_processes, others)
+    if policy is None:
+        return {}
+    environ["OMP_WAIT_POLICY"] = policy
+    logger.info("OMP_WAIT_POLICY=%s: the cores are shared with other busy processes (set "
+                "OMP_WAIT_POLICY yourself to choose)", policy)
+    return {"OMP_WAIT_POLICY": policy}

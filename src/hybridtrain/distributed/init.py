@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from hybridtrain.distributed.parent_watch import launched_by_launcher, watch_parent
+from hybridtrain.launch import STORE_ENV, STORE_FD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +87,28 @@ def init_distributed(
                 "`hybridtrain ... --nproc-per-node N`), or export MASTER_ADDR (the first node) "
                 "and MASTER_PORT when starting the ranks with srun"
             )
-        kwargs = {}
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        kwargs = {"store": _launcher_store(rank, world, timeout)}
         if device_type == "cuda":
             kwargs["device_id"] = dev
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-            **kwargs,
-        )
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                                **kwargs)
         log.info("rank %d/%d: %s process group on %s", rank, world, backend, dev)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def _launcher_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store of a ``--nproc-per-node`` launch (:mod:`hybridtrain.launch`): rank
+    0 serves it on the socket the launcher already listens on, the others connect to it.
+    ``None`` otherwise (torchrun, srun: ``env://`` from ``MASTER_ADDR``/``MASTER_PORT``)."""
+    if os.environ.get(STORE_ENV) != "1":
+        return None
+    fd = os.environ.pop(STORE_FD_ENV, None) if rank == 0 else None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0, timeout=timeout,
+                         master_listen_fd=int(fd) if fd else None)
 
 
 def destroy_distributed() -> None:

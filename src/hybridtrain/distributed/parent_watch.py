@@ -35,9 +35,12 @@ def _watch(parent: int, interval: float) -> None:
     while True:
         time.sleep(interval)
         if os.getppid() != parent:
-            sys.stderr.write(f"hybridtrain: error: the launcher (pid {parent}) of worker "
-                             f"{os.getpid()} is gone; ending this worker\n")
-            sys.stderr.flush()
+            try:  # stderr may be a pipe to the launcher that died with it
+                sys.stderr.write(f"hybridtrain: error: the launcher (pid {parent}) of worker "
+                                 f"{os.getpid()} is gone; ending this worker\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
             os._exit(1)
 
 
