@@ -8,7 +8,7 @@ steps, clip 1.0), no activation checkpointing, fp32, unpacked (rows of <= 256 to
 micro-batch) and packed (rows of 512 tokens; TRL: its "wrapped" packing, since its best-fit
 packing is padding-free, which transformers refuses on CPU for Mamba layers without mamba_ssm).
 
-    pip install "trl>=1.16"        # an optional benchmark dependency (not needed by hybridtrain)
+    pip install -e ".[bench]"      # trl>=1.16, an optional benchmark dependency
     python benchmarks/vs_trl.py    # ~5 min on 2 cores
 
 Each run is a fresh process. "same policy": both under the OpenMP wait policy hybridtrain's
