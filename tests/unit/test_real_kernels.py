@@ -1,6 +1,6 @@
 """The kernels GPU users run, run here: mamba_ssm's Triton SSD and state update under Triton's
 interpreter on CPU tensors (``TRITON_INTERPRET=1``, set before triton is imported: each check
-runs in a process of its own), against the PyTorch path, and compiled.
+all checks run in one such process, :func:`run_checks`), against the PyTorch path, and compiled.
 
 * the Mamba2 mixer forward and backward, one document and packed (``seq_idx``), fp32 and bf16;
 * the scan with an initial state and the final state (what context parallelism passes), dt_bias,
@@ -12,7 +12,9 @@ runs in a process of its own), against the PyTorch path, and compiled.
   equal to eager.
 
 Skipped where triton or mamba_ssm is not installed (``make test`` installs them; see the
-Makefile). The interpreter is slow: the shapes are tiny.
+Makefile). The interpreter is slow, its cost per program instance (batch x chunks x heads): the
+shapes are tiny (two chunks of 4), and a compiled kernel path is compared with the eager
+PyTorch path (the mixer check shows the eager kernel path equals it).
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def check_mixer_and_decode():
 
     m = _mixer()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 12, 16, generator=g)
-    for seq_idx in (None, torch.tensor([[0] * 5 + [1] * 7, [3] * 12])):
+    x = torch.randn(2, 8, 16, generator=g)
+    for seq_idx in (None, torch.tensor([[0] * 3 + [1] * 5, [3] * 8])):
         with _settings(True):
             got = _ran("hybridtrain::ssd_scan", lambda: _mixer_run(m, x, seq_idx))
         with _settings(False):
@@ -147,9 +149,9 @@ def _one_graph(fn):
 
 
 def check_compiled():
-    """fullgraph=True with the interpreted kernels: a Mamba block plain, packed and under
-    activation checkpointing; the scan with states at half the heads (a tensor-parallel rank's);
-    the tiny model's train step, one graph per block; all equal to eager."""
+    """fullgraph=True with the interpreted kernels: a Mamba block packed under activation
+    checkpointing; the scan with states at half the heads (a tensor-parallel rank's);
+    the tiny model's train step, one graph per block; all equal to the eager PyTorch path."""
     _require_interpreter()
     from torch.utils.checkpoint import checkpoint
 
@@ -167,7 +169,7 @@ def check_compiled():
             p.add_(torch.randn_like(p) * 0.05)
     block = next(b for b in model.backbone.layers.values() if b.block_type == "linear_attention")
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 12, 16, generator=g)
+    x = torch.randn(2, 8, 16, generator=g)
 
     def run(fn, info):
         block.zero_grad(set_to_none=True)
@@ -176,62 +178,69 @@ def check_compiled():
         y.square().mean().backward()
         return [y.detach(), xi.grad] + [p.grad for p in block.parameters()]
 
+    # each compiled kernel path against the eager PyTorch path (eager kernels = PyTorch: above).
+    # A Mamba block packed under activation checkpointing (without: in the train step below)
     ckpt = lambda xi, info: checkpoint(block, xi, info, use_reentrant=False)  # noqa: E731
+    info = SequenceInfo(seq_idx=torch.tensor([[0] * 3 + [1] * 5, [2] * 8], dtype=torch.int32))
+    with _settings(False):
+        eager = run(ckpt, info)
     with _settings(True):
-        packed = torch.tensor([[0] * 5 + [1] * 7, [2] * 12], dtype=torch.int32)
-        for name, fn, seq_idx in (("block", block, None), ("checkpointed packed block", ckpt, packed)):
-            info = SequenceInfo(seq_idx=seq_idx)
-            eager = _ran("hybridtrain::ssd_scan", lambda: run(fn, info))
-            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=False)
-            got = _one_graph(lambda: _ran("hybridtrain::ssd_scan", lambda: run(compiled, info)))
-            for i, (a, b) in enumerate(zip(got, eager)):
-                torch.testing.assert_close(a, b, **FP32, msg=lambda s: f"{name} #{i}: {s}")
+        compiled = torch.compile(ckpt, fullgraph=True, backend="aot_eager", dynamic=False)
+        got = _one_graph(lambda: _ran("hybridtrain::ssd_scan", lambda: run(compiled, info)))
+    for i, (a, b) in enumerate(zip(got, eager)):
+        torch.testing.assert_close(a, b, **FP32, msg=lambda s: f"checkpointed packed block #{i}: {s}")
 
-        # the scan as context parallelism calls it (initial and final state) at 2 of 4 heads
-        b, L, h, p, n = 2, 8, 2, 4, 8
-        t = [torch.randn(b, L, h, p, generator=g), torch.randn(b, L, h, generator=g), -torch.rand(h, generator=g),
-             torch.randn(b, L, 1, n, generator=g), torch.randn(b, L, 1, n, generator=g), torch.randn(h, generator=g),
-             torch.randn(h, generator=g), torch.randn(b, h, p, n, generator=g)]
+    # the scan as context parallelism calls it (initial and final state) at 2 of 4 heads
+    b, L, h, p, n = 2, 8, 2, 4, 8
+    t = [torch.randn(b, L, h, p, generator=g), torch.randn(b, L, h, generator=g), -torch.rand(h, generator=g),
+         torch.randn(b, L, 1, n, generator=g), torch.randn(b, L, 1, n, generator=g), torch.randn(h, generator=g),
+         torch.randn(h, generator=g), torch.randn(b, h, p, n, generator=g)]
 
-        def scan(x_, dt, A, B, C, D, dt_bias, init):
-            y, final = kernels.ssd_scan(x_, dt, A, B, C, chunk_size=4, D=D, dt_bias=dt_bias, dt_limit=(0.0, 4.0),
-                                        seq_idx=None, initial_state=init, return_final_state=True)
-            return y.square().sum() + final.sum()
+    def scan(x_, dt, A, B, C, D, dt_bias, init):
+        y, final = kernels.ssd_scan(x_, dt, A, B, C, chunk_size=4, D=D, dt_bias=dt_bias, dt_limit=(0.0, 4.0),
+                                    seq_idx=None, initial_state=init, return_final_state=True)
+        return y.square().sum() + final.sum()
 
-        def grads(fn):
-            leaves = [v.clone().requires_grad_() for v in t]
-            loss = fn(*leaves)
-            loss.backward()
-            return [loss.detach()] + [v.grad for v in leaves]
+    def grads(fn):
+        leaves = [v.clone().requires_grad_() for v in t]
+        loss = fn(*leaves)
+        loss.backward()
+        return [loss.detach()] + [v.grad for v in leaves]
 
+    with _settings(False):
         eager = grads(scan)
-        got = _one_graph(lambda: grads(torch.compile(scan, fullgraph=True, backend="aot_eager", dynamic=False)))
-        for a, b_ in zip(got, eager):
-            torch.testing.assert_close(a, b_, **FP32)
+    with _settings(True):
+        got = _one_graph(lambda: _ran("hybridtrain::ssd_scan", lambda: grads(
+            torch.compile(scan, fullgraph=True, backend="aot_eager", dynamic=False))))
+    for a, b_ in zip(got, eager):
+        torch.testing.assert_close(a, b_, **FP32)
 
-        # the tiny model's train step, every block compiled as training.compile does (fullgraph)
-        ids = torch.randint(0, 64, (2, 12), generator=g)
+    # the tiny model's train step, every block compiled as training.compile does (fullgraph):
+    # each block type (the Mamba block without checkpointing) one graph
+    ids = torch.randint(0, 64, (1, 8), generator=g)
 
-        def step():
-            model.zero_grad(set_to_none=True)
-            loss = model(ids, labels=ids)  # (the summed loss over label tokens)
-            loss.backward()
-            return [loss.detach()] + [p.grad for p in model.parameters()]
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids)  # (the summed loss over label tokens)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
 
+    with _settings(False):
         eager = step()
-        from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters
 
-        torch._dynamo.reset()
-        counters.clear()
-        for blk in model.backbone.layers.values():
-            blk.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    torch._dynamo.reset()
+    counters.clear()
+    for blk in model.backbone.layers.values():
+        blk.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    with _settings(True):
         got = _ran("hybridtrain::ssd_scan", step)
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        # one graph per block, shared by the blocks of a type (parameters are graph inputs)
-        types = {blk.block_type for blk in model.backbone.layers.values()}
-        assert counters["stats"]["unique_graphs"] == len(types) == 4, dict(counters["stats"])
-        for i, (a, b_) in enumerate(zip(got, eager)):
-            torch.testing.assert_close(a, b_, **FP32, msg=lambda s: f"train step #{i}: {s}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # one graph per block, shared by the blocks of a type (parameters are graph inputs)
+    types = {blk.block_type for blk in model.backbone.layers.values()}
+    assert counters["stats"]["unique_graphs"] == len(types) == 4, dict(counters["stats"])
+    for i, (a, b_) in enumerate(zip(got, eager)):
+        torch.testing.assert_close(a, b_, **FP32, msg=lambda s: f"train step #{i}: {s}")
 
 
 def check_loader():
@@ -253,40 +262,70 @@ def check_loader():
     assert str(e.value) in fresh.stderr, (str(e.value), fresh.stderr[-500:])
 
 
-# -- the tests: each check in a process started with TRITON_INTERPRET=1 ------------------------
+# -- the tests: the checks in one process started with TRITON_INTERPRET=1 ----------------------
+CHECKS = ("check_loader", "check_mixer_and_decode", "check_compiled")
+_RESULTS = "check results: "
+
+
+def run_checks():
+    """Runs every check in this process (one import of torch, triton and mamba_ssm for all);
+    prints which failed, with their tracebacks, as one JSON line."""
+    import json
+    import traceback
+
+    results = {}
+    for name in CHECKS:
+        try:
+            globals()[name]()
+            results[name] = None
+        except BaseException:  # noqa: BLE001 (reported to the test of that check)
+            results[name] = traceback.format_exc()
+    print(_RESULTS + json.dumps(results), flush=True)
+
+
 def _skip_without_kernels():
     for mod in ("triton", "mamba_ssm"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed (make test installs it: see the Makefile's kernel packages)")
 
 
-def _run_check(name: str):
+@pytest.fixture(scope="module")
+def check_results():
     _skip_without_kernels()
+    import json
+
     root = Path(__file__).resolve().parents[2]
-    code = f"from tests.unit.test_real_kernels import {name} as c; c()"
+    code = "from tests.unit.test_real_kernels import run_checks; run_checks()"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
+    line = next((x for x in out.stdout.splitlines() if x.startswith(_RESULTS)), None)
+    assert out.returncode == 0 and line is not None, out.stderr[-4000:]
+    return json.loads(line[len(_RESULTS):])
 
 
-def test_triton_kernels_load_without_mamba_ssms_package_init():
-    _run_check("check_loader")
+def _check(results, name):
+    assert results[name] is None, results[name]
 
 
-def test_mixer_scan_and_decode_step_match_the_pytorch_path():
-    _run_check("check_mixer_and_decode")
+def test_triton_kernels_load_without_mamba_ssms_package_init(check_results):
+    _check(check_results, "check_loader")
 
 
-def test_blocks_and_train_step_compile_to_one_graph_each_with_the_kernels():
-    _run_check("check_compiled")
+def test_mixer_scan_and_decode_step_match_the_pytorch_path(check_results):
+    _check(check_results, "check_mixer_and_decode")
 
 
-def _finetune(tmp_path, name, *overrides, interpret=False):
-    """Two optimizer steps of squad_tiny (one 128-token row each, 2 Mamba heads of 8) -> its
-    losses and log."""
+def test_blocks_and_train_step_compile_to_one_graph_each_with_the_kernels(check_results):
+    _check(check_results, "check_compiled")
+
+
+def _start_finetune(tmp_path, name, *overrides, interpret=False):
+    """Starts two optimizer steps of squad_tiny (one 128-token row each, 2 Mamba heads of 8) in
+    tmp_path/name (its own tokenizer and data: runs can go concurrently)."""
     root = Path(__file__).resolve().parents[2]
-    out = tmp_path / name
+    work = tmp_path / name
+    work.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
     if interpret:
@@ -295,14 +334,22 @@ def _finetune(tmp_path, name, *overrides, interpret=False):
            "--training.max_steps=2", "--training.global_batch_size=1", "--training.micro_batch_size=1",
            "--packing.pack_size=128", "--model.config.mamba_num_heads=2", "--model.config.mamba_head_dim=8", "--validation_dataset=null", "--evaluation=null",
            "--training.ckpt_every_steps=0", "--checkpoint.save_hf_at_end=false", "--metrics.progress_bar=false",
-           "--metrics.plot=false", f"--checkpoint.dir={out}", f"--tokenizer.out_dir={tmp_path / 'tokenizer'}",
-           f"--dataset.path.path={tmp_path / 'train.json'}", *overrides]
-    run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
-    assert run.returncode == 0, run.stderr[-4000:]
+           "--metrics.plot=false", f"--checkpoint.dir={work / 'run'}", f"--tokenizer.out_dir={work / 'tokenizer'}",
+           f"--dataset.path.path={work / 'train.json'}", *overrides]
+    with open(work / "stderr.log", "w") as log:  # (a file, not a pipe: nothing waits on a reader)
+        return work, subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=log, env=env)
+
+
+def _finish_finetune(started):
+    """-> the losses and the log of a run :func:`_start_finetune` started."""
     import json
 
-    losses = [json.loads(line)["loss"] for line in (out / "training.jsonl").read_text().splitlines()]
-    return losses, run.stderr
+    work, proc = started
+    proc.wait(timeout=600)
+    log = (work / "stderr.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    losses = [json.loads(line)["loss"] for line in (work / "run" / "training.jsonl").read_text().splitlines()]
+    return losses, log
 
 
 @pytest.mark.slow
@@ -314,9 +361,15 @@ def test_the_command_line_runs_the_real_kernels_on_the_cpu(tmp_path):
     _skip_without_kernels()
     if importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (make test installs it)")
-    want, _ = _finetune(tmp_path, "torch", "--training.mamba_kernels=false", "--training.fused_loss=torch")
-    got, log = _finetune(tmp_path, "kernels", "--training.mamba_kernels=true", "--training.fused_loss=liger",
-                         interpret=True)
+    kernel_run = _start_finetune(tmp_path, "kernels", "--training.mamba_kernels=true", "--training.fused_loss=liger",
+                                 interpret=True)
+    torch_run = _start_finetune(tmp_path, "torch", "--training.mamba_kernels=false", "--training.fused_loss=torch")
+    try:
+        want, _ = _finish_finetune(torch_run)
+        got, log = _finish_finetune(kernel_run)
+    finally:
+        for _, proc in (kernel_run, torch_run):
+            proc.kill()  # (a no-op for a run that ended)
     line = next(x for x in log.splitlines() if "kernel paths: " in x)
     assert "ssd=mamba-ssm" in line and "via hybridtrain::ssd_scan, Triton interpreter" in line, line
     assert "state_update=mamba-ssm" in line and "conv=PyTorch (causal-conv1d is CUDA C++ only)" in line, line
