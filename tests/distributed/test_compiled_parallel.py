@@ -7,6 +7,7 @@ parallelism (DTensor weights) and context parallelism (K/V all-gather, the Mamba
 state passing as functional collectives when compiled): every block one graph, no break, on
 packed rows."""
 
+import importlib.util
 import time
 
 import pytest
@@ -97,7 +98,8 @@ def _compare_blocks(model, x, w, info, types):
     return out
 
 
-def _tp_worker(rank, world):
+def _tp_setup(rank, world):
+    """The tiny model with tensor-parallel weights over ``world`` ranks, packed inputs."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from hybridtrain.models.nemotron_h import tiny_config
@@ -110,10 +112,15 @@ def _tp_worker(rank, world):
     g = torch.Generator().manual_seed(2)
     x, w = (torch.randn(2, 24, model.config.hidden_size, generator=g) for _ in range(2))
     info = SequenceInfo(seq_idx=torch.tensor([[0] * 10 + [1] * 14, [2] * 24], dtype=torch.int32))
-    return _compare_blocks(model, x, w, info, ("linear_attention", "full_attention", "mlp", "moe"))
+    return model, x, w, info
 
 
-def _cp_worker(rank, world):
+def _tp_worker(rank, world):
+    return _compare_blocks(*_tp_setup(rank, world), ("linear_attention", "full_attention", "mlp", "moe"))
+
+
+def _cp_setup(rank, world):
+    """The tiny model under context parallelism: this rank's contiguous slice of packed rows."""
     import torch.distributed as dist
 
     from hybridtrain.distributed.context_parallel import ContextParallel
@@ -127,7 +134,11 @@ def _cp_worker(rank, world):
     # packed rows: documents of 10 and 14 tokens (the second crosses the ranks), and one of 24
     pos = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]), torch.arange(24)])[:, rank * 12:(rank + 1) * 12]
     info = model.sequence_info(2, 12, x.device, position_ids=pos)
-    return _compare_blocks(model, x, w, info, ("linear_attention", "full_attention"))
+    return model, x, w, info
+
+
+def _cp_worker(rank, world):
+    return _compare_blocks(*_cp_setup(rank, world), ("linear_attention", "full_attention"))
 
 
 @pytest.mark.distributed
@@ -139,3 +150,54 @@ def test_blocks_compile_under_model_parallelism(runs, layout):
                   f"max |compiled - eager| {err:.1e}, first compiled step {seconds:.1f} s")
             assert graphs == 1 and not reasons, (layout, block_type, reasons)
             assert err <= 1e-5, (layout, block_type, err)
+
+
+# -- the real kernels (mamba_ssm's Triton SSD under the interpreter) ---------------------------------
+def _kernel_worker(rank, world):
+    """The compiled Mamba block with the real kernels under tp2 and cp2 against the eager
+    PyTorch path: {layout: (graphs, break reasons, max |compiled - eager|, whether the kernel
+    op ran)}."""
+    from hybridtrain.ops import backend, triton_interpret
+
+    assert triton_interpret.activate(), "the ranks need TRITON_INTERPRET=1"
+    with backend.using(backend.BackendSettings(mamba_kernels=True)):
+        backend.kernel_paths("cpu")  # the kernels looked up before compiling, as a run's start does
+    out = {}
+    for layout, setup in (("tp2", _tp_setup), ("cp2", _cp_setup)):
+        model, x, w, info = setup(rank, world)
+        block = next(b for b in model.backbone.layers.values() if b.block_type == "linear_attention")
+        fwd = lambda fn: (lambda h: fn(h, info))  # noqa: E731
+        with backend.using(backend.BackendSettings(mamba_kernels=False)):
+            eager = _forward_backward(fwd(block), block, x, w)
+        with backend.using(backend.BackendSettings(mamba_kernels=True)):
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(block)(x, info)
+            torch._dynamo.reset()
+            compiled_block = torch.compile(block, backend="aot_eager", dynamic=False, fullgraph=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                compiled = _forward_backward(fwd(compiled_block), block, x, w)
+        ran = any(e.key == "hybridtrain::ssd_scan" for e in prof.key_averages())
+        pairs = [(compiled[0], eager[0]), (compiled[1], eager[1])] + [(compiled[2][n], g) for n, g in eager[2].items()]
+        err = max(float((a - b).abs().max()) for a, b in pairs)
+        reasons = [str(r.reason).split("\n")[0] for r in explained.break_reasons]
+        out[layout] = (explained.graph_count, reasons, err, ran)
+        torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.distributed
+def test_mamba_block_compiles_with_the_real_kernels_under_tp_and_cp(monkeypatch):
+    """fullgraph with mamba_ssm's SSD kernel (a torch custom op) under tensor parallelism (a
+    rank's heads) and context parallelism (the state handed from slice to slice): one graph, no
+    break, equal to the eager PyTorch path (fp32, 1e-5)."""
+    for mod in ("triton", "mamba_ssm"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed (make test installs it: see the Makefile's kernel packages)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when triton is imported: the ranks are spawned
+    for rank, res in enumerate(run_distributed(_kernel_worker, 2)):
+        for layout, (graphs, reasons, err, ran) in res.items():
+            print(f"\n[compile, kernels] {layout} rank {rank}: {graphs} graphs, breaks {reasons}, "
+                  f"max |compiled - eager| {err:.1e}")
+            assert ran, (layout, rank, "the kernel op did not run")
+            assert graphs == 1 and not reasons, (layout, rank, reasons)
+            assert err <= 1e-5, (layout, rank, err)

@@ -219,7 +219,7 @@ def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where,
 
     calls = {"n": 0}
     if where == "dcp":
-        real = ck.dcp.save  # called through _dcp_save
+        real = ck.dcp.save  # called through dcp_save
 
         def bad_save(sd, **kw):
             calls["n"] += 1
@@ -230,14 +230,14 @@ def test_crash_while_checkpointing_keeps_previous(tmp_path, monkeypatch, where,
 
         monkeypatch.setattr(ck.dcp, "save", bad_save)
     elif where == "state":
-        real_json = ck._write_json
+        real_json = ck.write_step_json
 
         def bad_json(path, obj):
             if path.endswith("trainer_state.json") and f".{last}.tmp" in path:
                 raise Boom()
             return real_json(path, obj)
 
-        monkeypatch.setattr(ck, "_write_json", bad_json)
+        monkeypatch.setattr(ck, "write_step_json", bad_json)
     elif where == "rename":
         real_rename = os.rename
 

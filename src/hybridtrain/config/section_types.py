@@ -108,8 +108,9 @@ class TrainingSection(RecipeSection):
     #: compiled on CUDA, torch on CPU (ops/backend.py)
     fused_loss: str
     #: Mamba2 through the mamba_ssm / causal_conv1d CUDA kernels: auto -> where they
-    #: import, for CUDA tensors; true -> always (a missing package is an error; CUDA
-    #: only); false -> the PyTorch path (ops/backend.py); the environment variable
+    #: import, for CUDA tensors (a CUDA run without them warns); true -> always (a
+    #: missing package refuses the run; on CPU only under TRITON_INTERPRET=1); false ->
+    #: the PyTorch path (ops/backend.py); the environment variable
     #: HYBRIDTRAIN_MAMBA_KERNELS (auto, 1, 0) sets the default
     mamba_kernels: bool | str
     #: tokens per chunk of the linear cross-entropy (logits never materialised whole);
