@@ -160,11 +160,13 @@ def _kernel_worker(rank, world):
     from hybridtrain.ops import backend, triton_interpret
 
     assert triton_interpret.activate(), "the ranks need TRITON_INTERPRET=1"
-    with backend.using(backend.BackendSettings(mamba_kernels=True)):
-        backend.kernel_paths("cpu")  # the kernels looked up before compiling, as a run's start does
     out = {}
     for layout, setup in (("tp2", _tp_setup), ("cp2", _cp_setup)):
         model, x, w, info = setup(rank, world)
+        with backend.using(backend.BackendSettings(mamba_kernels=True)):
+            # the kernels looked up before compiling, as configure_backend does once a run's model
+            # is built (the family's kernel dispatch registers itself when its package loads)
+            backend.kernel_paths("cpu")
         block = next(b for b in model.backbone.layers.values() if b.block_type == "linear_attention")
         fwd = lambda fn: (lambda h: fn(h, info))  # noqa: E731
         with backend.using(backend.BackendSettings(mamba_kernels=False)):
