@@ -124,3 +124,21 @@ def recorded_model(vocab_size: int):
 
     BUILD_EVENTS.append("model")
     return NemotronHForCausalLM(tiny_config("mixed", **{**TINY_MIXED, "vocab_size": vocab_size}))
+
+
+def tiny_mamba_mixer(heads: int = 4, groups: int = 1, seed: int = 0):
+    """One Mamba2 mixer of 4-wide heads (state 8, chunk 4) with perturbed parameters: ``heads``
+    of 4 and ``groups`` of state 8 (``heads * 4 + 2 * groups * 8`` conv channels; the kernels'
+    channel-last layout needs a multiple of 8)."""
+    from hybridtrain.models.nemotron_h import tiny_config
+    from hybridtrain.models.nemotron_h.mamba2 import Mamba2Mixer
+
+    torch.manual_seed(seed)
+    cfg = tiny_config("mixed", hidden_size=16, mamba_num_heads=heads, mamba_head_dim=4, ssm_state_size=8,
+                      n_groups=groups, chunk_size=4)
+    m = Mamba2Mixer(cfg, 0)
+    m.reset_parameters()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.models.nemotron_h import kernels, tiny_config
-from hybridtrain.models.nemotron_h.mamba2 import Mamba2Mixer
-from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_chunked, ssd_reference
+from hybridtrain.models.nemotron_h import kernels
+from hybridtrain.models.nemotron_h.ssd import causal_conv1d_torch, ssd_reference
 from hybridtrain.ops import backend
+from tests.helpers.models import tiny_mamba_mixer
 
 
 # -- the releases' signatures -------------------------------------------------------------------
@@ -286,17 +286,9 @@ def releases(request, monkeypatch):
 
 
 def _mamba_mixer(seed=0):
-    torch.manual_seed(seed)
     # 4 heads of 4, 1 group of state 8: conv channels 32 (the kernel's channel-last layout needs
     # a multiple of 8), in_proj width 52 (its rows are not: the dispatch copies to a good layout)
-    cfg = tiny_config("mixed", hidden_size=16, mamba_num_heads=4, mamba_head_dim=4, ssm_state_size=8,
-                      n_groups=1, chunk_size=4)
-    m = Mamba2Mixer(cfg, 0)
-    m.reset_parameters()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m
+    return tiny_mamba_mixer(4, 1, seed)
 
 
 def _with_kernels(mode, fn, *args, **kwargs):

@@ -43,18 +43,9 @@ def _settings(mode):
 
 
 def _mixer(heads=4, groups=2, seed=0):
-    from hybridtrain.models.nemotron_h import tiny_config
-    from hybridtrain.models.nemotron_h.mamba2 import Mamba2Mixer
+    from tests.helpers.models import tiny_mamba_mixer
 
-    torch.manual_seed(seed)
-    cfg = tiny_config("mixed", hidden_size=16, mamba_num_heads=heads, mamba_head_dim=4, ssm_state_size=8,
-                      n_groups=groups, chunk_size=4)
-    m = Mamba2Mixer(cfg, 0)
-    m.reset_parameters()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m
+    return tiny_mamba_mixer(heads, groups, seed)
 
 
 def _ran(op: str, fn):
