@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -218,8 +219,6 @@ class InPlaceAllGather:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
-        import torch.distributed as dist
-
         n = input_tensor.numel()
         works = [dist.broadcast(output_tensor.narrow(0, r * n, n), group=group, group_src=r,
                                 async_op=True) for r in range(group.size())]
