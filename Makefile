@@ -47,8 +47,12 @@ demo: setup
 	@echo "  $(BIN)/hybridtrain generate --model outputs/squad_tiny --prompt 'Context: ... Question: ... Answer:'"
 	@echo "  $(BIN)/hybridtrain finetune -c examples/chat_lora_tiny.yaml"
 
+# The suite on TEST_WORKERS processes (pytest-xdist): each test file whole on one of them, the
+# files sharing a one-process reference together (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: setup test-deps
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 clean:

@@ -9,6 +9,7 @@ end, so that CI can run exactly them again with ``HYBRIDTRAIN_TEST_SHARED=0``. U
 any such access fails the test: a test must reach the data through
 ``tests.helpers.data.require_shared``, which skips instead."""
 
+import fcntl
 import os
 import sys
 
@@ -77,8 +78,41 @@ def pytest_sessionfinish(session):
     ids = set(_readers)
     ids.update(item.nodeid for item in session.items
                if _reading_fixtures.intersection(getattr(item, "fixturenames", ())))
-    with open(path, "w") as f:
+    ids = {_plain_nodeid(i) for i in ids}
+    with open(path, "a+") as f:  # parallel workers each add theirs
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        ids.update(line.strip() for line in f if line.strip())
+        f.seek(0)
+        f.truncate()
         f.writelines(f"{i}\n" for i in sorted(ids))
+
+
+# -- Parallel runs (pytest-xdist; `make test` runs ``-n 2 --dist loadgroup``) -------------------
+# A test file runs whole on one worker, so its module fixtures are built once; the files that
+# share a process-wide one-process reference run on the same worker, so it is computed once.
+SHARED_REFERENCES = {
+    "parity_reference": ("test_parity.py", "test_tensor_parallel.py",
+                         "test_context_parallel.py", "test_sequence_parallel.py"),
+    "vlm_reference": ("test_vlm_train.py", "test_vlm_parity.py", "test_vlm_pipeline.py",
+                      "test_vlm_hetero.py", "test_vlm_hetero_trainer.py",
+                      "test_vlm_hetero_lm_layouts.py"),
+}
+_GROUP_OF_FILE = {f: group for group, files in SHARED_REFERENCES.items() for f in files}
+
+
+def _plain_nodeid(nodeid: str) -> str:
+    """``nodeid`` without the ``@group`` suffix xdist's ``loadgroup`` adds to it."""
+    return nodeid.split("@", 1)[0] if "@" in nodeid.rpartition("::")[2] else nodeid
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(_GROUP_OF_FILE.get(name, name)))
 
 
 @pytest.fixture(scope="module")
