@@ -6,7 +6,8 @@ all checks run in one such process, :func:`run_checks`), against the PyTorch pat
   in bf16 (autocast, as ``training.dtype: bfloat16`` runs it: bf16 x, B, C and dt);
 * the scan with an initial state and the final state (what context parallelism passes), dt_bias,
   softplus and a ``dt_limit`` that clamps;
-* the decoding step through ``selective_state_update``;
+* the decoding step through ``selective_state_update``, fp32 and bf16;
+* ``tl.dot`` of bf16 operands (the interpreter's, corrected by :mod:`hybridtrain.ops.triton_interpret`);
 * ``torch.compile(fullgraph=True)`` of a Mamba block (plain, packed, under activation
   checkpointing), of the scan with states at a tensor-parallel head count, and of the tiny
   model's train step: one graph per block (``torch._dynamo`` counters), loss and gradients
@@ -256,6 +257,29 @@ def check_compiled():
         torch.testing.assert_close(a, b_, **FP32, msg=lambda s: f"train step #{i}: {s}")
 
 
+def check_bf16_dot():
+    """``tl.dot`` of bf16 operands under the interpreter is the product of their values (the
+    interpreter alone multiplies the bit patterns: ops.triton_interpret's stand-in), as fp16's."""
+    import triton
+    import triton.language as tl
+
+    from hybridtrain.ops import triton_interpret
+
+    @triton.jit
+    def dot(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        at = i[:, None] * N + i[None, :]
+        tl.store(out_ptr + at, tl.dot(tl.load(a_ptr + at), tl.load(b_ptr + at)))
+
+    assert triton_interpret.activate() or torch.cuda.is_available()
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(16, 16)
+        dot[(1,)](a.to(dtype), b.to(dtype), out, 16)
+        torch.testing.assert_close(out, a.to(dtype).float() @ b.to(dtype).float(), rtol=1e-6, atol=1e-5)
+
+
 def check_loader():
     """The Triton kernels load where ``import mamba_ssm`` fails on its C++ extension (this
     install: MAMBA_SKIP_CUDA_BUILD), and ``import mamba_ssm`` afterwards fails as before."""
@@ -276,7 +300,7 @@ def check_loader():
 
 
 # -- the tests: the checks in one process started with TRITON_INTERPRET=1 ----------------------
-CHECKS = ("check_loader", "check_mixer_and_decode", "check_compiled")
+CHECKS = ("check_loader", "check_bf16_dot", "check_mixer_and_decode", "check_compiled")
 _RESULTS = "check results: "
 
 
@@ -323,6 +347,10 @@ def _check(results, name):
 
 def test_triton_kernels_load_without_mamba_ssms_package_init(check_results):
     _check(check_results, "check_loader")
+
+
+def test_the_interpreters_bf16_dot_multiplies_values(check_results):
+    _check(check_results, "check_bf16_dot")
 
 
 def test_mixer_scan_and_decode_step_match_the_pytorch_path(check_results):
