@@ -4,9 +4,9 @@ With ``TRITON_INTERPRET=1`` in the environment before ``triton`` is imported, Tr
 kernels in Python on CPU tensors (slowly), so mamba_ssm's SSD and state-update kernels and
 Liger's fused linear cross-entropy -- the kernels GPU users run -- can be checked on a CPU
 (``hybridtrain finetune ... --training.mamba_kernels=true --training.fused_loss=liger`` and the
-tests). Three things those packages call have no CPU answer and the interpreter computes one
-wrong; :func:`activate` stands in for them, only where ``TRITON_INTERPRET=1`` and torch has no
-CUDA device:
+tests). Three things those packages call have no CPU answer, the interpreter computes one
+wrong and one in vain; :func:`activate` stands in for them, only where ``TRITON_INTERPRET=1``
+and torch has no CUDA device:
 
 * Triton's autotuner times each configuration on a GPU timer the interpreter lacks ("0 active
   drivers"): a configuration "times" as the number of elements of its blocks, so the one with
@@ -28,6 +28,13 @@ CUDA device:
   bfloat16 are right, but a float32 -> bfloat16 cast truncates where a GPU rounds to nearest:
   within one bfloat16 ulp. mamba_ssm's SSD and state update do no other arithmetic on bfloat16
   values.)
+* Integer overflow checks: Triton widens every integer ``+``, ``-``, ``*`` of a kernel to int64
+  and compares it with the type's range (``sanitize_overflow``) for a ``device_assert`` that,
+  without ``debug``, is dropped (``semantic.device_assert``). A GPU build compiles the dead
+  checks away; the interpreter, run op by op, computes them: more than half of the time of
+  mamba_ssm's SSD forward and backward. With ``debug`` off (the interpreter's default) the
+  stand-in turns ``sanitize_overflow`` off in the interpreter's options: same results, no check
+  lost.
 
 This is the one module of the project that replaces attributes of other packages at run time;
 nothing else does, and nothing here acts without the interpreter.
@@ -35,6 +42,7 @@ nothing else does, and nothing here acts without the interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -99,11 +107,14 @@ def activate() -> bool:
     returns whether it did (once per process; a no-op elsewhere)."""
     if not interpreting() or torch.cuda.is_available():
         return False
+    from triton.runtime import interpreter
     from triton.runtime.autotuner import Autotuner
-    from triton.runtime.interpreter import InterpreterBuilder
 
     Autotuner._bench = _untimed_bench
-    InterpreterBuilder.create_dot = _dot_in_float32(InterpreterBuilder.create_dot)
+    interpreter.InterpreterBuilder.create_dot = _dot_in_float32(interpreter.InterpreterBuilder.create_dot)
+    options = interpreter.interpreter_builder.options
+    if not options.debug:
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
     torch.cuda.device = _CpuDevice
     torch.cuda.get_device_properties = _cpu_device_properties
     return True
