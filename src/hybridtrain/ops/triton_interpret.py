@@ -21,9 +21,9 @@ and torch has no CUDA device:
   bit patterns, and ``InterpreterBuilder.create_dot`` converts only 8-bit float operands before
   its ``np.matmul`` (``triton/runtime/interpreter.py``, line 631 in 3.7.1; the same in 3.6.0 and
   3.9.0; triton-lang/triton#11584, "not supported yet"), so it multiplies the bit patterns:
-  ~1e10 for operands of order 1. mamba_ssm's SSD computes ``B^T x``, ``C B^T`` and ``C
-  states`` with ``tl.dot`` on bfloat16 x, B and C (what ``training.dtype: bfloat16`` gives it),
-  and returned ~5e9. The stand-in takes bfloat16 operands (and accumulator) to float32 first,
+  ~1e10 for operands of order 1. mamba_ssm's SSD computes its chunk states (``x^T B``), ``C
+  B^T`` and ``C`` times the states with ``tl.dot`` on bfloat16 x, B and C (what
+  ``training.dtype: bfloat16`` gives it), and returned ~5e9. The stand-in takes bfloat16 operands (and accumulator) to float32 first,
   as a GPU does: exact bfloat16 products summed in float32. (Loads, stores and casts of
   bfloat16 are right, but a float32 -> bfloat16 cast truncates where a GPU rounds to nearest:
   within one bfloat16 ulp. mamba_ssm's SSD and state update do no other arithmetic on bfloat16
