@@ -2,10 +2,12 @@
 interpreter on CPU tensors (``TRITON_INTERPRET=1``, set before triton is imported: each check
 all checks run in one such process, :func:`run_checks`), against the PyTorch path, and compiled.
 
-* the Mamba2 mixer forward and backward, one document and packed (``seq_idx``), fp32 and bf16;
+* the Mamba2 mixer forward and backward, one document and packed (``seq_idx``) in fp32, packed
+  in bf16 (autocast, as ``training.dtype: bfloat16`` runs it: bf16 x, B, C and dt);
 * the scan with an initial state and the final state (what context parallelism passes), dt_bias,
   softplus and a ``dt_limit`` that clamps;
-* the decoding step through ``selective_state_update``;
+* the decoding step through ``selective_state_update``, fp32 and bf16;
+* ``tl.dot`` of bf16 operands (the interpreter's, corrected by :mod:`hybridtrain.ops.triton_interpret`);
 * ``torch.compile(fullgraph=True)`` of a Mamba block (plain, packed, under activation
   checkpointing), of the scan with states at a tensor-parallel head count, and of the tiny
   model's train step: one graph per block (``torch._dynamo`` counters), loss and gradients
@@ -64,22 +66,39 @@ def _mixer_run(m, x, seq_idx):
     return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
 
 
+def _assert_close_bf16(got, want, what):
+    """Within the suite's bf16 tolerance, its atol taken relative to ``want``'s largest value (a
+    gradient sums bf16 products over the tokens: its error grows with its size)."""
+    torch.testing.assert_close(got, want, rtol=BF16["rtol"], atol=BF16["atol"] * want.abs().max().item(),
+                               msg=lambda s: f"{what}: {s}")
+
+
 def check_mixer_and_decode():
-    """Mixer forward + backward (one document, packed; fp32 and bf16), the scan with states,
-    the decoding step: the kernel path against the PyTorch path."""
+    """Mixer forward + backward (one document, packed; fp32, and packed in bf16), the scan with
+    states, the decoding step (fp32 and bf16): the kernel path against the PyTorch path."""
     _require_interpreter()
     from hybridtrain.models.nemotron_h import kernels
 
     m = _mixer()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 8, 16, generator=g)
-    for seq_idx in (None, torch.tensor([[0] * 3 + [1] * 5, [3] * 8])):
+    packed = torch.tensor([[0] * 3 + [1] * 5, [3] * 8])
+    for seq_idx in (None, packed):
         with _settings(True):
             got = _ran("hybridtrain::ssd_scan", lambda: _mixer_run(m, x, seq_idx))
         with _settings(False):
             want = _mixer_run(m, x, seq_idx)
         for i, (a, b) in enumerate(zip(got, want)):
             torch.testing.assert_close(a, b, **FP32, msg=lambda s: f"packed={seq_idx is not None} #{i}: {s}")
+    # a packed row in bf16 as training.dtype bfloat16 runs it: under autocast in_proj and the
+    # conv write bf16 x, B, C and dt, which reach mamba_ssm's SSD forward and backward as they are
+    runs = []
+    for mode in (True, False):
+        with _settings(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+            run = lambda: _mixer_run(m, x[:1], packed[:1])  # noqa: E731
+            runs.append(_ran("hybridtrain::ssd_scan", run) if mode else run())
+    for i, (a, b) in enumerate(zip(*runs)):
+        _assert_close_bf16(a, b, f"bf16 packed mixer #{i}")
 
     # the scan with an initial state and its final state (context parallelism), dt_limit clamping
     b, L, h, p, n, gr = 2, 8, 4, 4, 8, 2
@@ -100,30 +119,34 @@ def check_mixer_and_decode():
     for i, (a, b_) in enumerate(zip(*results)):
         torch.testing.assert_close(a, b_, **FP32, msg=lambda s: f"scan with states #{i}: {s}")
 
-    # bf16 dt, dt_bias and D (the projection's dt under autocast, parameters in bf16). (bf16 x, B,
-    # C are not checked here: Triton 3.7's interpreter returns ~1e9 for mamba_ssm's own
-    # mamba_chunk_scan_combined on bf16 CPU tensors, an interpreter limitation.)
+    # the scan with every input but A in bf16 (parameters in bf16 too; y in x's dtype from the
+    # kernel, fp32 from the PyTorch path)
     lowp = []
     for mode in (True, False):
+        bf = {k: t[k].bfloat16() for k in ("x", "dt", "B", "C", "D", "dt_bias")}
         with _settings(mode):
-            lowp.append(kernels.ssd_scan(t["x"], t["dt"].bfloat16(), t["A"], t["B"], t["C"], chunk_size=4,
-                                         D=t["D"].bfloat16(), dt_bias=t["dt_bias"].bfloat16(), dt_limit=(0.0, 8.0),
-                                         seq_idx=seq_idx))
-    torch.testing.assert_close(*lowp, **BF16)
+            lowp.append(kernels.ssd_scan(bf["x"], bf["dt"], t["A"], bf["B"], bf["C"], chunk_size=4, D=bf["D"],
+                                         dt_bias=bf["dt_bias"], dt_limit=(0.0, 8.0), seq_idx=seq_idx))
+    _assert_close_bf16(lowp[0].float(), lowp[1], "bf16 scan")
 
-    # one decoding token through selective_state_update
+    # one decoding token through selective_state_update: fp32, and bf16 x, dt, B, C (the fp32
+    # state of decoding under autocast)
     state0, xs = torch.randn(b, h, p, n, generator=g), torch.randn(b, h, p, generator=g)
     dts, Bs, Cs = torch.randn(b, h, generator=g), torch.randn(b, gr, n, generator=g), torch.randn(b, gr, n, generator=g)
-    outs = []
-    for mode in (True, False):
-        state = state0.clone()
-        step = lambda: kernels.ssd_step(state, xs, dts, t["A"], Bs, Cs, D=t["D"], dt_bias=t["dt_bias"],  # noqa: E731
-                                        dt_limit=(0.0, 2.0))
-        with _settings(mode):
-            y = _ran("hybridtrain::ssd_state_update", step) if mode else step()
-        outs.append((y, state))
-    for a, b_ in zip(*outs):
-        torch.testing.assert_close(a, b_, **FP32)
+    for dtype in (torch.float32, torch.bfloat16):
+        outs = []
+        for mode in (True, False):
+            state = state0.clone()
+            step = lambda: kernels.ssd_step(state, xs.to(dtype), dts.to(dtype), t["A"], Bs.to(dtype),  # noqa: E731
+                                            Cs.to(dtype), D=t["D"], dt_bias=t["dt_bias"], dt_limit=(0.0, 2.0))
+            with _settings(mode):
+                y = _ran("hybridtrain::ssd_state_update", step) if mode else step()
+            outs.append((y, state))
+        for what, a, b_ in zip(("y", "state"), *outs):
+            if dtype == torch.float32:
+                torch.testing.assert_close(a, b_, **FP32)
+            else:
+                _assert_close_bf16(a, b_, f"bf16 decoding step {what}")
 
 
 def _one_graph(fn):
@@ -234,6 +257,29 @@ def check_compiled():
         torch.testing.assert_close(a, b_, **FP32, msg=lambda s: f"train step #{i}: {s}")
 
 
+def check_bf16_dot():
+    """``tl.dot`` of bf16 operands under the interpreter is the product of their values (the
+    interpreter alone multiplies the bit patterns: ops.triton_interpret's stand-in), as fp16's."""
+    import triton
+    import triton.language as tl
+
+    from hybridtrain.ops import triton_interpret
+
+    @triton.jit
+    def dot(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        at = i[:, None] * N + i[None, :]
+        tl.store(out_ptr + at, tl.dot(tl.load(a_ptr + at), tl.load(b_ptr + at)))
+
+    assert triton_interpret.activate() or torch.cuda.is_available()
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(16, 16)
+        dot[(1,)](a.to(dtype), b.to(dtype), out, 16)
+        torch.testing.assert_close(out, a.to(dtype).float() @ b.to(dtype).float(), rtol=1e-6, atol=1e-5)
+
+
 def check_loader():
     """The Triton kernels load where ``import mamba_ssm`` fails on its C++ extension (this
     install: MAMBA_SKIP_CUDA_BUILD), and ``import mamba_ssm`` afterwards fails as before."""
@@ -254,7 +300,7 @@ def check_loader():
 
 
 # -- the tests: the checks in one process started with TRITON_INTERPRET=1 ----------------------
-CHECKS = ("check_loader", "check_mixer_and_decode", "check_compiled")
+CHECKS = ("check_loader", "check_bf16_dot", "check_mixer_and_decode", "check_compiled")
 _RESULTS = "check results: "
 
 
@@ -301,6 +347,10 @@ def _check(results, name):
 
 def test_triton_kernels_load_without_mamba_ssms_package_init(check_results):
     _check(check_results, "check_loader")
+
+
+def test_the_interpreters_bf16_dot_multiplies_values(check_results):
+    _check(check_results, "check_bf16_dot")
 
 
 def test_mixer_scan_and_decode_step_match_the_pytorch_path(check_results):
