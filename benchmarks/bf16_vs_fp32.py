@@ -21,6 +21,10 @@ of each run over all rounds is kept (the median is printed too):
 * ``--strategies`` adds ``hybridtrain bf16 copies`` -- the alternative strategy: bf16 model
   parameters with fp32 master copies in the optimizer (grads copied up, masters copied down).
 
+``--kernel-caches`` times only ``hybridtrain bf16`` against ``hybridtrain bf16 torch caches``,
+the same run with torch's default oneDNN kernel caches (1024 entries each) instead of the bound
+hybridtrain sets (``hybridtrain.config.dist_env.GEMM_KERNEL_CACHE_ENTRIES``), and their ratio.
+
 ``--clock cpu`` times process CPU seconds instead of wall seconds (use with ``--threads 1`` on a
 machine shared with other jobs: it is insensitive to time-slicing). ``--malloc-tune`` keeps freed
 memory in the process (glibc ``mallopt``: no mmap for large blocks, no trimming) so that the
@@ -47,6 +51,7 @@ from pathlib import Path
 import torch
 
 TARGETS = {"bf16 / fp32": 3.0, "bf16 / transformers bf16": 1.2}
+TORCH_CACHES = "hybridtrain bf16 torch caches"  # torch's 1024 oneDNN kernels per cache
 
 
 def matmul_peak_cpu_seconds(dtype: torch.dtype, n: int = 2048, iters: int = 5) -> float:
@@ -140,8 +145,10 @@ def build_run(name: str, model_dir: str, batch: dict):
 
 def run_child(spec: dict) -> dict:
     """One run in this process: warm-up steps, then ``steps`` timed steps."""
+    from hybridtrain.config.dist_env import gemm_kernel_cache_defaults
     from hybridtrain.ops.backend import configure_backend
 
+    gemm_kernel_cache_defaults()  # as a run does (the torch caches' run sets its own)
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     # what the recipe does for a run of this dtype (GEMM row alignment for bf16), and the allocator
@@ -149,7 +156,8 @@ def run_child(spec: dict) -> dict:
                       cpu_allocator="heap" if spec["malloc_tune"] else "system")
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
     batch = torch.load(spec["batch"], weights_only=True)
-    step, _ = build_run(spec["name"], spec["model_dir"], batch)
+    name = "hybridtrain bf16" if spec["name"] == TORCH_CACHES else spec["name"]
+    step, _ = build_run(name, spec["model_dir"], batch)
     times, losses = [], []
     for i in range(spec["warmup"] + spec["steps"]):
         t0 = clock()
@@ -162,8 +170,11 @@ def run_child(spec: dict) -> dict:
 def launch(spec: dict, workdir: str) -> dict:
     path = Path(workdir) / "spec.json"
     path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    if spec["name"] == TORCH_CACHES:
+        env.update(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
     out = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True,
-                         check=False)
+                         check=False, env=env)
     if out.returncode != 0:
         raise SystemExit(f"run {spec['name']!r} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -180,6 +191,8 @@ def main(argv=None) -> dict:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--malloc-tune", action="store_true")
     p.add_argument("--strategies", action="store_true", help="also time bf16 params + fp32 masters")
+    p.add_argument("--kernel-caches", action="store_true",
+                   help="only bf16, against bf16 with torch's default oneDNN kernel caches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -189,7 +202,8 @@ def main(argv=None) -> dict:
         return {}
 
     from hybridtrain.models.nemotron_h import NemotronHForCausalLM, small_moe_config
-    from hybridtrain.training.flops import measure_matmul_peak, model_flops
+    from hybridtrain.models.nemotron_h.flops import model_flops
+    from hybridtrain.training.flops import measure_matmul_peak
     from hybridtrain.ops.backend import cpu_has_native_bf16
 
     if args.threads:
@@ -205,6 +219,8 @@ def main(argv=None) -> dict:
     else:
         peaks = {dt: matmul_peak_cpu_seconds(dt) for dt in (torch.float32, torch.bfloat16)}
     names = list(RUNS) + (["hybridtrain bf16 copies"] if args.strategies else [])
+    if args.kernel_caches:
+        names = ["hybridtrain bf16", TORCH_CACHES]
     dtypes = {n: torch.float32 if n.endswith("fp32") else torch.bfloat16 for n in names}
 
     times = {name: [] for name in names}
@@ -245,6 +261,9 @@ def main(argv=None) -> dict:
     for key in ("tokens_per_s", "median_tokens_per_s"):
         tps = {k: v[key] for k, v in res.items()}
         suffix = "" if key == "tokens_per_s" else " (medians)"
+        if args.kernel_caches:
+            ratios["bf16 / bf16 torch caches" + suffix] = tps["hybridtrain bf16"] / tps[TORCH_CACHES]
+            continue
         ratios["bf16 / fp32" + suffix] = tps["hybridtrain bf16"] / tps["hybridtrain fp32"]
         ratios["bf16 / transformers bf16" + suffix] = tps["hybridtrain bf16"] / tps["transformers bf16"]
         if "hybridtrain bf16 copies" in tps:

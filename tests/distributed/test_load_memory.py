@@ -107,11 +107,8 @@ def _fsdp_peak_worker(rank, world, layout, tiny, big):
     """(peak RssAnon of the big run, of the tiny run) of this rank: build + 2 training steps."""
     import gc
 
-    import torch
-
     from hybridtrain.training.builder import build
 
-    torch.backends.mkldnn.enabled = False  # oneDNN's per-shape GEMM cache: see the test
     peaks = {}
     with mem.RssAnonSampler() as sampler:
         for name, ckpt in (("tiny", tiny), ("big", big)):
@@ -137,11 +134,10 @@ def test_no_rank_holds_more_than_fsdp_needs(checkpoints, monkeypatch):
 
     glibc's mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``): with its dynamic threshold
     glibc keeps freed blocks of up to 32 MiB in the heap, and the same run peaks at 1.7-2.6x.
-    oneDNN is off in the ranks (measured 2026-11-28, torch 2.13.0+cpu): its bf16 GEMM
-    primitives, built and cached per shape, hold about a weight's bytes per new shape (1024 x
-    1024: +1-2 MB each) and grow step by step on rows of varying length: with it on, 0.78-0.80x
-    here and 0.65x (floor 0.43x) on a 0.75 GB checkpoint; off, 0.54-0.56x and 0.48x. That
-    cache is not FSDP's (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 leaves 0.66x here)."""
+    oneDNN runs the bf16 GEMMs as a user's run does: ``build`` bounds its per-shape kernel
+    caches (ops/backend.py, plan's ``cpu_gemm_kernels``), which both runs fill, so the big run
+    holds no more of them than the tiny one (measured 2026-11-28: 0.56-0.57x on a floor of
+    0.51x; with torch's default of 1024 kernels per cache, 0.78-0.80x)."""
     from hybridtrain.recipes.memory_plan import plan_memory
 
     tiny, big, size = checkpoints

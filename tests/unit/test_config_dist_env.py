@@ -15,7 +15,9 @@ from hybridtrain.config import (
     load_config,
 )
 from hybridtrain.config import dist_env as dist_env_mod
-from hybridtrain.config.dist_env import busy_cores, omp_wait_policy
+from hybridtrain.config.dist_env import (
+    GEMM_KERNEL_CACHE_ENTRIES, GEMM_KERNEL_CACHE_VARS, busy_cores, omp_wait_policy,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -106,19 +108,22 @@ def test_loaded_section_applies(tmp_path):
 
 
 def test_process_defaults_fill_only_what_environment_and_recipe_left_unset():
+    caches = {name: str(GEMM_KERNEL_CACHE_ENTRIES) for name in GEMM_KERNEL_CACHE_VARS}
     env = {}
     apply_dist_env({"nccl_debug": "WARN"}, environ=env)
-    assert apply_process_defaults(environ=env, others=2.0) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert env == {"NCCL_DEBUG": "WARN", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert apply_process_defaults(environ=env, others=2.0) == {"OMP_WAIT_POLICY": "PASSIVE", **caches}
+    assert env == {"NCCL_DEBUG": "WARN", "OMP_WAIT_POLICY": "PASSIVE", **caches}
     recipe = {}
-    apply_dist_env({"omp_wait_policy": "ACTIVE"}, environ=recipe)  # the recipe wins
-    assert apply_process_defaults(environ=recipe, others=2.0) == {}
-    assert recipe["OMP_WAIT_POLICY"] == "ACTIVE"
-    user = {"OMP_WAIT_POLICY": "active"}  # and the user's environment wins over both
-    apply_dist_env({"omp_wait_policy": "PASSIVE"}, environ=user)
-    assert apply_process_defaults(environ=user, others=2.0) == {} and user == {"OMP_WAIT_POLICY": "active"}
+    apply_dist_env({"omp_wait_policy": "ACTIVE", "onednn_primitive_cache_capacity": 1024},
+                   environ=recipe)  # the recipe wins
+    assert apply_process_defaults(environ=recipe, others=2.0) == {"LRU_CACHE_CAPACITY": "128"}
+    assert recipe["OMP_WAIT_POLICY"] == "ACTIVE" and recipe["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
+    user = {"OMP_WAIT_POLICY": "active", **dict.fromkeys(GEMM_KERNEL_CACHE_VARS, "7")}
+    apply_dist_env({"omp_wait_policy": "PASSIVE"}, environ=user)  # the environment wins over both
+    assert apply_process_defaults(environ=user, others=2.0) == {}
+    assert user == {"OMP_WAIT_POLICY": "active", **dict.fromkeys(GEMM_KERNEL_CACHE_VARS, "7")}
     idle = {}
-    assert apply_process_defaults(environ=idle, others=0.1) == {} and idle == {}
+    assert apply_process_defaults(environ=idle, others=0.1) == caches and idle == caches
 
 
 @pytest.mark.parametrize("others,nproc,threads,cores,policy", [

@@ -55,6 +55,23 @@ def test_one_process_figures_match_a_real_step(packed):
     assert plan.ranks[0].params == got["params"]
 
 
+def test_cpu_low_precision_plans_the_gemm_kernel_cache(monkeypatch):
+    """A CPU bf16 run holds oneDNN's per-shape GEMM kernels up to the cache bound in effect
+    (config/dist_env.py: 128 unless the environment says otherwise, 1 MiB each); fp32 CPU GEMMs
+    (MKL) and GPU runs hold none."""
+    from hybridtrain.config.dist_env import GEMM_KERNEL_CACHE_VARS
+
+    for name in GEMM_KERNEL_CACHE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    recipe = pu.recipe({}, False, training={"dtype": "bfloat16"})
+    assert plan_memory(recipe, 1, device_type="cpu").ranks[0].buffers["cpu_gemm_kernels"] == 128 * 2**20
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")  # torch's default: the user's
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    assert plan_memory(recipe, 1, device_type="cpu").ranks[0].buffers["cpu_gemm_kernels"] == 512 * 2**20
+    assert "cpu_gemm_kernels" not in plan_memory(pu.recipe({}, False), 1, device_type="cpu").ranks[0].buffers
+    assert "cpu_gemm_kernels" not in plan_memory(recipe, 1, device_type="cuda").ranks[0].buffers
+
+
 def test_lora_trains_only_adapters():
     recipe = pu.recipe({}, False, peft={"dim": 4, "alpha": 8, "match_all_linear": True})
     b, trainer = pu.build({}, 1, peft={"dim": 4, "alpha": 8, "match_all_linear": True})

@@ -23,6 +23,21 @@ cores are oversubscribed -- other processes' busy cores (sampled over 0.2 s from
 ``/proc/stat``) plus this launch's threads exceed the cores -- and libgomp's default is kept
 otherwise. ``OMP_WAIT_POLICY`` in the environment or ``dist_env`` decides instead.
 
+The process defaults also bound the two caches in which torch's CPU oneDNN GEMMs (every bf16 /
+fp16 matmul on a CPU) keep the kernels they build per shape: oneDNN's primitive cache
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's cache of their descriptors
+(``LRU_CACHE_CAPACITY``), 1024 entries each by default, to :data:`GEMM_KERNEL_CACHE_ENTRIES`
+each (:func:`gemm_kernel_cache_defaults`; the environment or ``dist_env`` decides instead).
+An entry of both is 0.6-1.5 MB, whatever the weight's size (AMX brgemm kernels, torch 2.13.0,
+2026-11-28), and a new one is built for every new row count: rows of varying length or
+per-expert counts make new shapes every step, so a CPU bf16 rank grew toward ~1 GB of kernels
+(the 48M MoE built 361 over 12 steps and ~12 more per step; LoRA on 4 FSDP ranks ~100 MB in
+two steps). A step of the 48M MoE uses 125-150 shapes, and its bf16 step (4 x 512 tokens) took
+the same time with the bound as with torch's caches (``benchmarks/bf16_vs_fp32.py
+--kernel-caches``: 1.00x best step, 1.03x median); with no cache every GEMM call builds its
+kernel (1-10 ms against a 1 ms GEMM). ``LRU_CACHE_CAPACITY=0`` crashes torch: the smallest
+meaningful value is 1.
+
 The CLI applies both right after loading the recipe, before importing torch. Call
 ``apply_dist_env(cfg.dist_env)`` yourself when driving hybridtrain from Python, before
 ``torch.cuda`` or ``torch.distributed`` are used.
@@ -40,12 +55,18 @@ from typing import Any, Callable, Mapping, MutableMapping
 from hybridtrain.config.errors import ConfigError
 
 __all__ = ["dist_env_vars", "apply_dist_env", "apply_process_defaults", "omp_wait_policy",
-           "busy_cores"]
+           "busy_cores", "gemm_kernel_cache_defaults", "gemm_kernel_cache_entries",
+           "GEMM_KERNEL_CACHE_ENTRIES", "GEMM_KERNEL_CACHE_VARS", "GEMM_KERNEL_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REPORTED: set[str] = set()  # variables already reported as "set in the environment"
+
+# oneDNN's primitive cache and ideep's descriptor cache: entries each (module docstring)
+GEMM_KERNEL_CACHE_ENTRIES = 128
+GEMM_KERNEL_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+GEMM_KERNEL_BYTES = 1 << 20  # one cached shape in both (what ``plan`` counts per entry)
 
 
 
@@ -179,24 +200,51 @@ def omp_wait_policy(environ: Mapping[str, str], local_processes: int = 1,
     return "PASSIVE" if demand > cores + 0.5 else None
 
 
+def gemm_kernel_cache_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Bound oneDNN's per-shape GEMM kernel caches (:data:`GEMM_KERNEL_CACHE_VARS`) to
+    :data:`GEMM_KERNEL_CACHE_ENTRIES` entries each where ``environ`` (default ``os.environ``)
+    does not set them; returns what was set. oneDNN and ideep read the variables when they build
+    their first kernel, so with ``os.environ`` this takes effect until the process's first
+    oneDNN operation (a CPU bf16 matmul, a convolution), also after ``import torch``."""
+    environ = os.environ if environ is None else environ
+    applied = {name: str(GEMM_KERNEL_CACHE_ENTRIES) for name in GEMM_KERNEL_CACHE_VARS
+               if name not in environ}
+    environ.update(applied)
+    return applied
+
+
+def gemm_kernel_cache_entries(environ: Mapping[str, str] | None = None) -> int:
+    """The CPU GEMM kernels oneDNN keeps at most in a process started with ``environ`` (default
+    ``os.environ``) once the process defaults are applied: the smaller of the two caches'
+    bounds (torch's default, 1024, for one set to something else than an integer)."""
+    environ = os.environ if environ is None else environ
+    values = []
+    for name in GEMM_KERNEL_CACHE_VARS:
+        value = environ.get(name, str(GEMM_KERNEL_CACHE_ENTRIES))
+        values.append(int(value) if value.strip().isdigit() else 1024)
+    return min(values)
+
+
 def apply_process_defaults(environ: MutableMapping[str, str] | None = None,
                            local_processes: int = 1, others: float | None = None
                            ) -> dict[str, str]:
-    """Set ``OMP_WAIT_POLICY`` by :func:`omp_wait_policy` when ``environ`` (default
-    ``os.environ``) lacks it; returns what was set. ``local_processes``: the processes this
-    command runs on the node (``--nproc-per-node``). Call after :func:`apply_dist_env` (a
-    recipe's value wins) and before ``import torch`` (libgomp reads the variable once, when it
-    loads; with ``os.environ`` after that, nothing is set)."""
+    """Set ``OMP_WAIT_POLICY`` by :func:`omp_wait_policy` and the GEMM kernel cache bounds
+    (:func:`gemm_kernel_cache_defaults`) where ``environ`` (default ``os.environ``) lacks them;
+    returns what was set. ``local_processes``: the processes this command runs on the node
+    (``--nproc-per-node``). Call after :func:`apply_dist_env` (a recipe's value wins) and before
+    ``import torch`` (libgomp reads its variables once, when it loads; with ``os.environ`` after
+    that, only the cache bounds are set)."""
     if environ is None:
-        if "torch" in sys.modules:  # libgomp has read its variables: nothing to choose
-            return {}
         environ = os.environ
+        if "torch" in sys.modules:  # libgomp has read its variables: nothing to choose
+            return gemm_kernel_cache_defaults(environ)
+    applied = gemm_kernel_cache_defaults(environ)
     if "OMP_WAIT_POLICY" in environ:
-        return {}
+        return applied
     policy = omp_wait_policy(environ, local_processes, others)
     if policy is None:
-        return {}
+        return applied
     environ["OMP_WAIT_POLICY"] = policy
     logger.info("OMP_WAIT_POLICY=%s: the cores are shared with other busy processes (set "
                 "OMP_WAIT_POLICY yourself to choose)", policy)
-    return {"OMP_WAIT_POLICY": policy}
+    return {**applied, "OMP_WAIT_POLICY": policy}

@@ -13,6 +13,14 @@ precision. What is tuned, with its recipe key:
   thousands of steps (~20 MB per step with 8 experts). Multiples of 64 keep the shapes few enough
   that live memory stays flat (16 still grew ~2 MB per step at 4 x 512 tokens) and were as fast
   or faster on the 48M MoE (0.41 vs 0.43-0.46 s per bf16 step). 1 (no padding) elsewhere.
+* **oneDNN's GEMM kernel caches** (``hybridtrain.config.dist_env.gemm_kernel_cache_defaults``).
+  Those kernels, built per shape even where rows are aligned (per-document attention,
+  per-expert counts, token counts of unpacked rows), are cached by oneDNN and ideep, 1024
+  entries each by default, 0.6-1.5 MB per entry of both. The process defaults bound each cache
+  to 128 entries (the environment or ``dist_env`` decides instead): set by the CLI before torch
+  is imported, and by ``training.builder.build`` for a library user, which takes effect if no
+  oneDNN operation ran in the process before (environment variables: ops/ reads none of them).
+  ``hybridtrain plan`` counts the bound for CPU bf16/fp16 runs (``cpu_gemm_kernels``).
 * **glibc allocator** (``training.cpu_allocator``, :func:`configure_cpu_allocator`).
 * **``training.dtype: auto``** (:func:`auto_dtype`, ``training.cpu_bf16``).
 * **the ``auto`` loss chunk** (``training.loss_chunk_size: auto``, :func:`auto_chunk_size`).

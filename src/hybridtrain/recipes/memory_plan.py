@@ -30,13 +30,17 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   parallelism the plan also gives the peak under the other ``fsdp_reshard_after_forward``
   policy (``MemoryPlan.reshard_peaks``).
 
+* **CPU GEMM kernels** (``cpu_gemm_kernels``, CPU bf16/fp16 runs): the GEMM kernels oneDNN
+  builds and caches per shape, at most the cache bound in effect
+  (``hybridtrain.config.dist_env.gemm_kernel_cache_entries``: 128 unless the environment says
+  otherwise) at ``GEMM_KERNEL_BYTES`` (1 MiB) each. fp32 CPU GEMMs are MKL's: no such cache.
+
 With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
 host (``RankMemory.host``), not in the device total.
 
 The headroom rule (:data:`HEADROOM`): the peak may take at most 90 % of the device, the rest
 being for what the plan does not count (the CUDA context, the allocator's fragmentation, NCCL's
-buffers). For a CPU run the allocators' caches (glibc's heap, oneDNN's per-shape GEMM kernels)
-are not counted either.
+buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted either.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 from torch import nn
 
 from hybridtrain.config import instantiate, resolve_target
+from hybridtrain.config.dist_env import GEMM_KERNEL_BYTES, gemm_kernel_cache_entries
 from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
 from hybridtrain.distributed.fsdp import (
@@ -382,6 +387,9 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                          "not plan an encoder on its own ranks yet; plan with encoder_ranks: 0")
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
+    gemm_kernels = 0.0
+    if device_type == "cpu" and compute in (torch.bfloat16, torch.float16):
+        gemm_kernels = float(gemm_kernel_cache_entries() * GEMM_KERNEL_BYTES)
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline.layers(model)
@@ -453,6 +461,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         def buffers(**policy):
             b = _buffers(part, spec, dims, experts, tp_dims, autocast, **policy)
             b.update({f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v})
+            if gemm_kernels:
+                b["cpu_gemm_kernels"] = gemm_kernels
             if dims.pp_enabled and dims.fsdp_enabled:
                 # the stage's unsharded gradients exist until the last micro-batch's backward
                 # reduces them, the sharded ones (the gradients above) only after: count the

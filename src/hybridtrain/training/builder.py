@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hybridtrain.config import ConfigNode, instantiate, resolve_target
+from hybridtrain.config.dist_env import gemm_kernel_cache_defaults
 from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
 from hybridtrain.data.io import DataError
@@ -316,6 +317,9 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     or a dict, made into one here).
     """
     cfg = recipe_config(cfg)
+    # a library user's process gets the CLI's bounds of oneDNN's CPU GEMM kernel caches, if no
+    # oneDNN kernel was built in it yet (config/dist_env.py)
+    gemm_kernel_cache_defaults()
     t = cfg.training
     device = resolve_device(t.device) if device is None else torch.device(device)
     seed_all(t.seed)
