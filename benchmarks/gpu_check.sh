@@ -26,6 +26,9 @@ BUDGET_S=${BUDGET_S:-540}
 S=""; SD=""; HS=""; DS="--prompt 512 --new 128 --batches 1,8"
 if [ "${1:-}" = "--dry-run" ]; then
   BUDGET_S=${DRY_RUN_BUDGET_S:-900}  # a shared 2-core CPU
+  # one intra-op thread, as the test suite runs: on tiny shapes a second thread only adds
+  # synchronisation (decoding 2.6x, transformers' step 2x the CPU seconds on a loaded 2-core CPU)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   C="--model.config.hidden_size=64 --model.config.vocab_size=512 --model.config.mamba_num_heads=4 --model.config.mamba_head_dim=16 --model.config.intermediate_size=64 --model.config.num_attention_heads=4 --model.config.num_key_value_heads=2 --model.config.head_dim=16 --model.config.n_groups=2 --model.config.ssm_state_size=16 --model.config.chunk_size=16 --benchmark.seq_len=64 --benchmark.warmup_steps=1 --benchmark.steps=1 --benchmark.profile_steps=1 --training.dtype=float32"
   SD="$C --model.config.hybrid_override_pattern=M-M*"
   S="$C --model.config.n_routed_experts=4 --model.config.num_experts_per_tok=2 --model.config.moe_intermediate_size=32 --model.config.moe_shared_expert_intermediate_size=64"
@@ -40,12 +43,12 @@ part() { local name=$1 secs=$(( BUDGET_S * $2 / 100 )); shift 2
   echo "rc=$rc limit=$secs" | tee "$O/$name.rc"; }
 B="$PY $G/bench_part.py"
 echo "=== env"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-$PY -c "import torch,transformers;print('torch',torch.__version__,'transformers',transformers.__version__)" 2>&1 | tail -1
+$PY -c "from importlib.metadata import version as v;print('torch',v('torch'),'transformers',v('transformers'))" 2>&1 | tail -1
 part nano8 34 $B -c "$G/nano8.yaml" $S --checkpoint.dir="$O/nano8" --benchmark.output="$O/nano8.json"
 part nano8_torch_eager 14 $B -c "$G/nano8.yaml" $S --training.mamba_kernels=false --training.compile=false \
   --benchmark.profile=true --checkpoint.dir="$O/nano8_torch_eager" --benchmark.output="$O/nano8_torch_eager.json"
 part decode_nano8 18 $PY "$G/decode.py" "$G/nano8.yaml" $DS
 part dense2b 18 $B -c "$G/dense2b.yaml" $SD --checkpoint.dir="$O/dense2b" --benchmark.output="$O/dense2b.json"
-part hf_nano8 12 $PY "$G/hf_train.py" "$G/nano8.yaml" $HS --steps 3
+part hf_nano8 12 $PY "$G/hf_train.py" "$G/nano8.yaml" --steps 3 $HS
 echo "=== done $(date +%T)"
 $PY "$G/table.py" "$O"

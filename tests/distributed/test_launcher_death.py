@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
+from tests.helpers.recipes import tiny_recipe
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "squad_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _children(pid: int) -> list[int]:
@@ -33,16 +35,15 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc (Linux)")
 def test_workers_end_when_the_launcher_is_killed(tmp_path):
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "hybridtrain", "finetune", "-c", str(RECIPE),
-            "--nproc-per-node", "2", f"--checkpoint.dir={out}",
-            f"--tokenizer.out_dir={tmp_path}/tokenizer", "--tokenizer.texts.num_questions=300",
-            f"--dataset.path.path={tmp_path}/data/train.json", "--dataset.path.num_questions=200",
-            f"--validation_dataset.path.path={tmp_path}/data/validation.json",
-            "--validation_dataset.path.num_questions=16", "--training.max_steps=100000",
-            "--training.val_every_steps=0", "--training.ckpt_every_steps=0",
-            "--metrics.progress_bar=false", "--metrics.plot=false", "--metrics.peak_tflops=1.0"]
+    # the tiny model on synthetic rows: no tokenizer or data to build before the first step
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe()))
+    argv = [sys.executable, "-m", "hybridtrain", "finetune", "-c", str(recipe),
+            "--nproc-per-node", "2", f"--checkpoint.dir={out}", "--training.max_steps=100000",
+            "--training.ckpt_every_steps=0", "--metrics.progress_bar=false",
+            "--metrics.peak_tflops=1.0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+    launcher = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     workers: list[int] = []
     try:
@@ -52,13 +53,13 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
                 workers = _children(launcher.pid)
                 break
             assert launcher.poll() is None, "the run ended early"
-            time.sleep(0.5)
+            time.sleep(0.05)
         assert len(workers) == 2, workers
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         t0 = time.time()
         while any(_alive(w) for w in workers) and time.time() - t0 < 15:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert not any(_alive(w) for w in workers), "workers outlived their launcher by 15 s"
     finally:
         for w in workers:

@@ -156,10 +156,15 @@ def test_narrow_defaults_and_explicit_listing():
 
 
 def test_cli_refuses_shell_command_through_attribute_path(tmp_path):
+    """``hybridtrain finetune`` refuses each recipe naming a shell command through an allowed
+    prefix's attribute path (exit 2, the target named, nothing run); one child process runs the
+    CLI's ``main`` on each recipe in turn (one torch import instead of one per recipe)."""
     marker = tmp_path / "pwned"
-    recipe = tmp_path / "r.yaml"
-    for target in ("torch.serialization.os.system", "hybridtrain.cli.os.system",
-                   "torch.nn.modules.module.os.system"):
+    targets = ("torch.serialization.os.system", "hybridtrain.cli.os.system",
+               "torch.nn.modules.module.os.system")
+    recipes = []
+    for i, target in enumerate(targets):
+        recipe = tmp_path / f"r{i}.yaml"
         recipe.write_text(textwrap.dedent(f"""\
             allowed_target_prefixes: [torch.]
             model:
@@ -167,8 +172,16 @@ def test_cli_refuses_shell_command_through_attribute_path(tmp_path):
               command: "touch {marker}"
             checkpoint: {{dir: {tmp_path / 'out'}}}
             """))
-        r = subprocess.run([sys.executable, "-m", "hybridtrain", "finetune", "-c", str(recipe)],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 2, r.stderr
-        assert not marker.exists()
-        assert target in r.stderr, r.stderr
+        recipes.append(str(recipe))
+    code = ("import sys\nfrom hybridtrain.cli import main\nfor r in sys.argv[1:]:\n"
+            "    print('=== recipe', file=sys.stderr, flush=True)\n"
+            "    print('rc', main(['finetune', '-c', r]), file=sys.stderr, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code, *recipes], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = r.stderr.split("=== recipe\n")[1:]
+    assert len(runs) == len(targets), r.stderr
+    for target, err in zip(targets, runs):
+        assert err.rstrip().endswith("rc 2"), err
+        assert target in err, err
+    assert not marker.exists()

@@ -20,43 +20,58 @@ from hybridtrain.runfolder import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 
+# each run: `hybridtrain finetune` under a file size limit (the soft limit, lowered per run), its
+# exit status printed after its stderr
 LIMITED = """import resource, sys
-limit = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 from hybridtrain.cli import main
-sys.exit(main(sys.argv[2:]))
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+for limit, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    print("=== run", file=sys.stderr, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), hard))
+    rc = main([*sys.argv[-1].split(), "--checkpoint.dir=" + out])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    print("rc", rc, file=sys.stderr, flush=True)
 """
 
 
-def run_limited(tmp_path, limit: int, out: Path) -> subprocess.CompletedProcess:
-    """`hybridtrain finetune` of one step into ``out``, no file larger than ``limit`` bytes."""
-    recipe = tmp_path / "recipe.yaml"
+@pytest.fixture(scope="module")
+def limited_runs(tmp_path_factory) -> dict[int, tuple[Path, int, str]]:
+    """`hybridtrain finetune` of one step with no file larger than 200 kB (the logs fit, the
+    checkpoint's shard does not) and 1 kB (config.yaml is larger), run one after the other in
+    one child process (one torch import): per limit, (output folder, exit status, stderr)."""
+    tmp = tmp_path_factory.mktemp("disk")
+    recipe = tmp / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe()))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    args = ["finetune", "-c", str(recipe), f"--checkpoint.dir={out}", "--training.max_steps=1",
-            "--training.global_batch_size=2", "--metrics.progress_bar=false"]
-    return subprocess.run([sys.executable, "-c", LIMITED, str(limit), *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    args = (f"finetune -c {recipe} --training.max_steps=1 --training.global_batch_size=2 "
+            "--metrics.progress_bar=false")
+    limits = (200_000, 1000)
+    outs = [tmp / f"run{limit}" for limit in limits]
+    res = subprocess.run([sys.executable, "-c", LIMITED,
+                          *[str(x) for pair in zip(limits, outs) for x in pair], args],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = res.stderr.split("=== run\n")[1:]
+    assert len(runs) == len(limits), res.stderr[-3000:]
+    return {limit: (out, int(err.rstrip().rsplit("rc ", 1)[1]), err)
+            for limit, out, err in zip(limits, outs, runs)}
 
 
-def test_full_disk_while_checkpointing_leaves_no_partial_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    res = run_limited(tmp_path, 200_000, out)  # the logs fit, the checkpoint's shard does not
-    assert res.returncode == 2, res.stderr[-3000:]
+def test_full_disk_while_checkpointing_leaves_no_partial_checkpoint(limited_runs):
+    out, rc, err = limited_runs[200_000]  # the logs fit, the checkpoint's shard does not
+    assert rc == 2, err[-3000:]
     assert (f"hybridtrain: error: file too large while writing checkpoint {out}/step_1 "
             f"({out}/.step_1.tmp); a file size limit (ulimit -f) is in force; the partial "
-            "checkpoint was removed") in res.stderr
-    assert "Traceback" not in res.stderr
+            "checkpoint was removed") in err
+    assert "Traceback" not in err
     assert sorted(os.listdir(out)) == ["config.yaml", "training.jsonl"]  # no .step_1.tmp, lock
 
 
-def test_full_disk_while_writing_the_recipe_names_the_file(tmp_path):
-    out = tmp_path / "run"
-    res = run_limited(tmp_path, 1000, out)  # config.yaml is larger
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert (f"hybridtrain: error: file too large while writing file ({out}/config.yaml)"
-            in res.stderr)
+def test_full_disk_while_writing_the_recipe_names_the_file(limited_runs):
+    out, rc, err = limited_runs[1000]  # config.yaml is larger
+    assert rc == 2, err[-3000:]
+    assert f"hybridtrain: error: file too large while writing file ({out}/config.yaml)" in err
     assert os.listdir(out) == []  # no temporary file, no lock
 
 

@@ -12,14 +12,18 @@ from hybridtrain.training.metrics import TRAIN_FIELDS
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "squad_tiny.yaml"
 
 
-def _overrides(out: Path, max_steps: int, resume: str = "null") -> list[str]:
+def _overrides(out: Path, max_steps: int, resume: str = "null", files: Path | None = None
+               ) -> list[str]:
+    """The run's overrides; its tokenizer and data are built in (or read from) ``files``
+    (default: the run folder)."""
+    files = files or out
     return run_overrides(
         out, max_steps, resume,
-        f"--tokenizer.out_dir={out}/tokenizer",
+        f"--tokenizer.out_dir={files}/tokenizer",
         "--tokenizer.texts.num_questions=300",
-        f"--dataset.path.path={out}/data/train.json",
+        f"--dataset.path.path={files}/data/train.json",
         "--dataset.path.num_questions=200",
-        f"--validation_dataset.path.path={out}/data/validation.json",
+        f"--validation_dataset.path.path={files}/data/validation.json",
         "--validation_dataset.path.num_questions=16",
     )
 
@@ -78,13 +82,14 @@ def test_squad_tiny_output_folder(tmp_path, capsys):
 
 
 def test_loss_chunk_size_switch_keeps_the_losses(tmp_path):
-    """training.loss_chunk_size: null (plain full-logit loss) gives the chunked run's losses."""
+    """training.loss_chunk_size: null (plain full-logit loss) gives the chunked run's losses
+    (the second run reads the tokenizer and data the first built)."""
     from hybridtrain.cli import main
 
     losses = []
     for chunk in ("null", "64"):
         out = tmp_path / f"chunk_{chunk}"
-        assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 2),
+        assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 2, files=tmp_path),
                      f"--training.loss_chunk_size={chunk}", "--checkpoint.enabled=false",
                      "--checkpoint.save_hf_at_end=false", "--training.val_every_steps=0"]) == 0
         losses.append([json.loads(line)["loss"] for line in open(out / "training.jsonl")])
