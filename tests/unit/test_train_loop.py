@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -150,18 +151,37 @@ def reference_standin(tmp_path_factory):
     return _reference(str(tmp_path_factory.mktemp("ref_standin")), standin_model)
 
 
-def test_resume_is_bitwise(tmp_path, reference):
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """``crashed(ac, dest)``: a copy at ``dest`` of a run killed in step 5 after its step-3
+    checkpoint (blocks plain, or checkpoint-wrapped every second one with ``ac``); returns the
+    killed run's first three losses. Each killed run is made once for the module."""
+    runs = {}
+
+    def copy_of(ac, dest):
+        if ac not in runs:
+            run = tmp_path_factory.mktemp("crashed") / "run"
+            first = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, train_step=CrashAt(5),
+                                  model_fn=_ac_model if ac else tiny_model)
+            with pytest.raises(KeyboardInterrupt):
+                first.fit()
+            runs[ac] = (run, [r["loss"] for r in first.history[:3]])
+        shutil.copytree(runs[ac][0], dest)
+        return runs[ac][1]
+
+    return copy_of
+
+
+def test_resume_is_bitwise(tmp_path, reference, crashed):
     ref_losses, ref_weights, ref_opt = reference
     run = tmp_path / "run"
-    first = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, train_step=CrashAt(5))
-    with pytest.raises(KeyboardInterrupt):
-        first.fit()
+    first_losses = crashed(False, run)
     assert open(run / "latest").read().strip() == "step_3"
     second = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY)
     second.resume(second.checkpointer.resolve_resume("auto"))
     assert second.sched.step == 3 and second.lr_scheduler.num_steps == 3
     second.fit()
-    losses = [r["loss"] for r in first.history[:3]] + [r["loss"] for r in second.history]
+    losses = first_losses + [r["loss"] for r in second.history]
     assert losses == ref_losses  # bitwise
     w = _weights(second.model)
     assert all(torch.equal(ref_weights[k], w[k]) for k in w)
@@ -185,19 +205,15 @@ def _ac_model(seed):
 
 @pytest.mark.parametrize("ac", [(True, True), (True, False), (False, True)],
                          ids=["ac->ac", "ac->plain", "plain->ac"])
-def test_resume_with_activation_checkpointing_is_bitwise(tmp_path, reference, ac):
+def test_resume_with_activation_checkpointing_is_bitwise(tmp_path, reference, crashed, ac):
     """Checkpoint-wrapped blocks train, save and resume like plain ones (either way round)."""
     ref_losses, ref_weights, _ = reference
-    fns = [_ac_model if on else tiny_model for on in ac]
     run = tmp_path / "run"
-    first = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, train_step=CrashAt(5),
-                          model_fn=fns[0])
-    with pytest.raises(KeyboardInterrupt):
-        first.fit()
-    second = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, model_fn=fns[1])
+    first_losses = crashed(ac[0], run)
+    second = build_trainer(str(run), max_steps=STEPS, ckpt_every=EVERY, model_fn=_ac_model if ac[1] else tiny_model)
     second.resume(second.checkpointer.resolve_resume("auto"))
     second.fit()
-    losses = [r["loss"] for r in first.history[:3]] + [r["loss"] for r in second.history]
+    losses = first_losses + [r["loss"] for r in second.history]
     assert losses == ref_losses  # bitwise
     w = _weights(second.model)
     assert w.keys() == ref_weights.keys()
