@@ -13,8 +13,11 @@ import fcntl
 import os
 import sys
 
-import pytest
-import torch
+# one thread in the processes the tests start, too (the CLI, scripts, launched ranks), unless set
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.helpers.data import (
     SHARED_DATA,
@@ -108,11 +111,18 @@ def _plain_nodeid(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    """Under xdist: each item's group, and the groups holding a ``slow`` test first (a worker
+    takes the next group when it is free, so the longest ones do not come last)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
+    slow = set()
     for item in items:
         name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(_GROUP_OF_FILE.get(name, name)))
+        group = _GROUP_OF_FILE.get(name, name)
+        item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("slow"):
+            slow.add(group)
+    items.sort(key=lambda item: _GROUP_OF_FILE.get(item.path.name, item.path.name) not in slow)
 
 
 @pytest.fixture(scope="module")

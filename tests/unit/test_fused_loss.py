@@ -53,6 +53,7 @@ def _head(weight):
     return head
 
 
+@pytest.mark.slow  # three inductor compiles
 def test_compiled_chunks_match_the_torch_loop():
     """fullgraph=True (no graph break) and dynamic shapes: chunks of 8 and the ragged last one,
     label rows only; fp32 within 1e-5 of the eager loop (inductor reorders sums)."""
