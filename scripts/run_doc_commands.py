@@ -9,10 +9,12 @@ mkdocs.yml's nav carries a marker comment on the line above it:
         (as after `source .venv/bin/activate`); it must exit 0 (or rc="N"), print each
         `expect` text somewhere in its output and leave each of `files` behind.
     <!-- doc-test: check -->
-        real-model commands (8 GPUs, Slurm, a 30B checkpoint): each line runs in a cheaper
-        form that still resolves what it names: `hybridtrain finetune|dpo|grpo|benchmark|evaluate
-        ...` gets --print-config (the recipe, its overrides and ${env:} resolve), `sbatch F`
-        becomes `bash -n F`; other lines (export, plan) run as written.
+        real-model commands (8 GPUs, Slurm, a 30B checkpoint), and tests the suite runs anyway:
+        each line runs in a cheaper form that still resolves what it names: `hybridtrain
+        finetune|dpo|grpo|benchmark|evaluate ...` gets --print-config (the recipe, its overrides
+        and ${env:} resolve), `sbatch F` becomes `bash -n F`, `pytest ...` gets --collect-only
+        (the named tests exist and import; `make test` runs them); other lines (export, plan)
+        run as written.
     <!-- doc-test: skip reason="..." -->
         not run here (the reason says where it is run instead).
 
@@ -20,7 +22,9 @@ A shell block without a marker is an error, so a new command cannot slip in unch
 blocks are compiled (syntax). Blocks run in reading order (README first, then the nav's pages)
 in one scratch copy, so a later command reads an earlier one's run folder (the README's order:
 `make demo`, then evaluate / generate / convert on its output); a block identical to one already
-run is not run again.
+run is not run again. Each block's line gives its wall time and the CPU time of its processes
+(user + system: on a busy machine the steadier figure); the last line, the total and the load
+average before and after.
 
     python scripts/run_doc_commands.py                    # everything (CI: .ci/run)
     python scripts/run_doc_commands.py --list             # the blocks and their markers
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import re
 import shlex
 import shutil
@@ -156,6 +161,8 @@ def check_form(text: str) -> str:
         elif any(w.endswith("hybridtrain") and nxt in RECIPE_COMMANDS
                  for w, nxt in zip(words, words[1:])):  # also `torchrun ... -m hybridtrain ...`
             out.append(code.rstrip() + " --print-config > /dev/null")
+        elif any(w.endswith("pytest") for w in words):  # also `python -m pytest ...`
+            out.append(code.rstrip() + " --collect-only")
         else:
             out.append(line)
     return "\n".join(out) + "\n"
@@ -172,10 +179,18 @@ def scratch_copy(dest: Path, venv: Path) -> None:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
     (dest / ".venv").symlink_to(venv.resolve())
-    stamp = venv / ".installed"  # `make` would reinstall into the shared venv if pyproject were newer
-    if stamp.exists() and (dest / "pyproject.toml").stat().st_mtime > stamp.stat().st_mtime:
-        t = stamp.stat().st_mtime
-        os.utime(dest / "pyproject.toml", (t, t))
+    # `make` would reinstall (pip install -e: the venv's package then points at this scratch copy)
+    # if pyproject.toml were newer than the venv's stamp; nanoseconds, as a float can round up
+    stamp = venv / ".installed"
+    if stamp.exists() and (dest / "pyproject.toml").stat().st_mtime_ns > stamp.stat().st_mtime_ns:
+        t = stamp.stat().st_mtime_ns
+        os.utime(dest / "pyproject.toml", ns=(t, t))
+
+
+def children_cpu() -> float:
+    """User + system seconds of this process's finished children (the blocks' processes)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def run_block(b: Block, work: Path, log_dir: Path, timeout: int,
@@ -253,21 +268,22 @@ def main(argv=None) -> int:
     log_dir = work / "doc-test-logs"
     log_dir.mkdir(exist_ok=True)
     seen: dict[str, str] = {}
-    failed, start = [], time.monotonic()
+    failed, start, cpu0, load0 = [], time.monotonic(), children_cpu(), os.getloadavg()[0]
     for b in chosen:
         key = b.mode + "\0" + b.text
         if key in seen:
             print(f"same   {b.where} (as {seen[key]})", flush=True)
             continue
         seen[key] = b.where
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), children_cpu()
         ok, why = run_block(b, work, log_dir, args.timeout)
-        print(f"{'ok    ' if ok else 'FAILED'} {b.where} {b.mode} {time.monotonic() - t0:.0f}s"
-              + ("" if ok else "\n    " + why), flush=True)
+        print(f"{'ok    ' if ok else 'FAILED'} {b.where} {b.mode} {time.monotonic() - t0:.0f}s "
+              f"(cpu {children_cpu() - c0:.0f}s)" + ("" if ok else "\n    " + why), flush=True)
         if not ok:
             failed.append(b.where)
-    total = time.monotonic() - start
-    print(f"{len(seen)} blocks in {total:.0f}s; failed: {', '.join(failed) or 'none'}")
+    total, cpu = time.monotonic() - start, children_cpu() - cpu0
+    print(f"{len(seen)} blocks in {total:.0f}s (cpu {cpu:.0f}s; load average {load0:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after); failed: {', '.join(failed) or 'none'}")
     if args.keep is None and not failed:
         shutil.rmtree(scratch, ignore_errors=True)
     elif args.keep is not None:

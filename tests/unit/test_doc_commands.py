@@ -4,6 +4,7 @@ docs site is marked run / check / skip, and the markers mean what the script's d
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -40,12 +41,13 @@ def test_markers_are_parsed_and_an_unmarked_block_is_reported(tmp_path):
     assert len(found) == 2 and "page.md:8" in found[0] and "reason" in found[1]
 
 
-def test_check_form_resolves_real_model_commands_without_running_them():
+def test_check_form_resolves_real_model_commands_and_tests_without_running_them():
     text = ("export A=1\n"
             "hybridtrain finetune -c big.yaml --nproc-per-node 8   # 8 GPUs\n"
             "torchrun --nproc-per-node 4 -m hybridtrain finetune -c r.yaml \\\n    --distributed.pp=2\n"
             "sbatch examples/job.sbatch\n"
-            "hybridtrain plan -c big.yaml --nproc-per-node 8\n")
+            "hybridtrain plan -c big.yaml --nproc-per-node 8\n"
+            ".venv/bin/python -m pytest -q tests/unit/test_x.py\n")
     assert rdc.check_form(text).splitlines() == [
         "export A=1",
         "hybridtrain finetune -c big.yaml --nproc-per-node 8 --print-config > /dev/null",
@@ -53,6 +55,7 @@ def test_check_form_resolves_real_model_commands_without_running_them():
         " --print-config > /dev/null",
         "bash -n examples/job.sbatch",
         "hybridtrain plan -c big.yaml --nproc-per-node 8",
+        ".venv/bin/python -m pytest -q tests/unit/test_x.py --collect-only",
     ]
 
 
@@ -65,6 +68,20 @@ def test_run_block_checks_exit_status_output_and_files(tmp_path):
     passed, why = rdc.run_block(bad, tmp_path, tmp_path, timeout=30)
     assert not passed
     assert "exit status 1" in why and "'hello'" in why and "missing absent" in why
+
+
+def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
+    """`make` in the copy must not reinstall: its pyproject.toml is not newer than the venv's
+    stamp, to the nanosecond (a reinstall would point the venv's package at the copy)."""
+    venv, dest = tmp_path / "venv", tmp_path / "copy"
+    venv.mkdir()
+    dest.mkdir()
+    (venv / ".installed").touch()
+    t = (ROOT / "pyproject.toml").stat().st_mtime_ns - 1_234_567_891  # older than the checkout's
+    os.utime(venv / ".installed", ns=(t, t))
+    rdc.scratch_copy(dest, venv)
+    assert (dest / "README.md").is_file() and (dest / ".venv").resolve() == venv.resolve()
+    assert (dest / "pyproject.toml").stat().st_mtime_ns <= t
 
 
 def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
