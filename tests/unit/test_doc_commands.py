@@ -62,12 +62,27 @@ def test_check_form_resolves_real_model_commands_and_tests_without_running_them(
 def test_run_block_checks_exit_status_output_and_files(tmp_path):
     ok = rdc.Block("p.md", 1, "bash", "echo hello; touch made\n", "run",
                    {"expect": ["hello"], "files": ["made"]})
-    assert rdc.run_block(ok, tmp_path, tmp_path, timeout=30) == (True, "")
+    assert rdc.run_block(ok, tmp_path, tmp_path, timeout=30)[:2] == (True, "")
     bad = rdc.Block("p.md", 9, "bash", "echo bye; false\n", "run",
                     {"expect": ["hello"], "files": ["absent"]})
-    passed, why = rdc.run_block(bad, tmp_path, tmp_path, timeout=30)
+    passed, why, _, _ = rdc.run_block(bad, tmp_path, tmp_path, timeout=30)
     assert not passed
     assert "exit status 1" in why and "'hello'" in why and "missing absent" in why
+    slow = rdc.Block("p.md", 20, "bash", "echo started; sleep 30\n", "run", {})
+    passed, why, seconds, _ = rdc.run_block(slow, tmp_path, tmp_path, timeout=1)
+    assert not passed and "timed out" in why and "started" in why and seconds < 20
+
+
+def test_blocks_after_a_command_share_its_lane_and_must_name_an_earlier_block():
+    demo = rdc.Block("README.md", 1, "bash", "make demo\n", "run")
+    plan = rdc.Block("README.md", 5, "bash", "hybridtrain plan -c r.yaml\n", "run")
+    use = rdc.Block("a.md", 1, "bash", "hybridtrain evaluate -c r.yaml\n", "run",
+                    {"after": ["make demo"]})
+    other = rdc.Block("b.md", 1, "bash", "hybridtrain dpo -c d.yaml\n", "check")
+    assert rdc.lanes([demo, plan, use, other]) == ([demo, use], [plan, other])
+    assert rdc.problems([demo, plan, use, other]) == []
+    found = rdc.problems([use, demo])
+    assert len(found) == 1 and "a.md:1" in found[0] and "make demo" in found[0]
 
 
 def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
@@ -89,7 +104,7 @@ def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
     blocks = [b for b in rdc.parse_blocks("README.md", ROOT) if b.mode == "check"]
     assert blocks
     for b in blocks:
-        passed, why = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
+        passed, why, _, _ = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
         assert passed, why
 
 
