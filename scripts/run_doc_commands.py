@@ -210,6 +210,9 @@ def scratch_copy(dest: Path, venv: Path) -> None:
         os.utime(dest / "pyproject.toml", ns=(t, t))
 
 
+RUNNING: set[int] = set()  # the process groups of the blocks running now (stopped on Ctrl-C)
+
+
 def run_block(b: Block, work: Path, log_dir: Path, timeout: int, venv: Path | None = None,
               env_extra: dict[str, str] | None = None) -> tuple[bool, str, float, float]:
     """Run one block in ``work`` with ``venv`` (default: work/.venv) activated; (passed, why,
@@ -226,10 +229,12 @@ def run_block(b: Block, work: Path, log_dir: Path, timeout: int, venv: Path | No
     proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    RUNNING.add(proc.pid)
     timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
     timer.start()
     output = proc.stdout.read().decode(errors="replace")
     _, status, usage = os.wait4(proc.pid, 0)  # (its usage: the block's processes, all reaped)
+    RUNNING.discard(proc.pid)
     proc.returncode = rc = os.waitstatus_to_exitcode(status)
     timed_out = not timer.is_alive()
     timer.cancel()
@@ -329,17 +334,25 @@ def main(argv=None) -> int:
     for t in threads:
         t.start()
     cpu = 0.0
-    for b in chosen:  # in reading order, each as soon as it and those before it are done
-        first = seen[b.mode + "\0" + b.text]
-        if first != b.where:
-            print(f"same   {b.where} (as {first})", flush=True)
-            continue
-        ok, why, seconds, block_cpu = results[id(b)].result()
-        cpu += block_cpu
-        print(f"{'ok    ' if ok else 'FAILED'} {b.where} {b.mode} {seconds:.0f}s "
-              f"(cpu {block_cpu:.0f}s)" + ("" if ok else "\n    " + why), flush=True)
-        if not ok:
-            failed.append(b.where)
+    try:
+        for b in chosen:  # in reading order, each as soon as it and those before it are done
+            first = seen[b.mode + "\0" + b.text]
+            if first != b.where:
+                print(f"same   {b.where} (as {first})", flush=True)
+                continue
+            ok, why, seconds, block_cpu = results[id(b)].result()
+            cpu += block_cpu
+            print(f"{'ok    ' if ok else 'FAILED'} {b.where} {b.mode} {seconds:.0f}s "
+                  f"(cpu {block_cpu:.0f}s)" + ("" if ok else "\n    " + why), flush=True)
+            if not ok:
+                failed.append(b.where)
+    except KeyboardInterrupt:  # the blocks run in sessions of their own: stop them too
+        for pgid in list(RUNNING):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
     for t in threads:
         t.join()
     total = time.monotonic() - start
