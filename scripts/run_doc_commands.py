@@ -301,9 +301,9 @@ def main(argv=None) -> int:
     both = [lane for lane in lanes(unique) if lane]
     env_extra = {} if len(both) < 2 or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
 
-    scratch = Path(tempfile.mkdtemp(prefix="doc-commands-"))
+    scratch = None if args.keep else Path(tempfile.mkdtemp(prefix="doc-commands-"))
     work = args.keep or scratch / "checkout"
-    if args.keep is None and (ROOT.parent / "shared").is_dir():  # the data some pages read
+    if scratch is not None and (ROOT.parent / "shared").is_dir():  # the data some pages read
         (scratch / "shared").symlink_to((ROOT.parent / "shared").resolve())
     results: dict[int, Future] = {id(b): Future() for b in unique}
 
@@ -359,9 +359,7 @@ def main(argv=None) -> int:
     print(f"{len(unique)} blocks in {total:.0f}s, {len(both)} at a time (cpu {cpu:.0f}s; load "
           f"average {load0:.1f} before, {os.getloadavg()[0]:.1f} after); failed: "
           f"{', '.join(failed) or 'none'}")
-    if args.keep is None and not failed:
-        shutil.rmtree(scratch, ignore_errors=True)
-    elif args.keep is not None:
+    if scratch is not None and not failed:
         shutil.rmtree(scratch, ignore_errors=True)
     elif failed:
         print(f"logs: {', '.join(str(c / 'doc-test-logs') for c in copies)}")
