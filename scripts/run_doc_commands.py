@@ -346,7 +346,7 @@ def main(argv=None) -> int:
                   f"(cpu {block_cpu:.0f}s)" + ("" if ok else "\n    " + why), flush=True)
             if not ok:
                 failed.append(b.where)
-    except KeyboardInterrupt:  # the blocks run in sessions of their own: stop them too
+    except KeyboardInterrupt:  # the blocks run in process groups of their own: stop them too
         for pgid in list(RUNNING):
             try:
                 os.killpg(pgid, signal.SIGKILL)
