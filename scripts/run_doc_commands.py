@@ -9,18 +9,30 @@ mkdocs.yml's nav carries a marker comment on the line above it:
         (as after `source .venv/bin/activate`); it must exit 0 (or rc="N"), print each
         `expect` text somewhere in its output and leave each of `files` behind.
     <!-- doc-test: check -->
-        real-model commands (8 GPUs, Slurm, a 30B checkpoint): each line runs in a cheaper
-        form that still resolves what it names: `hybridtrain finetune|dpo|grpo|benchmark|evaluate
-        ...` gets --print-config (the recipe, its overrides and ${env:} resolve), `sbatch F`
-        becomes `bash -n F`; other lines (export, plan) run as written.
+        real-model commands (8 GPUs, Slurm, a 30B checkpoint), and tests the suite runs anyway:
+        each line runs in a cheaper form that still resolves what it names: `hybridtrain
+        finetune|dpo|grpo|benchmark|evaluate ...` gets --print-config (the recipe, its overrides
+        and ${env:} resolve), `sbatch F` becomes `bash -n F`, `pytest ...` gets --collect-only
+        (the named tests exist and import; `make test` runs them); other lines (export, plan)
+        run as written.
     <!-- doc-test: skip reason="..." -->
         not run here (the reason says where it is run instead).
 
+    after="make demo" (with run or check)
+        the block reads what an earlier block (the one whose command is exactly "make demo")
+        left behind: it runs after that block, in the same scratch copy.
+
 A shell block without a marker is an error, so a new command cannot slip in unchecked. Python
-blocks are compiled (syntax). Blocks run in reading order (README first, then the nav's pages)
-in one scratch copy, so a later command reads an earlier one's run folder (the README's order:
-`make demo`, then evaluate / generate / convert on its output); a block identical to one already
-run is not run again.
+blocks are compiled (syntax). Blocks run in two lanes at once, each in reading order (README
+first, then the nav's pages) and in a scratch copy of its own: the blocks marked after="CMD"
+with the block running CMD (the README's order: `make demo`, then evaluate / generate / convert
+on its output), and all the others. A block that reads another's output without saying so
+fails in the other copy, never by chance. With two lanes every process gets one thread
+(OMP_NUM_THREADS=1, unless set): two at a time fill the 2 cores of a small machine without the
+oversubscription that makes spinning OpenMP threads crawl. A block identical to one already run
+is not run again. The results are printed in reading order; each block's line gives its wall
+time and the CPU time of its processes (user + system: on a busy machine the steadier figure);
+the last line, the total and the load average before and after.
 
     python scripts/run_doc_commands.py                    # everything (CI: .ci/run)
     python scripts/run_doc_commands.py --list             # the blocks and their markers
@@ -34,10 +46,13 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,7 +142,20 @@ def problems(blocks: list[Block]) -> list[str]:
                 out.append(f"{b.where}: unknown doc-test mode {b.mode!r}")
             elif b.mode == "skip" and not b.attrs.get("reason"):
                 out.append(f"{b.where}: doc-test skip needs reason=\"...\"")
+    for i, b in enumerate(blocks):
+        for cmd in b.attrs.get("after", []):
+            if not any(a.lang in SHELL_LANGS and a.text.strip() == cmd for a in blocks[:i]):
+                out.append(f"{b.where}: after={cmd!r} names no earlier shell block (the whole "
+                           "text of the block whose output this one reads)")
     return out
+
+
+def lanes(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
+    """(the blocks marked after="CMD" and the blocks running a CMD, the others), each in reading
+    order: the two lanes that run at once, in scratch copies of their own."""
+    anchors = {cmd for b in blocks for cmd in b.attrs.get("after", [])}
+    first = [b for b in blocks if b.attrs.get("after") or b.text.strip() in anchors]
+    return first, [b for b in blocks if b not in first]
 
 
 def logical_lines(text: str) -> list[str]:
@@ -156,6 +184,8 @@ def check_form(text: str) -> str:
         elif any(w.endswith("hybridtrain") and nxt in RECIPE_COMMANDS
                  for w, nxt in zip(words, words[1:])):  # also `torchrun ... -m hybridtrain ...`
             out.append(code.rstrip() + " --print-config > /dev/null")
+        elif any(w.endswith("pytest") for w in words):  # also `python -m pytest ...`
+            out.append(code.rstrip() + " --collect-only")
         else:
             out.append(line)
     return "\n".join(out) + "\n"
@@ -172,28 +202,46 @@ def scratch_copy(dest: Path, venv: Path) -> None:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
     (dest / ".venv").symlink_to(venv.resolve())
-    stamp = venv / ".installed"  # `make` would reinstall into the shared venv if pyproject were newer
-    if stamp.exists() and (dest / "pyproject.toml").stat().st_mtime > stamp.stat().st_mtime:
-        t = stamp.stat().st_mtime
-        os.utime(dest / "pyproject.toml", (t, t))
+    # `make` would reinstall (pip install -e: the venv's package then points at this scratch copy)
+    # if pyproject.toml were newer than the venv's stamp; nanoseconds, as a float can round up
+    stamp = venv / ".installed"
+    if stamp.exists() and (dest / "pyproject.toml").stat().st_mtime_ns > stamp.stat().st_mtime_ns:
+        t = stamp.stat().st_mtime_ns
+        os.utime(dest / "pyproject.toml", ns=(t, t))
 
 
-def run_block(b: Block, work: Path, log_dir: Path, timeout: int,
-              venv: Path | None = None) -> tuple[bool, str]:
-    """Run one block in ``work`` with ``venv`` (default: work/.venv) activated; (passed, why)."""
+RUNNING: set[int] = set()  # the process groups of the blocks running now (stopped on Ctrl-C)
+
+
+def run_block(b: Block, work: Path, log_dir: Path, timeout: int, venv: Path | None = None,
+              env_extra: dict[str, str] | None = None) -> tuple[bool, str, float, float]:
+    """Run one block in ``work`` with ``venv`` (default: work/.venv) activated; (passed, why,
+    wall seconds, CPU seconds of its processes)."""
     script = b.text if b.mode == "run" else check_form(b.text)
     venv = venv or work / ".venv"
     env = dict(os.environ)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(work / "src")  # this copy's code, whatever the venv's install
     env["VIRTUAL_ENV"] = str(venv)
+    env.update(env_extra or {})
     log = log_dir / (b.where.replace("/", "_").replace(":", "_") + ".log")
-    try:
-        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=work, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-        output, rc = proc.stdout.decode(errors="replace"), proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (e.stdout or b"").decode(errors="replace") + "\n[timed out]", None
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    RUNNING.add(proc.pid)
+    timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    output = proc.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)  # (its usage: the block's processes, all reaped)
+    RUNNING.discard(proc.pid)
+    proc.returncode = rc = os.waitstatus_to_exitcode(status)
+    timed_out = not timer.is_alive()
+    timer.cancel()
+    proc.stdout.close()
+    if timed_out:
+        output, rc = output + "\n[timed out]", None
+    seconds, cpu = time.monotonic() - t0, usage.ru_utime + usage.ru_stime
     log.write_text(script + "\n----\n" + output)
     want_rc = int(b.attrs.get("rc", ["0"])[0])
     errors = []
@@ -205,8 +253,8 @@ def run_block(b: Block, work: Path, log_dir: Path, timeout: int,
         errors += [f"missing {name}" for name in names.split() if not (work / name).exists()]
     if errors:
         tail = "\n".join("      " + x for x in output.rstrip().splitlines()[-15:])
-        return False, "; ".join(errors) + f" (log {log})\n{tail}"
-    return True, ""
+        return False, "; ".join(errors) + f" (log {log})\n{tail}", seconds, cpu
+    return True, "", seconds, cpu
 
 
 def main(argv=None) -> int:
@@ -243,37 +291,78 @@ def main(argv=None) -> int:
         print(f"no virtual environment at {args.venv}: run `make setup` first", file=sys.stderr)
         return 2
 
-    scratch = Path(tempfile.mkdtemp(prefix="doc-commands-"))
-    work = args.keep or scratch / "checkout"
-    work.mkdir(parents=True, exist_ok=True)
-    if args.keep is None and (ROOT.parent / "shared").is_dir():  # the data some pages read
-        (scratch / "shared").symlink_to((ROOT.parent / "shared").resolve())
-    if not (work / "README.md").exists():
-        scratch_copy(work, args.venv)
-    log_dir = work / "doc-test-logs"
-    log_dir.mkdir(exist_ok=True)
     seen: dict[str, str] = {}
-    failed, start = [], time.monotonic()
+    unique = []
     for b in chosen:
         key = b.mode + "\0" + b.text
-        if key in seen:
-            print(f"same   {b.where} (as {seen[key]})", flush=True)
-            continue
-        seen[key] = b.where
-        t0 = time.monotonic()
-        ok, why = run_block(b, work, log_dir, args.timeout)
-        print(f"{'ok    ' if ok else 'FAILED'} {b.where} {b.mode} {time.monotonic() - t0:.0f}s"
-              + ("" if ok else "\n    " + why), flush=True)
-        if not ok:
-            failed.append(b.where)
+        if key not in seen:
+            seen[key] = b.where
+            unique.append(b)
+    both = [lane for lane in lanes(unique) if lane]
+    env_extra = {} if len(both) < 2 or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+
+    scratch = None if args.keep else Path(tempfile.mkdtemp(prefix="doc-commands-"))
+    work = args.keep or scratch / "checkout"
+    if scratch is not None and (ROOT.parent / "shared").is_dir():  # the data some pages read
+        (scratch / "shared").symlink_to((ROOT.parent / "shared").resolve())
+    results: dict[int, Future] = {id(b): Future() for b in unique}
+
+    def run_lane(blocks: list[Block], copy: Path) -> None:
+        """Runs ``blocks`` in order in ``copy``; every block gets a result, also when the
+        runner itself fails (reported as the block's failure)."""
+        try:
+            copy.mkdir(parents=True, exist_ok=True)
+            if not (copy / "README.md").exists():
+                scratch_copy(copy, args.venv)
+            log_dir = copy / "doc-test-logs"
+            log_dir.mkdir(exist_ok=True)
+        except Exception as e:
+            for b in blocks:
+                results[id(b)].set_result((False, f"scratch copy {copy}: {e!r}", 0.0, 0.0))
+            return
+        for b in blocks:
+            try:
+                results[id(b)].set_result(
+                    run_block(b, copy, log_dir, args.timeout, env_extra=env_extra))
+            except Exception as e:
+                results[id(b)].set_result((False, f"runner error: {e!r}", 0.0, 0.0))
+
+    failed, start, load0 = [], time.monotonic(), os.getloadavg()[0]
+    copies = [work] + [work.with_name(f"{work.name}-{i + 1}") for i in range(1, len(both))]
+    threads = [threading.Thread(target=run_lane, args=(lane, copy), daemon=True)
+               for lane, copy in zip(both, copies)]
+    for t in threads:
+        t.start()
+    cpu = 0.0
+    try:
+        for b in chosen:  # in reading order, each as soon as it and those before it are done
+            first = seen[b.mode + "\0" + b.text]
+            if first != b.where:
+                print(f"same   {b.where} (as {first})", flush=True)
+                continue
+            ok, why, seconds, block_cpu = results[id(b)].result()
+            cpu += block_cpu
+            print(f"{'ok    ' if ok else 'FAILED'} {b.where} {b.mode} {seconds:.0f}s "
+                  f"(cpu {block_cpu:.0f}s)" + ("" if ok else "\n    " + why), flush=True)
+            if not ok:
+                failed.append(b.where)
+    except KeyboardInterrupt:  # the blocks run in process groups of their own: stop them too
+        for pgid in list(RUNNING):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
+    for t in threads:
+        t.join()
     total = time.monotonic() - start
-    print(f"{len(seen)} blocks in {total:.0f}s; failed: {', '.join(failed) or 'none'}")
-    if args.keep is None and not failed:
-        shutil.rmtree(scratch, ignore_errors=True)
-    elif args.keep is not None:
+    print(f"{len(unique)} blocks in {total:.0f}s, {len(both)} at a time (cpu {cpu:.0f}s; load "
+          f"average {load0:.1f} before, {os.getloadavg()[0]:.1f} after); failed: "
+          f"{', '.join(failed) or 'none'}")
+    if scratch is not None and not failed:
         shutil.rmtree(scratch, ignore_errors=True)
     elif failed:
-        print(f"logs: {log_dir}")
+        print(f"logs: {', '.join(str(c / 'doc-test-logs') for c in copies)}")
     return 1 if failed else 0
 
 

@@ -4,6 +4,7 @@ docs site is marked run / check / skip, and the markers mean what the script's d
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -40,12 +41,13 @@ def test_markers_are_parsed_and_an_unmarked_block_is_reported(tmp_path):
     assert len(found) == 2 and "page.md:8" in found[0] and "reason" in found[1]
 
 
-def test_check_form_resolves_real_model_commands_without_running_them():
+def test_check_form_resolves_real_model_commands_and_tests_without_running_them():
     text = ("export A=1\n"
             "hybridtrain finetune -c big.yaml --nproc-per-node 8   # 8 GPUs\n"
             "torchrun --nproc-per-node 4 -m hybridtrain finetune -c r.yaml \\\n    --distributed.pp=2\n"
             "sbatch examples/job.sbatch\n"
-            "hybridtrain plan -c big.yaml --nproc-per-node 8\n")
+            "hybridtrain plan -c big.yaml --nproc-per-node 8\n"
+            ".venv/bin/python -m pytest -q tests/unit/test_x.py\n")
     assert rdc.check_form(text).splitlines() == [
         "export A=1",
         "hybridtrain finetune -c big.yaml --nproc-per-node 8 --print-config > /dev/null",
@@ -53,18 +55,48 @@ def test_check_form_resolves_real_model_commands_without_running_them():
         " --print-config > /dev/null",
         "bash -n examples/job.sbatch",
         "hybridtrain plan -c big.yaml --nproc-per-node 8",
+        ".venv/bin/python -m pytest -q tests/unit/test_x.py --collect-only",
     ]
 
 
 def test_run_block_checks_exit_status_output_and_files(tmp_path):
     ok = rdc.Block("p.md", 1, "bash", "echo hello; touch made\n", "run",
                    {"expect": ["hello"], "files": ["made"]})
-    assert rdc.run_block(ok, tmp_path, tmp_path, timeout=30) == (True, "")
+    assert rdc.run_block(ok, tmp_path, tmp_path, timeout=30)[:2] == (True, "")
     bad = rdc.Block("p.md", 9, "bash", "echo bye; false\n", "run",
                     {"expect": ["hello"], "files": ["absent"]})
-    passed, why = rdc.run_block(bad, tmp_path, tmp_path, timeout=30)
+    passed, why, _, _ = rdc.run_block(bad, tmp_path, tmp_path, timeout=30)
     assert not passed
     assert "exit status 1" in why and "'hello'" in why and "missing absent" in why
+    slow = rdc.Block("p.md", 20, "bash", "echo started; sleep 30\n", "run", {})
+    passed, why, seconds, _ = rdc.run_block(slow, tmp_path, tmp_path, timeout=1)
+    assert not passed and "timed out" in why and "started" in why and seconds < 20
+
+
+def test_blocks_after_a_command_share_its_lane_and_must_name_an_earlier_block():
+    demo = rdc.Block("README.md", 1, "bash", "make demo\n", "run")
+    plan = rdc.Block("README.md", 5, "bash", "hybridtrain plan -c r.yaml\n", "run")
+    use = rdc.Block("a.md", 1, "bash", "hybridtrain evaluate -c r.yaml\n", "run",
+                    {"after": ["make demo"]})
+    other = rdc.Block("b.md", 1, "bash", "hybridtrain dpo -c d.yaml\n", "check")
+    assert rdc.lanes([demo, plan, use, other]) == ([demo, use], [plan, other])
+    assert rdc.problems([demo, plan, use, other]) == []
+    found = rdc.problems([use, demo])
+    assert len(found) == 1 and "a.md:1" in found[0] and "make demo" in found[0]
+
+
+def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
+    """`make` in the copy must not reinstall: its pyproject.toml is not newer than the venv's
+    stamp, to the nanosecond (a reinstall would point the venv's package at the copy)."""
+    venv, dest = tmp_path / "venv", tmp_path / "copy"
+    venv.mkdir()
+    dest.mkdir()
+    (venv / ".installed").touch()
+    t = (ROOT / "pyproject.toml").stat().st_mtime_ns - 1_234_567_891  # older than the checkout's
+    os.utime(venv / ".installed", ns=(t, t))
+    rdc.scratch_copy(dest, venv)
+    assert (dest / "README.md").is_file() and (dest / ".venv").resolve() == venv.resolve()
+    assert (dest / "pyproject.toml").stat().st_mtime_ns <= t
 
 
 def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
@@ -72,7 +104,7 @@ def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
     blocks = [b for b in rdc.parse_blocks("README.md", ROOT) if b.mode == "check"]
     assert blocks
     for b in blocks:
-        passed, why = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
+        passed, why, _, _ = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
         assert passed, why
 
 

@@ -33,6 +33,10 @@ _GPU_PEAKS = {
 }
 _DTYPE_COLUMN = {"bf16": 0, "fp16": 1, "tf32": 2, "fp32": 3}
 
+# The matmul a CPU run's MFU is measured against, once per run: on 2 cores a 1024 x 1024 fp32
+# matmul reaches the 2048 one's TFLOP/s within noise, in a seventh of the time (2026-11-28).
+CPU_PEAK_MATMUL_SIZE = 1024
+
 
 def _dtype_name(dtype) -> str:
     """The column name: ``bf16`` / ``fp16`` / ``fp32`` (any dtype alias), or ``tf32``."""
@@ -57,7 +61,7 @@ def peak_tflops(device: torch.device | str, dtype) -> float | None:
 
     CUDA: the data-sheet figure for A100 / H100 / H200 / B200 (fp32 reads as tf32 when
     ``torch.backends.cuda.matmul.allow_tf32`` is on); None for an unknown GPU. CPU: a measured
-    matmul peak (:func:`measure_matmul_peak`, cached per process).
+    matmul peak (:func:`measure_matmul_peak` of ``CPU_PEAK_MATMUL_SIZE``, cached per process).
     """
     device = torch.device(device)
     name = _dtype_name(dtype)
@@ -70,7 +74,7 @@ def peak_tflops(device: torch.device | str, dtype) -> float | None:
             logger.warning("no peak TFLOP/s known for %r; MFU will not be reported", gpu)
         return peak
     if device.type == "cpu":
-        return measure_matmul_peak("fp32" if name == "tf32" else name)
+        return measure_matmul_peak("fp32" if name == "tf32" else name, n=CPU_PEAK_MATMUL_SIZE)
     return None
 
 
