@@ -132,11 +132,16 @@ def clip_grad_norm_(
 def clip_grads_with_norm_(params: Sequence[torch.Tensor], max_norm: float | None,
                           total: torch.Tensor) -> None:
     """Scale the gradients of ``params`` (plain or DTensors on any meshes) by
-    ``max_norm / total`` when that is below 1 (nothing without ``max_norm``)."""
-    if max_norm is not None and max_norm > 0 and params:
-        groups = defaultdict(list)
-        for p in params:
-            groups[_mesh_key(p.grad)].append(p)
-        for ps in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device),
-                                                 foreach=True)
+    ``max_norm / (total + 1e-6)`` when that is below 1 (nothing without ``max_norm``), as
+    ``torch.nn.utils.clip_grads_with_norm_`` does. A scale is the same on every shard, so each
+    rank scales its local shards: one multiply per device and dtype, with no DTensor dispatch
+    (whose first call per mesh and layout costs more than the multiply)."""
+    if max_norm is None or max_norm <= 0 or not params:
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups = defaultdict(list)
+    for p in params:
+        g = local_tensor(p.grad)
+        groups[(g.device, g.dtype)].append(g)
+    for (device, _), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device))
