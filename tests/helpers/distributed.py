@@ -18,10 +18,13 @@ import pickle
 import socket
 import tempfile
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+from hybridtrain.config.dist_env import GEMM_KERNEL_CACHE_VARS
 
 # imported once in the fork server; what every rank would otherwise import itself (the
 # tokenizers' transformers, PIL and the vision model: ~2.5 CPU-seconds a rank)
@@ -33,8 +36,10 @@ _PRELOAD = ["torch", "torch.distributed", "hybridtrain.distributed.init",
             "hybridtrain.models.nemotron_vlm", "transformers.models.auto.tokenization_auto",
             "transformers.tokenization_utils_tokenizers", "tokenizers", "PIL.Image",
             "PIL.ImageDraw", "pytest"]
-# variables that differ between tests without changing how a process starts
-_PER_TEST_ENV = {"PYTEST_CURRENT_TEST"}
+# variables that differ between tests without changing how a process starts: the test's id, and
+# oneDNN's kernel cache bounds (read at a rank's first GEMM, after ``_entry`` applied them; an
+# in-process ``build`` sets them, which must not turn every later launch into a spawn)
+_PER_TEST_ENV = {"PYTEST_CURRENT_TEST", *GEMM_KERNEL_CACHE_VARS}
 _server_env: dict[str, str] | None = None
 
 
@@ -56,7 +61,15 @@ def _start_method() -> str:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         multiprocessing.forkserver.ensure_running()
         _server_env = _env()
-    return "forkserver" if _env() == _server_env else "spawn"
+    env = _env()
+    changed = sorted(k for k in env.keys() | _server_env.keys() if env.get(k) != _server_env.get(k))
+    if not changed:
+        return "forkserver"
+    # each spawned rank imports torch again (~4 CPU-seconds): say why, so that a variable some
+    # code sets in the test process does not silently slow every later launch
+    warnings.warn(f"ranks spawned, not forked from the server: {', '.join(changed)} changed "
+                  "since it started", stacklevel=3)
+    return "spawn"
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, outdir: str, args: tuple,
