@@ -174,20 +174,26 @@ def test_a_signal_during_start_up_stops_at_once_and_frees_the_folder(tmp_path, c
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def _signal_during_save(monkeypatch, sig: int, step: int) -> None:
+def _signal_during_save(monkeypatch, sig: int, step: int) -> list:
     """``sig`` to this process while ``step_{step}`` is being written (between its sharded
-    tensors and its JSON files), if a handler is installed (a default action would end pytest)."""
+    tensors and its JSON files), if a handler is installed (a default action would end pytest).
+    Returns the handlers found there: [handler, sent]."""
     from hybridtrain.training import checkpoint
 
     real = checkpoint.dcp_save
+    found = []
 
     def dcp_save_under_signal(tensors, path):
-        if f".step_{step}.tmp" in path and \
-                signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None):
-            os.kill(os.getpid(), sig)
+        if f".step_{step}.tmp" in path:
+            handler = signal.getsignal(sig)
+            sent = handler not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            found.append((handler, sent))
+            if sent:
+                os.kill(os.getpid(), sig)
         return real(tensors, path)
 
     monkeypatch.setattr(checkpoint, "dcp_save", dcp_save_under_signal)
+    return found
 
 
 def _complete(out, step: int) -> None:
@@ -221,8 +227,18 @@ def test_a_signal_during_the_final_save_waits_for_it(tmp_path, capsys, caplog, m
 
 def test_ctrl_c_during_a_save_exits_130_after_it(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    _signal_during_save(monkeypatch, signal.SIGINT, 5)
-    assert main(_args(tmp_path, out)) == 130
+    # Ctrl-C as in a terminal: Python's handler, the signal not blocked (whatever an earlier test
+    # in this worker process left)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        found = _signal_during_save(monkeypatch, signal.SIGINT, 5)
+        status = main(_args(tmp_path, out))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    assert found and found[0][1], f"no handler for SIGINT during the save: {found}"
+    assert status == 130
     _complete(out, 5)
     assert _records(out)[-1]["step"] == 5
     err = capsys.readouterr().err
