@@ -177,7 +177,7 @@ def test_a_signal_during_start_up_stops_at_once_and_frees_the_folder(tmp_path, c
 def _signal_during_save(monkeypatch, sig: int, step: int) -> list:
     """``sig`` to this process while ``step_{step}`` is being written (between its sharded
     tensors and its JSON files), if a handler is installed (a default action would end pytest).
-    Returns the handlers found there: [handler, sent]."""
+    Returns what the save found: one (handler, signal sent) pair per write of that step."""
     from hybridtrain.training import checkpoint
 
     real = checkpoint.dcp_save
