@@ -82,6 +82,7 @@ def test_left_padded_batch_equals_each_prompt_alone(models, kind):
         mask[i, L - len(p):] = 1
     batched = ours.generate(ids, attention_mask=mask, max_new_tokens=12)
     logits_b, cache_b = prefill(ours, ids, mask, max_length=L + 12)
+    steps_b: dict = {}
     worst = 0.0
     for i, p in enumerate(prompts):
         alone = ours.generate(p[None], max_new_tokens=12)
@@ -90,20 +91,17 @@ def test_left_padded_batch_equals_each_prompt_alone(models, kind):
         worst = max(worst, (logits_a[0] - logits_b[i]).abs().max().item())
         for t in range(11):  # the same token sequence, one step at a time
             la = decode_step(ours, cache_a, alone[:, len(p) + t])
-            worst = max(worst, (la[0] - _step_row(ours, cache_b, batched, L + t, i, t)).abs().max().item())
+            worst = max(worst, (la[0] - _step_row(ours, cache_b, batched, L + t, i, t, steps_b)).abs().max().item())
     print(f"\n[generate] {kind} left-padded batch of lengths {lengths}: max|logits - alone| = {worst:.2e}")
     assert worst <= 1e-4
 
 
-_row_logits: dict = {}
-
-
-def _step_row(model, cache, tokens, pos, row, t):
-    """The batched cache's logits at step t (fed once per step for all rows, memoised)."""
-    key = (id(cache), t)
-    if key not in _row_logits:
-        _row_logits[key] = decode_step(model, cache, tokens[:, pos])
-    return _row_logits[key][row]
+def _step_row(model, cache, tokens, pos, row, t, memo: dict):
+    """The batched cache's logits at step t, fed once per step for all rows and kept in ``memo``
+    (one per cache: a key such as ``id(cache)`` can name a freed cache's steps)."""
+    if t not in memo:
+        memo[t] = decode_step(model, cache, tokens[:, pos])
+    return memo[t][row]
 
 
 def test_stops_at_eos_per_sequence(models):
