@@ -27,9 +27,12 @@ STEPS = 2  # the optimizer state exists from the second step on
 
 
 def _peaks(layout, world, tiny, big, out, steps):
-    """(bytes allocated at the big build's peak above those before it, the same up to the end
-    of training above the tiny run's (``steps`` > 0), the resident export peak above the RSS
-    before it, the largest full tensor's fp32 bytes) of this rank."""
+    """This rank's measurements (bytes) of the tiny run, then the big one (build, and ``steps``
+    training steps when > 0), then the big model's merged export: ``load`` and ``train``,
+    allocated at the big build's peak above those before it and the same up to the end of
+    training above the tiny run's; ``rss`` and ``rss_tiny``, the peak RssAnon of each run
+    (sampled every 5 ms); ``export``, the resident export peak above the RSS before it;
+    ``largest``, the largest full tensor's fp32 bytes."""
     import gc
 
     from hybridtrain.distributed.full_tensors import global_layout
@@ -38,30 +41,34 @@ def _peaks(layout, world, tiny, big, out, steps):
 
     rank = int(os.environ.get("RANK", 0))
 
-    def run(ckpt):
-        """(model, bytes allocated at the build's peak, at the peak up to the end of training)
-        above those alive before the build; glibc keeps one peak for the process's life, so a
-        peak not above the one before is unknown: 0 (the tiny run's, subtracted: on the safe
-        side), or that earlier peak (the big run's: an over-count, also on the safe side)."""
+    def run(ckpt, sampler):
+        """(model, bytes allocated at the build's peak, at the peak up to the end of training,
+        peak RssAnon) above those alive before the build; glibc keeps one peak for the
+        process's life, so a peak not above the one before is unknown: 0 (the tiny run's,
+        subtracted: on the safe side), or that earlier peak (the big run's: an over-count,
+        also on the safe side)."""
         gc.collect()  # the previous build
+        sampler.reset()
         before, peak_before = mem.malloc_mmapped(), mem.malloc_mmap_peak()
         b = build(mem.lora_recipe(layout, ckpt, max_steps=max(steps, 1)), "cpu",
                   is_main=rank == 0, world_size=world, data=steps > 0)
         loaded = mem.malloc_mmap_peak()
         if steps:
             mem.train(b, steps)
-        trained = mem.malloc_mmap_peak()
+        trained, rss = mem.malloc_mmap_peak(), sampler.reset()
         if ckpt == tiny:
-            return None, 0, (trained - before if trained > peak_before else 0)
-        return b, loaded - before, trained - before
+            return None, 0, (trained - before if trained > peak_before else 0), rss
+        return b, loaded - before, trained - before, rss
 
-    _, _, train0 = run(tiny)  # imports, data and caches exist for the big run then
-    b, load, train = run(big)
+    with mem.RssAnonSampler() as sampler:
+        _, _, train0, rss_tiny = run(tiny, sampler)  # imports, data and caches exist for the big run then
+        b, load, train, rss = run(big, sampler)
     largest = max(t.numel() * 4 for t in global_layout(b.model).values())
     mem.reset_peak()
     before = mem.status("VmRSS")
     save_merged_hf(b.model, out, max_shard_size=SHARD)
-    return (load, train - train0 if steps else None, mem.status("VmHWM") - before, largest)
+    return {"load": load, "train": train - train0 if steps else None, "rss": rss,
+            "rss_tiny": rss_tiny, "export": mem.status("VmHWM") - before, "largest": largest}
 
 
 LAYOUTS = {"fsdp2x4": ({"dp_shard": 4}, STEPS), "pp2xep2": ({"pp": 2, "ep": 2}, 0)}
@@ -82,55 +89,54 @@ def checkpoints(tmp_path_factory):
     return tiny, big, size
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_each_rank_loads_and_exports_its_share(name, checkpoints, tmp_path, monkeypatch):
-    tiny, big, size = checkpoints
-    layout, steps = LAYOUTS[name]
+@pytest.fixture(scope="module")
+def measured(checkpoints, tmp_path_factory):
+    """``measured(name)``: each rank's :func:`_peaks` under layout ``name`` on 4 gloo ranks,
+    one run per layout for all the tests that read it. The ranks are spawned with glibc's
+    mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``: read at process start)."""
     if not mem.glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks' glibc reads it at start
-    res = run_distributed(_worker, 4, layout, steps, tiny, big, str(tmp_path / "out"), timeout=600)
-    print(name, [(round(r[0] / size, 3), r[1] and round(r[1] / size, 3)) for r in res],
-          round(res[0][2] / 1e6))
-    for rank, (load, train, export, largest) in enumerate(res):
-        assert load <= 0.4 * size, (name, rank, load / size)
+    tiny, big, _ = checkpoints
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            layout, steps = LAYOUTS[name]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+                runs[name] = run_distributed(_worker, 4, layout, steps, tiny, big,
+                                             str(tmp_path_factory.mktemp(name)), timeout=600)
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_rank_loads_and_exports_its_share(name, checkpoints, measured):
+    size = checkpoints[2]
+    res = measured(name)
+    print(name, [(round(r["load"] / size, 3), r["train"] and round(r["train"] / size, 3))
+                 for r in res], round(res[0]["export"] / 1e6))
+    for rank, r in enumerate(res):
+        assert r["load"] <= 0.4 * size, (name, rank, r["load"] / size)
         # loading measured 0.29x (2026-11-26), training above the tiny run's 0.53-0.59x (the
         # working set above the 0.25x share does not shrink with the model: the 32k head is
         # 13 % of it; at 1.7 GB: 0.38x)
-        assert train is None or train <= 0.7 * size, (name, rank, train / size)
+        assert r["train"] is None or r["train"] <= 0.7 * size, (name, rank, r["train"] / size)
         if rank == 0:  # one output file, the weight in flight and its fp32 merge
-            assert export <= SHARD + 4 * largest, (name, export, largest)
-
-
-def _fsdp_peak_worker(rank, world, layout, tiny, big):
-    """(peak RssAnon of the big run, of the tiny run) of this rank: build + 2 training steps."""
-    import gc
-
-    from hybridtrain.training.builder import build
-
-    peaks = {}
-    with mem.RssAnonSampler() as sampler:
-        for name, ckpt in (("tiny", tiny), ("big", big)):
-            gc.collect()
-            sampler.reset()
-            b = build(mem.lora_recipe(layout, ckpt, max_steps=STEPS), "cpu", is_main=rank == 0,
-                      world_size=world)
-            mem.train(b, STEPS)
-            del b
-            peaks[name] = sampler.reset()
-    return peaks["big"], peaks["tiny"]
+            assert r["export"] <= SHARD + 4 * r["largest"], (name, r["export"], r["largest"])
 
 
 @pytest.mark.distributed
-def test_no_rank_holds_more_than_fsdp_needs(checkpoints, monkeypatch):
+def test_no_rank_holds_more_than_fsdp_needs(checkpoints, measured):
     """LoRA under FSDP2 x4, bf16, two steps: each rank's peak anonymous memory (RssAnon sampled
     every 5 ms) above the same run on the tiny checkpoint is within 0.1x the checkpoint of the
     floor FSDP2 needs, as the plan names it: the rank's share (parameters) plus two gathered units
     of the largest kind (FSDP gathered parameters). The frozen embeddings are not gathered in
     backward (fsdp.no_prefetch_of_units_without_backward) and gloo's all-gather needs no second
     copy of the unit (fsdp.InPlaceAllGather): before those, 0.74x (step 1) and 0.85-0.90x (step
-    2) here, on a floor of 0.50x.
+    2) here, on a floor of 0.50x. (The run of the test above: its build and training.)
 
     glibc's mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``): with its dynamic threshold
     glibc keeps freed blocks of up to 32 MiB in the heap, and the same run peaks at 1.7-2.6x.
@@ -141,15 +147,12 @@ def test_no_rank_holds_more_than_fsdp_needs(checkpoints, monkeypatch):
     from hybridtrain.recipes.memory_plan import plan_memory
 
     tiny, big, size = checkpoints
-    if not mem.glibc_malloc():
-        pytest.skip("fixes glibc's mmap threshold: not this C library")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    layout = {"dp_shard": 4}
+    layout, steps = LAYOUTS["fsdp2x4"]
+    assert steps == STEPS
     plan = plan_memory(mem.lora_recipe(layout, big), 4, device_type="cpu")
-    res = run_distributed(_fsdp_peak_worker, 4, layout, tiny, big, timeout=600)
-    for rank, (peak, tiny_peak) in enumerate(res):
-        r = plan.ranks[rank]
-        floor = r.params + r.buffers["fsdp_gathered_params"]
-        print(rank, f"peak {(peak - tiny_peak) / size:.3f}x, floor {floor / size:.3f}x")
-        assert peak - tiny_peak <= floor + 0.1 * size, (rank, (peak - tiny_peak) / size,
-                                                         floor / size)
+    for rank, r in enumerate(measured("fsdp2x4")):
+        p = plan.ranks[rank]
+        floor = p.params + p.buffers["fsdp_gathered_params"]
+        grown = r["rss"] - r["rss_tiny"]
+        print(rank, f"peak {grown / size:.3f}x, floor {floor / size:.3f}x")
+        assert grown <= floor + 0.1 * size, (rank, grown / size, floor / size)

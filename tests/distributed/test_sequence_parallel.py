@@ -44,15 +44,24 @@ def test_tp2_sequence_parallel_matches_single_process():
     assert _max_rel(res[0]["ac"], ref[False][0]) <= 1e-5, (res[0]["ac"], ref[False][0])
 
 
-def _sp_with_group(rank, world, other):
-    return pu.run_layout({"tp": 2, "sp": True, **other}, world, True)
+OTHERS = {"pp2": {"pp": 2}, "cp2": {"cp": 2}}
+
+
+def _sp_with_group(rank, world):
+    return {name: pu.run_layout({"tp": 2, "sp": True, **other}, world, True)
+            for name, other in OTHERS.items()}
+
+
+@pytest.fixture(scope="module")
+def sp_with_others():
+    """Rank 0's packed runs of tp2 + sp with each of ``OTHERS``, in one 4-rank group."""
+    torch.set_num_threads(1)
+    return run_distributed(_sp_with_group, 4)[0]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("other", [{"pp": 2}, {"cp": 2}], ids=["pp2", "cp2"])
-def test_tp2_sequence_parallel_with_pp_or_cp_matches_single_process(other):
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_tp2_sequence_parallel_with_pp_or_cp_matches_single_process(name, sp_with_others):
     """Pipeline stages pass whole rows (each stage's blocks hold their part); under context
     parallelism the tp ranks split this rank's slice of the rows."""
-    torch.set_num_threads(1)
-    ref = pu.reference(True)
-    _check(f"tp2 x {other} +sp packed", run_distributed(_sp_with_group, 4, other)[0], ref)
+    _check(f"tp2 x {name} +sp packed", sp_with_others[name], pu.reference(True))

@@ -72,6 +72,12 @@ def _start_method() -> str:
     return "spawn"
 
 
+def process_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes start as the ranks do: forked from the
+    preloaded server (or spawned when the environment changed since it started)."""
+    return multiprocessing.get_context(_start_method())
+
+
 def _entry(rank: int, fn: Callable, world: int, port: int, outdir: str, args: tuple,
            environ: dict[str, str]) -> None:
     os.environ.clear()

@@ -1,14 +1,15 @@
 """Files that every rank writes at once (the demo data, the demo tokenizer, any atomic_write)
 never fail and always leave a whole, correct file. Several processes (multiprocessing, spawn)
-start each write together behind a barrier."""
+start each write together behind a barrier (started as test ranks are: fresh processes forked
+from a server that imported the package, tests.helpers.distributed)."""
 
 import json
-import multiprocessing as mp
 import os
 from threading import BrokenBarrierError
 
 from hybridtrain.data.synthetic import synthetic_squad, write_synthetic_squad
 from hybridtrain.fileio import atomic_write
+from tests.helpers.distributed import process_context
 
 NPROC = 4
 ROUNDS = 25
@@ -17,7 +18,7 @@ ROUNDS = 25
 def _run(target, args_per_proc):
     """Runs ``target(barrier, errors, *args)`` in one process per ``args``; a process that fails
     puts its error on ``errors`` and breaks the barrier, so the others stop too."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     barrier = ctx.Barrier(len(args_per_proc), timeout=120)
     errors = ctx.Queue()
     procs = [ctx.Process(target=target, args=(barrier, errors, *a)) for a in args_per_proc]
