@@ -1,7 +1,7 @@
 """Files that every rank writes at once (the demo data, the demo tokenizer, any atomic_write)
-never fail and always leave a whole, correct file. Several processes (multiprocessing, spawn)
-start each write together behind a barrier (started as test ranks are: fresh processes forked
-from a server that imported the package, tests.helpers.distributed)."""
+never fail and always leave a whole, correct file. Several processes start each write together
+behind a barrier; they start as test ranks do (tests.helpers.distributed): fresh processes forked
+from a server that imported the package once."""
 
 import json
 import os
