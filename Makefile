@@ -16,6 +16,14 @@ TRITON_PIN ?= triton==3.7.1
 KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging
 MAMBA_PIN ?= mamba-ssm==2.3.2.post1
 
+# The set-up's packages (torch and the rest: ~10,000 Python files) are installed without
+# bytecode, then compiled on every core at once, as pip would compile them one at a time
+# (errors ignored as pip ignores them: torch ships a file only Python 3.12 parses). On the
+# 2-core test machine the set-up took 75 s so, 88 s with pip compiling (2026-11-29).
+PIP_UNCOMPILED := $(BIN)/python -m pip install -q --no-compile
+COMPILE = $(BIN)/python -c "import compileall, sysconfig; \
+  [compileall.compile_dir(d, quiet=2, workers=0) for d in {sysconfig.get_path('purelib'), sysconfig.get_path('platlib')}]"
+
 .PHONY: setup test-deps demo test clean
 
 setup: $(VENV)/.installed
@@ -35,8 +43,9 @@ $(VENV)/.test-deps: $(VENV)/.installed Makefile tests/families/hybridtrain_dense
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[test,plot,tb,docs]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP_UNCOMPILED) "$(TORCH_PIN)"
+	$(PIP_UNCOMPILED) -e ".[test,plot,tb,docs]"
+	$(COMPILE)
 	touch $@
 
 demo: setup

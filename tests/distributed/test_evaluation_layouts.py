@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers.data import sft_dataset
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_cli, run_distributed
 
 NUM_EXAMPLES, MAX_NEW = 7, 6
 
@@ -175,13 +173,6 @@ def _overrides(tmp: Path, name: str) -> list[str]:
     )
 
 
-def _cli(tmp: Path, *argv: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "hybridtrain", *argv], cwd=tmp, env=env,
-                       capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-
-
 def _records(path: Path) -> list[dict]:
     return [{k: r[k] for k in EVAL_KEYS} for r in map(json.loads, open(path)) if "eval_examples" in r]
 
@@ -200,21 +191,21 @@ def single_run(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_finetune_under_pp_evaluates_like_one_process(single_run):
-    """`hybridtrain finetune --nproc-per-node 2 --distributed.pp=2` with the `evaluation:`
-    section: the one-process run's EM/F1 and counts at every validation."""
-    _cli(single_run, "finetune", "-c", str(RECIPE), *_overrides(single_run, "pp2"),
-         "--nproc-per-node", "2", "--distributed.pp=2")
+    """`hybridtrain finetune --distributed.pp=2` on 2 ranks with the `evaluation:` section: the
+    one-process run's EM/F1 and counts at every validation."""
+    run_cli(["finetune", "-c", str(RECIPE), *_overrides(single_run, "pp2"), "--distributed.pp=2"],
+            2, single_run)
     assert _records(single_run / "pp2" / "validation.jsonl") == _records(single_run / "single" / "validation.jsonl")
 
 
 @pytest.mark.distributed
 def test_cli_evaluate_under_a_layout_matches_one_process(single_run):
-    """`hybridtrain evaluate --nproc-per-node 2 --distributed.ep=2` on a run's checkpoint: the
+    """`hybridtrain evaluate --distributed.ep=2` on 2 ranks on a run's checkpoint: the
     one-process command's record."""
     from hybridtrain.cli import main
 
     args = _overrides(single_run, "single")
     assert main(["evaluate", "-c", str(RECIPE), *args]) == 0
-    _cli(single_run, "evaluate", "-c", str(RECIPE), *args, "--nproc-per-node", "2", "--distributed.ep=2")
+    run_cli(["evaluate", "-c", str(RECIPE), *args, "--distributed.ep=2"], 2, single_run)
     one, laid_out = _records(single_run / "single" / "evaluation.jsonl")
     assert laid_out == one and one["step"] == 1

@@ -1,16 +1,16 @@
 """A model family from outside hybridtrain (tests/families/hybridtrain_dense, found through its
 entry point; no line of src/ names it) through every command of the CLI: finetune (with the
 evaluation section), convert, generate, evaluate and grpo in one process, and LoRA under FSDP2
-and under 2 pipeline stages on 2 workers (``--nproc-per-node 2``)."""
+and under 2 pipeline stages on 2 ranks (the command as a ``--nproc-per-node 2`` worker runs it:
+``tests.helpers.distributed.run_cli``)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.distributed import run_cli
 from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,8 +74,5 @@ def test_dense_family_lora_on_two_workers(tmp_path, layout):
                      else None,
                      training={"max_steps": 2, "val_every_steps": 2, "ckpt_every_steps": 0},
                      checkpoint={"dir": str(run), "save_hf_at_end": True})
-    out = subprocess.run([sys.executable, "-m", "hybridtrain", "finetune", "-c", str(recipe),
-                          "--nproc-per-node", "2", layout, *QUIET],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_cli(["finetune", "-c", str(recipe), layout, *QUIET], 2, tmp_path)
     assert (run / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
