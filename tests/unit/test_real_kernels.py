@@ -361,36 +361,24 @@ def test_blocks_and_train_step_compile_to_one_graph_each_with_the_kernels(check_
     _check(check_results, "check_compiled")
 
 
-def _start_finetune(tmp_path, name, *overrides, interpret=False):
-    """Starts two optimizer steps of squad_tiny (one 128-token row each, 2 Mamba heads of 8) in
-    tmp_path/name (its own tokenizer and data: runs can go concurrently)."""
-    root = Path(__file__).resolve().parents[2]
-    work = tmp_path / name
+def _finetune_argv(work, *overrides):
+    """``hybridtrain finetune``'s arguments for two optimizer steps of squad_tiny (one 128-token
+    row each, 2 Mamba heads of 8) in ``work`` (its own tokenizer and data: runs can go
+    concurrently)."""
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "hybridtrain", "finetune", "-c", "examples/squad_tiny.yaml",
-           "--training.max_steps=2", "--training.global_batch_size=1", "--training.micro_batch_size=1",
-           "--packing.pack_size=128", "--model.config.mamba_num_heads=2", "--model.config.mamba_head_dim=8", "--validation_dataset=null", "--evaluation=null",
-           "--training.ckpt_every_steps=0", "--checkpoint.save_hf_at_end=false", "--metrics.progress_bar=false",
-           "--metrics.plot=false", f"--checkpoint.dir={work / 'run'}", f"--tokenizer.out_dir={work / 'tokenizer'}",
-           f"--dataset.path.path={work / 'train.json'}", *overrides]
-    with open(work / "stderr.log", "w") as log:  # (a file, not a pipe: nothing waits on a reader)
-        return work, subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    return ["finetune", "-c", "examples/squad_tiny.yaml",
+            "--training.max_steps=2", "--training.global_batch_size=1", "--training.micro_batch_size=1",
+            "--packing.pack_size=128", "--model.config.mamba_num_heads=2", "--model.config.mamba_head_dim=8",
+            "--validation_dataset=null", "--evaluation=null",
+            "--training.ckpt_every_steps=0", "--checkpoint.save_hf_at_end=false", "--metrics.progress_bar=false",
+            "--metrics.plot=false", f"--checkpoint.dir={work / 'run'}", f"--tokenizer.out_dir={work / 'tokenizer'}",
+            f"--dataset.path.path={work / 'train.json'}", *overrides]
 
 
-def _finish_finetune(started):
-    """-> the losses and the log of a run :func:`_start_finetune` started."""
+def _losses(work):
     import json
 
-    work, proc = started
-    proc.wait(timeout=600)
-    log = (work / "stderr.log").read_text()
-    assert proc.returncode == 0, log[-4000:]
-    losses = [json.loads(line)["loss"] for line in (work / "run" / "training.jsonl").read_text().splitlines()]
-    return losses, log
+    return [json.loads(line)["loss"] for line in (work / "run" / "training.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -402,15 +390,25 @@ def test_the_command_line_runs_the_real_kernels_on_the_cpu(tmp_path):
     _skip_without_kernels()
     if importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (make test installs it)")
-    kernel_run = _start_finetune(tmp_path, "kernels", "--training.mamba_kernels=true", "--training.fused_loss=liger",
-                                 interpret=True)
-    torch_run = _start_finetune(tmp_path, "torch", "--training.mamba_kernels=false", "--training.fused_loss=torch")
-    try:
-        want, _ = _finish_finetune(torch_run)
-        got, log = _finish_finetune(kernel_run)
+    from tests.helpers.distributed import run_cli
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    kernels = tmp_path / "kernels"
+    cmd = [sys.executable, "-m", "hybridtrain",
+           *_finetune_argv(kernels, "--training.mamba_kernels=true", "--training.fused_loss=liger")]
+    with open(tmp_path / "stderr.log", "w") as log:  # (a file, not a pipe: nothing waits on a reader)
+        proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:  # meanwhile the PyTorch path, in a process forked from the tests' preloaded server
+        run_cli(_finetune_argv(tmp_path / "torch", "--training.mamba_kernels=false",
+                               "--training.fused_loss=torch"), 1, root)
+        proc.wait(timeout=600)
     finally:
-        for _, proc in (kernel_run, torch_run):
-            proc.kill()  # (a no-op for a run that ended)
+        proc.kill()  # (a no-op for a run that ended)
+    log = (tmp_path / "stderr.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    got, want = _losses(kernels), _losses(tmp_path / "torch")
     line = next(x for x in log.splitlines() if "kernel paths: " in x)
     assert "ssd=mamba-ssm" in line and "via hybridtrain::ssd_scan, Triton interpreter" in line, line
     assert "state_update=mamba-ssm" in line and "conv=PyTorch (causal-conv1d is CUDA C++ only)" in line, line
