@@ -62,9 +62,18 @@ sys.addaudithook(_audit)
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    """Also: each test leaves the process environment as it found it. A command run in-process
+    (``hybridtrain.cli.main``) sets variables for its own process (the recipe's ``dist_env``,
+    the OpenMP and allocator defaults), which must neither reach later tests nor make their
+    ranks start as new interpreters (tests.helpers.distributed spawns them when the environment
+    differs from the preloaded server's)."""
     _now["test"] = item.nodeid
+    environ = dict(os.environ)
     yield
     _now["test"] = None
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.hookimpl(hookwrapper=True)
