@@ -366,14 +366,14 @@ def test_shipped_real_model_recipes_plan_within_the_headroom(nano_dir):
 def test_plan_prints_and_applies_the_headroom_rule(nano_dir, capsys):
     """A plan between 90 % and 100 % of the device fits but is flagged (exit status 1, with
     what lowers it); the rule is printed with every device check."""
-    recipe = str(ROOT / "examples" / "nemotron3_nano_squad.yaml")  # 70.85 GiB
+    recipe = str(ROOT / "examples" / "nemotron3_nano_squad.yaml")  # 70.19 GiB
     assert cli.main(["plan", "-c", recipe, "--nproc-per-node", "8", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "headroom rule: the peak may take 90% of the device memory, 72.00 of 80.00 GiB" in out
     assert "within the headroom" in out
     rc = cli.main(["plan", "-c", recipe, "--nproc-per-node", "8", "--device-memory", "76GB"])
     out = capsys.readouterr().out
-    assert rc == 1 and "peak 70.85 GiB: OVER THE HEADROOM: fits 76.00 GiB" in out, out
+    assert rc == 1 and "peak 70.19 GiB: OVER THE HEADROOM: fits 76.00 GiB" in out, out
     assert "what lowers it" in out and "(within the headroom)" in out
     d = plan_memory(recipe, 8, device_memory=parse_memory("76GB")).to_dict()  # --json
     assert d["fits"] and d["within_headroom"] is False and d["limit"] == 0.9 * 76 * GiB

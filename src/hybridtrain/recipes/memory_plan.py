@@ -353,20 +353,24 @@ def _layer_activations(act: dict, policy, names: list[str], positions: list[int]
 
 
 def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n_mb: int,
-                      batch: float) -> dict[str, float]:
+                      batch: float, row_inputs: float = 0.0) -> dict[str, float]:
     """What a pipeline step holds besides the layers: {"batch": the step's inputs, every
-    micro-batch's, merged on every rank (``batch``: one micro-batch's), "receive": the buffers
+    micro-batch's, merged on every rank (``batch``: one micro-batch's), "row_inputs": the copy
+    of the encoders' inputs laid out by row for the schedule (the spec's
+    ``PipelineSplit.row_inputs``; ``row_inputs``: one micro-batch's), "receive": the buffers
     torch's ``PipelineStage`` receives into, one per micro-batch of the step and kept from the
-    first step on (the input and, filled by its backward, its gradient on every stage but the
-    first; the output's gradient on every stage but the last), "outputs": the stage outputs
-    one micro-batch keeps for their backward}. A stage sends and receives one block's input
-    (the estimate's ``checkpointed`` bytes of a block)."""
+    first step on (the input on every stage but the first, the output's gradient on every stage
+    but the last; the input's gradient is sent and dropped by each backward, torch's
+    ``stage_backward``), "outputs": the stage outputs one micro-batch keeps for their
+    backward}. A stage sends and receives one block's input (the estimate's ``checkpointed``
+    bytes of a block)."""
+    inputs = {"batch": n_mb * batch, "row_inputs": n_mb * row_inputs}
     if act is None or not act["layers"]:
-        return {"batch": n_mb * batch}
+        return inputs
     hidden = act["layers"][0]["checkpointed"]
     not_first = sum(s != 0 for s in stage_ids)
     not_last = sum(s != num_stages - 1 for s in stage_ids)
-    return {"batch": n_mb * batch, "receive": n_mb * hidden * (2 * not_first + not_last),
+    return {**inputs, "receive": n_mb * hidden * (not_first + not_last),
             "outputs": hidden * not_last}
 
 
@@ -407,8 +411,10 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
     # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
     batch = rows * -(-seq_len // dims.cp) * 3 * 8
-    if encoder_bytes is not None:
-        batch += encoder_bytes(model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
+    encoder_inputs = 0.0 if encoder_bytes is None else encoder_bytes(
+        model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
+    batch += encoder_inputs
+    row_inputs = encoder_inputs if spec.pipeline.row_inputs is not None else 0.0
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
     fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
@@ -443,7 +449,8 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 per_mb[k] = per_mb.get(k, 0.0) + v
                 head += v
             peaks.append(sum(per_mb.values()) + act.get("head_backward", 0.0))
-        pipe = _pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch) if sched else {}
+        pipe = (_pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch, row_inputs)
+                if sched else {})
         if pipe.get("outputs"):  # a stage's output, kept for its backward
             per_mb["stage_outputs"] = pipe["outputs"]
         kept = sum(per_mb.values())
