@@ -152,3 +152,19 @@ def vlm_ckpt(tmp_path_factory):
     """Checkpoints of one-process VLM runs shared by the test files
     (``tests.helpers.vlm.colocated_checkpoint``)."""
     return str(tmp_path_factory.mktemp("vlm_ckpt"))
+
+
+# -- Where the suite's time goes -----------------------------------------------------------------
+def pytest_terminal_summary(terminalreporter):
+    """One line: the seconds the tests of each folder under tests/ took (set-up, call and
+    tear-down, summed over the parallel workers: the suite's wall time is about their sum over
+    the workers' count)."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(getattr(r, "duration", None), float) and getattr(r, "nodeid", ""):
+                folder = r.nodeid.split("/")[1] if r.nodeid.count("/") > 1 else r.nodeid
+                seconds[folder] = seconds.get(folder, 0.0) + r.duration
+    if seconds:
+        terminalreporter.write_line("test seconds per folder: " + ", ".join(
+            f"tests/{k} {v:.0f} s" for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])))

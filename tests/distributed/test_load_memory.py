@@ -5,9 +5,9 @@ two training steps add FSDP2's working set (bounded at 0.7x here); rank 0's peak
 merged HF export is one output file plus a few full tensors, not the model.
 (The 1.7 GB figures: benchmarks/load_memory.py.)
 
-The ranks run with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``) and
-``training.cpu_allocator: system``, so every block of 64 KiB or more is its own mapping, given
-back when freed. Loading and training are measured in what the rank allocates: glibc's peak of
+The ranks run with glibc's mmap threshold fixed at 64 KiB from their start
+(``tests.helpers.memory.count_every_block``) and ``training.cpu_allocator: system``, so every
+block of 64 KiB or more is its own mapping, given back when freed. Loading and training are measured in what the rank allocates: glibc's peak of
 such blocks above those alive before the build (``tests.helpers.memory.malloc_mmap_peak``),
 which no machine setting moves. Resident memory (VmHWM) also counts what the machine decides --
 transparent huge pages, file pages mapped in (page cache, shared libraries), blocks under 64 KiB
@@ -40,6 +40,7 @@ def _peaks(layout, world, tiny, big, out, steps):
     from hybridtrain.training.builder import build
 
     rank = int(os.environ.get("RANK", 0))
+    mem.count_every_block(64 * 1024)
 
     def run(ckpt, sampler):
         """(model, bytes allocated at the build's peak, at the peak up to the end of training,
@@ -92,8 +93,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def measured(checkpoints, tmp_path_factory):
     """``measured(name)``: each rank's :func:`_peaks` under layout ``name`` on 4 gloo ranks,
-    one run per layout for all the tests that read it. The ranks are spawned with glibc's
-    mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``: read at process start)."""
+    one run per layout for all the tests that read it."""
     if not mem.glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
     tiny, big, _ = checkpoints
@@ -102,10 +102,8 @@ def measured(checkpoints, tmp_path_factory):
     def get(name):
         if name not in runs:
             layout, steps = LAYOUTS[name]
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-                runs[name] = run_distributed(_worker, 4, layout, steps, tiny, big,
-                                             str(tmp_path_factory.mktemp(name)), timeout=600)
+            runs[name] = run_distributed(_worker, 4, layout, steps, tiny, big,
+                                         str(tmp_path_factory.mktemp(name)), timeout=600)
         return runs[name]
 
     return get
@@ -138,7 +136,7 @@ def test_no_rank_holds_more_than_fsdp_needs(checkpoints, measured):
     copy of the unit (fsdp.InPlaceAllGather): before those, 0.74x (step 1) and 0.85-0.90x (step
     2) here, on a floor of 0.50x. (The run of the test above: its build and training.)
 
-    glibc's mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``): with its dynamic threshold
+    glibc's mmap threshold is fixed (``count_every_block``): with its dynamic threshold
     glibc keeps freed blocks of up to 32 MiB in the heap, and the same run peaks at 1.7-2.6x.
     oneDNN runs the bf16 GEMMs as a user's run does: ``build`` bounds its per-shape kernel
     caches (ops/backend.py, plan's ``cpu_gemm_kernels``), which both runs fill, so the big run

@@ -192,13 +192,14 @@ _M_MMAP_THRESHOLD = -3
 PAGE = 4096
 
 
-def count_every_block() -> None:
-    """From now on glibc serves every block of a page (4 KiB) or more with its own mapping
-    (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_=4096`` at start), so that
-    :func:`malloc_mmapped` and :func:`malloc_mmap_peak` count every tensor but the tiniest,
-    the small per-expert and per-document ones of a tiny model included (64 KiB leaves them in
-    malloc's arenas). Needs ``training.cpu_allocator: system`` (``heap`` turns mmaps off)."""
-    assert _glibc().mallopt(_M_MMAP_THRESHOLD, PAGE) == 1
+def count_every_block(smallest: int = PAGE) -> None:
+    """From now on glibc serves every block of ``smallest`` bytes (a page, 4 KiB) or more with
+    its own mapping and keeps that threshold fixed (``mallopt(M_MMAP_THRESHOLD)``, as
+    ``MALLOC_MMAP_THRESHOLD_=4096`` at start), so that :func:`malloc_mmapped` and
+    :func:`malloc_mmap_peak` count every tensor but the tiniest, the small per-expert and
+    per-document ones of a tiny model included (64 KiB leaves them in malloc's arenas). Needs
+    ``training.cpu_allocator: system`` (``heap`` turns mmaps off)."""
+    assert _glibc().mallopt(_M_MMAP_THRESHOLD, smallest) == 1
 
 
 def no_blas_buffer_pool(monkeypatch) -> None:
