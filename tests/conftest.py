@@ -163,8 +163,8 @@ def pytest_terminal_summary(terminalreporter):
     for reports in terminalreporter.stats.values():
         for r in reports:
             if isinstance(getattr(r, "duration", None), float) and getattr(r, "nodeid", ""):
-                folder = r.nodeid.split("/")[1] if r.nodeid.count("/") > 1 else r.nodeid
+                folder = r.nodeid.split("::")[0].rpartition("/")[0]
                 seconds[folder] = seconds.get(folder, 0.0) + r.duration
     if seconds:
         terminalreporter.write_line("test seconds per folder: " + ", ".join(
-            f"tests/{k} {v:.0f} s" for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])))
+            f"{k} {v:.0f} s" for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])))
