@@ -4,18 +4,40 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
+# transformers clamps the Mamba step dt = softplus(dt + dt_bias) at the config's time_step_limit,
+# as mamba_ssm's kernels (and we) do, from 5.25.0 on; before, its CPU path clamped at
+# [time_step_min, inf) and read no time_step_limit.
+CLAMPS_AT_TIME_STEP_LIMIT = Version(transformers.__version__) >= Version("5.25.0")
+
+
+def _reference_clamp(path) -> dict:
+    """Config overrides under which the installed transformers clamps dt as the checkpoint at
+    ``path`` says (``time_step_limit``): an older one is given that lower bound as its
+    ``time_step_min``, which only initialises dt otherwise (the weights are loaded)."""
+    if CLAMPS_AT_TIME_STEP_LIMIT:
+        return {}
+    lo, hi = json.loads((Path(path) / "config.json").read_text())["time_step_limit"]
+    if hi != float("inf"):
+        pytest.skip(f"transformers {transformers.__version__} < 5.25 cannot clamp dt from above")
+    return {"time_step_min": lo}
+
+
 def hf_from_dir(path, **kw):
     with contextlib.redirect_stderr(io.StringIO()):
         model, info = transformers.NemotronHForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **kw
+            path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+            **_reference_clamp(path), **kw
         )
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     assert not problems, f"transformers did not load every tensor: {problems}"

@@ -113,9 +113,9 @@ def test_extra_keys_pass_through_and_remote_code_is_dropped():
     assert d["architectures"] == ["NemotronHForCausalLM"] and d["model_type"] == "nemotron_h"
 
 
-def test_dt_limit_follows_transformers_clamp():
-    cfg = tiny_config("dense")
-    assert cfg.dt_limit == (cfg.time_step_min, math.inf)  # transformers clamps at time_step_min
+def test_dt_limit_is_the_kernels_time_step_limit():
+    cfg = tiny_config("dense", time_step_min=0.05)
+    assert cfg.dt_limit == (0.0, math.inf)  # time_step_min initialises dt; it does not clamp it
     assert tiny_config("dense", time_step_limit=(0.01, 5.0)).dt_limit == (0.01, 5.0)
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tests.helpers.hf import hf_from_dir, hf_logits, hf_name
@@ -24,10 +26,22 @@ CASES = {
     "dense batch=1 L=29": ("dense", {}, 1, 29),
     "mixed n_groups=1 MHA (kv heads = heads)": ("mixed", dict(n_groups=1, num_key_value_heads=4), 2, 19),
     "moe latent (moe_latent_size=32) top-3": ("moe", dict(moe_latent_size=32, num_experts_per_tok=3), 2, 21),
-    "dense time_step_min=0.05 (dt clamp active)": ("dense", dict(time_step_min=0.05), 2, 21),
+    "dense time_step_limit=(0.05, inf) (dt clamp active)": ("dense", dict(time_step_limit=(0.05, math.inf)), 2, 21),
+    "dense time_step_limit=(0.01, 0.05) (dt clamped both sides)": ("dense", dict(time_step_limit=(0.01, 0.05)), 2, 21),
+    "dense time_step_min=0.05 (initialises dt, no clamp)": ("dense", dict(time_step_min=0.05), 2, 21),
     "dense chunk_size=4 conv_kernel=2 biases": (
         "dense", dict(chunk_size=4, conv_kernel=2, use_bias=True, mlp_bias=True), 2, 23),
 }
+
+
+def test_the_clamp_cases_clamp():
+    """The clamp cases above change the logits (dt crosses their bounds), so they test the clamp."""
+    ids = torch.randint(0, tiny_config("dense").vocab_size, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        free = perturbed_model(tiny_config("dense"), seed=1)(ids)
+        for limit in [(0.05, math.inf), (0.01, 0.05)]:
+            clamped = perturbed_model(tiny_config("dense", time_step_limit=limit), seed=1)(ids)
+            assert (clamped - free).abs().max() > 5e-4, limit  # 5x the parity bound
 
 
 @pytest.mark.parametrize("name", list(CASES))

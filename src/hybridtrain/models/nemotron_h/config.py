@@ -170,13 +170,14 @@ class NemotronHConfig:
 
     @property
     def dt_limit(self) -> tuple[float, float]:
-        """Clamp applied to dt = softplus(dt + dt_bias).
+        """Clamp applied to dt = softplus(dt + dt_bias): ``time_step_limit`` alone.
 
-        ``transformers`` (and NVIDIA's reference PyTorch path) clamp from below at
-        ``time_step_min``; the config's ``time_step_limit`` can only tighten that.
-        With the Hub default ``time_step_limit = (0, inf)`` this is exactly transformers' clamp.
+        It is the ``dt_limit`` of mamba_ssm's kernels, which pretrained checkpoints were trained
+        with and GPU users run, and transformers' clamp since 5.x (tests/unit/test_model_parity.py
+        checks every transformers the pyproject allows). ``time_step_min`` only sets dt's
+        initialisation; it is not a clamp.
         """
-        return (max(self.time_step_min, self.time_step_limit[0]), self.time_step_limit[1])
+        return self.time_step_limit
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
