@@ -2,19 +2,34 @@
 # built with --strict: a broken link, anchor or page fails).
 # Both create .venv (seeing system site-packages, so a cluster's CUDA torch is reused) and
 # install the pinned CPU torch only when no torch is importable.
+# Every other package is installed at the version of the lock file (docs/getting-started.md,
+# "Dependencies"): `make lock` rewrites it, `make test-latest` tries the newest versions.
 PY ?= python3
 VENV ?= .venv
+VENV_FLAGS ?= --system-site-packages
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+EXTRAS ?= test,plot,tb,docs
+
+# requirements/lock.txt: a pip constraints file, the exact versions of every package that
+# `make setup` and `make test-deps` install (the project's dependencies and EXTRAS, the kernels
+# below and what they pull in) but torch and Triton, which come with the machine's torch build
+# where one is importable (a cluster's CUDA torch pins its own Triton) and else from TORCH_PIN
+# and TRITON_PIN. `make lock` writes it from a fresh venv without system site-packages that
+# runs these very targets unconstrained, so an extra added to EXTRAS or test-deps is locked too.
+LOCK ?= requirements/lock.txt
+CONSTRAINTS ?= -c $(LOCK)
+LOCK_EXCLUDE := ^(torch|triton)==
 
 # The GPU path's kernels, which the tests run on the CPU under Triton's interpreter
 # (TRITON_INTERPRET=1): Triton, Liger-Kernel, and mamba_ssm without its CUDA extension
 # (MAMBA_SKIP_CUDA_BUILD; FORCE_BUILD skips its prebuilt-wheel lookup; torch must be installed
 # first). `make test` installs them once; a Triton or mamba_ssm already importable (a cluster's
 # CUDA build) is kept. `make demo` does not need them.
+# (Their versions but Triton's: the lock.)
 TRITON_PIN ?= triton==3.7.1
-KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging
-MAMBA_PIN ?= mamba-ssm==2.3.2.post1
+KERNEL_PKGS ?= liger-kernel>=0.8.5 einops packaging
+MAMBA_PKG ?= mamba-ssm>=2.2.5
 
 # The set-up's packages (torch and the rest: ~10,000 Python files) are installed without
 # bytecode, then compiled on every core at once, as pip would compile them one at a time
@@ -27,7 +42,7 @@ COMPILE = $(BIN)/python -c "import compileall, re, sysconfig; \
   skip = re.compile(r'/tests/|/transformers/models/(?!auto/|nemotron_h/)'); \
   [compileall.compile_dir(d, quiet=2, workers=0, rx=skip) for d in {sysconfig.get_path('purelib'), sysconfig.get_path('platlib')}]"
 
-.PHONY: setup test-deps demo test clean
+.PHONY: setup test-deps demo test test-latest lock clean
 
 setup: $(VENV)/.installed
 
@@ -35,20 +50,20 @@ setup: $(VENV)/.installed
 # outside the source tree (tests/families/hybridtrain_dense, found through its entry point).
 test-deps: $(VENV)/.test-deps
 
-$(VENV)/.test-deps: $(VENV)/.installed Makefile tests/families/hybridtrain_dense/pyproject.toml
+$(VENV)/.test-deps: $(VENV)/.installed Makefile $(LOCK) tests/families/hybridtrain_dense/pyproject.toml
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "$(TRITON_PIN)"
-	$(BIN)/python -m pip install -q $(KERNEL_PINS)
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) $(foreach p,$(KERNEL_PKGS),"$(p)")
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('mamba_ssm') is None)" || \
 	  MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(BIN)/python -m pip install -q --no-deps \
-	    --no-build-isolation "$(MAMBA_PIN)"
+	    --no-build-isolation $(CONSTRAINTS) "$(MAMBA_PKG)"
 	$(BIN)/python -m pip install -q --no-deps -e tests/families/hybridtrain_dense
 	touch $@
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv --system-site-packages --without-pip $(VENV)
-	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(BIN)/python -m ensurepip -q
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) --without-pip $(VENV)
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(BIN)/python -m ensurepip >/dev/null
 	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP_UNCOMPILED) "$(TORCH_PIN)"
-	$(PIP_UNCOMPILED) -e ".[test,plot,tb,docs]"
+	$(PIP_UNCOMPILED) $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	$(COMPILE)
 	touch $@
 
@@ -68,5 +83,37 @@ test: setup test-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
+# The newest versions pyproject allows (no lock; torch from TORCH_PIN) in a venv of their own,
+# against the tests that pin this code to other packages' behaviour: parity with transformers
+# and PEFT's files, mamba_ssm's and Liger's kernels. A failure names the test that drifted; the
+# list before the tests shows each package whose version differs from the lock (< lock,
+# > newest). Not part of `make test` or CI: run it before `make lock`.
+LATEST_VENV ?= .venv-latest
+DRIFT_TESTS ?= tests/unit/test_model_parity.py tests/unit/test_hf_io.py tests/unit/test_generation.py \
+  tests/unit/test_mamba_kernel_contracts.py tests/unit/test_real_kernels.py tests/unit/test_fused_loss.py
+
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(MAKE) --no-print-directory VENV=$(LATEST_VENV) VENV_FLAGS= LOCK= CONSTRAINTS= TRITON_PIN=triton COMPILE=: test-deps
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -E '$(LOCK_EXCLUDE)' > $(LATEST_VENV)/freeze.txt
+	@echo "versions other than the lock's (< lock, > newest):"
+	@grep -v '^#' $(LOCK) | diff - $(LATEST_VENV)/freeze.txt | grep '^[<>]' || echo "  none"
+	$(LATEST_VENV)/bin/python -m pytest -q -p no:randomly -n $(TEST_WORKERS) --dist loadgroup $(DRIFT_TESTS)
+
+# Rewrites the lock from a fresh venv (no system site-packages, nothing constrained: the newest
+# versions pyproject and the targets above allow), then removes that venv. Run `make test` (and
+# `make test-latest` first, to see what moved) before committing the new lock.
+LOCK_VENV ?= .venv-lock
+
+lock:
+	rm -rf $(LOCK_VENV)
+	$(MAKE) --no-print-directory VENV=$(LOCK_VENV) VENV_FLAGS= LOCK= CONSTRAINTS= COMPILE=: test-deps
+	mkdir -p $(dir $(LOCK))
+	{ echo "# The versions the suite passed with: pip constraints (pip install -c $(LOCK))."; \
+	  echo "# Written by 'make lock' (Python $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())')); do not edit. torch and triton: see the Makefile."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -E '$(LOCK_EXCLUDE)'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(LOCK_VENV) outputs .pytest_cache
