@@ -13,7 +13,7 @@ from tests.helpers import parity as pu
 from tests.helpers.distributed import run_distributed
 from tests.helpers.memory import (
     activations_at_peak, assert_close_10pct, build_long_rows, glibc_malloc,
-    held_at_optimizer_step, long_rows_recipe, no_blas_buffer_pool, planned_bytes,
+    held_at_optimizer_step, long_rows_recipe, no_blas_buffers, planned_bytes,
 )
 
 LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
@@ -80,11 +80,11 @@ def test_plan_activations_match_the_runs_peak_per_rank(name, monkeypatch):
     plan's activations on each rank, under 1F1B (micro-batches in flight 2 and 1), GPipe (4 and
     4: every micro-batch's loss context kept on the last stage) and FSDP2 over 2 ranks.
     Measured 2026-11-29: 1.000 / 1.023 (1F1B), 1.021 / 1.050 (GPipe), 1.019 / 1.017 (FSDP2).
-    The ranks run without Intel MKL's buffer pool (:func:`no_blas_buffer_pool`): on an AVX-512
-    CPU it kept ~4.4 MiB of GEMM buffers in these peaks (1F1B's first stage then read 0.90)."""
+    The ranks run MKL without buffers of its own (:func:`no_blas_buffers`): on an AVX-512 CPU
+    its pool kept ~4.4 MiB of GEMM buffers in these peaks (1F1B's first stage then read 0.90)."""
     if not glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
-    no_blas_buffer_pool(monkeypatch)
+    no_blas_buffers(monkeypatch)
     res = run_distributed(_activations_worker, 2, ACTIVATION_LAYOUTS[name])
     for rank, (run, planned) in enumerate(res):
         print(name, rank, "in flight", planned.micro_batches_in_flight,

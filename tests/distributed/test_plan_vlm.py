@@ -48,7 +48,7 @@ def test_vlm_plan_matches_real_allocation_per_rank(tmp_path, monkeypatch, layout
 
     if not glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
-    mem.no_blas_buffer_pool(monkeypatch)
+    mem.no_blas_buffers(monkeypatch)
     res = run_distributed(_worker, 2, str(tmp_path), layout)
     plan = plan_memory(_recipe(str(tmp_path), layout), 2, device_type="cpu")
     for rank, (run, got) in enumerate(res):

@@ -202,24 +202,29 @@ def count_every_block(smallest: int = PAGE) -> None:
     assert _glibc().mallopt(_M_MMAP_THRESHOLD, smallest) == 1
 
 
-def no_blas_buffer_pool(monkeypatch) -> None:
-    """Ranks started from now on (``run_distributed`` spawns them: the variable is read at
-    process start) run Intel MKL with its memory manager off (``MKL_DISABLE_FAST_MM``): MKL
-    frees a GEMM's packing buffers when the call returns instead of keeping them in its pool,
-    so :func:`step_peak` counts what the step allocates, not MKL's cache. That pool is no
-    activation and its size depends on the CPU: on an AVX-512 Xeon (2026-11-28, torch 2.13)
-    the tiny VLM's first step left ~7 MiB in it (4.3 MiB after a first 578x64x256 GEMM,
-    9.2 MiB after a 2048x512x512 one), which made a 21-22 MiB activation peak read 28-29 MiB;
-    MKL's other code paths keep less or none (``MKL_ENABLE_INSTRUCTIONS=SSE4_2``: none)."""
+def no_blas_buffers(monkeypatch) -> None:
+    """Ranks started from now on (``run_distributed`` spawns them: the variables are read at
+    process start) run Intel MKL so that it allocates nothing of its own in a GEMM, on every
+    CPU, so :func:`step_peak` counts the run's tensors and not the BLAS's working memory
+    (no activation, and not the plan's to predict):
+
+    * its memory manager off (``MKL_DISABLE_FAST_MM``): no pool of freed buffers kept (on an
+      AVX-512 Xeon, 2026-11-28, the tiny VLM's first step left ~7 MiB in it);
+    * its SSE4.2 kernels (``MKL_ENABLE_INSTRUCTIONS=SSE4_2``, on every x86-64 CPU): MKL's AVX2 and
+      AVX-512 kernels malloc packing buffers for the length of a GEMM call, and choose them by
+      CPU vendor (on an AMD EPYC MKL takes kernels without them): 1.6 MiB at the peak of the VLM's
+      last pipeline stage on an Intel Xeon (Sapphire Rapids, 2026-12-06), none on an AMD EPYC or
+      with SSE4.2 (7.01 / 7.05 MiB against 8.69 MiB)."""
     monkeypatch.setenv("MKL_DISABLE_FAST_MM", "1")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
 
 
 def step_peak(b, trainer, step: int = 0) -> int:
     """The most bytes allocated at once during training step ``step`` (glibc's mmapped blocks,
     :func:`count_every_block` called before the build) above those alive before it, its
     micro-batches loaded before. glibc keeps one peak for the process's life: the step's must
-    be above every earlier one (asserted). Ranks started under :func:`no_blas_buffer_pool`
-    count no MKL buffer pool in it."""
+    be above every earlier one (asserted). Ranks started under :func:`no_blas_buffers`
+    count no MKL buffer in it."""
     import gc
 
     from tests.helpers import parity as pu

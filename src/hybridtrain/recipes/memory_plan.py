@@ -354,8 +354,9 @@ def _layer_activations(act: dict, policy, names: list[str], positions: list[int]
 
 def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n_mb: int,
                       batch: float, row_inputs: float = 0.0) -> dict[str, float]:
-    """What a pipeline step holds besides the layers: {"batch": the step's inputs, every
-    micro-batch's, merged on every rank (``batch``: one micro-batch's), "row_inputs": the copy
+    """What a pipeline step holds besides the layers: {"batch": the step's token ids, labels and
+    positions, every micro-batch's, merged on every rank (``batch``: one micro-batch's; the
+    micro-batches as loaded exist before the step and are not counted), "row_inputs": the copy
     of the encoders' inputs laid out by row for the schedule (the spec's
     ``PipelineSplit.row_inputs``; ``row_inputs``: one micro-batch's), "receive": the buffers
     torch's ``PipelineStage`` receives into, one per micro-batch of the step and kept from the
@@ -409,11 +410,11 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     encoder_bytes = _memory_part(spec).encoder_activation_bytes
     policy = parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     n_mb = max(1, t.global_batch_size // (dims.dp * rows))
-    # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
+    # one micro-batch's part of the merged batch: token ids, labels and positions (int64); the
+    # encoders' inputs are merged as the row-laid copy (row_inputs) only
     batch = rows * -(-seq_len // dims.cp) * 3 * 8
     encoder_inputs = 0.0 if encoder_bytes is None else encoder_bytes(
         model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
-    batch += encoder_inputs
     row_inputs = encoder_inputs if spec.pipeline.row_inputs is not None else 0.0
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
