@@ -203,11 +203,16 @@ def scratch_copy(dest: Path, venv: Path) -> None:
             shutil.copy2(src, dest / name)
     (dest / ".venv").symlink_to(venv.resolve())
     # `make` would reinstall (pip install -e: the venv's package then points at this scratch copy)
-    # if pyproject.toml were newer than the venv's stamp; nanoseconds, as a float can round up
+    # if the stamp's inputs (the Makefile's $(VENV)/.installed rule) were newer than the venv's
+    # stamp; nanoseconds, as a float can round up
     stamp = venv / ".installed"
-    if stamp.exists() and (dest / "pyproject.toml").stat().st_mtime_ns > stamp.stat().st_mtime_ns:
-        t = stamp.stat().st_mtime_ns
-        os.utime(dest / "pyproject.toml", ns=(t, t))
+    for name in STAMP_INPUTS:
+        if stamp.exists() and (dest / name).stat().st_mtime_ns > stamp.stat().st_mtime_ns:
+            t = stamp.stat().st_mtime_ns
+            os.utime(dest / name, ns=(t, t))
+
+
+STAMP_INPUTS = ("pyproject.toml", "requirements/lock.txt")
 
 
 RUNNING: set[int] = set()  # the process groups of the blocks running now (stopped on Ctrl-C)

@@ -86,17 +86,19 @@ def test_blocks_after_a_command_share_its_lane_and_must_name_an_earlier_block():
 
 
 def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
-    """`make` in the copy must not reinstall: its pyproject.toml is not newer than the venv's
-    stamp, to the nanosecond (a reinstall would point the venv's package at the copy)."""
+    """`make` in the copy must not reinstall: its pyproject.toml and lock file are not newer
+    than the venv's stamp, to the nanosecond (a reinstall would point the venv's package at the
+    copy)."""
     venv, dest = tmp_path / "venv", tmp_path / "copy"
     venv.mkdir()
     dest.mkdir()
     (venv / ".installed").touch()
-    t = (ROOT / "pyproject.toml").stat().st_mtime_ns - 1_234_567_891  # older than the checkout's
+    t = min((ROOT / n).stat().st_mtime_ns for n in rdc.STAMP_INPUTS) - 1_234_567_891  # older
     os.utime(venv / ".installed", ns=(t, t))
     rdc.scratch_copy(dest, venv)
     assert (dest / "README.md").is_file() and (dest / ".venv").resolve() == venv.resolve()
-    assert (dest / "pyproject.toml").stat().st_mtime_ns <= t
+    for name in rdc.STAMP_INPUTS:
+        assert (dest / name).stat().st_mtime_ns <= t, name
 
 
 def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
