@@ -87,7 +87,8 @@ test: setup test-deps
 # against the tests that pin this code to other packages' behaviour: parity with transformers
 # and PEFT's files, mamba_ssm's and Liger's kernels. A failure names the test that drifted; the
 # list before the tests shows each package whose version differs from the lock (< lock,
-# > newest). Not part of `make test` or CI: run it before `make lock`.
+# > newest). Not part of `make test` or CI: run it before `make lock`. (A fresh venv compiles
+# everything cold: the tests get 20 minutes each.)
 LATEST_VENV ?= .venv-latest
 DRIFT_TESTS ?= tests/unit/test_model_parity.py tests/unit/test_hf_io.py tests/unit/test_generation.py \
   tests/unit/test_mamba_kernel_contracts.py tests/unit/test_real_kernels.py tests/unit/test_fused_loss.py
@@ -98,7 +99,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -E '$(LOCK_EXCLUDE)' > $(LATEST_VENV)/freeze.txt
 	@echo "versions other than the lock's (< lock, > newest):"
 	@grep -v '^#' $(LOCK) | diff - $(LATEST_VENV)/freeze.txt | grep '^[<>]' || echo "  none"
-	$(LATEST_VENV)/bin/python -m pytest -q -p no:randomly -n $(TEST_WORKERS) --dist loadgroup $(DRIFT_TESTS)
+	$(LATEST_VENV)/bin/python -m pytest -q -p no:randomly --timeout 1200 -n $(TEST_WORKERS) --dist loadgroup $(DRIFT_TESTS)
 
 # Rewrites the lock from a fresh venv (no system site-packages, nothing constrained: the newest
 # versions pyproject and the targets above allow), then removes that venv. Run `make test` (and

@@ -21,23 +21,24 @@ transformers.logging.set_verbosity_error()
 CLAMPS_AT_TIME_STEP_LIMIT = Version(transformers.__version__) >= Version("5.25.0")
 
 
-def _reference_clamp(path) -> dict:
-    """Config overrides under which the installed transformers clamps dt as the checkpoint at
-    ``path`` says (``time_step_limit``): an older one is given that lower bound as its
-    ``time_step_min``, which only initialises dt otherwise (the weights are loaded)."""
+def reference_clamp(hf_config: dict) -> dict:
+    """Overrides of the Hub config ``hf_config`` under which the installed transformers clamps dt
+    as the config says (``time_step_limit``): an older one is given that lower bound as its
+    ``time_step_min``, which only initialises dt otherwise (at least 1e-30: it takes the log; no
+    softplus(dt + dt_bias) of these tests comes near)."""
     if CLAMPS_AT_TIME_STEP_LIMIT:
         return {}
-    lo, hi = json.loads((Path(path) / "config.json").read_text())["time_step_limit"]
+    lo, hi = hf_config.get("time_step_limit", (0.0, float("inf")))
     if hi != float("inf"):
         pytest.skip(f"transformers {transformers.__version__} < 5.25 cannot clamp dt from above")
-    return {"time_step_min": lo}
+    return {"time_step_min": max(lo, 1e-30)}
 
 
 def hf_from_dir(path, **kw):
     with contextlib.redirect_stderr(io.StringIO()):
         model, info = transformers.NemotronHForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
-            **_reference_clamp(path), **kw
+            **reference_clamp(json.loads((Path(path) / "config.json").read_text())), **kw
         )
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     assert not problems, f"transformers did not load every tensor: {problems}"

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from tests.helpers.hf import hf_from_dir, hf_logits, transformers
+from tests.helpers.hf import hf_from_dir, hf_logits, reference_clamp, transformers
 from tests.helpers.models import perturbed_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -21,7 +21,8 @@ from hybridtrain.models.nemotron_h.hf_io import INDEX_FILE, parse_size
 
 def _hf_model(cfg, seed=0):
     torch.manual_seed(seed)
-    hf_cfg = transformers.NemotronHConfig(**cfg.to_hf_dict())
+    d = cfg.to_hf_dict()
+    hf_cfg = transformers.NemotronHConfig(**{**d, **reference_clamp(d)})
     hf_cfg._attn_implementation = "eager"  # as hf_from_dir loads it
     hf = transformers.NemotronHForCausalLM(hf_cfg)
     with torch.no_grad():
