@@ -133,6 +133,14 @@ TRAINING = {
                                           "gradient norm); null or 0 -> never stop", _OPT_INT,
                                           minimum=0),
     "grad_clip": K(1.0, "max global gradient norm; null or 0 disables clipping", _OPT_FLOAT, minimum=0),
+    "mtp": K("train", "the model's multi-token prediction layers (a config.json with "
+                      "num_nextn_predict_layers): train (their loss beside the LM loss), freeze "
+                      "(kept and exported unchanged, not trained), drop (left out of training "
+                      "and of the export); logged at start", choices=("train", "freeze", "drop")),
+    "mtp_loss_scale": K(0.1, "weight of the multi-token prediction loss, averaged over the MTP "
+                             "depths (Megatron-Bridge's mtp_loss_scaling_factor); each depth's CE "
+                             "is normalised by the global count of its supervised positions",
+                        (float, int), minimum=0),
     "activation_checkpointing": K(False, "recompute block activations in backward: true/false, "
                                          "'all', k (every k-th block), layer types "
                                          "['mamba', 'moe'] (see distributed/activation_checkpoint)",

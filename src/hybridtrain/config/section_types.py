@@ -122,6 +122,15 @@ class TrainingSection(RecipeSection):
     max_consecutive_skipped_steps: int | None
     #: max global gradient norm; null or 0 disables clipping
     grad_clip: float | int | None
+    #: the model's multi-token prediction layers (a config.json with
+    #: num_nextn_predict_layers): train (their loss beside the LM loss), freeze (kept and
+    #: exported unchanged, not trained), drop (left out of training and of the export);
+    #: logged at start
+    mtp: str
+    #: weight of the multi-token prediction loss, averaged over the MTP depths (Megatron-
+    #: Bridge's mtp_loss_scaling_factor); each depth's CE is normalised by the global
+    #: count of its supervised positions
+    mtp_loss_scale: float | int
     #: recompute block activations in backward: true/false, 'all', k (every k-th block),
     #: layer types ['mamba', 'moe'] (see distributed/activation_checkpoint)
     activation_checkpointing: bool | int | str | list | dict

@@ -371,8 +371,24 @@ class LayoutRules:
         _check(self, ("check",))
 
 
+@dataclass(frozen=True)
+class AuxiliaryLosses:
+    """The model trains objectives beside its language-model loss with layers of its own (e.g.
+    multi-token prediction). ``setup(model, training)``: applies the recipe's ``training``
+    choice for them to the (meta-device) model in place, logs it, and returns the
+    :class:`~hybridtrain.ops.aux_loss.AuxiliaryLoss` the trainer drives (None: nothing to
+    train). ``check_layout(model, dims, training)``: ValueError for a layout under which those
+    objectives cannot train (``training.validate.validate_run`` calls it)."""
+
+    setup: Callable[[nn.Module, Any], Any]
+    check_layout: Callable[[nn.Module, Any, Any], None]
+
+    def __post_init__(self):
+        _check(self, ("setup", "check_layout"))
+
+
 PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes, Decoding,
-              LayoutRules)
+              LayoutRules, AuxiliaryLosses)
 P = TypeVar("P")
 
 

@@ -51,6 +51,7 @@ from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_token
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.parallel_plan import ParallelPlan
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.checkpoint import Checkpointer
@@ -156,7 +157,9 @@ class Trainer:
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
     default: the schema's). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
-    step)`` (fields added to each validation record), ``stop`` (default: never stops early).
+    step)`` (fields added to each validation record), ``stop`` (default: never stops early),
+    ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
+    normalisers join the step's counts, their values the step's record).
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class Trainer:
         throughput: Throughput | None = None,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
+        aux_loss: AuxiliaryLoss | None = None,
     ):
         self.plan = plan
         self.model = plan.model
@@ -194,6 +198,8 @@ class Trainer:
             "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
+        # the model's extra objectives (e.g. multi-token prediction), logged beside `loss`
+        self.aux_loss = aux_loss
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
@@ -215,8 +221,12 @@ class Trainer:
             [sum(count_label_tokens(mb) for mb in micro_batches),
              sum(count_tokens(mb) for mb in micro_batches), flops],
             dtype=torch.float64, device=self.device)
+        aux = self.aux_loss
+        if aux is not None:  # its terms' normalisers, in the same all-reduce
+            counts = torch.cat([counts, sum(aux.counts(mb) for mb in micro_batches).to(counts)])
         self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
+        aux_values = {} if aux is None else aux.record(torch.zeros(aux.num_terms), torch.zeros(aux.num_terms))
         lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
               self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
         self.model.train()
@@ -226,9 +236,17 @@ class Trainer:
             loss = torch.tensor(float("nan"))
             grad_norm = torch.tensor(float("nan"))
         else:
+            if aux is not None:
+                aux.begin_step(counts[3:])
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
+            if aux is not None:
+                ce = torch.cat([ce, aux.step_sums(self.device)])
+                aux.end_step()
+            ce = self.dims.all_reduce_dp_cp(ce)
+            loss = ce[0] / num_label_tokens
+            if aux is not None:
+                aux_values = aux.record(ce[1:], counts[3:])
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
@@ -270,7 +288,15 @@ class Trainer:
             "skipped_steps": self.sched.skipped_steps,
             "epoch": epoch,
             "step_time_s": dt,
+            **aux_values,
         }
+
+    def _progress_extra(self, rec: dict) -> dict[str, float | None]:
+        """The extra objectives' summary values for the progress line."""
+        if self.aux_loss is None:
+            return {}
+        key = self.aux_loss.average_as
+        return {key: rec.get(key)} if key is not None else {n: rec.get(n) for n in self.aux_loss.names}
 
     # -- validation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -419,7 +445,8 @@ class Trainer:
             if self.metrics is not None:
                 if sched.is_log_step or diverged:
                     self.metrics.log_train(rec)
-                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
+                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"],
+                                      extra=self._progress_extra(rec))
             if diverged:
                 self._stop_diverged()
             gc_every = settings.training.gc_every_steps

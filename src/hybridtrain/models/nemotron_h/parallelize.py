@@ -6,7 +6,8 @@ The pipeline split comes before, in :func:`hybridtrain.distributed.parallel_plan
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
 FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit, on
 the expert mesh when ``ep > 1``, so a rank gathers one block's experts at a time), ``norm_f`` +
-``lm_head`` (one unit) and the (stage) model as root, holding nothing else.
+``lm_head`` (one unit), every MTP layer (as the blocks) and the (stage) model as root, holding
+nothing else. Expert parallelism and activation checkpointing cover the MTP layers as the blocks.
 
 Tensor parallelism (:func:`apply_tp`) splits every mixer by heads: attention's q/k/v by heads
 (k/v computed whole when there are fewer kv heads than ranks), o_proj by rows; the MLP and the
@@ -129,13 +130,15 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: Di
     if dims.cp > 1:
         model.context_parallel = ContextParallel(dims.group("cp"))
     layers = model.backbone.layers
-    moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
+    stacks = [layers] + ([model.mtp.layers] if model.mtp is not None else [])
+    moe_blocks = [b for stack in stacks for b in stack.values() if b.block_type == "moe"]
     if dims.ep > 1:
         for block in moe_blocks:
             block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
                                                                  dims.mesh("ep"))
     if training.activation_checkpointing:
-        apply_activation_checkpointing(layers, training.activation_checkpointing, BLOCK_TYPES)
+        for stack in stacks:
+            apply_activation_checkpointing(stack, training.activation_checkpointing, BLOCK_TYPES)
     apply_compile(layers, training.compile, device)
     if dims.fsdp_enabled:
         units, expert_units = fsdp_units(model)
@@ -148,8 +151,9 @@ def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
     holding the rest: the embeddings, each block, and the final norm with the head as one unit
     (gathered when the norm runs: the loss reads the head's weight, so a rank does not hold the
     head through the whole step as the root would)."""
-    layers = model.backbone.layers
+    layers = list(model.backbone.layers.values())
     head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
-    units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
-    experts = [b.mixer.experts for b in layers.values() if b.block_type == "moe"]
+    mtp = list(model.mtp.layers.values()) if model.mtp is not None else []
+    units = [model.backbone.embeddings] + layers + [head or None] + mtp
+    experts = [b.mixer.experts for b in layers + mtp if b.block_type == "moe"]
     return [u for u in units if u is not None], experts

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridtrain.models.spec import (
-    Decoding, FlopsCount, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
+    AuxiliaryLosses, Decoding, FlopsCount, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
     register_model_spec)
 
 from . import flops
@@ -15,6 +15,7 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
+from .mtp_training import check_mtp_layout, setup_mtp
 from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
 
 
@@ -97,5 +98,6 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         BLOCK_TYPES,
         Decoding(pipeline=True, lockstep=True),
         LayoutRules(check=check_layout),
+        AuxiliaryLosses(setup=setup_mtp, check_layout=check_mtp_layout),
     ),
 ))

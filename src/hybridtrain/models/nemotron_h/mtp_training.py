@@ -1,0 +1,77 @@
+"""Training Nemotron-H's multi-token prediction layers (the spec's ``AuxiliaryLosses`` part).
+
+``training.mtp``: ``train`` (one loss term per depth, each weighted ``training.mtp_loss_scale /
+depths`` and normalised by the global count of positions with a target at that depth, see
+:mod:`hybridtrain.ops.aux_loss`), ``freeze`` (kept and exported unchanged) or ``drop`` (left
+out of the model, its training and its export: the exported config.json has no MTP layers).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.labels import IGNORE_INDEX
+
+from .model import seq_idx_from_cu_seqlens, seq_idx_from_position_ids
+from .mtp import depth_labels
+
+logger = logging.getLogger(__name__)
+
+
+def batch_seq_idx(batch: dict) -> torch.Tensor | None:
+    """The batch's document id per token (None: one document per row), as the model derives it."""
+    B, L = batch["labels"].shape
+    if batch.get("cu_seqlens") is not None:
+        return seq_idx_from_cu_seqlens(torch.as_tensor(batch["cu_seqlens"]), B, L)
+    if batch.get("position_ids") is not None:
+        return seq_idx_from_position_ids(batch["position_ids"], B, L)
+    return None
+
+
+def depth_counts(batch: dict, depths: int) -> torch.Tensor:
+    """Positions with a target at each MTP depth 1..``depths`` in ``batch`` (float64 [depths])."""
+    labels, seq_idx = batch["labels"], batch_seq_idx(batch)
+    return torch.stack([(depth_labels(labels, k, seq_idx) != IGNORE_INDEX).sum()
+                        for k in range(1, depths + 1)]).to(torch.float64)
+
+
+def setup_mtp(model: nn.Module, training) -> AuxiliaryLoss | None:
+    """Applies ``training.mtp`` to ``model`` (see the module docstring); the loss to drive."""
+    if model.mtp is None:
+        return None
+    config, choice = model.config, training.mtp
+    depths = config.num_nextn_predict_layers
+    what = f"{depths} multi-token prediction depth(s) of pattern {config.mtp_hybrid_override_pattern!r}"
+    if choice == "drop":
+        model.mtp = None
+        model.config = config.replace(num_nextn_predict_layers=0, mtp_layers_block_type=None)
+        logger.warning("training.mtp=drop: the model's %s are left out of training and of the "
+                       "export (its config.json will have none)", what)
+        return None
+    if choice == "freeze":
+        model.mtp.requires_grad_(False)
+        logger.info("training.mtp=freeze: the model's %s are kept and exported unchanged", what)
+        return None
+    scale = float(training.mtp_loss_scale)
+    logger.info("training.mtp=train: %s trained, loss weight %g averaged over depths (mtp_loss "
+                "in the step records)", what, scale)
+    loss = AuxiliaryLoss([f"mtp_loss_{k}" for k in range(1, depths + 1)], [scale / depths] * depths,
+                         lambda batch: depth_counts(batch, depths), average_as="mtp_loss")
+    model.mtp_loss = loss
+    return loss
+
+
+def check_mtp_layout(model: nn.Module, dims, training) -> None:
+    """The layouts under which the MTP layers cannot train yet (refused, never skipped)."""
+    if model.mtp is None or training.mtp != "train":
+        return
+    refused = [f"{name}={getattr(dims, name)}" for name in ("pp", "tp", "cp") if getattr(dims, name) > 1]
+    if refused:
+        raise ValueError(
+            f"training.mtp=train: the multi-token prediction layers do not train under "
+            f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
+            "parallel); set training.mtp to freeze or drop, or use those layouts")
