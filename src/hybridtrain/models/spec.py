@@ -351,10 +351,15 @@ class Decoding:
     ``hybridtrain generate``, the ``evaluation`` section and GRPO's rollouts call.
     ``pipeline``: it also decodes through pipeline stages (its ``generate`` takes a
     ``PipelineDecoder``); ``lockstep``: ranks whose model holds collectives (tensor, expert or
-    context parallel) can decode together (``lockstep_group``)."""
+    context parallel) can decode together (``lockstep_group``). ``speculative``: self-speculative
+    greedy decoding of one prompt, ``speculative(model, input_ids [1, L], max_new_tokens,
+    draft_tokens, eos_token_id) -> (ids [1, L + n], {"drafted", "accepted", "acceptance_rate"})``,
+    token-identical to greedy ``generate`` (None: the family has no draft of its own;
+    ``hybridtrain generate --speculative`` refuses it)."""
 
     pipeline: bool = False
     lockstep: bool = False
+    speculative: Callable[..., tuple] | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
 from .mtp_training import check_mtp_layout, setup_mtp
+from .speculative import speculative_decode
 from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
 
 
@@ -96,7 +97,7 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
         BLOCK_TYPES,
-        Decoding(pipeline=True, lockstep=True),
+        Decoding(pipeline=True, lockstep=True, speculative=speculative_decode),
         LayoutRules(check=check_layout),
         AuxiliaryLosses(setup=setup_mtp, check_layout=check_mtp_layout),
     ),
