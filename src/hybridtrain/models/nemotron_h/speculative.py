@@ -135,10 +135,12 @@ class MTPDraft:
 
 @torch.no_grad()
 def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int = 3,
-                         eos_token_id: int | list[int] | None = None
+                         eos_token_id: int | list[int] | None = None, drafter=MTPDraft
                          ) -> tuple[torch.Tensor, SpeculativeStats]:
     """Greedy decoding of one prompt [1, L] drafted by the MTP layers; returns the prompt and
-    the new tokens [1, L + n] (as ``generate`` with ``do_sample=False``) and the statistics."""
+    the new tokens [1, L + n] (as ``generate`` with ``do_sample=False``) and the statistics.
+    ``drafter(model, input_ids, prompt_hidden, max_length)``: the draft model (an object with
+    :meth:`MTPDraft.draft`'s signature)."""
     if model.mtp is None:
         raise ValueError("--speculative mtp: the model has no multi-token prediction layers "
                          "(config.json's num_nextn_predict_layers is 0)")
@@ -158,7 +160,7 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, dr
         hidden, cache = prefill_hidden(model, input_ids, None, max_length)
         cache.head_t = _transposed_head(model, hidden, max_new_tokens)  # as plain decoding chooses
         out = [int(select_tokens(_head(model, hidden), False)[0])]
-        drafter = MTPDraft(model, input_ids, hidden, max_length)
+        drafter = drafter(model, input_ids, hidden, max_length)
         pending_h = hidden[:, -1:]  # the main hidden states the draft has not read, and
         pending_t = [out[0]]  # the token after each
         bb = model.backbone
