@@ -390,6 +390,12 @@ BENCHMARK = {
                              "MFU against it"),
     "output": K(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json", _OPT_STR,
                 path="file"),
+    "decode_tokens": K(0, "decoding table: greedy tokens/s of this many new tokens from a "
+                          "64-token synthetic prompt (batch 1, one process), plain and with the "
+                          "model's self-speculative decoding side by side; 0 -> no table",
+                       (int,), minimum=0),
+    "draft_tokens": K(3, "decoding table: tokens drafted per speculative step", (int,),
+                      minimum=1),
 }
 
 RL = {

@@ -390,6 +390,12 @@ class BenchmarkSection(RecipeSection):
     measure_peak: bool
     #: results JSON file; null -> <checkpoint.dir>/benchmark.json
     output: str | None
+    #: decoding table: greedy tokens/s of this many new tokens from a 64-token synthetic
+    #: prompt (batch 1, one process), plain and with the model's self-speculative
+    #: decoding side by side; 0 -> no table
+    decode_tokens: int
+    #: decoding table: tokens drafted per speculative step
+    draft_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
