@@ -71,3 +71,26 @@ def test_eos_ends_both_alike_and_a_model_without_mtp_is_refused():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         speculative_generate(NemotronHForCausalLM(tiny_config("moe")), ids, 4)
+
+
+def test_generate_cli_speculative_prints_the_greedy_completion_and_its_acceptance(tmp_path, capsys):
+    import json
+
+    from hybridtrain.cli import main
+    from hybridtrain.data import build_bpe_tokenizer, synthetic_texts
+
+    tok = build_bpe_tokenizer(synthetic_texts(40, seed=0), tmp_path, vocab_size=300)
+    torch.manual_seed(0)
+    NemotronHForCausalLM(tiny_config("moe", vocab_size=len(tok), num_nextn_predict_layers=1,
+                                     mtp_hybrid_override_pattern="*E")).save_pretrained(tmp_path)
+    runs = []
+    for flags in ([], ["--speculative", "mtp", "--draft-tokens", "2"]):
+        assert main(["generate", "--model", str(tmp_path), "--prompt", "the answer is",
+                     "--max-new-tokens", "8", *flags]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    plain, spec = runs
+    assert spec["completion"] == plain["completion"] and spec["new_tokens"] == plain["new_tokens"]
+    assert spec["drafted"] >= spec["accepted"] >= 0 and "acceptance_rate" in spec
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--speculative", "mtp",
+                 "--temperature", "0.7"]) == 2
+    assert "--speculative decodes greedily" in capsys.readouterr().err
