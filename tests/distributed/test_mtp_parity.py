@@ -1,7 +1,8 @@
 """Multi-token prediction trains alike under the layouts it supports: per-step ``loss``,
 ``mtp_loss`` and gradient norm within 1e-5 of the single process, final weights (the MTP
 layers included) within 1e-5 (``tests.helpers.parity``'s recipe, packed rows, the tiny mixed
-Nemotron-H with one MTP depth ``*E``). The layouts MTP cannot train under yet are refused."""
+Nemotron-H with one MTP depth ``*E``): FSDP2, EP, activation checkpointing, LoRA (the MTP
+linears adapted). The layouts MTP cannot train under yet are refused."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from tests.helpers.distributed import run_distributed
 
 MTP_MODEL = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed",
                         "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}}
-LAYOUTS = {"fsdp2": ({}, False), "ep2": ({"ep": 2}, False), "fsdp2_ac": ({}, True)}
+LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}  # the MTP linears adapted too
+# name: (layout, activation checkpointing, LoRA)
+LAYOUTS = {"fsdp2": ({}, False, False), "ep2": ({"ep": 2}, False, False),
+           "fsdp2_ac": ({}, True, False), "fsdp2_lora": ({}, False, True)}
 
 
-def run(layout: dict, world: int, ac=False):
-    b, trainer = pu.build(layout, world, packed=True, ac=ac, model=MTP_MODEL)
+def run(layout: dict, world: int, ac=False, lora=False):
+    extra = {"peft": LORA} if lora else {}
+    b, trainer = pu.build(layout, world, packed=True, ac=ac, model=MTP_MODEL, **extra)
     recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
     # (names without activation checkpointing's wrapper level)
     state = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in pu.gather_state(b.model).items()}
@@ -27,19 +32,20 @@ def run(layout: dict, world: int, ac=False):
 
 
 def _group(rank, world):
-    return {name: run(layout, world, ac) for name, (layout, ac) in LAYOUTS.items()}
+    return {name: run(layout, world, ac, lora) for name, (layout, ac, lora) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
 def results():
     torch.set_num_threads(1)
-    return run(({}), 1), run_distributed(_group, 2)[0]
+    return {lora: run({}, 1, lora=lora) for lora in (False, True)}, run_distributed(_group, 2)[0]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mtp_layout_matches_single_process(results, layout):
-    (ref_steps, ref_w), res = results
+    refs, res = results
+    ref_steps, ref_w = refs[LAYOUTS[layout][2]]
     steps, w = res[layout]
     for got, want in zip(steps, ref_steps):
         for g, r in zip(got, want):

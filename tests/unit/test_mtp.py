@@ -192,3 +192,16 @@ def test_freeze_keeps_and_drop_removes_the_mtp_layers(tmp_path, caplog):
     assert json.loads((hf / "config.json").read_text())["num_nextn_predict_layers"] == 0
     with safe_open(str(hf / "model.safetensors"), "pt") as f:
         assert not any(k.startswith("mtp.") for k in f.keys())
+
+
+def test_lora_adapts_the_mtp_linears_and_their_loss_trains_them(tmp_path):
+    model = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed",
+                        "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}}
+    b, trainer = pu.build({}, 1, packed=True, model=model, checkpoint_dir=str(tmp_path),
+                          peft={"dim": 4, "alpha": 8, "match_all_linear": True})
+    adapters = {n: p for n, p in b.model.named_parameters() if n.startswith("mtp.") and "lora_B" in n}
+    assert any(".eh_proj." in n for n in adapters) and any(".q_proj." in n for n in adapters)
+    assert all(p.requires_grad for p in adapters.values())
+    rec = trainer.train_one_step(pu.micro_batches(b, 0))
+    assert rec["mtp_loss"] > 0
+    assert any(p.abs().sum() > 0 for p in adapters.values())  # B starts at zero
