@@ -1,8 +1,9 @@
 """Multi-token prediction trains alike under the layouts it supports: per-step ``loss``,
 ``mtp_loss`` and gradient norm within 1e-5 of the single process, final weights (the MTP
-layers included) within 1e-5 (``tests.helpers.parity``'s recipe, packed rows, the tiny mixed
-Nemotron-H with one MTP depth ``*E``): FSDP2, EP, activation checkpointing, LoRA (the MTP
-linears adapted). The layouts MTP cannot train under yet are refused."""
+layers and the routers' correction biases included) within 1e-5 (``tests.helpers.parity``'s
+recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP,
+activation checkpointing, LoRA (the MTP linears adapted), and aux-loss-free balancing under
+FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike). The layouts MTP cannot train under yet are refused."""
 
 from __future__ import annotations
 
@@ -16,29 +17,34 @@ from tests.helpers.distributed import run_distributed
 MTP_MODEL = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed",
                         "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}}
 LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}  # the MTP linears adapted too
-# name: (layout, activation checkpointing, LoRA)
-LAYOUTS = {"fsdp2": ({}, False, False), "ep2": ({"ep": 2}, False, False),
-           "fsdp2_ac": ({}, True, False), "fsdp2_lora": ({}, False, True)}
+BALANCE = {"moe_bias_update_rate": 0.01}  # the routers' biases move with counts of all ranks
+# name: (layout, activation checkpointing, the run's recipe variant)
+LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
+           "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
+           "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance")}
+VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE}}
 
 
-def run(layout: dict, world: int, ac=False, lora=False):
-    extra = {"peft": LORA} if lora else {}
-    b, trainer = pu.build(layout, world, packed=True, ac=ac, model=MTP_MODEL, **extra)
+def run(layout: dict, world: int, ac=False, variant="plain"):
+    b, trainer = pu.build(layout, world, packed=True, ac=ac, model=MTP_MODEL, **VARIANTS[variant])
     recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
-    # (names without activation checkpointing's wrapper level)
+    # (names without activation checkpointing's wrapper level; the routers' biases included)
     state = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in pu.gather_state(b.model).items()}
+    state.update({f"{n}.e_score_correction_bias": r.e_score_correction_bias.clone()
+                  for n, r in b.model.moe_routers().items()})
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return [(r["loss"], r["mtp_loss"], r["grad_norm"]) for r in recs], state if rank == 0 else None
+    return [(r["loss"], r["mtp_loss"], r["grad_norm"], r["moe_max_load"]) for r in recs], \
+        state if rank == 0 else None
 
 
 def _group(rank, world):
-    return {name: run(layout, world, ac, lora) for name, (layout, ac, lora) in LAYOUTS.items()}
+    return {name: run(layout, world, ac, variant) for name, (layout, ac, variant) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
 def results():
     torch.set_num_threads(1)
-    return {lora: run({}, 1, lora=lora) for lora in (False, True)}, run_distributed(_group, 2)[0]
+    return {v: run({}, 1, variant=v) for v in VARIANTS}, run_distributed(_group, 2)[0]
 
 
 @pytest.mark.distributed
@@ -53,6 +59,8 @@ def test_mtp_layout_matches_single_process(results, layout):
     assert set(w) == set(ref_w) and any(n.startswith("mtp.") for n in w)
     assert max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w) <= 1e-5
     assert ref_steps[-1][1] > 0
+    if LAYOUTS[layout][2] == "balance":  # the biases did move
+        assert any(float(w[k].abs().sum()) > 0 for k in w if k.endswith("e_score_correction_bias"))
 
 
 @pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}, {"cp": 2}])

@@ -137,6 +137,11 @@ TRAINING = {
                       "num_nextn_predict_layers): train (their loss beside the LM loss), freeze "
                       "(kept and exported unchanged, not trained), drop (left out of training "
                       "and of the export); logged at start", choices=("train", "freeze", "drop")),
+    "moe_bias_update_rate": K(0.0, "aux-loss-free balancing: after each optimizer step every MoE "
+                                   "router's e_score_correction_bias moves by this much toward its "
+                                   "under-loaded experts (sign of mean load - load, counts summed "
+                                   "over all ranks; Megatron's moe_router_bias_update_rate, e.g. "
+                                   "1e-3); 0 -> never updated", (float, int), minimum=0),
     "mtp_loss_scale": K(0.1, "weight of the multi-token prediction loss, averaged over the MTP "
                              "depths (Megatron-Bridge's mtp_loss_scaling_factor); each depth's CE "
                              "is normalised by the global count of its supervised positions",

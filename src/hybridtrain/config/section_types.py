@@ -127,6 +127,11 @@ class TrainingSection(RecipeSection):
     #: exported unchanged, not trained), drop (left out of training and of the export);
     #: logged at start
     mtp: str
+    #: aux-loss-free balancing: after each optimizer step every MoE router's
+    #: e_score_correction_bias moves by this much toward its under-loaded experts (sign
+    #: of mean load - load, counts summed over all ranks; Megatron's
+    #: moe_router_bias_update_rate, e.g. 1e-3); 0 -> never updated
+    moe_bias_update_rate: float | int
     #: weight of the multi-token prediction loss, averaged over the MTP depths (Megatron-
     #: Bridge's mtp_loss_scaling_factor); each depth's CE is normalised by the global
     #: count of its supervised positions

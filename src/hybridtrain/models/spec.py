@@ -392,8 +392,21 @@ class AuxiliaryLosses:
         _check(self, ("setup", "check_layout"))
 
 
+@dataclass(frozen=True)
+class ExpertRouting:
+    """The model has mixture-of-experts layers whose routers training watches and balances:
+    ``setup(model, training) -> ExpertLoad | None`` (:class:`~hybridtrain.ops.expert_load.
+    ExpertLoad`: the step's token counts per expert, the load metrics, the bias update at
+    ``training.moe_bias_update_rate``; None: the model has no MoE layer)."""
+
+    setup: Callable[[nn.Module, Any], Any]
+
+    def __post_init__(self):
+        _check(self, ("setup",))
+
+
 PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes, Decoding,
-              LayoutRules, AuxiliaryLosses)
+              LayoutRules, AuxiliaryLosses, ExpertRouting)
 P = TypeVar("P")
 
 

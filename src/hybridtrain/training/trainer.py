@@ -52,6 +52,7 @@ from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.checkpoint import Checkpointer
@@ -159,7 +160,9 @@ class Trainer:
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
     step)`` (fields added to each validation record), ``stop`` (default: never stops early),
     ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
-    normalisers join the step's counts, their values the step's record).
+    normalisers join the step's counts, their values the step's record), ``expert_load`` (the
+    MoE routers' load, :mod:`hybridtrain.ops.expert_load`: its metrics join the record, its
+    bias update follows each optimizer step).
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class Trainer:
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
         aux_loss: AuxiliaryLoss | None = None,
+        expert_load: ExpertLoad | None = None,
     ):
         self.plan = plan
         self.model = plan.model
@@ -200,6 +204,8 @@ class Trainer:
         self.stop = stop or RunStop()  # default: never stops early
         # the model's extra objectives (e.g. multi-token prediction), logged beside `loss`
         self.aux_loss = aux_loss
+        # the MoE routers' load per step (moe_max_load, ...) and their correction-bias update
+        self.expert_load = expert_load
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
@@ -238,6 +244,8 @@ class Trainer:
         else:
             if aux is not None:
                 aux.begin_step(counts[3:])
+            if self.expert_load is not None:
+                self.expert_load.begin_step(self.device)
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             if aux is not None:
@@ -247,6 +255,9 @@ class Trainer:
             loss = ce[0] / num_label_tokens
             if aux is not None:
                 aux_values = aux.record(ce[1:], counts[3:])
+            if self.expert_load is not None:
+                load_table = self._sum_expert_load(self.expert_load.end_step())
+                aux_values.update(self.expert_load.record(load_table))
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
@@ -258,6 +269,8 @@ class Trainer:
         else:
             if self.optimizer is not None:  # None: nothing trainable on this rank
                 self.optimizer.step()
+            if self.expert_load is not None:
+                self.expert_load.update_biases(load_table)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(self.sched.global_batch_size)
         if self.optimizer is not None:
@@ -290,6 +303,16 @@ class Trainer:
             "step_time_s": dt,
             **aux_values,
         }
+
+    def _sum_expert_load(self, table: torch.Tensor) -> torch.Tensor:
+        """The step's token counts per expert summed over the ranks holding other tokens
+        (data, expert, context parallel) and other layers (pipeline stages)."""
+        self.dims.all_reduce_dp_cp(table)
+        if self.dims.pp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(table, group=self.dims.group("pp"))
+        return table
 
     def _progress_extra(self, rec: dict) -> dict[str, float | None]:
         """The extra objectives' summary values for the progress line."""

@@ -120,6 +120,8 @@ class NemotronHForCausalLM(nn.Module):
         # `mtp_loss` (a hybridtrain.ops.aux_loss.AuxiliaryLoss, one term per depth)
         self.mtp = MultiTokenPredictor(config) if config.num_nextn_predict_layers else None
         self.mtp_loss = None
+        # the step's expert load (hybridtrain.ops.expert_load.ExpertLoad), set by training
+        self.expert_load = None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # (registered last)
         self.loss = LinearCrossEntropy(reduction="mean")
         # set by parallelize under context parallelism: forward then takes this rank's slice
@@ -144,6 +146,7 @@ class NemotronHForCausalLM(nn.Module):
         stage.lm_head = self.lm_head if is_last else None
         stage.mtp = self.mtp if is_last else None
         stage.mtp_loss = self.mtp_loss
+        stage.expert_load = self.expert_load
         stage.loss = self.loss
         stage.context_parallel = self.context_parallel
         stage.sequence_parallel = self.sequence_parallel
@@ -266,13 +269,28 @@ class NemotronHForCausalLM(nn.Module):
     ) -> torch.Tensor:
         h, info = self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)
         if self.lm_head is None:  # a pipeline stage before the last
+            self._count_expert_load()
             return h
         if labels is None:
             return self.lm_head(h).float()
         loss = self.loss(h, self.lm_head, labels)
         if self.mtp_loss is not None and self.mtp_loss.active:
             loss = self.mtp_loss.attach(loss, self.mtp_losses(h, input_ids, labels, info))
+        self._count_expert_load()
         return loss
+
+    def moe_routers(self) -> dict[str, nn.Module]:
+        """The routers of the MoE layers this (stage) model holds, by layer name
+        (``backbone.layers.{i}``, ``mtp.layers.{i}``)."""
+        stacks = [("backbone.layers", self.backbone.layers)]
+        if self.mtp is not None:
+            stacks.append(("mtp.layers", self.mtp.layers))
+        return {f"{prefix}.{k}": block.mixer.gate for prefix, stack in stacks
+                for k, block in stack.items() if block.block_type == "moe"}
+
+    def _count_expert_load(self) -> None:
+        if self.expert_load is not None and self.expert_load.active:
+            self.expert_load.add({n: r.tokens_per_expert for n, r in self.moe_routers().items()})
 
     def mtp_losses(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                    info: SequenceInfo) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Training Nemotron-H's multi-token prediction layers (the spec's ``AuxiliaryLosses`` part).
+"""Training Nemotron-H's multi-token prediction layers (the spec's ``AuxiliaryLosses`` part) and
+watching and balancing its routers (``ExpertRouting``).
 
 ``training.mtp``: ``train`` (one loss term per depth, each weighted ``training.mtp_loss_scale /
 depths`` and normalised by the global count of positions with a target at that depth, see
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.ops.labels import IGNORE_INDEX
 
 from .model import seq_idx_from_cu_seqlens, seq_idx_from_position_ids
@@ -75,3 +77,28 @@ def check_mtp_layout(model: nn.Module, dims, training) -> None:
             f"training.mtp=train: the multi-token prediction layers do not train under "
             f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
             "parallel); set training.mtp to freeze or drop, or use those layouts")
+
+
+def moe_layer_names(config) -> list[str]:
+    """Every MoE layer of a model of ``config``: the main stack's, then the MTP layers'."""
+    names = [f"backbone.layers.{i}" for i, t in enumerate(config.layers_block_type) if t == "moe"]
+    mtp = (config.mtp_layers_block_type or []) * config.num_nextn_predict_layers
+    return names + [f"mtp.layers.{i}" for i, t in enumerate(mtp) if t == "moe"]
+
+
+def setup_expert_load(model: nn.Module, training) -> ExpertLoad | None:
+    """The step's expert load of ``model``'s MoE layers (metrics always; the correction-bias
+    update at ``training.moe_bias_update_rate``, logged when on)."""
+    names = moe_layer_names(model.config)
+    if not names:
+        return None
+    rate = float(training.moe_bias_update_rate)
+    if rate:
+        logger.info("training.moe_bias_update_rate=%g: after each optimizer step every router's "
+                    "e_score_correction_bias moves toward its under-loaded experts", rate)
+    for router in model.moe_routers().values():
+        router.count_tokens = True
+    load = ExpertLoad(names, model.config.n_routed_experts,
+                      lambda: {n: r.e_score_correction_bias for n, r in model.moe_routers().items()}, rate)
+    model.expert_load = load
+    return load
