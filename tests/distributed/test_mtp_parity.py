@@ -2,8 +2,9 @@
 ``mtp_loss`` and gradient norm within 1e-5 of the single process, final weights (the MTP
 layers and the routers' correction biases included) within 1e-5 (``tests.helpers.parity``'s
 recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP,
-activation checkpointing, LoRA (the MTP linears adapted), and aux-loss-free balancing under
-FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike). The layouts MTP cannot train under yet are refused."""
+activation checkpointing, LoRA (the MTP linears adapted), aux-loss-free balancing under
+FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike), and the
+sequence-level balance loss under EP. The layouts MTP cannot train under yet are refused."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ BALANCE = {"moe_bias_update_rate": 0.01}  # the routers' biases move with counts
 # name: (layout, activation checkpointing, the run's recipe variant)
 LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
            "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
-           "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance")}
-VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE}}
+           "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance"),
+           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux")}
+# the routers' sequence-level balance loss beside the MTP loss
+SEQ_AUX = {"moe_aux_loss_coeff": 0.01}
+VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE},
+            "seq_aux": {"training": SEQ_AUX}}
 
 
 def run(layout: dict, world: int, ac=False, variant="plain"):
@@ -33,7 +38,8 @@ def run(layout: dict, world: int, ac=False, variant="plain"):
     state.update({f"{n}.e_score_correction_bias": r.e_score_correction_bias.clone()
                   for n, r in b.model.moe_routers().items()})
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return [(r["loss"], r["mtp_loss"], r["grad_norm"], r["moe_max_load"]) for r in recs], \
+    return [(r["loss"], r["mtp_loss"], r["grad_norm"], r["moe_max_load"], r.get("moe_aux_loss", 1.0))
+            for r in recs], \
         state if rank == 0 else None
 
 

@@ -68,3 +68,50 @@ def test_balancing_moves_the_biases_the_export_carries_them_and_resume_is_exact(
         for name, bias in final.items():
             assert torch.equal(f.get_tensor(f"{name}.mixer.gate.e_score_correction_bias"), bias)
     assert json.loads((hf / "config.json").read_text())["model_type"] == "nemotron_h"
+
+
+def test_sequence_balance_loss_is_the_per_row_sum_of_f_times_p():
+    from hybridtrain.models.nemotron_h.moe import sequence_balance_loss
+
+    g = torch.Generator().manual_seed(0)
+    rows, L, E, k = 3, 5, 6, 2
+    logits = torch.randn(rows * L, E, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows * L)])
+    want = 0.0
+    for b in range(rows):
+        s = logits[b * L:(b + 1) * L].sigmoid()
+        p = (s / s.sum(-1, keepdim=True)).mean(0)
+        for i in range(E):
+            f = E / (k * L) * int((idx[b * L:(b + 1) * L] == i).sum())
+            want += f * float(p[i])
+    assert abs(float(sequence_balance_loss(logits, idx, rows)) - want) < 1e-5
+
+
+def test_the_sequence_balance_loss_reaches_the_gradient_with_its_coefficient():
+    from hybridtrain.data.batch import IGNORE_INDEX
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM
+    from hybridtrain.models.nemotron_h.mtp_training import setup_aux_losses
+    from hybridtrain.models.nemotron_h.tiny import tiny_config
+    from hybridtrain.ops.loss import LinearCrossEntropy
+    from hybridtrain.training.settings import trainer_settings
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(tiny_config("moe"))
+    model.loss = LinearCrossEntropy(reduction="sum")
+    aux = setup_aux_losses(model, trainer_settings({"moe_aux_loss_coeff": 0.5}).training)
+    ids = torch.randint(3, 256, (3, 10))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], 1)
+    n = int((labels != IGNORE_INDEX).sum())
+    aux.begin_step(aux.counts({"labels": labels}))
+    (model(ids, labels=labels) / n).backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    rec = aux.record(aux.step_sums("cpu"), torch.tensor([3.0]))
+    aux.end_step()
+    model.zero_grad()
+    main = model(ids, labels=labels)  # no step begun: the routers still compute their losses
+    seq = sum(r.last_seq_aux for r in model.moe_routers().values())
+    (main / n + 0.5 * seq / 3).backward()
+    assert abs(rec["moe_aux_loss"] - float(seq.detach()) / 3) < 1e-6
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert got["backbone.layers.1.mixer.gate.weight"].abs().sum() > 0

@@ -16,7 +16,7 @@ from hybridtrain.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from hybridtrain.models.nemotron_h.blocks import Block, SequenceInfo
 from hybridtrain.models.nemotron_h.model import seq_idx_from_cu_seqlens
 from hybridtrain.models.nemotron_h.mtp import depth_labels
-from hybridtrain.models.nemotron_h.mtp_training import depth_counts, setup_mtp
+from hybridtrain.models.nemotron_h.mtp_training import depth_counts, setup_aux_losses
 from hybridtrain.models.nemotron_h.tiny import tiny_config
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.training.settings import trainer_settings
@@ -137,7 +137,7 @@ def test_mtp_gradient_is_the_weighted_depth_mean_and_the_loss_value_stays_the_lm
     cu = torch.tensor([0, 7, 12, 17, 24], dtype=torch.int32)
     batch = {"input_ids": ids, "labels": labels, "cu_seqlens": cu}
     settings = trainer_settings({"mtp_loss_scale": scale}).training
-    aux = setup_mtp(model, settings)
+    aux = setup_aux_losses(model, settings)
     counts = aux.counts(batch)
     n_main = int((labels != IGNORE_INDEX).sum())
 

@@ -142,6 +142,10 @@ TRAINING = {
                                    "under-loaded experts (sign of mean load - load, counts summed "
                                    "over all ranks; Megatron's moe_router_bias_update_rate, e.g. "
                                    "1e-3); 0 -> never updated", (float, int), minimum=0),
+    "moe_aux_loss_coeff": K(0.0, "sequence-level auxiliary balance loss of the MoE routers "
+                                 "(DeepSeek-V3 / Megatron seq_aux_loss), summed over layers, per "
+                                 "row, with this weight; logged as moe_aux_loss; 0 -> off",
+                            (float, int), minimum=0),
     "mtp_loss_scale": K(0.1, "weight of the multi-token prediction loss, averaged over the MTP "
                              "depths (Megatron-Bridge's mtp_loss_scaling_factor); each depth's CE "
                              "is normalised by the global count of its supervised positions",

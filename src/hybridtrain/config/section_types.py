@@ -132,6 +132,10 @@ class TrainingSection(RecipeSection):
     #: of mean load - load, counts summed over all ranks; Megatron's
     #: moe_router_bias_update_rate, e.g. 1e-3); 0 -> never updated
     moe_bias_update_rate: float | int
+    #: sequence-level auxiliary balance loss of the MoE routers (DeepSeek-V3 / Megatron
+    #: seq_aux_loss), summed over layers, per row, with this weight; logged as
+    #: moe_aux_loss; 0 -> off
+    moe_aux_loss_coeff: float | int
     #: weight of the multi-token prediction loss, averaged over the MTP depths (Megatron-
     #: Bridge's mtp_loss_scaling_factor); each depth's CE is normalised by the global
     #: count of its supervised positions

@@ -45,15 +45,16 @@ class _AttachGradient(torch.autograd.Function):
 
 
 class AuxiliaryLoss:
-    """``names``: the terms' record keys (one each, or one shared name averaged over terms with
-    ``average``); ``weights``: each term's weight in the objective; ``count(batch)``: a
-    micro-batch's normaliser of each term, a float64 tensor [T]."""
+    """``names``: the terms' record keys; ``weights``: each term's weight in the objective;
+    ``count(batch)``: a micro-batch's normaliser of each term, a float64 tensor [T];
+    ``averages``: further record keys, each the mean of the values of some terms (by index)."""
 
     def __init__(self, names: Sequence[str], weights: Sequence[float],
-                 count: Callable[[dict], torch.Tensor], average_as: str | None = None):
+                 count: Callable[[dict], torch.Tensor],
+                 averages: dict[str, Sequence[int]] | None = None):
         assert len(names) == len(weights)
         self.names, self.weights, self.count_fn = tuple(names), tuple(float(w) for w in weights), count
-        self.average_as = average_as  # also record the mean of the terms' values under this key
+        self.averages = dict(averages or {})
         self._scales: list[float] | None = None
         self._sums: torch.Tensor | None = None
 
@@ -94,7 +95,13 @@ class AuxiliaryLoss:
         """The step's values: each term's sum over its count (None without a count)."""
         values = [float(s) / float(c) if float(c) > 0 else None for s, c in zip(sums, counts)]
         out = {n: v for n, v in zip(self.names, values)}
-        if self.average_as is not None:
-            known = [v for v in values if v is not None]
-            out[self.average_as] = sum(known) / len(known) if known else None
+        for key, terms in self.averages.items():
+            known = [values[i] for i in terms if values[i] is not None]
+            out[key] = sum(known) / len(known) if known else None
         return out
+
+    @property
+    def summary_names(self) -> list[str]:
+        """The record keys a progress line shows: the averages, and the terms not averaged."""
+        averaged = {i for terms in self.averages.values() for i in terms}
+        return list(self.averages) + [n for i, n in enumerate(self.names) if i not in averaged]

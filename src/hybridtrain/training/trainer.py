@@ -318,8 +318,7 @@ class Trainer:
         """The extra objectives' summary values for the progress line."""
         if self.aux_loss is None:
             return {}
-        key = self.aux_loss.average_as
-        return {key: rec.get(key)} if key is not None else {n: rec.get(n) for n in self.aux_loss.names}
+        return {n: rec.get(n) for n in self.aux_loss.summary_names}
 
     # -- validation --------------------------------------------------------------------------
     @torch.no_grad()

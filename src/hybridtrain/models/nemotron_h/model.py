@@ -116,10 +116,13 @@ class NemotronHForCausalLM(nn.Module):
             raise ValueError(f"expected a NemotronHConfig, got {type(config).__name__}")
         self.config = config
         self.backbone = NemotronHModel(config, layer_ids)
-        # multi-token prediction layers (`mtp.layers.*`, see mtp.py); trained when training sets
-        # `mtp_loss` (a hybridtrain.ops.aux_loss.AuxiliaryLoss, one term per depth)
+        # multi-token prediction layers (`mtp.layers.*`, see mtp.py)
         self.mtp = MultiTokenPredictor(config) if config.num_nextn_predict_layers else None
-        self.mtp_loss = None
+        # training's extra objectives (a hybridtrain.ops.aux_loss.AuxiliaryLoss, set by
+        # mtp_training): `aux_terms` names them in order, "mtp" (one term per depth) and
+        # "moe_aux" (the routers' sequence-level balance loss)
+        self.aux_loss = None
+        self.aux_terms: tuple[str, ...] = ()
         # the step's expert load (hybridtrain.ops.expert_load.ExpertLoad), set by training
         self.expert_load = None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # (registered last)
@@ -145,7 +148,7 @@ class NemotronHForCausalLM(nn.Module):
         stage.backbone.norm_f = bb.norm_f if is_last else None
         stage.lm_head = self.lm_head if is_last else None
         stage.mtp = self.mtp if is_last else None
-        stage.mtp_loss = self.mtp_loss
+        stage.aux_loss, stage.aux_terms = self.aux_loss, self.aux_terms
         stage.expert_load = self.expert_load
         stage.loss = self.loss
         stage.context_parallel = self.context_parallel
@@ -274,8 +277,13 @@ class NemotronHForCausalLM(nn.Module):
         if labels is None:
             return self.lm_head(h).float()
         loss = self.loss(h, self.lm_head, labels)
-        if self.mtp_loss is not None and self.mtp_loss.active:
-            loss = self.mtp_loss.attach(loss, self.mtp_losses(h, input_ids, labels, info))
+        if self.aux_loss is not None and self.aux_loss.active:
+            terms = []
+            if "mtp" in self.aux_terms:
+                terms += self.mtp_losses(h, input_ids, labels, info)
+            if "moe_aux" in self.aux_terms:  # (summed over layers; read after the MTP layers ran)
+                terms.append(sum(r.last_seq_aux for r in self.moe_routers().values() if r.seq_aux_loss))
+            loss = self.aux_loss.attach(loss, terms)
         self._count_expert_load()
         return loss
 

@@ -33,6 +33,21 @@ from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
 from .numerics import fp32_region, matmul_dtype, mul_to
 
+def sequence_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """The sequence-level auxiliary balance loss (DeepSeek-V3's, Megatron's ``seq_aux_loss``),
+    summed over the ``rows`` rows of a forward: per row, ``sum_i f_i * P_i`` with ``f_i`` expert
+    i's token copies in the row times ``E / (k L)``,
+    and ``P_i`` the row's mean of the tokens' sigmoid scores normalised over the experts.
+    ``logits`` [rows L, E] fp32, ``topk_idx`` [rows L, k]."""
+    E, k = logits.shape[-1], topk_idx.shape[-1]
+    scores = logits.sigmoid().view(rows, -1, E)
+    L = scores.shape[1]
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # [rows, E]
+    counts = torch.zeros(rows, E, dtype=p.dtype, device=p.device)
+    counts.scatter_add_(1, topk_idx.view(rows, L * k), torch.ones(rows, L * k, dtype=p.dtype, device=p.device))
+    return (counts * (E / (k * L)) * p).sum()
+
+
 class TopkRouter(nn.Module):
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -51,6 +66,9 @@ class TopkRouter(nn.Module):
         self.count_tokens = False
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64),
                              persistent=False)
+        # with `seq_aux_loss`: the last forward's sequence-level balance loss, summed over rows
+        self.seq_aux_loss = False
+        self.last_seq_aux: torch.Tensor | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -300,7 +318,9 @@ class MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, topk_weights, topk_idx = self.route(x)
+        logits, topk_weights, topk_idx = self.route(x)
+        if self.gate.seq_aux_loss:
+            self.gate.last_seq_aux = sequence_balance_loss(logits, topk_idx, shape[0])
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         sorted_h, order, counts, h_cast = permute(h, topk_idx, self.experts.num_experts, matmul_dtype(h))
         y_sorted = self.token_dispatcher(self.experts, sorted_h, counts)

@@ -41,10 +41,10 @@ def depth_counts(batch: dict, depths: int) -> torch.Tensor:
                         for k in range(1, depths + 1)]).to(torch.float64)
 
 
-def setup_mtp(model: nn.Module, training) -> AuxiliaryLoss | None:
-    """Applies ``training.mtp`` to ``model`` (see the module docstring); the loss to drive."""
+def apply_mtp_choice(model: nn.Module, training) -> int:
+    """Applies ``training.mtp`` to ``model`` (see the module docstring); the depths to train."""
     if model.mtp is None:
-        return None
+        return 0
     config, choice = model.config, training.mtp
     depths = config.num_nextn_predict_layers
     what = f"{depths} multi-token prediction depth(s) of pattern {config.mtp_hybrid_override_pattern!r}"
@@ -53,24 +53,58 @@ def setup_mtp(model: nn.Module, training) -> AuxiliaryLoss | None:
         model.config = config.replace(num_nextn_predict_layers=0, mtp_layers_block_type=None)
         logger.warning("training.mtp=drop: the model's %s are left out of training and of the "
                        "export (its config.json will have none)", what)
-        return None
+        return 0
     if choice == "freeze":
         model.mtp.requires_grad_(False)
         logger.info("training.mtp=freeze: the model's %s are kept and exported unchanged", what)
-        return None
-    scale = float(training.mtp_loss_scale)
+        return 0
     logger.info("training.mtp=train: %s trained, loss weight %g averaged over depths (mtp_loss "
-                "in the step records)", what, scale)
-    loss = AuxiliaryLoss([f"mtp_loss_{k}" for k in range(1, depths + 1)], [scale / depths] * depths,
-                         lambda batch: depth_counts(batch, depths), average_as="mtp_loss")
-    model.mtp_loss = loss
+                "in the step records)", what, float(training.mtp_loss_scale))
+    return depths
+
+
+def batch_rows(batch: dict) -> torch.Tensor:
+    """The rows of a micro-batch (the sequence-level balance loss's normaliser), float64 [1]."""
+    return torch.tensor([float(batch["labels"].shape[0])], dtype=torch.float64)
+
+
+def setup_aux_losses(model: nn.Module, training) -> AuxiliaryLoss | None:
+    """The spec's ``AuxiliaryLosses.setup``: ``training.mtp`` applied, then the objective of the
+    MTP depths trained (``mtp_loss_k``, averaged as ``mtp_loss``) and, with
+    ``training.moe_aux_loss_coeff``, of the routers' sequence-level balance loss
+    (``moe_aux_loss``: per row, summed over the MoE layers; normalised by the global row count)."""
+    depths = apply_mtp_choice(model, training)
+    coeff = float(training.moe_aux_loss_coeff)
+    # the routers that run in a training forward (the MTP layers' only when they train)
+    routers = {n: r for n, r in model.moe_routers().items()
+               if coeff and (depths or not n.startswith("mtp."))}
+    names = [f"mtp_loss_{k}" for k in range(1, depths + 1)]
+    weights = [float(training.mtp_loss_scale) / depths] * depths if depths else []
+    counters = [lambda batch: depth_counts(batch, depths)] if depths else []
+    if routers:
+        logger.info("training.moe_aux_loss_coeff=%g: the sequence-level balance loss of %d MoE "
+                    "layers joins the objective (moe_aux_loss in the step records)", coeff, len(routers))
+        for r in routers.values():
+            r.seq_aux_loss = True
+        names.append("moe_aux_loss")
+        weights.append(coeff)
+        counters.append(batch_rows)
+    if not names:
+        return None
+    loss = AuxiliaryLoss(names, weights, lambda batch: torch.cat([c(batch) for c in counters]),
+                         averages={"mtp_loss": range(depths)} if depths else None)
+    model.aux_loss, model.aux_terms = loss, ("mtp",) * bool(depths) + ("moe_aux",) * bool(routers)
     return loss
 
 
 def check_mtp_layout(model: nn.Module, dims, training) -> None:
     """The layouts under which the MTP layers cannot train yet (refused, never skipped)."""
     if model.mtp is None or training.mtp != "train":
-        return
+        if not (training.moe_aux_loss_coeff and dims.pp > 1):
+            return
+        raise ValueError("training.moe_aux_loss_coeff: the sequence-level balance loss does not "
+                         f"train under pp={dims.pp} yet; set it to 0 (or use "
+                         "training.moe_bias_update_rate) or distributed.pp: 1")
     refused = [f"{name}={getattr(dims, name)}" for name in ("pp", "tp", "cp") if getattr(dims, name) > 1]
     if refused:
         raise ValueError(
