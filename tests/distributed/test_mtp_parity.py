@@ -76,3 +76,12 @@ def test_unsupported_layouts_are_refused_by_plan_and_run(layout):
     recipe = pu.recipe(layout, packed=True, model=MTP_MODEL)
     with pytest.raises(ValueError, match=r"training.mtp=train.*(pp|tp|cp)=2.*freeze or drop"):
         build(recipe, "cpu", world_size=2)
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"cp": 2}])
+def test_the_sequence_balance_loss_is_refused_where_it_is_not_built(layout):
+    from hybridtrain.training.builder import build
+
+    recipe = pu.recipe(layout, packed=True, training={"moe_aux_loss_coeff": 0.01})
+    with pytest.raises(ValueError, match=r"moe_aux_loss_coeff.*(pp|cp)=2"):
+        build(recipe, "cpu", world_size=2)

@@ -98,19 +98,21 @@ def setup_aux_losses(model: nn.Module, training) -> AuxiliaryLoss | None:
 
 
 def check_mtp_layout(model: nn.Module, dims, training) -> None:
-    """The layouts under which the MTP layers cannot train yet (refused, never skipped)."""
-    if model.mtp is None or training.mtp != "train":
-        if not (training.moe_aux_loss_coeff and dims.pp > 1):
-            return
-        raise ValueError("training.moe_aux_loss_coeff: the sequence-level balance loss does not "
-                         f"train under pp={dims.pp} yet; set it to 0 (or use "
-                         "training.moe_bias_update_rate) or distributed.pp: 1")
+    """The layouts under which the MTP layers or the sequence-level balance loss cannot train
+    yet (refused, never skipped)."""
     refused = [f"{name}={getattr(dims, name)}" for name in ("pp", "tp", "cp") if getattr(dims, name) > 1]
-    if refused:
+    if not refused:
+        return
+    if model.mtp is not None and training.mtp == "train":
         raise ValueError(
             f"training.mtp=train: the multi-token prediction layers do not train under "
             f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
             "parallel); set training.mtp to freeze or drop, or use those layouts")
+    if training.moe_aux_loss_coeff:
+        raise ValueError(
+            f"training.moe_aux_loss_coeff: the sequence-level balance loss does not train under "
+            f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
+            "parallel); set it to 0 (training.moe_bias_update_rate balances under any layout)")
 
 
 def moe_layer_names(config) -> list[str]:
