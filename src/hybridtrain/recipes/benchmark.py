@@ -163,7 +163,8 @@ def _measure(b: Built, plan: ParallelPlan, base_mem: int, name: str, dataset, ma
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(plan, b.optimizer, None, sched, TrainData(dataset, make_loader),
                       trainer_settings(t, {"save_hf_at_end": False, "enabled": False}),
-                      throughput=Throughput(b.flops_fn, peak))
+                      throughput=Throughput(b.flops_fn, peak), aux_loss=b.aux_loss,
+                      expert_load=b.expert_load)
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))
