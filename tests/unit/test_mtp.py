@@ -205,3 +205,17 @@ def test_lora_adapts_the_mtp_linears_and_their_loss_trains_them(tmp_path):
     rec = trainer.train_one_step(pu.micro_batches(b, 0))
     assert rec["mtp_loss"] > 0
     assert any(p.abs().sum() > 0 for p in adapters.values())  # B starts at zero
+
+
+def test_super_config_builds_the_hub_checkpoint_s_parameter_count():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples/configs/nemotron3_super_120b_a12b"
+    config = NemotronHConfig.from_pretrained(root)
+    assert (config.num_hidden_layers, config.mtp_hybrid_override_pattern) == (88, "*E")
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(config)
+    # the Hub checkpoint's bf16 tensors (its fp32 router biases aside): 123,611,012,096 values,
+    # 2,942,324,736 of them under mtp.
+    assert sum(p.numel() for p in model.parameters()) == 123_611_012_096
+    assert sum(p.numel() for p in model.mtp.parameters()) == 2_942_324_736

@@ -61,11 +61,10 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         # updated by the load-balancing rule, never by gradients; always kept in fp32
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        # with `count_tokens`: the last forward's token copies per expert (training's expert
-        # load, hybridtrain.ops.expert_load); not part of the state
+        # with `count_tokens`: the last forward's token copies per expert [E] int64 (training's
+        # expert load, hybridtrain.ops.expert_load); not part of the state
         self.count_tokens = False
-        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64),
-                             persistent=False)
+        self.tokens_per_expert: torch.Tensor | None = None
         # with `seq_aux_loss`: the last forward's sequence-level balance loss, summed over rows
         self.seq_aux_loss = False
         self.last_seq_aux: torch.Tensor | None = None
@@ -107,7 +106,8 @@ class TopkRouter(nn.Module):
             topk_idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
             if self.count_tokens:  # overwritten, not summed: a recomputed forward counts once
                 flat = topk_idx.reshape(-1)
-                self.tokens_per_expert.zero_().index_add_(0, flat, torch.ones_like(flat))
+                self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device
+                                                     ).index_add_(0, flat, torch.ones_like(flat))
         weights = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
