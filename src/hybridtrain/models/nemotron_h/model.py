@@ -298,7 +298,8 @@ class NemotronHForCausalLM(nn.Module):
 
     def _count_expert_load(self) -> None:
         if self.expert_load is not None and self.expert_load.active:
-            self.expert_load.add({n: r.tokens_per_expert for n, r in self.moe_routers().items()})
+            self.expert_load.add({n: r.tokens_per_expert for n, r in self.moe_routers().items()
+                                  if r.count_tokens})
 
     def mtp_losses(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                    info: SequenceInfo) -> list[torch.Tensor]:

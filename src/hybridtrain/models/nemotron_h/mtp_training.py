@@ -125,16 +125,18 @@ def moe_layer_names(config) -> list[str]:
 def setup_expert_load(model: nn.Module, training) -> ExpertLoad | None:
     """The step's expert load of ``model``'s MoE layers (metrics always; the correction-bias
     update at ``training.moe_bias_update_rate``, logged when on)."""
-    names = moe_layer_names(model.config)
+    # the MTP layers' routers run in a training forward only when those layers train
+    names = [n for n in moe_layer_names(model.config) if "mtp" in model.aux_terms or not n.startswith("mtp.")]
     if not names:
         return None
     rate = float(training.moe_bias_update_rate)
     if rate:
         logger.info("training.moe_bias_update_rate=%g: after each optimizer step every router's "
                     "e_score_correction_bias moves toward its under-loaded experts", rate)
-    for router in model.moe_routers().values():
-        router.count_tokens = True
+    for name, router in model.moe_routers().items():
+        router.count_tokens = name in names
     load = ExpertLoad(names, model.config.n_routed_experts,
-                      lambda: {n: r.e_score_correction_bias for n, r in model.moe_routers().items()}, rate)
+                      lambda: {n: r.e_score_correction_bias for n, r in model.moe_routers().items()
+                               if r.count_tokens}, rate)
     model.expert_load = load
     return load
