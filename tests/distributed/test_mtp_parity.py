@@ -1,7 +1,7 @@
 """Multi-token prediction trains alike under the layouts it supports: per-step ``loss``,
 ``mtp_loss`` and gradient norm within 1e-5 of the single process, final weights (the MTP
 layers and the routers' correction biases included) within 1e-5 (``tests.helpers.parity``'s
-recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP,
+recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP, TP,
 activation checkpointing, LoRA (the MTP linears adapted), aux-loss-free balancing under
 FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike), and the
 sequence-level balance loss under EP. The layouts MTP cannot train under yet are refused."""
@@ -23,7 +23,7 @@ BALANCE = {"moe_bias_update_rate": 0.01}  # the routers' biases move with counts
 LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
            "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
            "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance"),
-           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux")}
+           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"), "tp2": ({"tp": 2}, False, "plain")}
 # the routers' sequence-level balance loss beside the MTP loss
 SEQ_AUX = {"moe_aux_loss_coeff": 0.01}
 VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE},
@@ -69,12 +69,12 @@ def test_mtp_layout_matches_single_process(results, layout):
         assert any(float(w[k].abs().sum()) > 0 for k in w if k.endswith("e_score_correction_bias"))
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}, {"cp": 2}])
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "sp": True}, {"cp": 2}])
 def test_unsupported_layouts_are_refused_by_plan_and_run(layout):
     from hybridtrain.training.builder import build
 
     recipe = pu.recipe(layout, packed=True, model=MTP_MODEL)
-    with pytest.raises(ValueError, match=r"training.mtp=train.*(pp|tp|cp)=2.*freeze or drop"):
+    with pytest.raises(ValueError, match=r"training.mtp=train.*(pp=2|sequence_parallel|cp=2).*freeze or drop"):
         build(recipe, "cpu", world_size=2)
 
 

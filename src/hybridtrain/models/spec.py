@@ -382,11 +382,11 @@ class AuxiliaryLosses:
     multi-token prediction). ``setup(model, training)``: applies the recipe's ``training``
     choice for them to the (meta-device) model in place, logs it, and returns the
     :class:`~hybridtrain.ops.aux_loss.AuxiliaryLoss` the trainer drives (None: nothing to
-    train). ``check_layout(model, dims, training)``: ValueError for a layout under which those
-    objectives cannot train (``training.validate.validate_run`` calls it)."""
+    train). ``check_layout(model, dims, distributed, training)``: ValueError for a layout under
+    which those objectives cannot train (``training.validate.validate_run`` calls it)."""
 
     setup: Callable[[nn.Module, Any], Any]
-    check_layout: Callable[[nn.Module, Any, Any], None]
+    check_layout: Callable[[nn.Module, Any, Any, Any], None]
 
     def __post_init__(self):
         _check(self, ("setup", "check_layout"))

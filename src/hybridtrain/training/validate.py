@@ -48,7 +48,7 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     aux = spec.find(AuxiliaryLosses)
     if aux is not None:
-        aux.check_layout(model, dims, t)
+        aux.check_layout(model, dims, d, t)
     if dims.pp > 1:
         config = model.config
         pipeline_layout(len(spec.pipeline.layers(model)), dims, d,

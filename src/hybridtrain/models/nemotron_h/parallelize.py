@@ -83,8 +83,11 @@ def tp_plan(model: nn.Module, tp: int) -> dict:
         plan["backbone.embeddings"] = "vocab_embedding"
     if model.lm_head is not None:
         plan["lm_head"] = "vocab_head"
-    for name, block in model.backbone.layers.items():
-        at = f"backbone.layers.{name}.mixer"
+    blocks = [(f"backbone.layers.{name}", block) for name, block in model.backbone.layers.items()]
+    if model.mtp is not None:  # the MTP layers' mixers split as the main stack's
+        blocks += [(f"mtp.layers.{name}", block) for name, block in model.mtp.layers.items()]
+    for prefix, block in blocks:
+        at = f"{prefix}.mixer"
         if block.block_type == "linear_attention":
             plan.update({f"{at}.in_proj": "column", f"{at}.out_proj": "row", f"{at}.conv1d": ("weight", "bias"),
                          at: ("dt_bias", "A_log", "D"), f"{at}.norm": ("weight",)})
@@ -108,7 +111,8 @@ def apply_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
         model.sequence_parallel = SequenceParallel(mesh)
     kv = config.num_key_value_heads
     if kv < tp:  # k/v whole on every rank; each takes the kv head of its query heads
-        for block in model.backbone.layers.values():
+        mtp = list(model.mtp.layers.values()) if model.mtp is not None else []
+        for block in list(model.backbone.layers.values()) + mtp:
             if block.block_type == "full_attention":
                 block.mixer.local_kv_heads = LocalSlice(mesh, dim=1, start=mesh.get_local_rank() * kv // tp,
                                                         length=1)
