@@ -85,3 +85,31 @@ def test_the_sequence_balance_loss_is_refused_where_it_is_not_built(layout):
     recipe = pu.recipe(layout, packed=True, training={"moe_aux_loss_coeff": 0.01})
     with pytest.raises(ValueError, match=r"moe_aux_loss_coeff.*(pp|cp)=2"):
         build(recipe, "cpu", world_size=2)
+
+
+def _pp_balance(rank, world):
+    b, trainer = pu.build({"pp": 2}, world, packed=True, training=BALANCE)
+    recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
+    return [(r["loss"], r["moe_max_load"]) for r in recs], _biases(b.model)
+
+
+def _biases(model) -> dict:
+    """The routers' correction biases by their names from ``backbone.`` on (a stage's too)."""
+    return {n[n.index("backbone."):]: t.clone() for n, t in model.named_buffers()
+            if n.endswith("e_score_correction_bias")}
+
+
+@pytest.mark.distributed
+def test_balancing_under_pipeline_parallelism_sums_the_stages_counts():
+    """The tiny mixed model without MTP: each stage's routers move as in one process."""
+    torch.set_num_threads(1)
+    b, trainer = pu.build({}, 1, packed=True, training=BALANCE)
+    ref = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
+    ref_biases = _biases(b.model)
+    held = {}
+    for steps, biases in run_distributed(_pp_balance, 2):
+        for (loss, load), r in zip(steps, ref):
+            assert abs(loss - r["loss"]) <= 1e-5 * r["loss"] and load == r["moe_max_load"]
+        held.update(biases)  # (each stage holds its own MoE layers)
+    assert set(held) == set(ref_biases) and any(float(v.abs().sum()) > 0 for v in held.values())
+    assert all(torch.equal(v, ref_biases[n]) for n, v in held.items())
