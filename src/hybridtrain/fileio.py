@@ -3,8 +3,12 @@ the same time (every rank of a run).
 
 ::
 
-    read_text(path) -> str                               # UTF-8; EncodingError names file:line
+    read_text(path) -> str                               # UTF-8 (a BOM is dropped); EncodingError
+                                                         # names file:line
     read_json(path) -> Any                               # ... and syntax errors file:line
+    read_jsonl(path) -> list                             # one JSON value per non-blank line
+    strip_bom(data) -> bytes                             # without a leading UTF-8 byte-order mark
+    @text_reader(kind, arg="path")                       # registers a reader of user text files
     open_safetensors(path, device="cpu") -> safe_open    # a truncated file: ValueError naming it
     given_path(path, what) -> str | None                 # ~ expanded; empty: ValueError
     input_file(path, what) / output_file(path, what) / output_folder(path, what) -> str
@@ -15,6 +19,12 @@ the same time (every rank of a run).
     atomic_write_json(path, obj, indent=1, fsync=False) -> bool
     publish_files(src_dir, dst_dir) -> None              # each file of src_dir, atomically
     apply_umask(path) -> None                            # modes as a plain open()/mkdir give
+
+Every text file hybridtrain reads (recipes, JSON, JSONL, chat templates, prompts, tokenizer and
+model folders) is decoded by :func:`decode_utf8`: UTF-8, with or without the byte-order mark that
+Windows editors write. Each function that reads a kind of text file a user gives registers itself
+with :func:`text_reader` (in :data:`TEXT_READERS`), and one test feeds each a file that starts
+with a byte-order mark.
 
 A file is written to a temporary name unique to the process (``.NAME.<pid>.<random>.tmp`` in
 the same folder) and renamed over ``path`` with :func:`os.replace`, so a reader sees the old file
@@ -29,14 +39,17 @@ the user's umask like every other file.
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
-           "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
+           "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json", "read_jsonl",
+           "strip_bom", "BOM", "text_reader", "TEXT_READERS",
            "open_safetensors", "WriteError", "write_error", "append_text", "given_path",
            "input_file", "output_file", "output_folder"]
 
@@ -87,10 +100,35 @@ class EncodingError(ValueError):
     """Bytes that are not UTF-8 in a text file (the message names the file, line and column)."""
 
 
+BOM = codecs.BOM_UTF8
+
+# reader function -> (kind of file it reads, e.g. "jsonl" or "recipe"; the parameter taking its path)
+TEXT_READERS: dict[Callable, tuple[str, str]] = {}
+
+
+def text_reader(kind: str, arg: str = "path") -> Callable:
+    """Registers the decorated function as a reader of ``kind`` files, given in its parameter
+    ``arg``, in :data:`TEXT_READERS` (the encoding test reads every registered reader's kind
+    with a byte-order mark); returns the function unchanged."""
+    def register(fn: Callable) -> Callable:
+        TEXT_READERS[fn] = (kind, arg)
+        return fn
+    return register
+
+
+def strip_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte-order mark."""
+    return data[len(BOM):] if data.startswith(BOM) else data
+
+
 def decode_utf8(data: bytes, path, line: int | None = None,
                 error: type[ValueError] = EncodingError) -> str:
     """``data`` (read from ``path``) as UTF-8 text; bytes that are not UTF-8 raise ``error``
-    naming the file, line and column (``line``: the line ``data`` is, else counted in it)."""
+    naming the file, line and column (``line``: the line ``data`` is, else counted in it).
+    ``data`` that starts the file (``line`` None or 1) may start with a byte-order mark,
+    which is dropped."""
+    if line is None or line == 1:
+        data = strip_bom(data)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -105,12 +143,14 @@ def decode_utf8(data: bytes, path, line: int | None = None,
         ) from None
 
 
+@text_reader("text")
 def read_text(path: str | os.PathLike) -> str:
     """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line)."""
     with open(path, "rb") as f:
         return decode_utf8(f.read(), os.fspath(path))
 
 
+@text_reader("json")
 def read_json(path: str | os.PathLike) -> Any:
     """The JSON document in ``path``; bad bytes or syntax raise a ``ValueError`` naming the file
     and line."""
@@ -119,6 +159,24 @@ def read_json(path: str | os.PathLike) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"{os.fspath(path)}: line {e.lineno}: column {e.colno}: not valid "
                          f"JSON ({e.msg})") from None
+
+
+@text_reader("jsonl")
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """The JSON value of each non-blank line of ``path``; bad bytes or syntax raise a
+    ``ValueError`` naming the file and line."""
+    out = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode_utf8(raw, os.fspath(path), line=n)
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)}: line {n}: column {e.colno}: not valid "
+                                 f"JSON ({e.msg})") from None
+    return out
 
 
 # -- paths the user gives ----------------------------------------------------------------------

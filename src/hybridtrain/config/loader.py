@@ -35,7 +35,7 @@ from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
 from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
 from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_code_loading_option,
                                         check_target, normalize_prefixes)
-from hybridtrain.fileio import EncodingError, read_text
+from hybridtrain.fileio import EncodingError, read_text, text_reader
 
 __all__ = [
     "ConfigError", "Override", "load_config", "build_config", "parse_overrides",
@@ -489,6 +489,7 @@ def build_config(
     return ConfigNode(root, (), meta)
 
 
+@text_reader("recipe")
 def load_config(
     path: str | os.PathLike,
     overrides: Sequence[str | Override] | Mapping[str, Any] = (),

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.fileio import read_text
+from hybridtrain.fileio import read_text, text_reader
 
 from .batch import IGNORE_INDEX
 from .dataset import (
@@ -399,6 +399,7 @@ def chat_tokenize_batch(
     return out
 
 
+@text_reader("chat template", arg="chat_template_path")
 def resolve_template(tokenizer, chat_template: str | None, chat_template_path) -> str:
     """The chat template to use: ``chat_template``, the file ``chat_template_path``, or the
     tokenizer's own (its default one when it has several)."""
@@ -512,6 +513,7 @@ class ChatDataset(SourceDataset):
     _build = staticmethod(_build_chat)
 
 
+@text_reader("chat")
 def build_chat_dataset(path, tokenizer, **kwargs) -> ChatDataset:
     """``ChatDataset(path, tokenizer, **kwargs)``; the form a YAML ``_target_`` calls."""
     return ChatDataset(path, tokenizer, **kwargs)

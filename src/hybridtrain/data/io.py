@@ -186,6 +186,7 @@ def decode_utf8(data: bytes, path, line: int | None = None) -> str:
     return fileio.decode_utf8(data, path, line, error=EncodingError)
 
 
+@fileio.text_reader("json")
 def load_json(path: str | os.PathLike) -> Any:
     """Parse a whole JSON file; a syntax error names the file and line."""
     path = Path(path)
@@ -196,6 +197,7 @@ def load_json(path: str | os.PathLike) -> Any:
         raise MalformedJSONError(path, e.lineno, f"{e.msg} (column {e.colno})") from None
 
 
+@fileio.text_reader("jsonl")
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """``(line_number, object)`` for each non-blank line of a JSONL file (1-based lines)."""
     path = Path(path)
@@ -231,6 +233,7 @@ def iter_parquet(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
             row += 1
 
 
+@fileio.text_reader("jsonl")
 def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
     """Flat records of one file as ``(where, record)``; ``where`` names file and line/row."""
     path = Path(path)

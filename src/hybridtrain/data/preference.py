@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from hybridtrain.fileio import text_reader
+
 from .io import DataError, iter_records, require
 from .templates import apply_template
 
@@ -128,6 +130,7 @@ def _warn_untaught(path, bad: dict[str, list[str]], total: int) -> None:
                    total, parts)
 
 
+@text_reader("preference")
 def build_preference_dataset(path: str | os.PathLike, tokenizer, max_length: int = 256,
                              limit: int | None = None) -> PreferenceDataset:
     pairs, dropped = [], 0

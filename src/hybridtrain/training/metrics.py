@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from hybridtrain.fileio import append_text, atomic_write
+from hybridtrain.fileio import read_jsonl as fileio_read_jsonl
+from hybridtrain.fileio import text_reader
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +43,11 @@ def _clean(v: Any) -> Any:
     return v
 
 
+@text_reader("jsonl")
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return fileio_read_jsonl(path)
 
 
 def _truncate_jsonl(path: str, max_step: int) -> None:
