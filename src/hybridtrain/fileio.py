@@ -3,8 +3,10 @@ the same time (every rank of a run).
 
 ::
 
-    read_text(path) -> str                               # UTF-8 (a BOM is dropped); EncodingError
-                                                         # names file:line
+    read_text(path, max_bytes=None) -> str               # UTF-8 (a BOM is dropped); EncodingError
+                                                         # names file:line; InputError: too large,
+                                                         # a symlink loop, no permission
+    json_loads(text) -> Any                              # json.loads; deep nesting a JSONDecodeError
     read_json(path) -> Any                               # ... and syntax errors file:line
     read_jsonl(path) -> list                             # one JSON value per non-blank line
     strip_bom(data) -> bytes                             # without a leading UTF-8 byte-order mark
@@ -49,7 +51,8 @@ from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
            "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json", "read_jsonl",
-           "strip_bom", "BOM", "text_reader", "TEXT_READERS",
+           "strip_bom", "BOM", "text_reader", "TEXT_READERS", "read_bytes", "InputError", "json_loads",
+           "MAX_RECIPE_BYTES",
            "open_safetensors", "WriteError", "write_error", "append_text", "given_path",
            "input_file", "output_file", "output_folder"]
 
@@ -101,6 +104,10 @@ class EncodingError(ValueError):
 
 
 BOM = codecs.BOM_UTF8
+# byte-order marks of the encodings a text editor may save as instead (UTF-32's first: it
+# starts with UTF-16's)
+_OTHER_BOMS = (("UTF-32", codecs.BOM_UTF32_LE), ("UTF-32", codecs.BOM_UTF32_BE),
+               ("UTF-16", codecs.BOM_UTF16_LE), ("UTF-16", codecs.BOM_UTF16_BE))
 
 # reader function -> (kind of file it reads, e.g. "jsonl" or "recipe"; the parameter taking its path)
 TEXT_READERS: dict[Callable, tuple[str, str]] = {}
@@ -129,6 +136,10 @@ def decode_utf8(data: bytes, path, line: int | None = None,
     which is dropped."""
     if line is None or line == 1:
         data = strip_bom(data)
+        other = next((name for name, bom in _OTHER_BOMS if data.startswith(bom)), None)
+        if other is not None:
+            raise error(f"{path}: the file is {other} (it starts with a {other} byte-order "
+                        "mark); save it as UTF-8 (e.g. `iconv -f {other} -t UTF-8`)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -144,10 +155,45 @@ def decode_utf8(data: bytes, path, line: int | None = None,
 
 
 @text_reader("text")
-def read_text(path: str | os.PathLike) -> str:
-    """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line)."""
-    with open(path, "rb") as f:
-        return decode_utf8(f.read(), os.fspath(path))
+class InputError(ValueError):
+    """A file to read is too large, or cannot be opened for a reason other than its absence
+    (a symbolic-link loop, permissions, ...)."""
+
+
+def read_bytes(path: str | os.PathLike, max_bytes: int | None = None,
+               what: str = "the file") -> bytes:
+    """The bytes of ``path``; a file larger than ``max_bytes`` is refused before it is read,
+    and an ``OSError`` other than a missing file or a folder is an :class:`InputError` naming
+    ``path``."""
+    try:
+        if max_bytes is not None and os.stat(path).st_size > max_bytes:
+            raise InputError(f"{os.fspath(path)} is {os.stat(path).st_size:,} bytes, more than "
+                             f"{what} can be ({max_bytes:,} bytes); is it the right file?")
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError):
+        raise
+    except OSError as e:
+        raise InputError(f"{os.fspath(path)}: cannot be read ({e.strerror or e}); check the "
+                         "path (a symbolic link that leads to itself?) and its permissions"
+                         ) from None
+
+
+def read_text(path: str | os.PathLike, max_bytes: int | None = None,
+              what: str = "the file") -> str:
+    """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line);
+    :func:`read_bytes` refuses a file over ``max_bytes`` or one that cannot be opened."""
+    return decode_utf8(read_bytes(path, max_bytes, what), os.fspath(path))
+
+
+def json_loads(text: str) -> Any:
+    """``json.loads(text)``; nesting deeper than Python's recursion limit is a
+    ``json.JSONDecodeError`` too (not a ``RecursionError``)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("the JSON nests too deeply (thousands of levels)", text,
+                                   0) from None
 
 
 @text_reader("json")
@@ -155,7 +201,7 @@ def read_json(path: str | os.PathLike) -> Any:
     """The JSON document in ``path``; bad bytes or syntax raise a ``ValueError`` naming the file
     and line."""
     try:
-        return json.loads(read_text(path))
+        return json_loads(read_text(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{os.fspath(path)}: line {e.lineno}: column {e.colno}: not valid "
                          f"JSON ({e.msg})") from None
@@ -172,11 +218,14 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                out.append(json_loads(line))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{os.fspath(path)}: line {n}: column {e.colno}: not valid "
                                  f"JSON ({e.msg})") from None
     return out
+
+
+MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few kB: a larger file is not one
 
 
 # -- paths the user gives ----------------------------------------------------------------------

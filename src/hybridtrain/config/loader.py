@@ -20,6 +20,7 @@ Nothing here imports torch, so ``dist_env`` can be applied before CUDA is touche
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
 from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
 from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_code_loading_option,
                                         check_target, normalize_prefixes)
-from hybridtrain.fileio import EncodingError, read_text, text_reader
+from hybridtrain.fileio import (MAX_RECIPE_BYTES, EncodingError, InputError, read_text,
+                                text_reader)
 
 __all__ = [
     "ConfigError", "Override", "load_config", "build_config", "parse_overrides",
@@ -107,9 +109,10 @@ def _yaml_error(e: yaml.YAMLError, source: str) -> _InvalidYAML:
 def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tuple, str]]:
     """The document of ``text`` (``empty`` when it has none) and the ``file:line`` of each key;
     refuses a document whose aliases expand past :data:`MAX_YAML_NODES` before building it."""
-    loader = _Loader(text)
-    loader.name = source  # PyYAML's marks would say "<unicode string>"
+    loader = None
     try:
+        loader = _Loader(text)  # refuses control characters (e.g. NUL bytes) at once
+        loader.name = source  # PyYAML's marks would say "<unicode string>"
         node = loader.get_single_node()
         if node is None:
             return empty, {}
@@ -122,7 +125,8 @@ def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tup
         raise ConfigError(f"{source}: the YAML nests too deeply (or an alias refers to a value "
                           "that contains it); a recipe is a few levels deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, locs
 
 
@@ -423,6 +427,16 @@ def _check_targets(value: Any, path: tuple, meta: ConfigMeta) -> None:
 # --------------------------------------------------------------------------------------------
 # entry points
 # --------------------------------------------------------------------------------------------
+def _refuse_nan(value: Any, path: tuple, meta: ConfigMeta) -> None:
+    """No recipe value is NaN (``.nan`` in YAML): it would compare false with every bound."""
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"'{dotted(path)}' is NaN in {meta.where(path)}; give a number")
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(
+        value, list) else ()
+    for k, v in items:
+        _refuse_nan(v, path + (k,), meta)
+
+
 def build_config(
     data: Mapping[str, Any] | None,
     overrides: Sequence[str | Override] | Mapping[str, Any] = (),
@@ -466,6 +480,7 @@ def build_config(
         _apply_override(root, ov, meta.locs)
 
     root = _interpolate(root, (), meta, environ)
+    _refuse_nan(root, (), meta)
 
     for name, sec in SECTIONS.items():
         if sec.kind == "fixed":
@@ -506,12 +521,12 @@ def load_config(
     """
     source = os.fspath(path)
     try:
-        text = read_text(source)
+        text = read_text(source, max_bytes=MAX_RECIPE_BYTES, what="a recipe")
     except FileNotFoundError:
         raise ConfigError(f"recipe file not found: {source}") from None
     except IsADirectoryError:
         raise ConfigError(f"recipe {source} is a folder; give the YAML file in it") from None
-    except EncodingError as e:
+    except (EncodingError, InputError) as e:
         raise ConfigError(str(e)) from None
     data, locs = _read_yaml(text, source, empty={})
     return build_config(data, overrides, source=source, locs=locs,

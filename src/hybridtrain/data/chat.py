@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.fileio import read_text, text_reader
+from hybridtrain.fileio import json_loads, read_text, text_reader
 
 from .batch import IGNORE_INDEX
 from .dataset import (
@@ -132,7 +132,7 @@ def _tool_calls(calls: Any, where: str) -> list:
         args = fn.get("arguments")
         if isinstance(args, str) and args.strip().startswith("{"):
             try:
-                fn["arguments"] = json.loads(args)
+                fn["arguments"] = json_loads(args)
             except json.JSONDecodeError as e:
                 raise ChatFormatError(
                     f"{where}: tool_calls[{k}] 'arguments' is a string but not valid JSON: {e}"
@@ -211,7 +211,7 @@ def normalize_conversation(rec: Mapping, where: str) -> tuple[list[dict], list |
     tools = rec.get("tools")
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools) if tools.strip() else None
+            tools = json_loads(tools) if tools.strip() else None
         except json.JSONDecodeError as e:
             raise ChatFormatError(f"{name}: 'tools' is a string but not valid JSON: {e}") from None
     if tools is not None and not isinstance(tools, list):

@@ -192,7 +192,7 @@ def load_json(path: str | os.PathLike) -> Any:
     path = Path(path)
     text = decode_utf8(path.read_bytes(), path)
     try:
-        return json.loads(text)
+        return fileio.json_loads(text)
     except json.JSONDecodeError as e:
         raise MalformedJSONError(path, e.lineno, f"{e.msg} (column {e.colno})") from None
 
@@ -207,7 +207,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = fileio.json_loads(line)
             except json.JSONDecodeError as e:
                 raise MalformedJSONError(path, lineno, f"{e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):

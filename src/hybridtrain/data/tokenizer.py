@@ -144,13 +144,18 @@ def check_text_files(folder: Path) -> None:
             decode_utf8(f.read_bytes(), f)
 
 
+def _starts_with_bom(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(BOM)) == BOM
+
+
 @contextlib.contextmanager
 def without_boms(folder: Path):
     """``folder`` itself, or (when one of its text files starts with a UTF-8 byte-order mark,
     which transformers and ``tokenizers`` refuse) a temporary copy of its files with the marks
     dropped."""
     texts = [f for f in folder.iterdir() if f.is_file() and f.name.endswith(TEXT_SUFFIXES)]
-    if not any(f.open("rb").read(len(BOM)) == BOM for f in texts):
+    if not any(_starts_with_bom(f) for f in texts):
         yield folder
         return
     with tempfile.TemporaryDirectory(prefix="hybridtrain-tokenizer-") as tmp:

@@ -35,7 +35,7 @@ import torch
 from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
 from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
-from hybridtrain.fileio import decode_utf8, given_path, read_json, text_reader, input_file, output_file, write_error
+from hybridtrain.fileio import decode_utf8, given_path, json_loads, read_json, text_reader, input_file, output_file, write_error
 from hybridtrain.models.spec import Decoding, get_model_spec, model_spec_for
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
@@ -199,7 +199,7 @@ def read_prompts(path: str) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json_loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
             if not isinstance(rec, dict) or not ({"prompt", "messages"} & rec.keys()):

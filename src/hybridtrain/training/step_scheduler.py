@@ -163,6 +163,12 @@ class StepScheduler:
                 raise ValueError(f"set {recipe_key('max_steps')} or {recipe_key('num_epochs')}")
             if self.steps_per_epoch is None:
                 raise ValueError(f"{recipe_key('num_epochs')} needs the training-set size")
+            if isinstance(num_epochs, bool) or not (float(num_epochs) > 0 and math.isfinite(
+                    float(num_epochs))):
+                raise ValueError(
+                    f"{recipe_key('num_epochs')}={num_epochs!r} with {recipe_key('max_steps')}"
+                    f"=null trains nothing; set {recipe_key('num_epochs')} to a number of epochs "
+                    f"> 0 (e.g. 1) or {recipe_key('max_steps')} to a number of steps")
             max_steps = max(int(float(num_epochs) * self.steps_per_epoch), 1)
         if int(max_steps) < 1:
             raise ValueError(f"{recipe_key('max_steps')} must be >= 1, got {max_steps}")
