@@ -139,7 +139,7 @@ def decode_utf8(data: bytes, path, line: int | None = None,
         other = next((name for name, bom in _OTHER_BOMS if data.startswith(bom)), None)
         if other is not None:
             raise error(f"{path}: the file is {other} (it starts with a {other} byte-order "
-                        "mark); save it as UTF-8 (e.g. `iconv -f {other} -t UTF-8`)")
+                        f"mark); save it as UTF-8 (e.g. `iconv -f {other} -t UTF-8`)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -129,6 +129,9 @@ def _tool_calls(calls: Any, where: str) -> list:
             raise ChatFormatError(f"{where}: tool_calls[{k}] must be an object")
         call = dict(call)
         fn = dict(call["function"]) if isinstance(call.get("function"), Mapping) else call
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise ChatFormatError(f"{where}: tool_calls[{k}] has no function name; give "
+                                  '{"function": {"name": ..., "arguments": {...}}}')
         args = fn.get("arguments")
         if isinstance(args, str) and args.strip().startswith("{"):
             try:
