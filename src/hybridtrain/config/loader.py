@@ -119,6 +119,11 @@ def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tup
         locs: dict[tuple, str] = {}
         _record_locations(node, (), locs, source, [MAX_YAML_NODES])
         data = loader.construct_document(node)
+    except yaml.reader.ReaderError as e:  # a character YAML never holds (e.g. a NUL byte)
+        char = ord(e.character) if isinstance(e.character, str) else e.character
+        line = text.count("\n", 0, e.position) + 1
+        raise _InvalidYAML(f"{source}:{line}: invalid YAML: unacceptable character #x{char:04x} "
+                           "(a recipe is text: is it a binary file?)") from None
     except yaml.YAMLError as e:
         raise _yaml_error(e, source) from None
     except RecursionError:  # a key that is its own ancestor (&a [*a]) or absurd nesting

@@ -173,6 +173,9 @@ def resolve_data_files(path: str | os.PathLike, split: str | None = None) -> lis
     matches = sorted(Path(m) for m in glob.glob(str(p)) if Path(m).is_file())
     if matches:
         return matches
+    if p.is_symlink():
+        raise DataError(f"{path}: a symbolic link that leads to itself or nowhere "
+                        f"(-> {os.readlink(p)}); point it at the data file")
     raise DataError(f"{path}: no such data file or directory")
 
 
