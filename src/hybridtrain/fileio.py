@@ -154,7 +154,6 @@ def decode_utf8(data: bytes, path, line: int | None = None,
         ) from None
 
 
-@text_reader("text")
 class InputError(ValueError):
     """A file to read is too large, or cannot be opened for a reason other than its absence
     (a symbolic-link loop, permissions, ...)."""
@@ -179,6 +178,7 @@ def read_bytes(path: str | os.PathLike, max_bytes: int | None = None,
                          ) from None
 
 
+@text_reader("text")
 def read_text(path: str | os.PathLike, max_bytes: int | None = None,
               what: str = "the file") -> str:
     """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line);
