@@ -130,19 +130,16 @@ def _peft_diff(saved: dict | None, current: dict | None) -> list[str]:
 
 
 def _tensor_diff(path: str, model: torch.nn.Module) -> list[str]:
-    """The model tensors of checkpoint ``path`` whose shapes differ from ``model``'s (plain,
-    not laid out: its state-dict names are the saved ones), or that it lacks."""
+    """The tensors of ``model`` (not laid out yet; frozen ones aside, as :meth:`Checkpointer.save`
+    writes them) that checkpoint ``path`` holds with another shape, or lacks."""
     try:
         saved = read_metadata(os.path.join(path, "dcp")).state_dict_metadata
     except UnsafeCheckpointError:
         raise
     except ValueError as e:
         raise unreadable(path, str(e)) from None
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     out = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name in frozen:  # not saved (SAVE_OPTIONS): they come from the base model
-            continue
+    for name, tensor in get_model_state_dict(model, options=SAVE_OPTIONS).items():
         entry = saved.get(f"model.{name}")
         have = list(tensor.shape)
         if entry is None:
