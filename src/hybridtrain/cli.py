@@ -51,7 +51,7 @@ from hybridtrain.config.loader import parse_overrides, split_cli_overrides
 from hybridtrain.config.schema import SECTIONS
 from hybridtrain.fileio import given_path, output_folder, write_error
 from hybridtrain.launch import first_to_report, launch, worker_argv
-from hybridtrain.runfolder import TrainingStopped
+from hybridtrain.runfolder import NothingToDo, TrainingStopped
 from hybridtrain.training.preemption import (
     DEFAULT_SIGNALS, RESUMABLE_COMMANDS, Preempted, stopping_at_once,
 )
@@ -352,6 +352,10 @@ def _main(argv: list[str]) -> int:
         if _rank(os.environ) == 0:  # every rank stopped at the same step
             _report(f"hybridtrain: {e}")
         return e.exit_code
+    except NothingToDo as e:  # a resume of a finished run (dpo, grpo): one line, exit 0
+        if _rank(os.environ) == 0:
+            print(e, flush=True)
+        return 0
     except TrainingStopped as e:  # a run that cannot go on (e.g. diverged); said why
         _report(f"hybridtrain: error: {e}")
         return 3

@@ -378,3 +378,27 @@ def test_a_full_disk_during_an_export_keeps_the_previous_one(runs, tmp_path, cap
     assert "Traceback" not in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("command", ["dpo", "grpo"])
+def test_an_rl_resume_with_nothing_left_says_so_before_building(tmp_path, capsys, command):
+    """A finished dpo/grpo run (its checkpoint faked: nothing is built before the check)."""
+    run = tmp_path / "run"
+    (run / "step_4").mkdir(parents=True)
+    (run / "step_4" / "trainer_state.json").write_text(
+        json.dumps({"step": 4, "extra": {"recipe": command}}))
+    (run / "latest").write_text("step_4\n")
+    before = _snapshot(run)
+    assert main([command, "-c", f"examples/{command}_tiny.yaml", f"--checkpoint.dir={run}",
+                 "--checkpoint.resume=auto", "--training.max_steps=4"]) == 0
+    assert ("nothing to do: checkpoint step 4 >= training.max_steps 4; raise "
+            "training.max_steps to train further") in capsys.readouterr().out
+    assert _snapshot(run) == before
+
+
+def test_dpo_with_zero_epochs_is_refused(tmp_path, capsys):
+    assert main(["dpo", "-c", "examples/dpo_tiny.yaml", f"--checkpoint.dir={tmp_path / 'run'}",
+                 "--training.max_steps=null", "--training.num_epochs=0"]) == 2
+    err = capsys.readouterr().err
+    assert "training.num_epochs=0 with training.max_steps=null trains nothing" in err
+    assert "Traceback" not in err and not (tmp_path / "run" / "step_1").exists()

@@ -30,7 +30,7 @@ from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write
-from hybridtrain.runfolder import RunLock, run_folder_path
+from hybridtrain.runfolder import NothingToDo, RunLock, run_folder_path
 from hybridtrain.training.builder import (
     build, build_checkpointer, build_lr_scheduler, make_trainer,
 )
@@ -82,10 +82,6 @@ def _run(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: int
                     os.rmdir(out_dir)  # only if empty: this run wrote nothing there
                 except OSError:
                     pass
-
-
-class NothingToDo(Exception):
-    """A resume whose checkpoint is at or past the recipe's last step (the message says so)."""
 
 
 def _check_run_folder(cfg: RecipeConfig, out_dir: str) -> tuple[str | None, bool]:

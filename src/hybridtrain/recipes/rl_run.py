@@ -34,8 +34,9 @@ from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write, read_json
 from hybridtrain.recipes.finetune import _check_run_folder
 from hybridtrain.rl import Policy
-from hybridtrain.runfolder import RunLock, run_folder_path
+from hybridtrain.runfolder import NothingToDo, RunLock, run_folder_path
 from hybridtrain.training.builder import check_input_paths
+from hybridtrain.training.checkpoint import nothing_left
 from hybridtrain.training.metrics import MetricsLogger, read_jsonl
 from hybridtrain.training.preemption import Preempted, RunStop, stopping_at_once
 from hybridtrain.training.trainer import TrainingDiverged
@@ -110,6 +111,10 @@ class RLRun:
         self.resume_from, clear = _check_run_folder(cfg, self.out_dir)
         if self.resume_from is not None:
             _check_resumable(self.resume_from, name)
+            t = cfg.training
+            done = t.max_steps is not None and nothing_left(self.resume_from, t.max_steps)
+            if done:
+                raise NothingToDo(done)
         check_input_paths(cfg)  # before two models are built
         self.policy = Policy(cfg)
         t0 = time.perf_counter()
