@@ -137,6 +137,12 @@ def open_weights(path):
         pass
 
 
+def index_weights(path):
+    from hybridtrain.distributed.materialize import SafetensorsReader
+
+    return SafetensorsReader([path])
+
+
 def read_data(path):
     from hybridtrain.data.io import resolve_data_files
 
@@ -213,6 +219,9 @@ CASES = {
     "weights: a header longer than the file": (
         _file("model.safetensors", struct.pack("<Q", 1 << 40) + b"{}"), open_weights,
         r"model\.safetensors: not a readable safetensors file, truncated or corrupt"),
+    "weights: a header that is not JSON (sharded load)": (
+        _file("model.safetensors", struct.pack("<Q", 4) + b"nope"), index_weights,
+        r"model\.safetensors: corrupt safetensors file \(its header is not a JSON object\)"),
 }
 
 
