@@ -143,6 +143,15 @@ def index_weights(path):
     return SafetensorsReader([path])
 
 
+def _synthetic(writer: str, **args):
+    """Calls the synthetic-data ``writer`` (hybridtrain.data) with ``args`` into the folder."""
+    def call(folder):
+        import hybridtrain.data as data
+
+        return getattr(data, writer)(folder / "out", **args)
+    return call
+
+
 def read_data(path):
     from hybridtrain.data.io import resolve_data_files
 
@@ -219,21 +228,44 @@ CASES = {
     "weights: a header longer than the file": (
         _file("model.safetensors", struct.pack("<Q", 1 << 40) + b"{}"), open_weights,
         r"model\.safetensors: not a readable safetensors file, truncated or corrupt"),
+    "synthetic images: a negative count": (_folder("d"), _synthetic("write_synthetic_shapes",
+                                                                    n=-5),
+                                           r"write_synthetic_shapes n=-5: give a whole number "
+                                           r"of records from 1 to 1,000,000"),
+    "synthetic images: 10^12 (a typo)": (_folder("d"), _synthetic("write_synthetic_shapes",
+                                                                  n=10 ** 12),
+                                         r"n=1000000000000: give a whole number of records"),
+    "synthetic images: text_only 2": (_folder("d"), _synthetic("write_synthetic_shapes", n=4,
+                                                               text_only=2.0),
+                                      r"text_only=2\.0: give the share of text-only records"),
+    "synthetic SQuAD: zero questions": (_folder("d"), _synthetic("write_synthetic_squad",
+                                                                 num_questions=0),
+                                        r"num_questions=0: give a whole number of records"),
+    "synthetic preferences: 2.5 pairs": (_folder("d"), _synthetic("write_synthetic_preferences",
+                                                                  num_pairs=2.5),
+                                         r"num_pairs=2\.5: give a whole number of records"),
     "weights: a header that is not JSON (sharded load)": (
         _file("model.safetensors", struct.pack("<Q", 4) + b"nope"), index_weights,
         r"model\.safetensors: corrupt safetensors file \(its header is not a JSON object\)"),
 }
 
 
+def _files(folder) -> dict:
+    """What ``folder`` holds (a reader's own tokenizer, ``tok``, aside)."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink()
+            and p.stat().st_size < 1 << 20 else None
+            for p in folder.rglob("*") if p.relative_to(folder).parts[0] != "tok"}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_input_is_refused_naming_it(case, tmp_path):
     make, read, message = CASES[case]
     path = make(tmp_path)
-    before = path.read_bytes() if path.is_file() and path.stat().st_size < 1 << 20 else None
+    before = _files(tmp_path)
     with pytest.raises(ValueError) as e:
         read(path)
     assert re.search(message, str(e.value)), str(e.value)
-    assert before is None or path.read_bytes() == before
+    assert _files(tmp_path) == before  # nothing written, nothing changed
 
 
 def test_cmyk_and_16_bit_images_read_as_rgb(tmp_path):

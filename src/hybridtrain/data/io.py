@@ -267,6 +267,17 @@ def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
         )
 
 
+MAX_SYNTHETIC = 10_000_000  # records a synthetic-data writer makes at most
+
+
+def check_count(value: Any, name: str, most: int = MAX_SYNTHETIC) -> int:
+    """``value`` when it is a whole number in ``[1, most]`` (how many records a synthetic-data
+    writer makes); else a :class:`DataError` naming the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise DataError(f"{name}={value!r}: give a whole number of records from 1 to {most:,}")
+    return value
+
+
 def require(record: Mapping[str, Any], field: str, where: str, hint: str = "") -> Any:
     """``record[field]``, or a :class:`MissingFieldError` naming the field and the record."""
     if not isinstance(record, Mapping) or field not in record or record[field] is None:
