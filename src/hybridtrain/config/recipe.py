@@ -44,6 +44,15 @@ AT_LEAST_0, AT_LEAST_1, ABOVE_0 = "[0, inf)", "[1, inf)", "(0, inf)"
 SEED = Range(0, 2**63 - 1)  # what torch.manual_seed takes, with room for seed + epoch
 
 
+def _unreadable(section: RecipeSection, name: str, parse) -> tuple[str, str] | None:
+    """(the key, why) when ``parse`` refuses the text value of ``section.name``, else None."""
+    try:
+        parse(getattr(section, name))
+    except ValueError as e:
+        return name, f"{section.section}.{name}: {e}"
+    return None
+
+
 @dataclass
 class DataloaderSection(RecipeSection):
     """``dataloader:``: data-loader options."""
@@ -159,12 +168,7 @@ class TrainingSection(RecipeSection):
               "it; null -> no limit", range=ABOVE_0)
 
     def problem(self) -> tuple[str, str] | None:
-        if self.max_time is not None:
-            try:
-                parse_duration(self.max_time)
-            except ValueError as e:
-                return "max_time", f"training.max_time: {e}"
-        return None
+        return None if self.max_time is None else _unreadable(self, "max_time", parse_duration)
 
 
 @dataclass
@@ -278,11 +282,7 @@ class CheckpointSection(RecipeSection):
                                     "auto); [] -> the signals' default action")
 
     def problem(self) -> tuple[str, str] | None:
-        try:
-            parse_signals(self.save_on_signal)
-        except ValueError as e:
-            return "save_on_signal", f"checkpoint.save_on_signal: {e}"
-        return None
+        return _unreadable(self, "save_on_signal", parse_signals)
 
 
 @dataclass
