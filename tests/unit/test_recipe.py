@@ -12,6 +12,7 @@ import pytest
 from hybridtrain.config import ConfigError, ConfigNode, load_config
 from hybridtrain.config.recipe import SECTIONS, TOP_LEVEL_KEYS
 from hybridtrain.config.recipe_fields import KeyProblem, Range
+from hybridtrain.config.reference import main as reference_main
 from hybridtrain.config.reference import page
 from hybridtrain.config.sections import (
     CheckpointSection, PeftSection, RecipeConfig, TrainingSection, config_section, recipe_config,
@@ -58,6 +59,14 @@ def test_a_section_made_in_code_holds_its_defaults_and_is_checked():
     with pytest.raises(ConfigError, match="nothing says which layers to adapt"):
         PeftSection()  # peft's defaults adapt nothing: a rule over its keys
     assert PeftSection(match_all_linear=True).dim == 8
+
+
+def test_an_environment_variable_sets_its_keys_default_in_code_and_in_a_recipe(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")
+    assert TrainingSection().mamba_kernels is False
+    assert load_config(_recipe(tmp_path)).training.mamba_kernels is False
+    assert TrainingSection(mamba_kernels="auto").mamba_kernels == "auto"  # a given value wins
 
 
 def test_a_loaded_recipe_is_typed_once(tmp_path):
@@ -177,3 +186,11 @@ def test_the_reference_page_lists_every_key_with_its_default_range_and_unit():
     assert training_rows == ["| `max_steps` | `null` | `[1, inf)` or `null` | steps | optimizer "
                              "steps to run; null -> derived from num_epochs |"]
     assert all(f"| `{k}` |" in text for k in TOP_LEVEL_KEYS)
+
+
+def test_the_reference_prints_the_sections_asked_for(capsys):
+    assert reference_main(["training", "peft"]) == 0
+    out = capsys.readouterr().out
+    assert "## `training`" in out and "## `peft`" in out and "## `optimizer`" not in out
+    assert reference_main(["trainig"]) == 2
+    assert "no section trainig" in capsys.readouterr().err

@@ -109,12 +109,19 @@ def key(default: Any, doc: str, *, range: str | Range | None = None, choices: tu
     environment variable that, when set, replaces the default) and ``path`` (``"file"`` or
     ``"folder"``: a path the user gives; blank is refused, ``~`` expanded)."""
     assert path in (None, "file", "folder"), path
-    meta = {"doc": doc, "range": Range.parse(range) if isinstance(range, str) else range,
+    meta = {"default": default, "doc": doc,
+            "range": Range.parse(range) if isinstance(range, str) else range,
             "choices": tuple(choices) if choices else None, "unit": unit, "env": env,
             "path": path}
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    if env is not None or isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: _current(default, env), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def _current(default: Any, env: str | None) -> Any:
+    """A fresh copy of ``default``, or the value of the variable ``env`` when it is set."""
+    text = os.environ.get(env) if env else None
+    return copy.deepcopy(default) if text is None else _env_scalar(text)
 
 
 def section(cls: type, doc: str, *, optional: bool = False, target_ok: bool = False) -> Any:
@@ -168,8 +175,7 @@ class KeySpec:
 
     def current_default(self) -> Any:
         """The default (a fresh copy), or the ``env`` variable's value when it is set."""
-        text = os.environ.get(self.env) if self.env else None
-        return copy.deepcopy(self.default) if text is None else _env_scalar(text)
+        return _current(self.default, self.env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,15 +207,12 @@ def _accepted(hint: Any) -> tuple[type, ...] | None:
     return (typing.get_origin(hint) or hint,)
 
 
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
 @cache
 def keys_of(cls: type) -> dict[str, KeySpec]:
     """The recipe keys (fields made by :func:`key`) of the dataclass ``cls``, in order."""
     hints = typing.get_type_hints(cls)
-    return {f.name: KeySpec(f.name, _default(f), f.metadata["doc"], _accepted(hints[f.name]),
+    return {f.name: KeySpec(f.name, f.metadata["default"], f.metadata["doc"],
+                            _accepted(hints[f.name]),
                             f.metadata["range"], f.metadata["choices"], f.metadata["unit"],
                             f.metadata["env"], f.metadata["path"])
             for f in dataclasses.fields(cls) if "range" in f.metadata}
