@@ -151,6 +151,9 @@ def test_every_numeric_key_declares_its_range_and_a_value_outside_it_is_refused(
     ("lr_scheduler:\n  lr_decay_style: wsd\n  lr_decay_steps: 10\n  lr_warmup_steps: 5\n"
      "  lr_wsd_decay_steps: 6\n", 5, "lr_wsd_decay_steps=6 does not fit after a warmup of 5"),
     ("optimizer:\n  betas: [0.9, 1.5]\n", 2, "optimizer.betas must be two numbers in [0, 1)"),
+    ("grpo:\n  num_prompts_per_step: 6\n  updates_per_rollout: 4\n", 3,
+     "grpo.num_prompts_per_step=6 must be a multiple of grpo.updates_per_rollout=4"),
+    ("grpo:\n  num_generations_per_prompt: 1\n", 2, "a group of one has every advantage 0"),
 ])
 def test_values_that_cannot_mean_anything_are_refused_naming_the_line(tmp_path, yaml_text,
                                                                       line, message):

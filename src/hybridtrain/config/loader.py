@@ -355,7 +355,7 @@ def _validate_fixed(name: str, node: Any, meta: ConfigMeta) -> Any:
     try:  # the dataclass checks each value and the rules over its keys
         made = sec.cls(**{**section_defaults(sec), **node})
     except KeyProblem as e:
-        raise ConfigError(f"{e.problem} in {meta.where((name, e.key))}") from None
+        raise e.at(meta.where((name, e.key))) from None
     return {key: getattr(made, key) for key in sec.keys}
 
 

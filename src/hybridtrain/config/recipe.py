@@ -480,10 +480,10 @@ class GRPOSection(RecipeSection):
 
     section: ClassVar[str] = "grpo"
     num_prompts_per_step: int = key(8, "prompts per step", range=AT_LEAST_1, unit="prompts")
-    num_generations_per_prompt: int = key(8, "samples per prompt (the group of the advantages)",
-                                          range=AT_LEAST_1, unit="samples")
+    num_generations_per_prompt: int = key(8, "samples per prompt (the group of the advantages; "
+                                             "2 or more)", range=AT_LEAST_1, unit="samples")
     max_new_tokens: int = key(8, "generated tokens per sample", range=AT_LEAST_1, unit="tokens")
-    temperature: float = key(1.0, "sampling temperature of the rollouts", range=ABOVE_0)
+    temperature: float = key(1.0, "sampling temperature of the rollouts (> 0)", range=AT_LEAST_0)
     ratio_clip_min: float = key(0.2, "PPO epsilon below 1", range="[0, 1)")
     ratio_clip_max: float = key(0.2, "PPO epsilon above 1", range=AT_LEAST_0)
     ratio_clip_c: float | None = key(None, "dual-clip constant (> 1); null: off",
@@ -500,6 +500,25 @@ class GRPOSection(RecipeSection):
     task: dict = key({}, "the verifiable task: a _target_ mapping building a task object "
                          "(prompts(n, rng), reward(prompt, completion)); {} -> "
                          "hybridtrain.rl.tasks.CountingTask")
+
+    def problem(self) -> tuple[str, str] | None:
+        """Settings under which no update can learn anything."""
+        P, G, U = self.num_prompts_per_step, self.num_generations_per_prompt, \
+            self.updates_per_rollout
+        if P % U:
+            return "updates_per_rollout", (
+                f"grpo.num_prompts_per_step={P} must be a multiple of grpo.updates_per_rollout="
+                f"{U} (each update takes whole groups)")
+        if G < 2:
+            return "num_generations_per_prompt", (
+                f"grpo.num_generations_per_prompt={G}: an advantage is a reward minus its group's "
+                "mean, so a group of one has every advantage 0 and nothing is learned; use 2 or "
+                "more")
+        if self.temperature == 0:
+            return "temperature", (
+                f"grpo.temperature={self.temperature} must be > 0: rollouts are sampled, and a "
+                "group of identical completions has every advantage 0")
+        return None
 
 
 @dataclass

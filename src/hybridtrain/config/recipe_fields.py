@@ -252,11 +252,16 @@ def _env_scalar(text: str) -> Any:
 # --------------------------------------------------------------------------------------------
 class KeyProblem(ConfigError):
     """A value of one key that the recipe refuses (``key``: which, ``problem``: why, without
-    where it was set; ``str()`` adds where)."""
+    where it was set; ``str()`` adds where: "... in recipe.yaml:3", or "... (recipe.yaml:3)"
+    after a ``rule`` over several keys, whose text ends with the fix)."""
 
-    def __init__(self, key: str, problem: str, where: str):
-        super().__init__(f"{problem} in {where}")
-        self.key, self.problem = key, problem
+    def __init__(self, key: str, problem: str, where: str, rule: bool = False):
+        super().__init__(f"{problem} ({where})" if rule else f"{problem} in {where}")
+        self.key, self.problem, self.rule = key, problem, rule
+
+    def at(self, where: str) -> ConfigError:
+        """The same problem, said to be set at ``where``."""
+        return ConfigError(f"{self.problem} ({where})" if self.rule else f"{self.problem} in {where}")
 
 
 def check_value(section_name: str, spec: KeySpec, value: Any, where: str) -> Any:
@@ -311,7 +316,7 @@ class RecipeSection:
         found = self.problem()
         if found is not None:
             key_name, message = found
-            raise KeyProblem(key_name, message, self.where(key_name))
+            raise KeyProblem(key_name, message, self.where(key_name), rule=True)
 
     def problem(self) -> tuple[str, str] | None:
         """A rule over several keys of the section: None, or (the key to point at, what is
