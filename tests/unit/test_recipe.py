@@ -5,6 +5,7 @@ name the line a value came from; and every numeric key declares the range it acc
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -128,13 +129,15 @@ def test_every_numeric_key_declares_its_range_and_a_value_outside_it_is_refused(
     assert spec.default is None or not isinstance(spec.default, (int, float)) \
         or isinstance(spec.default, bool) or spec.default in spec.range, name
     recipe = _recipe(tmp_path, "training:\n  max_steps: 2\n")
-    for value in spec.range.outside():
+    for number in spec.range.outside():
+        # a list of numbers (optimizer.betas, benchmark.seq_lengths): its range is each item's
+        value, named = ([number], f"{name}[0]") if spec.numeric_items else (number, name)
         with pytest.raises(ConfigError) as e:
             load_config(recipe, [f"--{name}={value}"])
         text = str(e.value)
-        assert f"'{name}' must be {spec.range.describe()}, got {value}" in text, text
+        assert f"'{named}' must be " in text and f"{spec.range.describe()}, got {number}" in text
         assert f"command-line override '--{name}={value}'" in text, text
-        with pytest.raises(KeyProblem, match=f"'{name}' must be"):
+        with pytest.raises(KeyProblem, match=re.escape(f"'{named}' must be")):
             SECTIONS[section].cls(**{spec.name: value})
 
 
@@ -150,7 +153,10 @@ def test_every_numeric_key_declares_its_range_and_a_value_outside_it_is_refused(
      "lr_warmup_steps mixed with lr_decay_samples"),
     ("lr_scheduler:\n  lr_decay_style: wsd\n  lr_decay_steps: 10\n  lr_warmup_steps: 5\n"
      "  lr_wsd_decay_steps: 6\n", 5, "lr_wsd_decay_steps=6 does not fit after a warmup of 5"),
-    ("optimizer:\n  betas: [0.9, 1.5]\n", 2, "optimizer.betas must be two numbers in [0, 1)"),
+    ("optimizer:\n  betas: [0.9, 1.5]\n", 2, "'optimizer.betas[1]' must be a number in [0, 1)"),
+    ("optimizer:\n  betas: [0.9]\n", 2, "optimizer.betas must be two numbers in [0, 1)"),
+    ("benchmark:\n  seq_lengths: [64, 2.5]\n", 2,
+     "'benchmark.seq_lengths[1]' must be an integer >= 1, got 2.5"),
     ("grpo:\n  num_prompts_per_step: 6\n  updates_per_rollout: 4\n", 3,
      "grpo.num_prompts_per_step=6 must be a multiple of grpo.updates_per_rollout=4"),
     ("grpo:\n  num_generations_per_prompt: 1\n", 2, "a group of one has every advantage 0"),

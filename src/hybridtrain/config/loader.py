@@ -235,7 +235,7 @@ def split_cli_overrides(argv: Sequence[str], known_options: set[str]) -> tuple[l
 
 
 def _fixed_keys(path: tuple, root: dict) -> dict[str, KeySpec] | None:
-    """The keys of ``recipe.py`` when ``path`` names a fixed section (not a ``_target_`` mapping)."""
+    """The keys of ``recipe.py`` when ``path`` names a fixed section (not a _target_ mapping)."""
     if len(path) != 1 or path[0] not in SECTIONS:
         return None
     sec = SECTIONS[path[0]]

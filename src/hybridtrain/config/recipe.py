@@ -181,18 +181,17 @@ class OptimizerSection(RecipeSection):
     lr: float = key(1e-4, "peak learning rate", range=AT_LEAST_0)
     weight_decay: float = key(0.0, "decoupled weight decay (not applied to norms/biases)",
                               range=AT_LEAST_0)
-    betas: list[float] | tuple[float, ...] = key([0.9, 0.999], "Adam betas, each in [0, 1)")
+    betas: list[float] | tuple[float, ...] = key([0.9, 0.999], "Adam betas (two)",
+                                                 range="[0, 1)")
     eps: float = key(1e-8, "Adam epsilon", range=AT_LEAST_0)
     implementation: str = key("auto", "auto -> fused when torch has it for the device (CUDA and "
                                       "CPU), else foreach",
                               choices=("auto", "fused", "foreach", "for_loop"))
 
     def problem(self) -> tuple[str, str] | None:
-        betas = list(self.betas)
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
-                                      and b in Range(0, 1, max_open=True) for b in betas):
+        if len(self.betas) != 2:
             return "betas", (f"optimizer.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; "
-                             f"got {self.betas!r}")
+                             f"got {list(self.betas)!r}")
         return None
 
 
@@ -340,7 +339,7 @@ class DistributedSection(RecipeSection):
                                                "one process)", range=AT_LEAST_1, unit="samples")
     pp_split_points: list[int] | None = key(None, "manual split: first layer index of every "
                                                   "stage after the first; null -> balanced by "
-                                                  "per-layer FLOPs")
+                                                  "per-layer FLOPs", range=AT_LEAST_1)
     sequence_parallel: bool = key(False, "with tp > 1: the residual stream and the norms hold "
                                          "each tp rank's 1/tp of every row; the mixers gather "
                                          "whole rows (their saved inputs keep 1/tp, gathered "
@@ -432,7 +431,8 @@ class BenchmarkSection(RecipeSection):
     seq_lengths: list[int] | None = key([512, 2048, 8192], "cost growth: the synthetic "
                                                            "measurement repeated at each length "
                                                            "with the same tokens per step ([] "
-                                                           "to skip)")
+                                                           "to skip)",
+                                        range=AT_LEAST_1, unit="tokens")
     dtypes: list[str] | None = key(None, "compute dtypes to compare, e.g. [float32, bfloat16] "
                                          "(single process only); null -> training.dtype")
     profile: bool | str = key(False, "true or a folder: torch profiler trace (Chrome/Perfetto "

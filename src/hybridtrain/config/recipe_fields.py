@@ -101,13 +101,15 @@ def _fmt(x: float) -> str:
 # --------------------------------------------------------------------------------------------
 # fields
 # --------------------------------------------------------------------------------------------
-def key(default: Any, doc: str, *, range: str | Range | None = None, choices: tuple[str, ...] | None = None,
-        unit: str | None = None, env: str | None = None, path: str | None = None) -> Any:
+def key(default: Any, doc: str, *, range: str | Range | None = None,
+        choices: tuple[str, ...] | None = None, unit: str | None = None, env: str | None = None,
+        path: str | None = None) -> Any:
     """A recipe key: a dataclass field with ``default`` (lists and dicts copied for each object)
-    and its ``doc`` (one line), ``range`` (numbers: an interval, ``"[1, inf)"``, or a :class:`Range`), ``choices``
-    (strings, matched case-insensitively), ``unit`` (``"steps"``, ``"tokens"``, ...), ``env`` (an
-    environment variable that, when set, replaces the default) and ``path`` (``"file"`` or
-    ``"folder"``: a path the user gives; blank is refused, ``~`` expanded)."""
+    and its ``doc`` (one line), ``range`` (numbers: an interval, ``"[1, inf)"``, or a
+    :class:`Range`; for a list of numbers, each item's), ``choices`` (strings, matched
+    case-insensitively), ``unit`` (``"steps"``, ``"tokens"``, ...), ``env`` (an environment
+    variable that, when set, replaces the default) and ``path`` (``"file"`` or ``"folder"``: a
+    path the user gives; blank is refused, ``~`` expanded)."""
     assert path in (None, "file", "folder"), path
     meta = {"default": default, "doc": doc,
             "range": Range.parse(range) if isinstance(range, str) else range,
@@ -157,7 +159,8 @@ class KeySpec:
     default: Any
     doc: str
     types: tuple[type, ...] | None  # None: any value
-    range: Range | None = None
+    item_types: tuple[type, ...] = ()  # a list's items (list[int] -> int)
+    range: Range | None = None  # of the value, or of each item of a list of numbers
     choices: tuple[str, ...] | None = None
     unit: str | None = None
     env: str | None = None
@@ -165,8 +168,12 @@ class KeySpec:
 
     @property
     def numeric(self) -> bool:
-        """Whether the key accepts a number (a bool is not one)."""
-        return self.types is not None and (int in self.types or float in self.types)
+        """Whether the key accepts a number or a list of numbers (a bool is not one)."""
+        return bool({int, float} & set(self.types or ())) or self.numeric_items
+
+    @property
+    def numeric_items(self) -> bool:
+        return bool({int, float} & set(self.item_types))
 
     def type_names(self) -> str:
         """``"int or null"``: the accepted types as a recipe writes them."""
@@ -191,6 +198,15 @@ class SectionSpec:
     target_ok: bool = False
 
 
+def _items(hint: Any) -> tuple[type, ...]:
+    """The item types of the lists an annotation accepts: ``list[int] | None`` -> (int,)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(dict.fromkeys(t for arg in typing.get_args(hint) for t in _items(arg)))
+    if typing.get_origin(hint) in (list, tuple):
+        return tuple(t for t in typing.get_args(hint) if t is not Ellipsis)
+    return ()
+
+
 def _accepted(hint: Any) -> tuple[type, ...] | None:
     """The runtime types of an annotation: ``int | None`` -> (int, NoneType); ``list[str]`` ->
     (list,); ``Any`` -> None."""
@@ -212,7 +228,7 @@ def keys_of(cls: type) -> dict[str, KeySpec]:
     """The recipe keys (fields made by :func:`key`) of the dataclass ``cls``, in order."""
     hints = typing.get_type_hints(cls)
     return {f.name: KeySpec(f.name, f.metadata["default"], f.metadata["doc"],
-                            _accepted(hints[f.name]),
+                            _accepted(hints[f.name]), _items(hints[f.name]),
                             f.metadata["range"], f.metadata["choices"], f.metadata["unit"],
                             f.metadata["env"], f.metadata["path"])
             for f in dataclasses.fields(cls) if "range" in f.metadata}
@@ -256,12 +272,15 @@ class KeyProblem(ConfigError):
     after a ``rule`` over several keys, whose text ends with the fix)."""
 
     def __init__(self, key: str, problem: str, where: str, rule: bool = False):
-        super().__init__(f"{problem} ({where})" if rule else f"{problem} in {where}")
         self.key, self.problem, self.rule = key, problem, rule
+        super().__init__(self._said(where))
+
+    def _said(self, where: str) -> str:
+        return f"{self.problem} ({where})" if self.rule else f"{self.problem} in {where}"
 
     def at(self, where: str) -> ConfigError:
         """The same problem, said to be set at ``where``."""
-        return ConfigError(f"{self.problem} ({where})" if self.rule else f"{self.problem} in {where}")
+        return ConfigError(self._said(where))
 
 
 def check_value(section_name: str, spec: KeySpec, value: Any, where: str) -> Any:
@@ -276,10 +295,16 @@ def check_value(section_name: str, spec: KeySpec, value: Any, where: str) -> Any
         if not ok:
             raise KeyProblem(spec.name, f"'{name}' must be {spec.type_names()}, got {value!r} "
                                         f"({type(value).__name__})", where)
-    if spec.range is not None and isinstance(value, (int, float)) \
-            and not isinstance(value, bool) and value not in spec.range:
+    if spec.range is not None and _is_number(value) and value not in spec.range:
         raise KeyProblem(spec.name, f"'{name}' must be {spec.range.describe()}, got {value!r}",
                          where)
+    if spec.range is not None and spec.numeric_items and isinstance(value, (list, tuple)):
+        kind = "a number" if float in spec.item_types else "an integer"
+        for i, item in enumerate(value):
+            fits = _is_number(item) and (float in spec.item_types or isinstance(item, int))
+            if not fits or item not in spec.range:
+                raise KeyProblem(spec.name, f"'{name}[{i}]' must be {kind} "
+                                            f"{spec.range.describe()}, got {item!r}", where)
     if spec.path and isinstance(value, str):
         if not value.strip():
             raise KeyProblem(spec.name, f"'{name}' is empty ({value!r}); give a {spec.path} path "
@@ -294,6 +319,10 @@ def check_value(section_name: str, spec: KeySpec, value: Any, where: str) -> Any
         raise KeyProblem(spec.name, f"'{name}' must be one of {', '.join(spec.choices)}; "
                                     f"got {value!r}", where)
     return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------------

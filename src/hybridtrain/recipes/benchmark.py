@@ -56,14 +56,7 @@ def _options(cfg, args) -> dict[str, Any]:
         v = getattr(args, flag, None) if args is not None else None
         if v:
             opts[key] = v
-    for key in ("warmup_steps", "steps", "profile_steps"):
-        if opts[key] < (1 if key == "steps" else 0):
-            raise ValueError(f"benchmark.{key} must be a {'positive' if key == 'steps' else 'non-negative'} "
-                             f"int, got {opts[key]!r}")
-    lengths = opts["seq_lengths"] or []
-    if any(not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValueError(f"benchmark.seq_lengths must be a list of positive ints, got {lengths!r}")
-    opts["seq_lengths"] = sorted(lengths)
+    opts["seq_lengths"] = sorted(opts["seq_lengths"] or [])  # (each checked when it loads)
     return opts
 
 
