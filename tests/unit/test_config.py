@@ -1,4 +1,4 @@
-"""Recipe loading: schema defaults, typo suggestions with file:line, overrides, ${env:...},
+"""Recipe loading: defaults, typo suggestions with file:line, overrides, ${env:...},
 ``_target_`` allow-list and instantiation."""
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_override_forms_and_types(tmp_path):
     assert cfg.training.where("max_steps") == "command-line override '--training.max_steps=20'"
 
 
-def test_override_schema_key_absent_from_recipe_and_optional_section(tmp_path):
+def test_override_recipe_key_absent_from_recipe_and_optional_section(tmp_path):
     cfg = load_config(write(tmp_path, BASE), ["--training.seed=7", "--peft.dim=4",
                                               "--peft.match_all_linear=true"])
     assert cfg.training.seed == 7
