@@ -111,7 +111,7 @@ def key(default: Any, doc: str, *, range: str | Range | None = None,
     variable that, when set, replaces the default) and ``path`` (``"file"`` or ``"folder"``: a
     path the user gives; blank is refused, ``~`` expanded)."""
     assert path in (None, "file", "folder"), path
-    meta = {"default": default, "doc": doc,
+    meta = {"kind": "key", "default": default, "doc": doc,
             "range": Range.parse(range) if isinstance(range, str) else range,
             "choices": tuple(choices) if choices else None, "unit": unit, "env": env,
             "path": path}
@@ -227,11 +227,14 @@ def _accepted(hint: Any) -> tuple[type, ...] | None:
 def keys_of(cls: type) -> dict[str, KeySpec]:
     """The recipe keys (fields made by :func:`key`) of the dataclass ``cls``, in order."""
     hints = typing.get_type_hints(cls)
-    return {f.name: KeySpec(f.name, f.metadata["default"], f.metadata["doc"],
-                            _accepted(hints[f.name]), _items(hints[f.name]),
-                            f.metadata["range"], f.metadata["choices"], f.metadata["unit"],
-                            f.metadata["env"], f.metadata["path"])
-            for f in dataclasses.fields(cls) if "range" in f.metadata}
+    out = {f.name: KeySpec(f.name, f.metadata["default"], f.metadata["doc"],
+                           _accepted(hints[f.name]), _items(hints[f.name]),
+                           f.metadata["range"], f.metadata["choices"], f.metadata["unit"],
+                           f.metadata["env"], f.metadata["path"])
+           for f in dataclasses.fields(cls) if f.metadata.get("kind") == "key"}
+    for spec in out.values():
+        assert spec.range is None or spec.numeric, f"{cls.__name__}.{spec.name}: a range, no number"
+    return out
 
 
 @cache
@@ -241,7 +244,7 @@ def sections_of(cls: type) -> dict[str, SectionSpec]:
     out = {}
     for f in dataclasses.fields(cls):
         m = f.metadata
-        if "kind" in m:
+        if m.get("kind") in ("fixed", "open", "env"):
             sec_cls = m.get("cls")
             out[f.name] = SectionSpec(f.name, m["kind"], m["doc"],
                                       keys_of(sec_cls) if sec_cls else {}, sec_cls,
