@@ -62,6 +62,15 @@ def test_a_section_made_in_code_holds_its_defaults_and_is_checked():
     assert PeftSection(match_all_linear=True).dim == 8
 
 
+def test_a_recipe_made_in_code_loads_as_its_values():
+    model = {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM"}
+    r = recipe_config(RecipeConfig(model=model, training=TrainingSection(max_steps=3)))
+    assert r.training.max_steps == 3 and r.node.training.max_steps == 3
+    assert "max_steps: 3" in r.to_yaml() and isinstance(r.model, ConfigNode)
+    with pytest.raises(ConfigError, match="not allowed"):
+        recipe_config(RecipeConfig(model={"_target_": "os.system"}))
+
+
 def test_an_environment_variable_sets_its_keys_default_in_code_and_in_a_recipe(tmp_path,
                                                                               monkeypatch):
     monkeypatch.setenv("HYBRIDTRAIN_MAMBA_KERNELS", "0")

@@ -50,11 +50,19 @@ def config_section(name: str, values: Mapping[str, Any] | RecipeSection | None =
     return typed_section(name, build_config({name: dict(values or {})})[name])
 
 
+def _values(recipe: RecipeConfig) -> dict[str, Any]:
+    """The recipe data of a ``RecipeConfig`` made in code (sections as plain dicts)."""
+    out = {name: getattr(recipe, name) for name in (*SECTIONS, *TOP_LEVEL_KEYS)}
+    return {name: v.to_dict() if isinstance(v, RecipeSection) else v for name, v in out.items()}
+
+
 def recipe_config(cfg: Any) -> RecipeConfig:
     """The typed recipe of ``cfg``: a recipe path, a loaded ``ConfigNode``, a dict (checked as a
-    recipe is), or a ``RecipeConfig`` (returned as it is)."""
+    recipe is), or a ``RecipeConfig`` (returned as it is once loaded; one made in code,
+    ``RecipeConfig(training=TrainingSection(max_steps=3), model={...})``, is loaded as a dict
+    of its values, so it has a tree too: ``to_yaml``, the ``_target_`` checks)."""
     if isinstance(cfg, RecipeConfig):
-        return cfg
+        return cfg if cfg.node is not None else recipe_config(_values(cfg))
     if isinstance(cfg, (str, os.PathLike)):
         cfg = load_config(cfg)
     elif isinstance(cfg, Mapping) and not isinstance(cfg, ConfigNode):
