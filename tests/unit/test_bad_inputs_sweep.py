@@ -374,14 +374,27 @@ def test_a_checkpoint_that_cannot_continue_the_recipe(runs, tmp_path, capsys, mo
     assert _snapshot(run) == before
 
 
-def test_zero_epochs_without_max_steps_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["finetune", "dpo"])
+def test_zero_epochs_without_max_steps_is_refused(tmp_path, capsys, command):
+    """Refused when the recipe loads (the key's range), before anything is written."""
+    recipe = _recipe_file(tmp_path) if command == "finetune" else "examples/dpo_tiny.yaml"
     out = tmp_path / "run"
-    assert main(["finetune", "-c", _recipe_file(tmp_path), f"--checkpoint.dir={out}",
-                 "--training.max_steps=null", "--training.num_epochs=0"]) == 2
+    assert main([command, "-c", recipe, f"--checkpoint.dir={out}", "--training.max_steps=null",
+                 "--training.num_epochs=0"]) == 2
     err = capsys.readouterr().err
-    assert ("training.num_epochs=0 with training.max_steps=null trains nothing; set "
-            "training.num_epochs to a number of epochs > 0") in err and "Traceback" not in err
+    assert "'training.num_epochs' must be > 0, got 0" in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("epochs", [0, -1, float("nan"), float("inf")])
+def test_a_run_length_by_epochs_that_trains_nothing_is_refused(epochs):
+    """The step scheduler, as a library builds it, never rounds such a length up to one step."""
+    from hybridtrain.training.step_scheduler import StepScheduler
+
+    with pytest.raises(ValueError, match=r"training\.num_epochs=.* with training\.max_steps=null "
+                                         r"trains nothing; set training\.num_epochs to a number "
+                                         r"of epochs > 0"):
+        StepScheduler(8, 2, max_steps=None, num_epochs=epochs, num_train_samples=64)
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, capsys):
@@ -435,11 +448,3 @@ def test_an_rl_resume_with_nothing_left_says_so_before_building(tmp_path, capsys
     assert ("nothing to do: checkpoint step 4 >= training.max_steps 4; raise "
             "training.max_steps to train further") in capsys.readouterr().out
     assert _snapshot(run) == before
-
-
-def test_dpo_with_zero_epochs_is_refused(tmp_path, capsys):
-    assert main(["dpo", "-c", "examples/dpo_tiny.yaml", f"--checkpoint.dir={tmp_path / 'run'}",
-                 "--training.max_steps=null", "--training.num_epochs=0"]) == 2
-    err = capsys.readouterr().err
-    assert "training.num_epochs=0 with training.max_steps=null trains nothing" in err
-    assert "Traceback" not in err and not (tmp_path / "run" / "step_1").exists()

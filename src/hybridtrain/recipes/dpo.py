@@ -26,7 +26,6 @@ from hybridtrain.config.sections import recipe_config
 from hybridtrain.data.preference import preference_batch
 from hybridtrain.distributed.init import process_group
 from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
-from hybridtrain.training.step_scheduler import check_epochs
 from hybridtrain.rl.batch import prepare
 from hybridtrain.rl.losses import DPOLoss
 from hybridtrain.training.builder import instantiate_with
@@ -61,8 +60,6 @@ def run(cfg: Any) -> dict[str, Any]:
     if cfg.dataset is None:
         raise ValueError(f"the recipe has no dataset section ({cfg.source_file}); DPO needs "
                          "preference pairs (hybridtrain.data.build_preference_dataset)")
-    if cfg.training.max_steps is None:
-        check_epochs(cfg.training.num_epochs)  # before anything is built
     with process_group(cfg), rl_run(cfg, "dpo", plot_extra=("accuracy",),
                                     loss_label="DPO loss") as r:
         tok = r.policy.tokenizer
