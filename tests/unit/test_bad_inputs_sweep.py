@@ -170,8 +170,11 @@ CASES = {
     "recipe: NUL bytes": (_sparse_recipe(1000), load_recipe,
                           r"recipe\.yaml:1: invalid YAML: unacceptable character #x0000 \(a "
                           r"recipe is text: is it a binary file\?\)"),
-    "recipe: NaN value": (_recipe("optimizer:\n  lr: .nan\n"), load_recipe,
-                          r"'optimizer\.lr' is NaN in .*recipe\.yaml:2; give a number"),
+    "recipe: NaN in a target's arguments": (
+        _recipe("model:\n  _target_: hybridtrain.models.nemotron_h.NemotronHForCausalLM\n"
+                "  config:\n    _target_: hybridtrain.models.nemotron_h.tiny_config\n"
+                "    initializer_range: .nan\n"), load_recipe,
+        r"'model\.config\.initializer_range' is NaN in .*recipe\.yaml:5; give a number"),
     "recipe: a symbolic-link loop": (_symlink_loop("loop.yaml"), load_recipe,
                                      r"loop\.yaml: cannot be read \(Too many levels of symbolic "
                                      r"links\); check the path"),

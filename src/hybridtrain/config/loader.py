@@ -399,7 +399,8 @@ def _check_targets(value: Any, path: tuple, meta: ConfigMeta) -> None:
 # entry points
 # --------------------------------------------------------------------------------------------
 def _refuse_nan(value: Any, path: tuple, meta: ConfigMeta) -> None:
-    """No recipe value is NaN (``.nan`` in YAML): it would compare false with every bound."""
+    """No recipe value is NaN (``.nan`` in YAML), also where no key's range applies (a
+    ``_target_``'s arguments): it compares false with every bound."""
     if isinstance(value, float) and math.isnan(value):
         raise ConfigError(f"'{dotted(path)}' is NaN in {meta.where(path)}; give a number")
     items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(
@@ -451,7 +452,6 @@ def build_config(
         _apply_override(root, ov, meta.locs)
 
     root = _interpolate(root, (), meta, environ)
-    _refuse_nan(root, (), meta)
 
     for name, sec in SECTIONS.items():
         if sec.kind == "fixed":
@@ -470,6 +470,7 @@ def build_config(
             raise ConfigError(f"allowed_target_prefixes entries must be module names like "
                               f"'mypkg.', got {p!r} ({meta.where(('allowed_target_prefixes',))})")
     meta.allowed_target_prefixes = normalize_prefixes(DEFAULT_ALLOWED_PREFIXES + tuple(extra))
+    _refuse_nan(root, (), meta)  # in what no key's range checks, e.g. a target's arguments
     _check_targets(root, (), meta)
     warn_contradictions(root, meta.where)
     return ConfigNode(root, (), meta)
