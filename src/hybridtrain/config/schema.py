@@ -354,6 +354,21 @@ METRICS = {
     "plot": K(True, "write <checkpoint.dir>/loss.png at the end (needs the plot extra)"),
     "peak_tflops": K(None, "per-device peak TFLOPs for MFU; null -> detect from device name",
                      _OPT_FLOAT),
+    "wandb": K(False, "log to Weights & Biases from rank 0 (needs the wandb extra; offline "
+                      "through WANDB_MODE=offline; files under WANDB_DIR, else <checkpoint.dir>)"),
+    "mlflow": K(False, "log to MLflow from rank 0 (needs the mlflow extra): recipe as params, "
+                       "metrics per step, the HF export or adapter as an artifact at the end"),
+    "project": K(None, "W&B project and MLflow experiment; null -> WANDB_PROJECT / "
+                       "MLFLOW_EXPERIMENT_NAME, else 'hybridtrain'", _OPT_STR),
+    "run_name": K(None, "the trackers' run name; null -> WANDB_NAME / the tracker's own",
+                  _OPT_STR),
+    "tags": K([], "tags of the tracker runs (W&B tags; MLflow tags with an empty value)",
+              (list,)),
+    "mlflow_tracking_uri": K(None, "MLflow store or server; null -> MLFLOW_TRACKING_URI, else "
+                                   "sqlite:///<checkpoint.dir>/mlflow.db", _OPT_STR),
+    "tracker_on_error": K("warn", "a tracker that cannot start: warn (the run goes on without "
+                                  "it) or raise (the run stops before its first step)",
+                          choices=("warn", "raise")),
 }
 
 BENCHMARK = {
@@ -458,7 +473,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("peft", "fixed", "LoRA (absent -> full fine-tuning)", PEFT, optional=True,
             check=_check_peft),
     Section("distributed", "fixed", "parallel layout and process-group options", DISTRIBUTED),
-    Section("metrics", "fixed", "jsonl / progress bar / TensorBoard / plot", METRICS),
+    Section("metrics", "fixed", "jsonl / progress bar / TensorBoard / plot / W&B / MLflow",
+            METRICS),
     Section("dist_env", "env", "environment variables set before CUDA/process-group init "
             "(key upper-cased; true/false -> 1/0; a variable already set wins)"),
     Section("evaluation", "fixed", "answers generated for validation examples at each validation: "

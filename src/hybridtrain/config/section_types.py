@@ -295,7 +295,8 @@ class DistributedSection(RecipeSection):
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSection(RecipeSection):
-    """The recipe's ``metrics:`` section: jsonl / progress bar / TensorBoard / plot."""
+    """The recipe's ``metrics:`` section: jsonl / progress bar / TensorBoard / plot / W&B
+    / MLflow."""
 
     section: ClassVar[str] = "metrics"
     #: write <checkpoint.dir>/training.jsonl and validation.jsonl
@@ -310,6 +311,25 @@ class MetricsSection(RecipeSection):
     plot: bool
     #: per-device peak TFLOPs for MFU; null -> detect from device name
     peak_tflops: float | int | None
+    #: log to Weights & Biases from rank 0 (needs the wandb extra; offline through
+    #: WANDB_MODE=offline; files under WANDB_DIR, else <checkpoint.dir>)
+    wandb: bool
+    #: log to MLflow from rank 0 (needs the mlflow extra): recipe as params, metrics per
+    #: step, the HF export or adapter as an artifact at the end
+    mlflow: bool
+    #: W&B project and MLflow experiment; null -> WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME,
+    #: else 'hybridtrain'
+    project: str | None
+    #: the trackers' run name; null -> WANDB_NAME / the tracker's own
+    run_name: str | None
+    #: tags of the tracker runs (W&B tags; MLflow tags with an empty value)
+    tags: list
+    #: MLflow store or server; null -> MLFLOW_TRACKING_URI, else
+    #: sqlite:///<checkpoint.dir>/mlflow.db
+    mlflow_tracking_uri: str | None
+    #: a tracker that cannot start: warn (the run goes on without it) or raise (the run
+    #: stops before its first step)
+    tracker_on_error: str
 
 
 @dataclasses.dataclass(frozen=True)
