@@ -159,7 +159,9 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _is_local(path: str) -> bool:
-    return os.path.exists(os.path.expanduser(path)) or path.startswith(("/", "./", "../", "~"))
+    """Whether a dataset source names a local file or folder (else a Hub id, ``org/name``)."""
+    return (os.path.exists(os.path.expanduser(path)) or path.startswith(("/", "./", "../", "~"))
+            or path.endswith(_DATA_SUFFIXES))
 
 
 # -- the model ----------------------------------------------------------------------------------
