@@ -26,6 +26,7 @@ import yaml
 
 __all__ = ["Converted", "convert", "render", "run"]
 
+_REFERENCE = "the recipe reference (python -m hybridtrain.config.reference)"
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv")
 _ENV_PREFIXES = ("torch_", "pytorch_", "nccl_", "cuda_", "omp_", "mkl_", "nvte_", "tokenizers_")
 
@@ -369,7 +370,7 @@ def _dist_env(sec: Mapping, out: Converted) -> None:
             out.set(f"dist_env.{key}", value)
         else:
             out.leave_out(f"dist_env.{key}", "an Automodel switch no hybridtrain code reads; "
-                          "see docs/recipes/reference.md for the equivalent key, if any")
+                          f"find the equivalent key, if any, in {_REFERENCE}")
 
 
 # -- trackers, checkpoints ----------------------------------------------------------------------
@@ -407,8 +408,8 @@ def _unmapped(key: str, out: Converted) -> None:
     top = key.split(".")[0]
     advice = NOTHING_TO_DO.get(key) or NOTHING_TO_DO.get(top)
     out.leave_out(key, f"nothing to do: {advice}" if advice else
-                  "no hybridtrain equivalent; see docs/recipes/reference.md for a key that does "
-                  "what it did, or leave it out")
+                  f"no hybridtrain equivalent; find a key that does what it did in {_REFERENCE}, "
+                  "or leave it out")
 
 
 def _generic(name: str) -> Callable[[Mapping, Converted], None]:
