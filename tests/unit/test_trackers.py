@@ -181,3 +181,13 @@ def test_a_missing_package_names_the_extra(tmp_path, monkeypatch):
     guarded = GuardedTracker(MlflowTracker(str(tmp_path), TrackerSettings(on_error="raise")))
     with pytest.raises(TrackerUnavailable, match=r"pip install 'hybridtrain\[mlflow\]'"):
         guarded.start(resumed=False)
+
+
+def test_validation_and_evaluation_go_to_their_own_panels():
+    from hybridtrain.training.trackers import split_val_record
+
+    record = {"step": 4, "val_loss": 0.5, "val_ppl": None, "exact_match": 50.0, "f1": 61.0,
+              "eval_time_s": 1.5, "time_s": 0.2}
+    assert split_val_record(record) == {"val/val_loss": 0.5, "val/time_s": 0.2,
+                                        "eval/exact_match": 50.0, "eval/f1": 61.0,
+                                        "eval/eval_time_s": 1.5}
