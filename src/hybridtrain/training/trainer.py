@@ -156,7 +156,7 @@ class Trainer:
     :meth:`ParallelPlan.single` for one process, or a heterogeneous layout's); its step is ``TrainStep.of(plan)`` (the
     ``train_step`` attribute; a test may replace it). ``data``: the datasets and their loader.
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
-    default: the schema's). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
+    default: the recipe's defaults). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
     step)`` (fields added to each validation record), ``stop`` (default: never stops early),
     ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
@@ -191,7 +191,7 @@ class Trainer:
         self.lr_scheduler = lr_scheduler
         self.sched = step_scheduler
         self.data = data
-        self.settings = settings or trainer_settings()  # default: the schema's
+        self.settings = settings or trainer_settings()  # default: the recipe's defaults
         self.checkpointer = checkpointer
         self.metrics = metrics
         self.throughput = throughput
@@ -519,7 +519,7 @@ class Trainer:
         if self.stop.received:
             logger.warning("%s received after the last step: the run finished",
                            ", ".join(sorted({signal.Signals(x).name for x in self.stop.received})))
-        plot = self.metrics.close() if self.metrics is not None else None
+        plot = self.metrics.close(export_dir=export_dir) if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {
             "steps": sched.step,
