@@ -198,7 +198,7 @@ class NemotronHConfig:
         """Clamp applied to dt = softplus(dt + dt_bias): ``time_step_limit`` alone.
 
         It is the ``dt_limit`` of mamba_ssm's kernels, which pretrained checkpoints were trained
-        with and GPU users run, and transformers' clamp since 5.x (tests/unit/test_model_parity.py
+        with and GPU users run, and transformers' clamp since 5.25 (tests/unit/test_model_parity.py
         checks every transformers the pyproject allows). ``time_step_min`` only sets dt's
         initialisation; it is not a clamp.
         """
