@@ -220,6 +220,7 @@ class Trainer:
         t0 = time.perf_counter()
         micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
         flops = self.throughput.flops(micro_batches) if self.throughput is not None else 0.0
+        whole_rows = micro_batches
         if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
             micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
             flops /= self.dims.cp
@@ -229,7 +230,7 @@ class Trainer:
             dtype=torch.float64, device=self.device)
         aux = self.aux_loss
         if aux is not None:  # its terms' normalisers, in the same all-reduce
-            counts = torch.cat([counts, sum(aux.counts(mb) for mb in micro_batches).to(counts)])
+            counts = torch.cat([counts, self._aux_counts(aux, whole_rows).to(counts)])
         self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
         aux_values = {} if aux is None else aux.record(torch.zeros(aux.num_terms), torch.zeros(aux.num_terms))
@@ -303,6 +304,13 @@ class Trainer:
             "step_time_s": dt,
             **aux_values,
         }
+
+    def _aux_counts(self, aux: AuxiliaryLoss, whole_rows: list[dict]) -> torch.Tensor:
+        """This rank's part of the extra objectives' normalisers: counted over whole rows (a
+        term may read positions of the next context-parallel slice, e.g. tokens ahead), once
+        per context-parallel group (by its first rank)."""
+        counts = sum(aux.counts(mb) for mb in whole_rows)
+        return counts.zero_() if self.dims.cp > 1 and self.dims.cp_rank else counts
 
     def _sum_expert_load(self, table: torch.Tensor) -> torch.Tensor:
         """The step's token counts per expert summed over the ranks holding other tokens

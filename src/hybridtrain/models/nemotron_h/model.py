@@ -307,8 +307,13 @@ class NemotronHForCausalLM(nn.Module):
         hidden states are ``hidden``: depth k's targets are :func:`.mtp.depth_labels`."""
         assert self.mtp is not None and self.backbone.embeddings is not None, \
             "MTP training needs the embeddings and the MTP layers on this model (stage)"
-        outs = self.mtp.hidden_states(hidden, input_ids, self.backbone.embeddings, info)
-        return [self.loss(h, self.lm_head, depth_labels(labels, k + 1, info.seq_idx))
+        seq_idx, cut = info.seq_idx, slice(None)
+        if info.cp is not None:  # a depth reads tokens ahead, on the next ranks: shift whole rows
+            part, n = info.cp, input_ids.shape[1]
+            input_ids, labels = gather_sequence(input_ids, 1, part.cp), gather_sequence(labels, 1, part.cp)
+            seq_idx, cut = part.seq_idx, slice(part.offset, part.offset + n)
+        outs = self.mtp.hidden_states(hidden, input_ids, self.backbone.embeddings, info, cut)
+        return [self.loss(h, self.lm_head, depth_labels(labels, k + 1, seq_idx)[:, cut])
                 for k, h in enumerate(outs)]
 
     # ------------------------------------------------------------------ generation

@@ -102,7 +102,7 @@ def check_mtp_layout(model: nn.Module, dims, distributed, training) -> None:
     yet (refused, never skipped)."""
     sp = dims.tp > 1 and distributed.sequence_parallel
     if model.mtp is not None and training.mtp == "train":
-        refused = [f"{n}={getattr(dims, n)}" for n in ("pp", "cp") if getattr(dims, n) > 1]
+        refused = [f"pp={dims.pp}"] if dims.pp > 1 else []
         refused += ["tp with distributed.sequence_parallel"] if sp else []
         if refused:
             raise ValueError(
