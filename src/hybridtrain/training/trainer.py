@@ -250,7 +250,7 @@ class Trainer:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             if aux is not None:
-                ce = torch.cat([ce, aux.step_sums(self.device)])
+                ce = torch.cat([ce, self._pp_sum(aux.step_sums(self.device))])
                 aux.end_step()
             ce = self.dims.all_reduce_dp_cp(ce)
             loss = ce[0] / num_label_tokens
@@ -316,11 +316,16 @@ class Trainer:
         """The step's token counts per expert summed over the ranks holding other tokens
         (data, expert, context parallel) and other layers (pipeline stages)."""
         self.dims.all_reduce_dp_cp(table)
+        return self._pp_sum(table)
+
+    def _pp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pipeline stages' ranks (in place; e.g. the extra objectives'
+        sums, which the stage computing them holds)."""
         if self.dims.pp > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(table, group=self.dims.group("pp"))
-        return table
+            dist.all_reduce(t, group=self.dims.group("pp"))
+        return t
 
     def _progress_extra(self, rec: dict) -> dict[str, float | None]:
         """The extra objectives' summary values for the progress line."""

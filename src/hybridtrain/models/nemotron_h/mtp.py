@@ -97,16 +97,14 @@ class MultiTokenPredictor(nn.Module):
             hidden = layer(hidden, embeds, info)
         return hidden
 
-    def hidden_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embeddings: nn.Module,
-                      info=None, cut: slice = slice(None)) -> list[torch.Tensor]:
+    def hidden_states(self, hidden: torch.Tensor, embeds: list[torch.Tensor], info=None
+                      ) -> list[torch.Tensor]:
         """Every depth's output [B, L, H] over a training row (``hidden``: the main model's final
-        hidden states): depth ``d`` reads ``input_ids`` shifted left by ``d + 1``, the positions
-        ``cut`` of them (context parallelism: ``input_ids`` are whole rows, ``hidden`` this
-        rank's slice ``cut`` of them)."""
+        hidden states; ``embeds[d]``: depth ``d``'s input embeddings, of the tokens ``d + 1``
+        ahead)."""
         outs = []
         for d in range(self.depths):
-            embeds = embeddings(shift_left(input_ids, d + 1, 0)[:, cut])
-            hidden = self.run_depth(d, hidden, embeds, info)
+            hidden = self.run_depth(d, hidden, embeds[d], info)
             outs.append(hidden)
         return outs
 

@@ -102,13 +102,12 @@ def check_mtp_layout(model: nn.Module, dims, distributed, training) -> None:
     yet (refused, never skipped)."""
     sp = dims.tp > 1 and distributed.sequence_parallel
     if model.mtp is not None and training.mtp == "train":
-        refused = [f"pp={dims.pp}"] if dims.pp > 1 else []
-        refused += ["tp with distributed.sequence_parallel"] if sp else []
-        if refused:
+        if sp:
             raise ValueError(
-                f"training.mtp=train: the multi-token prediction layers do not train under "
-                f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
-                "and tensor parallel); set training.mtp to freeze or drop, or use those layouts")
+                "training.mtp=train: the multi-token prediction layers do not train under tp "
+                "with distributed.sequence_parallel yet (supported: one process, FSDP2 / data "
+                "parallel, expert, tensor, context and pipeline parallel); set training.mtp to "
+                "freeze or drop, or distributed.sequence_parallel to false")
     refused = [f"{n}={getattr(dims, n)}" for n in ("pp", "tp", "cp") if getattr(dims, n) > 1]
     if training.moe_aux_loss_coeff and refused:
         raise ValueError(
