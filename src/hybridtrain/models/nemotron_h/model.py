@@ -329,8 +329,13 @@ class NemotronHForCausalLM(nn.Module):
             embeds = self.mtp_embeddings(input_ids, info)
         labels, seq_idx, cut = _whole_rows(labels, info)
         outs = self.mtp.hidden_states(hidden, embeds, info)
-        return [self.loss(h, self.lm_head, depth_labels(labels, k + 1, seq_idx)[:, cut])
-                for k, h in enumerate(outs)]
+        return [self._ce_sum(h, depth_labels(labels, k + 1, seq_idx)[:, cut]) for k, h in enumerate(outs)]
+
+    def _ce_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy sum of ``labels`` through the head and ``self.loss``, also where
+        that loss gives per-token log-probs (an RL policy's head: 0 where a label is ignored)."""
+        out = self.loss(hidden, self.lm_head, labels)
+        return out if out.dim() == 0 else -out.float().sum()
 
     def mtp_embeddings(self, input_ids: torch.Tensor, info: SequenceInfo) -> list[torch.Tensor]:
         """The input embeddings [B, L, H] of each MTP depth: depth ``d`` (0-based) reads the
