@@ -236,6 +236,9 @@ class PeftSection(RecipeSection):
     exclude_modules: list
     #: adapt every linear layer (except lm_head/embeddings)
     match_all_linear: bool
+    #: frozen base weights under the adapters: null (as loaded) or nf4 (QLoRA: 4-bit
+    #: NormalFloat, double-quantised scales; needs torchao)
+    base_quant: str
 
 
 @dataclasses.dataclass(frozen=True)
