@@ -37,6 +37,7 @@ from hybridtrain.fileio import (apply_umask, open_safetensors, read_json)
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
+from .quant import dense, dense_shapes
 from .lora import (
     EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, apply_lora, expert_types, has_lora,
     load_lora_state_dict, lora_modules, lora_settings, merge_lora, merge_weight,
@@ -297,6 +298,7 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     slices and pipeline stages alike)."""
     spec = model_spec_for(model)
     layout = global_layout(model)
+    shapes = dense_shapes(model)  # a QLoRA base: written dequantised
     pairs = adapter_pairs(list(layout))
     metas = [_adapter_meta(model)]
     if get_world_size() > 1:
@@ -305,11 +307,16 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     settings = _combine_meta(metas)["settings"]
     scale = settings["alpha"] / settings["dim"]
     adapters = {n for ab in pairs.values() for n in ab}
-    items = [(n, (n, *pairs[n]), lambda w, a, b: merge_weight(w, a, b, scale)) if n in pairs
-             else (n, (n,), lambda t: t) for n in layout if n not in adapters]
+
+    def unpacked(n):
+        return (lambda t: dense(t, shapes[n])) if n in shapes else (lambda t: t)
+
+    items = [(n, (n, *pairs[n]), lambda w, a, b, u=unpacked(n): merge_weight(u(w), a, b, scale))
+             if n in pairs else (n, (n,), unpacked(n)) for n in layout if n not in adapters]
     stream = stream_full_tensors(model, layout, items)
     if get_rank() == 0:
-        plain = {n: layout[n] for n, _, _ in items}
+        plain = {n: layout[n].new_empty(shapes[n]) if n in shapes else layout[n]
+                 for n, _, _ in items}
         spec.hf.save(plain, model.config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
                      tensors=stream)
         if tokenizer is not None:

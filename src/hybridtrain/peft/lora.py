@@ -46,6 +46,7 @@ from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
 from hybridtrain.models.spec import PeftSupport, model_spec_for
+from hybridtrain.peft.quant import dequantized, quantize_base
 
 __all__ = [
     "LoRALinear",
@@ -184,6 +185,7 @@ class LoRAExperts(nn.Module):
                  projs: Sequence[str] = EXPERT_PROJS, dtype: torch.dtype | None = None):
         _adopt(self, base)
         self.base_cls = type(base)
+        self.num_experts = base.up_proj.shape[0]  # the stacked tensors may become [E * out, in] (NF4)
         assert set(projs) <= set(EXPERT_PROJS) and projs, projs
         self.lora_projs = tuple(p for p in EXPERT_PROJS if p in projs)
         self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
@@ -216,7 +218,9 @@ class LoRAExperts(nn.Module):
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)  # this rank's experts
         up_ab, down_ab = self._ab("up_proj", local=True), self._ab("down_proj", local=True)
-        if (backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
+        if up.dim() == 2 or down.dim() == 2:  # NF4 [E * out, in]: dequantised one expert at a time
+            up, down = _per_expert(up, counts.numel()), _per_expert(down, counts.numel())
+        elif (backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
                 and hasattr(F, "grouped_mm")):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
@@ -264,6 +268,13 @@ class LoRAExperts(nn.Module):
 
 
 LORA_TYPES = (LoRALinear, LoRAExperts)
+
+
+def _per_expert(w: torch.Tensor, n: int):
+    """Stacked expert weights indexable per expert: ``[E, out, in]`` as is, a quantised
+    ``[E * out, in]`` as its ``E`` row blocks (views of the packed data: each expert is
+    dequantised only when it has rows to compute)."""
+    return w if w.dim() == 3 else w.split(w.shape[0] // n)
 
 
 # ---------------------------------------------------------------------------------- selection
@@ -366,12 +377,14 @@ def apply_lora(
     match_all_linear: bool = False,
     method: str = "lora",
     dtype: torch.dtype | None = None,
+    base_quant: str | None = None,
 ) -> list[str]:
     """Add LoRA adapters to ``model`` in place and freeze everything else.
 
     Accepts the ``peft:`` recipe section as keyword arguments (``apply_lora(model, **cfg.peft)``).
     ``dtype``: adapter dtype (default: the base weight's, fp32 for a bf16/fp16 base). Returns the adapted names (module
-    names; ``<experts>.up_proj`` / ``<experts>.down_proj`` for MoE experts).
+    names; ``<experts>.up_proj`` / ``<experts>.down_proj`` for MoE experts). ``base_quant``:
+    ``"nf4"`` stores the targets' frozen base weights in 4-bit NF4 (QLoRA, :mod:`.quant`).
     """
     if str(method).lower() != "lora":
         raise ValueError(f"peft.method: only 'lora' is supported, got {method!r}")
@@ -404,6 +417,8 @@ def apply_lora(
     logger.info("LoRA r=%d alpha=%s: %d linear layers and %d expert projections adapted; trainable "
                 "parameters %s of %s (%.3f%%)", dim, alpha, len(names) - n_exp, n_exp,
                 f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1))
+    if base_quant is not None:
+        quantize_base(model, base_quant)
     return names
 
 
@@ -543,8 +558,8 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
                       ) -> dict[str, torch.Tensor]:
     """A plain (adapter-free) state dict with the adapters folded in, from a LoRA model's full
     state dict (default ``model.state_dict()``; pass the gathered full state dict under FSDP).
-    The model itself is not changed."""
-    sd = dict(model.state_dict() if state_dict is None else state_dict)
+    The model itself is not changed; an NF4 base (QLoRA) is dequantised first."""
+    sd = dequantized(model, dict(model.state_dict() if state_dict is None else state_dict))
     for name, mod in lora_modules(model):
         pre = f"{name}." if name else ""
         projs = mod.lora_projs if isinstance(mod, LoRAExperts) else (None,)

@@ -44,6 +44,7 @@ from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
+from hybridtrain.peft.quant import packer
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
@@ -189,7 +190,7 @@ def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> 
         units += module_init_units(twin, meta.init_units(twin))
     t0 = time.perf_counter()
     materialize(model, device, read=read, read_names=source["names"], units=units,
-                seed=source["seed"])
+                seed=source["seed"], pack=packer(model))
     logger.info("materialised this rank's weights (%s) in %.1fs",
                 source["checkpoint"] or f"random init, seed {source['seed']}",
                 time.perf_counter() - t0)

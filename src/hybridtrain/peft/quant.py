@@ -1,0 +1,161 @@
+"""QLoRA's frozen 4-bit base: the weights under the LoRA adapters stored as torchao's NF4.
+
+``quantize_base(model)`` (``peft.base_quant: nf4``, called by :func:`~hybridtrain.peft.lora.apply_lora`)
+turns the frozen base weight of every LoRA target into an ``NF4Tensor`` parameter
+(``requires_grad=False``, same name): 4-bit NormalFloat codes in blocks of 64 with double-quantised
+(int8) block scales. Which weights: exactly the LoRA targets (a :class:`LoRALinear`'s ``weight``;
+both stacked projections of a :class:`LoRAExperts`, which holds them as ``[E * out, in]`` so
+each expert is a row block of its own). Everything else (router, norms, conv, embeddings,
+``lm_head``, linears outside the targets) stays as loaded, and so does a target whose block
+count does not fit the scale blocks (:func:`scaler_block`); :func:`quantize_base` logs one summary
+line with the counts and why layers stay.
+
+On a model built on the meta device the NF4 parameters are meta too (nothing allocated);
+:func:`pack_source` then fills them while the checkpoint streams in, one bf16 tensor at a time.
+Compute dequantises a weight per use (torchao's ``linear_nf4``; one expert at a time for experts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["BASE_QUANT_CHOICES", "NF4_BLOCK", "require_torchao", "scaler_block", "is_nf4",
+           "quantize_base", "packer", "dense_shapes", "dense", "dequantized", "nf4_bytes"]
+
+logger = logging.getLogger(__name__)
+
+BASE_QUANT_CHOICES = ("nf4",)
+NF4_BLOCK = 64  # weights per 4-bit block (one absmax scale each)
+SCALER_BLOCKS = (256, 128, 64, 32, 16, 8)  # block scales per int8 double-quantisation group
+
+
+def require_torchao():
+    """torchao's NF4 module, or a ValueError that says how to install it."""
+    try:
+        return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    except ImportError as e:
+        raise ValueError("peft.base_quant: nf4 needs torchao (pip install 'hybridtrain[quant]', "
+                         f"torchao>=0.18): {e}") from e
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or a DTensor's local tensor) is an NF4 tensor."""
+    t = getattr(t, "_local_tensor", t)
+    return type(t).__name__ == "NF4Tensor"
+
+
+def scaler_block(numel: int) -> int | None:
+    """The scale-block size for a weight (or one expert's rows) of ``numel`` elements: the
+    largest of 256, 128, ... 8 that divides its count of 64-weight blocks; None when none does
+    (the layer stays unquantised)."""
+    if numel % NF4_BLOCK:
+        return None
+    blocks = numel // NF4_BLOCK
+    return next((s for s in SCALER_BLOCKS if blocks % s == 0), None)
+
+
+def _base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int]]:
+    """(name, owning module, attribute, experts) of every LoRA target's frozen weight
+    (experts: of a stacked tensor, None for a linear layer)."""
+    from hybridtrain.peft.lora import LoRAExperts, lora_modules
+
+    for name, mod in lora_modules(model):
+        pre = f"{name}." if name else ""
+        if isinstance(mod, LoRAExperts):
+            for proj in ("up_proj", "down_proj"):
+                yield pre + proj, mod, proj, mod.num_experts
+        else:
+            yield pre + "weight", mod, "weight", None
+
+
+def quantize_base(model: nn.Module, method: str = "nf4") -> dict[str, list[str]]:
+    """Store the frozen base weight of every LoRA target of ``model`` in NF4 (in place, meta
+    device included). Returns ``{"nf4": names, "kept": ["name (why)", ...]}``."""
+    if method not in BASE_QUANT_CHOICES:
+        raise ValueError(f"peft.base_quant must be null or one of {BASE_QUANT_CHOICES}, got {method!r}")
+    nf4 = require_torchao()
+    done, kept = [], []
+    for name, mod, attr, experts in _base_weights(model):
+        w = getattr(mod, attr)
+        if is_nf4(w):
+            continue
+        unit = w.numel() // (experts or 1)
+        sbs = scaler_block(unit)
+        if sbs is None:
+            kept.append(f"{name} ({unit} weights{' per expert' if experts else ''}: not a "
+                        f"multiple of {NF4_BLOCK} x {SCALER_BLOCKS[-1]})")
+            continue
+        q = nf4.to_nf4(w.detach().reshape(-1, w.shape[-1]), NF4_BLOCK, sbs)
+        setattr(mod, attr, nn.Parameter(q, requires_grad=False))
+        done.append(name)
+    leaves = Counter(n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1]
+                     for n in done)
+    logger.info("peft.base_quant nf4: %d base weights in NF4 (%s); %d LoRA targets stay %s "
+                "(too small for NF4 blocks)%s; not LoRA targets, so as loaded: the router, norms, "
+                "conv, embeddings, lm_head and any excluded layer",
+                len(done), ", ".join(f"{k} x{v}" for k, v in sorted(leaves.items())), len(kept),
+                "unquantised", (": " + "; ".join(kept[:6]) + (" ..." if len(kept) > 6 else ""))
+                if kept else "")
+    return {"nf4": done, "kept": kept}
+
+
+def packer(model: nn.Module):
+    """``pack(name, param, source)`` for :func:`~hybridtrain.distributed.materialize.materialize`:
+    an NF4 parameter's new local tensor, quantised from its whole source tensor (``source(region)``
+    reads it in the unquantised shape, e.g. stacked experts ``[E, out, in]``). The whole tensor
+    is quantised first, so every layout holds the same codes; then this rank's rows are kept."""
+    shapes = {name: (experts, *getattr(mod, attr).shape) for name, mod, attr, experts in _base_weights(model)}
+
+    @torch.no_grad()
+    def pack(name: str, param: torch.Tensor, source) -> torch.Tensor:
+        experts, rows, cols = shapes[name]
+        logical = (experts, rows // experts, cols) if experts else (rows, cols)
+        full = source(tuple(slice(0, n) for n in logical))
+        local = getattr(param, "_local_tensor", param)
+        q = require_torchao().to_nf4(full.to(param.dtype).reshape(rows, cols).contiguous(),
+                                     local.block_size, local.scaler_block_size)
+        del full
+        if local is param:
+            return q
+        from hybridtrain.distributed.materialize import local_region
+
+        mine = local_region(param)[0]
+        size = mine.stop - mine.start
+        return q if size == rows else q.split(size)[mine.start // size]
+
+    return pack
+
+
+def dense_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """{name: unquantised shape} of ``model``'s NF4 base weights (stacked experts ``[E, out, in]``)."""
+    out = {}
+    for name, mod, attr, experts in _base_weights(model):
+        w = getattr(mod, attr)
+        if is_nf4(w):
+            out[name] = torch.Size((experts, w.shape[0] // experts, w.shape[1]) if experts else w.shape)
+    return out
+
+
+def dense(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The NF4 tensor ``t`` (whole, not a shard) dequantised to its dtype, in ``shape``."""
+    return getattr(t, "_local_tensor", t).get_original_weight().reshape(shape)
+
+
+def dequantized(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` (the model's names, whole tensors) with every NF4 base weight dequantised
+    (:func:`dense`)."""
+    shapes = dense_shapes(model)
+    return {n: dense(t, shapes[n]) if n in shapes else t for n, t in state_dict.items()}
+
+
+def nf4_bytes(numel: int, scaler_block_size: int = 256) -> float:
+    """Bytes an NF4 weight of ``numel`` elements holds: 4-bit codes, one int8 scale per 64
+    weights, one bf16 factor per scale block (and a mean)."""
+    blocks = numel / NF4_BLOCK
+    return numel / 2 + blocks + 2 * blocks / scaler_block_size + 2
