@@ -46,7 +46,7 @@ from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
 from hybridtrain.models.spec import PeftSupport, model_spec_for
-from hybridtrain.peft.quant import dequantized, quantize_base
+from hybridtrain.peft.quant import dense, dense_shapes, dequantized, quantize_base
 
 __all__ = [
     "LoRALinear",
@@ -519,13 +519,18 @@ def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (``W += s * B @ A``, computed in fp32) and put the
     plain modules back; all parameters require grad again. Returns the model (changed in place)."""
+    shapes = dense_shapes(model)  # an NF4 base (QLoRA): dequantised, then merged
     for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, LORA_TYPES)]:
-        if isinstance(mod, LoRAExperts):
-            for p in mod.lora_projs:
-                w = getattr(mod, p)
-                w.copy_((w.float() + mod.delta_weight(p)).to(w.dtype))
-        else:
-            mod.weight.copy_((mod.weight.float() + mod.delta_weight()).to(mod.weight.dtype))
+        pre = f"{state_dict_name(name)}." if name else ""
+        for attr in (EXPERT_PROJS if isinstance(mod, LoRAExperts) else ("weight",)):
+            w = getattr(mod, attr)
+            if pre + attr in shapes:
+                w = nn.Parameter(dense(w, shapes[pre + attr]))
+                setattr(mod, attr, w)
+            if attr in EXPERT_PROJS and attr not in mod.lora_projs:
+                continue
+            delta = mod.delta_weight(attr) if attr in EXPERT_PROJS else mod.delta_weight()
+            w.copy_((w.float() + delta).to(w.dtype))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, mod.to_plain())
     for p in model.parameters():

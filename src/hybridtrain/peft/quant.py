@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 __all__ = ["BASE_QUANT_CHOICES", "NF4_BLOCK", "require_torchao", "scaler_block", "is_nf4",
-           "quantize_base", "packer", "dense_shapes", "dense", "dequantized", "nf4_bytes"]
+           "quantize_base", "packer", "base_quant_of", "dense_shapes", "dense", "dequantized", "nf4_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,11 @@ def packer(model: nn.Module):
         return q if size == rows else q.split(size)[mine.start // size]
 
     return pack
+
+
+def base_quant_of(model: nn.Module) -> str | None:
+    """``"nf4"`` when ``model`` holds an NF4 base weight, else None."""
+    return "nf4" if dense_shapes(model) else None
 
 
 def dense_shapes(model: nn.Module) -> dict[str, torch.Size]:

@@ -1,0 +1,134 @@
+"""QLoRA (``peft.base_quant: nf4``): the frozen base of every LoRA target in torchao's NF4,
+experts included; what stays unquantised; the adapted model computes as LoRA on the dequantised
+base; merging dequantises."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("torchao", reason="peft.base_quant: nf4 needs torchao (the 'quant' extra)")
+
+from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config  # noqa: E402
+from hybridtrain.peft.lora import apply_lora, lora_state_dict, merge_lora, merged_state_dict  # noqa: E402
+from hybridtrain.peft.quant import dense_shapes, dequantized, is_nf4, scaler_block  # noqa: E402
+
+
+def qlora_config(**kw):
+    """A tiny mixed model whose projections fit NF4's blocks but the Mamba in_proj's (2 x 96 +
+    2 x 2 x 16 + 6 = 262 rows x 128 = 524 blocks of 64: not a multiple of 8 block scales, so it
+    stays unquantised)."""
+    return tiny_config("mixed", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                       moe_shared_expert_intermediate_size=128, mamba_num_heads=6, **kw)
+
+
+def _pair(seed=0, **cfg):
+    torch.manual_seed(seed)
+    base = NemotronHForCausalLM(qlora_config(**cfg))
+    q, ref = base, copy.deepcopy(base)
+    apply_lora(q, match_all_linear=True, base_quant="nf4")
+    apply_lora(ref, match_all_linear=True)
+    with torch.no_grad():  # the reference: LoRA on the dequantised base, the same adapters
+        sd = dequantized(q, q.state_dict())
+        ref.load_state_dict({k: v for k, v in sd.items()}, strict=True)
+        for k, v in lora_state_dict(ref).items():
+            v.copy_(torch.randn_like(v) * 0.05)
+        for k, v in lora_state_dict(q).items():
+            v.copy_(lora_state_dict(ref)[k])
+    return q, ref
+
+
+def test_scaler_block():
+    assert scaler_block(64 * 256 * 3) == 256 and scaler_block(64 * 24) == 8
+    assert scaler_block(64 * 3) is None and scaler_block(100) is None
+
+
+def test_which_weights_are_nf4_and_the_log(caplog):
+    torch.manual_seed(0)
+    m = NemotronHForCausalLM(qlora_config())
+    with caplog.at_level(logging.INFO, logger="hybridtrain.peft.quant"):
+        apply_lora(m, match_all_linear=True, exclude_modules=["*.o_proj"], base_quant="nf4")
+    nf4 = {n for n, p in m.named_parameters() if is_nf4(p)}
+    leaves = {n.replace(".weight", "").rsplit(".", 1)[-1] for n in nf4}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "up_proj", "down_proj", "out_proj"}
+    assert "backbone.layers.3.mixer.experts.up_proj" in nf4  # routed experts
+    assert "backbone.layers.3.mixer.shared_experts.down_proj.weight" in nf4
+    assert not any(n.endswith(("in_proj.weight", "o_proj.weight", "gate.weight", "norm.weight",
+                               "conv1d.weight", "embeddings.weight", "lm_head.weight")) for n in nf4)
+    assert all(not p.requires_grad for n, p in m.named_parameters() if n in nf4)
+    msg = next(r.getMessage() for r in caplog.records if "base_quant nf4" in r.getMessage())
+    assert f"{len(nf4)} base weights in NF4" in msg and "in_proj.weight (33536 weights" in msg
+    # 4-bit codes + scales: a quarter of bf16, an eighth of fp32
+    w = m.get_submodule("backbone.layers.3.mixer.experts").up_proj
+    held = sum(getattr(w, a).numel() * getattr(w, a).element_size()
+               for a in ("quantized_data", "quantized_scalers", "quantization_factor"))
+    assert held < w.numel() * 4 / 7
+    assert dense_shapes(m)["backbone.layers.3.mixer.experts.up_proj"] == (8, 64, 128)
+
+
+@pytest.mark.parametrize("latent", [None, 64])
+def test_qlora_computes_as_lora_on_the_dequantised_base(latent):
+    """Loss and adapter gradients equal LoRA's on the dequantised weights (plain and LatentMoE
+    experts), and an expert without tokens is never dequantised."""
+    q, ref = _pair(moe_latent_size=latent)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (q, ref):
+        loss = m(ids, labels=ids)
+        loss = loss.loss if hasattr(loss, "loss") else loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    gq = {n: p.grad for n, p in q.named_parameters() if p.requires_grad}
+    gr = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert gq.keys() == gr.keys() and any("experts.up_proj_lora_A" in n for n in gq)
+    for n in gq:
+        torch.testing.assert_close(gq[n], gr[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_experts_without_tokens_stay_packed(monkeypatch):
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    q, _ = _pair()
+    experts = q.get_submodule("backbone.layers.3.mixer.experts")
+    rows = []
+    real = NF4Tensor.get_original_weight
+    monkeypatch.setattr(NF4Tensor, "get_original_weight",
+                        lambda self: rows.append(self.shape[0]) or real(self))
+    x = torch.randn(5, 128)
+    counts = torch.tensor([3, 0, 0, 2, 0, 0, 0, 0])
+    with torch.no_grad():
+        y = experts(x, counts)
+    assert y.shape == (5, 128) and rows == [64, 128] * 2  # up and down of experts 0 and 3 only
+
+
+def test_merge_dequantises():
+    q, ref = _pair()
+    want = merged_state_dict(ref)
+    got = merged_state_dict(q)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=k)
+    merge_lora(q)
+    assert not dense_shapes(q)
+    sd = q.state_dict()
+    for k in want:
+        torch.testing.assert_close(sd[k], want[k], msg=k)
+
+
+def test_without_torchao_the_refusal_says_how(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_torchao(name, *a, **k):
+        if name.startswith("torchao"):
+            raise ImportError("No module named 'torchao'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    monkeypatch.setattr("importlib.import_module", lambda name: no_torchao(name))
+    m = NemotronHForCausalLM(qlora_config())
+    with pytest.raises(ValueError, match=r"hybridtrain\[quant\]"):
+        apply_lora(m, match_all_linear=True, base_quant="nf4")
