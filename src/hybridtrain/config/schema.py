@@ -227,7 +227,7 @@ PEFT = {
     "match_all_linear": K(False, "adapt every linear layer (except lm_head/embeddings)"),
     "base_quant": K(None, "frozen base weights under the adapters: null (as loaded) or nf4 "
                     "(QLoRA: 4-bit NormalFloat, double-quantised scales; needs torchao)",
-                    (str,), choices=("nf4",)),
+                    _OPT_STR, choices=("nf4",)),
 }
 
 

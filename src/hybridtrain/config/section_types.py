@@ -238,7 +238,7 @@ class PeftSection(RecipeSection):
     match_all_linear: bool
     #: frozen base weights under the adapters: null (as loaded) or nf4 (QLoRA: 4-bit
     #: NormalFloat, double-quantised scales; needs torchao)
-    base_quant: str
+    base_quant: str | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -234,10 +234,10 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(cfg, f, indent=2)
+            f.write("\n")
         if meta.get("base_quant"):  # beside PEFT's files (PEFT ignores it): merge reads it
             with open(os.path.join(tmp, BASE_QUANT_FILE), "w") as f:
                 json.dump({"base_quant": meta["base_quant"]}, f)
-            f.write("\n")
 
     _write_dir(os.fspath(out_dir), write)
     _note_peft_compat(model, meta["adapted"])
