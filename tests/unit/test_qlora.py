@@ -12,7 +12,7 @@ pytest.importorskip("torchao", reason="peft.base_quant: nf4 needs torchao (the '
 
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config  # noqa: E402
 from hybridtrain.peft.lora import apply_lora, lora_state_dict, merge_lora, merged_state_dict  # noqa: E402
-from hybridtrain.peft.quant import dense_shapes, dequantized, is_nf4, scaler_block  # noqa: E402
+from hybridtrain.peft.quant import dense_shapes, dequantized, is_nf4, scaler_block, splits  # noqa: E402
 
 
 def qlora_config(**kw):
@@ -40,8 +40,11 @@ def _pair(seed=0, **cfg):
 
 
 def test_scaler_block():
-    assert scaler_block(64 * 256 * 3) == 256 and scaler_block(64 * 24) == 8
+    assert scaler_block(64 * 256 * 8) == 256 and scaler_block(64 * 24) == 8
+    assert scaler_block(64 * 256 * 3) == 32  # 24 scale blocks: FSDP2 splits them over 8 ranks
+    assert scaler_block(64 * 256 * 6, experts=3) == 64 and scaler_block(64 * 512 * 8, experts=8) == 256
     assert scaler_block(64 * 3) is None and scaler_block(100) is None
+    assert splits(64 * 16, rows=4, sbs=8, shards=2) and not splits(64 * 16, rows=3, sbs=8, shards=2)
 
 
 def test_which_weights_are_nf4_and_the_log(caplog):

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 BASE_QUANT_CHOICES = ("nf4",)
 NF4_BLOCK = 64  # weights per 4-bit block (one absmax scale each)
 SCALER_BLOCKS = (256, 128, 64, 32, 16, 8)  # block scales per int8 double-quantisation group
+SHARD_GRAIN = 8  # scale blocks per tensor preferably a multiple of this (FSDP2 splits)
 
 
 def require_torchao():
@@ -50,14 +51,22 @@ def is_nf4(t: torch.Tensor) -> bool:
     return type(t).__name__ == "NF4Tensor"
 
 
-def scaler_block(numel: int) -> int | None:
-    """The scale-block size for a weight (or one expert's rows) of ``numel`` elements: the
-    largest of 256, 128, ... 8 that divides its count of 64-weight blocks; None when none does
-    (the layer stays unquantised)."""
-    if numel % NF4_BLOCK:
+def scaler_block(numel: int, experts: int = 1) -> int | None:
+    """The scale-block size for a weight of ``numel`` elements (``experts`` stacked ones): the
+    largest of 256, 128, ... 8 that divides each expert's count of 64-weight blocks, preferring
+    one that leaves a multiple of 8 scale blocks (so that FSDP2 can split the tensor over 2, 4
+    or 8 ranks: the choice never depends on the layout); None when none divides (the layer stays
+    unquantised)."""
+    if numel % (experts * NF4_BLOCK):
         return None
     blocks = numel // NF4_BLOCK
-    return next((s for s in SCALER_BLOCKS if blocks % s == 0), None)
+    fits = [s for s in SCALER_BLOCKS if (blocks // experts) % s == 0]
+    return next((s for s in fits if blocks % (s * SHARD_GRAIN) == 0), fits[0] if fits else None)
+
+
+def splits(numel: int, rows: int, sbs: int, shards: int) -> bool:
+    """Whether FSDP2 can split an NF4 tensor into ``shards`` row blocks of whole scale blocks."""
+    return rows % shards == 0 and (numel // NF4_BLOCK) % (sbs * shards) == 0
 
 
 def _base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int]]:
@@ -74,9 +83,10 @@ def _base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int]]
             yield pre + "weight", mod, "weight", None
 
 
-def quantize_base(model: nn.Module, method: str = "nf4") -> dict[str, list[str]]:
+def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dict[str, list[str]]:
     """Store the frozen base weight of every LoRA target of ``model`` in NF4 (in place, meta
-    device included). Returns ``{"nf4": names, "kept": ["name (why)", ...]}``."""
+    device included); ``shards``: the FSDP shard degree the weights will be split over (rows).
+    Returns ``{"nf4": names, "kept": ["name (why)", ...]}``."""
     if method not in BASE_QUANT_CHOICES:
         raise ValueError(f"peft.base_quant must be null or one of {BASE_QUANT_CHOICES}, got {method!r}")
     nf4 = require_torchao()
@@ -85,23 +95,25 @@ def quantize_base(model: nn.Module, method: str = "nf4") -> dict[str, list[str]]
         w = getattr(mod, attr)
         if is_nf4(w):
             continue
-        unit = w.numel() // (experts or 1)
-        sbs = scaler_block(unit)
-        if sbs is None:
-            kept.append(f"{name} ({unit} weights{' per expert' if experts else ''}: not a "
-                        f"multiple of {NF4_BLOCK} x {SCALER_BLOCKS[-1]})")
+        rows = w.numel() // w.shape[-1]
+        sbs = scaler_block(w.numel(), experts or 1)
+        if sbs is None or not splits(w.numel(), rows, sbs, shards):
+            unit = w.numel() // (experts or 1)
+            why = (f"{unit} weights{' per expert' if experts else ''}: not a multiple of "
+                   f"{NF4_BLOCK} x {SCALER_BLOCKS[-1]}" if sbs is None
+                   else f"does not split into {shards} FSDP shards of whole scale blocks")
+            kept.append(f"{name} ({why})")
             continue
-        q = nf4.to_nf4(w.detach().reshape(-1, w.shape[-1]), NF4_BLOCK, sbs)
+        q = nf4.to_nf4(w.detach().reshape(rows, w.shape[-1]), NF4_BLOCK, sbs)
         setattr(mod, attr, nn.Parameter(q, requires_grad=False))
         done.append(name)
     leaves = Counter(n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1]
                      for n in done)
-    logger.info("peft.base_quant nf4: %d base weights in NF4 (%s); %d LoRA targets stay %s "
-                "(too small for NF4 blocks)%s; not LoRA targets, so as loaded: the router, norms, "
-                "conv, embeddings, lm_head and any excluded layer",
+    logger.info("peft.base_quant nf4: %d base weights in NF4 (%s); %d LoRA targets stay as "
+                "loaded%s; not LoRA targets, so as loaded too: the router, norms, conv, "
+                "embeddings, lm_head and any excluded layer",
                 len(done), ", ".join(f"{k} x{v}" for k, v in sorted(leaves.items())), len(kept),
-                "unquantised", (": " + "; ".join(kept[:6]) + (" ..." if len(kept) > 6 else ""))
-                if kept else "")
+                (": " + "; ".join(kept[:6]) + (" ..." if len(kept) > 6 else "")) if kept else "")
     return {"nf4": done, "kept": kept}
 
 

@@ -44,7 +44,7 @@ from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
-from hybridtrain.peft.quant import packer
+from hybridtrain.peft.quant import packer, quantize_base
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
@@ -360,7 +360,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     peft = None
     if cfg.peft is not None:
         peft = cfg.peft.to_dict()
-        apply_lora(model, **peft)
+        apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     if not on_meta:  # a model target that ignored the meta device: built in full already
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -373,8 +373,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
-    validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
-                 evaluation=evaluation)
+    dims = validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
+                        evaluation=evaluation)
+    if peft is not None and peft["base_quant"]:  # QLoRA: NF4 blocks that FSDP2 can split
+        quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
     if cfg.distributed.encoder_ranks:
         plan = spec.find(HeteroSupport).plan(
             model, cfg.distributed, world_size, device=device, autocast_dtype=autocast_dtype,
