@@ -135,3 +135,17 @@ def test_without_torchao_the_refusal_says_how(monkeypatch):
     m = NemotronHForCausalLM(qlora_config())
     with pytest.raises(ValueError, match=r"hybridtrain\[quant\]"):
         apply_lora(m, match_all_linear=True, base_quant="nf4")
+
+
+def test_meta_nf4_is_what_to_nf4_makes_on_meta():
+    from torchao.quantization import to_nf4
+
+    from hybridtrain.peft.quant import _meta_nf4, require_torchao
+
+    w = torch.empty(96, 128, dtype=torch.bfloat16, device="meta")
+    want, got = to_nf4(w, 64, 32), _meta_nf4(require_torchao(), w, 32)
+    assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype
+    for a in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+        x, y = getattr(got, a), getattr(want, a)
+        assert (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device), a
+    assert (got.block_size, got.n_blocks, got.scaler_block_size) == (64, 192, 32)

@@ -104,7 +104,8 @@ def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dic
                    else f"does not split into {shards} FSDP shards of whole scale blocks")
             kept.append(f"{name} ({why})")
             continue
-        q = nf4.to_nf4(w.detach().reshape(rows, w.shape[-1]), NF4_BLOCK, sbs)
+        w2 = w.detach().reshape(rows, w.shape[-1])
+        q = _meta_nf4(nf4, w2, sbs) if w2.is_meta else nf4.to_nf4(w2, NF4_BLOCK, sbs)
         setattr(mod, attr, nn.Parameter(q, requires_grad=False))
         done.append(name)
     leaves = Counter(n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1]
@@ -115,6 +116,18 @@ def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dic
                 len(done), ", ".join(f"{k} x{v}" for k, v in sorted(leaves.items())), len(kept),
                 (": " + "; ".join(kept[:6]) + (" ..." if len(kept) > 6 else "")) if kept else "")
     return {"nf4": done, "kept": kept}
+
+
+def _meta_nf4(nf4, w: torch.Tensor, sbs: int) -> torch.Tensor:
+    """The NF4 tensor ``to_nf4(w)`` makes, on the meta device, built from its parts' shapes
+    (``to_nf4`` itself walks a meta tensor in 1M-element chunks: a minute for a 30B model)."""
+    blocks = w.numel() // NF4_BLOCK
+    meta = dict(device="meta")
+    return nf4.nf4_constructor(
+        nf4.SubclassTensorArgs(w.size(), w.stride(), w.storage_offset(), w.dtype, w.device, False),
+        NF4_BLOCK, blocks, sbs, torch.empty(blocks, dtype=torch.int8, **meta),
+        torch.empty(blocks // sbs, dtype=w.dtype, **meta), torch.empty((), dtype=w.dtype, **meta),
+        torch.empty(w.numel() // 2, dtype=torch.uint8, **meta), torch.empty(16, dtype=w.dtype, **meta))
 
 
 def packer(model: nn.Module):
@@ -130,8 +143,8 @@ def packer(model: nn.Module):
         logical = (experts, rows // experts, cols) if experts else (rows, cols)
         full = source(tuple(slice(0, n) for n in logical))
         local = getattr(param, "_local_tensor", param)
-        q = require_torchao().to_nf4(full.to(param.dtype).reshape(rows, cols).contiguous(),
-                                     local.block_size, local.scaler_block_size)
+        full = full.to(device=local.device, dtype=param.dtype).reshape(rows, cols).contiguous()
+        q = require_torchao().to_nf4(full, local.block_size, local.scaler_block_size)
         del full
         if local is param:
             return q
