@@ -149,3 +149,25 @@ def test_meta_nf4_is_what_to_nf4_makes_on_meta():
         x, y = getattr(got, a), getattr(want, a)
         assert (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device), a
     assert (got.block_size, got.n_blocks, got.scaler_block_size) == (64, 192, 32)
+
+
+def test_plan_counts_the_nf4_base():
+    """Parameters (NF4 codes and scales, the unquantised rest, fp32 adapters), gradients and
+    AdamW state at a real optimizer step equal the plan's within 10 %."""
+    from hybridtrain.recipes.memory_plan import plan_memory
+    from tests.helpers import parity as pu
+    from tests.helpers.memory import assert_close_10pct, held_at_optimizer_step, planned_bytes
+
+    model = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed",
+                        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+                        "moe_shared_expert_intermediate_size": 128}}
+    peft = {"dim": 4, "alpha": 8, "match_all_linear": True}
+    lora = plan_memory(pu.recipe({}, False, peft=peft, model=model), 1, device_type="cpu")
+    peft["base_quant"] = "nf4"
+    b, trainer = pu.build({}, 1, peft=peft, model=model)
+    got = held_at_optimizer_step(b, trainer)
+    plan = plan_memory(pu.recipe({}, False, peft=peft, model=model), 1, device_type="cpu")
+    print(got, planned_bytes(plan, 0), lora.ranks[0].params)
+    assert_close_10pct(got, planned_bytes(plan, 0), "QLoRA")
+    assert plan.ranks[0].params < 0.6 * lora.ranks[0].params  # the tiny model's fp32 embeddings stay
+    assert plan.ranks[0].buffers["nf4_dequantised_weight"] > 0
