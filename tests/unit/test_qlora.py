@@ -48,20 +48,27 @@ def test_scaler_block():
 
 
 def test_which_weights_are_nf4_and_the_log(caplog):
+    """Every linear layer and expert LoRA could adapt, adapted or not (o_proj and the routed
+    experts left out of LoRA here); not the router, norms, conv, embeddings, lm_head, nor a
+    weight too small for the scale blocks."""
     torch.manual_seed(0)
     m = NemotronHForCausalLM(qlora_config())
     with caplog.at_level(logging.INFO, logger="hybridtrain.peft.quant"):
-        apply_lora(m, match_all_linear=True, exclude_modules=["*.o_proj"], base_quant="nf4")
+        apply_lora(m, match_all_linear=True, exclude_modules=["*.o_proj", "*.experts.*"],
+                   base_quant="nf4")
     nf4 = {n for n, p in m.named_parameters() if is_nf4(p)}
     leaves = {n.replace(".weight", "").rsplit(".", 1)[-1] for n in nf4}
-    assert leaves == {"q_proj", "k_proj", "v_proj", "up_proj", "down_proj", "out_proj"}
-    assert "backbone.layers.3.mixer.experts.up_proj" in nf4  # routed experts
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "out_proj"}
+    assert "backbone.layers.3.mixer.experts.up_proj" in nf4  # routed experts, without adapters
+    assert not any("experts.up_proj_lora" in n for n, _ in m.named_parameters())
     assert "backbone.layers.3.mixer.shared_experts.down_proj.weight" in nf4
-    assert not any(n.endswith(("in_proj.weight", "o_proj.weight", "gate.weight", "norm.weight",
+    assert not any(n.endswith(("in_proj.weight", "gate.weight", "norm.weight",
                                "conv1d.weight", "embeddings.weight", "lm_head.weight")) for n in nf4)
     assert all(not p.requires_grad for n, p in m.named_parameters() if n in nf4)
     msg = next(r.getMessage() for r in caplog.records if "base_quant nf4" in r.getMessage())
     assert f"{len(nf4)} base weights in NF4" in msg and "in_proj.weight (33536 weights" in msg
+    ids = torch.randint(0, 256, (1, 12))
+    m(ids, labels=ids).backward()  # the experts without adapters compute from NF4
     # 4-bit codes + scales: a quarter of bf16, an eighth of fp32
     w = m.get_submodule("backbone.layers.3.mixer.experts").up_proj
     held = sum(getattr(w, a).numel() * getattr(w, a).element_size()

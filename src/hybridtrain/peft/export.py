@@ -39,7 +39,7 @@ from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
 from .quant import base_quant_of, dense, dense_shapes
 from .lora import (
-    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, apply_lora, expert_types, has_lora,
+    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, num_experts, apply_lora, expert_types, has_lora,
     load_lora_state_dict, lora_modules, lora_settings, merge_lora, merge_weight,
 )
 
@@ -82,7 +82,7 @@ def _hub_modules(model: nn.Module) -> list[str]:
     for name, mod in model.named_modules():
         name = state_dict_name(name)
         if isinstance(mod, expert_types(model)):
-            out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(mod.up_proj.shape[0])]
+            out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(num_experts(mod))]
         elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
             out.append(name)
     return out
@@ -92,7 +92,7 @@ def _adapted_hub_modules(model: nn.Module) -> list[str]:
     out = []
     for name, mod in lora_modules(model):
         if isinstance(mod, LoRAExperts):
-            out += [f"{name}.{j}.{p}" for p in mod.lora_projs for j in range(mod.up_proj.shape[0])]
+            out += [f"{name}.{j}.{p}" for p in mod.lora_projs for j in range(mod.num_experts)]
         else:
             out.append(name)
     return out
@@ -388,7 +388,7 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
     for (mod, proj, ab), per in sorted(experts.items()):
         try:
             sub = model.get_submodule(mod)
-            n = sub.num_experts if isinstance(sub, LoRAExperts) else sub.up_proj.shape[0]
+            n = num_experts(sub)
         except AttributeError:
             raise ValueError(f"{where}: adapter for {mod}.*.{proj}, but the model has no experts module {mod}") \
                 from None

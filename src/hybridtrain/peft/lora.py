@@ -186,7 +186,7 @@ class LoRAExperts(nn.Module):
         _adopt(self, base)
         self.base_cls = type(base)
         self.num_experts = base.up_proj.shape[0]  # the stacked tensors may become [E * out, in] (NF4)
-        assert set(projs) <= set(EXPERT_PROJS) and projs, projs
+        assert set(projs) <= set(EXPERT_PROJS), projs  # none: a frozen (e.g. NF4) base only
         self.lora_projs = tuple(p for p in EXPERT_PROJS if p in projs)
         self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
         self.scale = alpha / dim
@@ -270,6 +270,23 @@ class LoRAExperts(nn.Module):
 LORA_TYPES = (LoRALinear, LoRAExperts)
 
 
+def num_experts(mod: nn.Module) -> int:
+    """The experts of a stacked-experts module (a :class:`LoRAExperts`' stacked tensors may be
+    packed as ``[E * out, in]``)."""
+    return mod.num_experts if isinstance(mod, LoRAExperts) else mod.up_proj.shape[0]
+
+
+def frozen_experts(model: nn.Module) -> None:
+    """Wrap every experts module LoRA did not adapt in a :class:`LoRAExperts` without adapters
+    (the same settings as the model's adapters), which computes with packed (NF4) weights."""
+    s = lora_settings(model)
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, expert_types(model)) and not isinstance(mod, LoRAExperts):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child,
+                    LoRAExperts(mod, s["dim"], s["alpha"], s["dropout"], projs=()))
+
+
 def _per_expert(w: torch.Tensor, n: int):
     """Stacked expert weights indexable per expert: ``[E, out, in]`` as is, a quantised
     ``[E * out, in]`` as its ``E`` row blocks (views of the packed data: each expert is
@@ -329,7 +346,7 @@ def select_targets(model: nn.Module, target_modules=None, exclude_modules=None,
                    match_all_linear: bool = False) -> list[str]:
     """The candidate names (see module docstring) that the patterns select, in model order."""
     cands = _candidates(model)
-    n_exp = {n: m.up_proj.shape[0] for n, m in model.named_modules()
+    n_exp = {n: num_experts(m) for n, m in model.named_modules()
              if isinstance(m, expert_types(model))}
     targets = _as_list(target_modules, "target_modules")
     excludes = _as_list(exclude_modules, "exclude_modules")

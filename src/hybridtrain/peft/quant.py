@@ -1,17 +1,17 @@
 """QLoRA's frozen 4-bit base: the weights under the LoRA adapters stored as torchao's NF4.
 
-``quantize_base(model)`` (``peft.base_quant: nf4``, called by :func:`~hybridtrain.peft.lora.apply_lora`)
-turns the frozen base weight of every LoRA target into an ``NF4Tensor`` parameter
-(``requires_grad=False``, same name): 4-bit NormalFloat codes in blocks of 64 with double-quantised
-(int8) block scales. Which weights: exactly the LoRA targets (a :class:`LoRALinear`'s ``weight``;
-both stacked projections of a :class:`LoRAExperts`, which holds them as ``[E * out, in]`` so
-each expert is a row block of its own). Everything else (router, norms, conv, embeddings,
-``lm_head``, linears outside the targets) stays as loaded, and so does a target whose block
-count does not fit the scale blocks (:func:`scaler_block`); :func:`quantize_base` logs one summary
-line with the counts and why layers stay.
+``quantize_base(model)`` (``peft.base_quant: nf4``; after :func:`~hybridtrain.peft.lora.apply_lora`)
+turns every frozen weight LoRA could adapt into an ``NF4Tensor`` parameter (``requires_grad=False``,
+same name): 4-bit NormalFloat codes in blocks of 64 with double-quantised (int8) block scales.
+Which weights: every linear layer but ``lm_head`` and every stacked-experts module (the spec's
+``expert_modules``), adapted or not; experts are held by a :class:`LoRAExperts` (one without
+adapters where LoRA left them out) as ``[E * out, in]``, each expert a row block of its own.
+Everything else (router, norms, conv, embeddings, ``lm_head``) stays as loaded, and so does a
+weight whose block count does not fit the scale blocks (:func:`scaler_block`, :func:`splits`);
+:func:`quantize_base` logs one summary line with the counts and why layers stay.
 
 On a model built on the meta device the NF4 parameters are meta too (nothing allocated);
-:func:`pack_source` then fills them while the checkpoint streams in, one bf16 tensor at a time.
+:func:`packer` then fills them while the checkpoint streams in, one bf16 tensor at a time.
 Compute dequantises a weight per use (torchao's ``linear_nf4``; one expert at a time for experts).
 """
 
@@ -69,27 +69,32 @@ def splits(numel: int, rows: int, sbs: int, shards: int) -> bool:
     return rows % shards == 0 and (numel // NF4_BLOCK) % (sbs * shards) == 0
 
 
-def _base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int]]:
-    """(name, owning module, attribute, experts) of every LoRA target's frozen weight
-    (experts: of a stacked tensor, None for a linear layer)."""
-    from hybridtrain.peft.lora import LoRAExperts, lora_modules
+def _base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int | None]]:
+    """(name, owning module, attribute, experts) of every frozen base weight LoRA could adapt
+    (every linear layer but ``lm_head``, every stacked-experts module: experts, None for a
+    linear layer), adapted or not."""
+    from hybridtrain.distributed.activation_checkpoint import state_dict_name
+    from hybridtrain.peft.lora import EXCLUDED_LINEARS, LoRAExperts
 
-    for name, mod in lora_modules(model):
-        pre = f"{name}." if name else ""
+    for name, mod in model.named_modules():
+        pre = f"{state_dict_name(name)}." if name else ""
         if isinstance(mod, LoRAExperts):
             for proj in ("up_proj", "down_proj"):
                 yield pre + proj, mod, proj, mod.num_experts
-        else:
+        elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
             yield pre + "weight", mod, "weight", None
 
 
 def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dict[str, list[str]]:
-    """Store the frozen base weight of every LoRA target of ``model`` in NF4 (in place, meta
+    """Store every frozen linear and experts weight LoRA could adapt (adapted or not) in NF4 (in place, meta
     device included); ``shards``: the FSDP shard degree the weights will be split over (rows).
     Returns ``{"nf4": names, "kept": ["name (why)", ...]}``."""
     if method not in BASE_QUANT_CHOICES:
         raise ValueError(f"peft.base_quant must be null or one of {BASE_QUANT_CHOICES}, got {method!r}")
     nf4 = require_torchao()
+    from hybridtrain.peft.lora import frozen_experts
+
+    frozen_experts(model)  # experts without adapters compute from NF4 too
     done, kept = [], []
     for name, mod, attr, experts in _base_weights(model):
         w = getattr(mod, attr)
@@ -110,9 +115,9 @@ def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dic
         done.append(name)
     leaves = Counter(n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1]
                      for n in done)
-    logger.info("peft.base_quant nf4: %d base weights in NF4 (%s); %d LoRA targets stay as "
-                "loaded%s; not LoRA targets, so as loaded too: the router, norms, conv, "
-                "embeddings, lm_head and any excluded layer",
+    logger.info("peft.base_quant nf4: %d base weights in NF4 (%s); %d linear/expert weights stay "
+                "as loaded%s; so do the router, norms, conv, embeddings and lm_head (no linear "
+                "layers LoRA adapts)",
                 len(done), ", ".join(f"{k} x{v}" for k, v in sorted(leaves.items())), len(kept),
                 (": " + "; ".join(kept[:6]) + (" ..." if len(kept) > 6 else "")) if kept else "")
     return {"nf4": done, "kept": kept}
