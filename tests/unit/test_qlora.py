@@ -178,3 +178,21 @@ def test_plan_counts_the_nf4_base():
     assert_close_10pct(got, planned_bytes(plan, 0), "QLoRA")
     assert plan.ranks[0].params < 0.6 * lora.ranks[0].params  # the tiny model's fp32 embeddings stay
     assert plan.ranks[0].buffers["nf4_dequantised_weight"] > 0
+
+
+def test_nemotron3_nano_qlora_plans_for_one_24gb_card(monkeypatch):
+    """The one-GPU recipe's plan at 2048 tokens fits a 24 GB card's 22 GiB (at 4096 tokens, 32 GB:
+    tests/unit/test_plan.py plans every shipped recipe on the GPU its header names)."""
+    from pathlib import Path
+
+    from hybridtrain.config import load_config
+    from hybridtrain.config.loader import parse_overrides
+    from hybridtrain.recipes.memory_plan import plan_memory
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("NEMOTRON3_NANO_DIR", str(root / "examples/configs/nemotron3_nano_30b_a3b"))
+    cfg = load_config(root / "examples/nemotron3_nano_qlora.yaml", parse_overrides(
+        ["--dataset.seq_length=2048", "--packing.pack_size=2048"]))
+    plan = plan_memory(cfg, 1, device_memory=24 * 2**30)
+    assert plan.peak <= 22 * 2**30, plan.peak / 2**30
+    assert 15 * 2**30 < plan.ranks[0].params < 18 * 2**30  # bf16 would be 59 GiB
