@@ -196,3 +196,15 @@ def test_nemotron3_nano_qlora_plans_for_one_24gb_card(monkeypatch):
     plan = plan_memory(cfg, 1, device_memory=24 * 2**30)
     assert plan.peak <= 22 * 2**30, plan.peak / 2**30
     assert 15 * 2**30 < plan.ranks[0].params < 18 * 2**30  # bf16 would be 59 GiB
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}])
+def test_layouts_that_split_an_nf4_base_are_refused(layout):
+    """Plan and run refuse alike (training/validate.py), naming the key and the fix."""
+    from hybridtrain.recipes.memory_plan import plan_memory
+    from tests.helpers import parity as pu
+
+    peft = {"dim": 4, "alpha": 8, "match_all_linear": True, "base_quant": "nf4"}
+    key = next(iter(layout))
+    with pytest.raises(ValueError, match=rf"peft.base_quant: nf4 .* distributed.{key}=2"):
+        plan_memory(pu.recipe(layout, False, peft=peft), 2, device_type="cpu")

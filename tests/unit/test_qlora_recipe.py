@@ -7,6 +7,7 @@ takes the run folder."""
 import contextlib
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def _run(out: Path, max_steps: int, *extra: str, resume: str = "null") -> list[f
     return [json.loads(line)["loss"] for line in open(out / "training.jsonl")]
 
 
-def test_qlora_chat_run_export_merge_generate(tmp_path, monkeypatch, capsys):
+def test_qlora_chat_run_export_merge_generate(tmp_path, monkeypatch, capsys, caplog):
     from safetensors.torch import load_file
 
     from hybridtrain.cli import main
@@ -66,7 +67,8 @@ def test_qlora_chat_run_export_merge_generate(tmp_path, monkeypatch, capsys):
     # resume from the adapter-only checkpoint of step 3: the base is quantised again, bit for bit
     half = tmp_path / "half"
     _run(half, 3, "--peft.base_quant=nf4", "--checkpoint.save_hf_at_end=false")
-    assert _run(half, STEPS, "--peft.base_quant=nf4", resume="auto") == qlora
+    assert _run(half, STEPS, "--peft.base_quant=nf4", "--checkpoint.save_merged_hf=false",
+                resume="auto") == qlora
 
     final = tmp_path / "qlora" / "final"
     adapter = final / "adapter"
@@ -100,9 +102,14 @@ def test_qlora_chat_run_export_merge_generate(tmp_path, monkeypatch, capsys):
     t = load_file(adapter / "adapter_model.safetensors")
     assert t and all(v.dtype == torch.float32 for v in t.values())
 
-    # generate takes the run folder
+    # generate and evaluate take a run folder: `half` exports only the adapter, which they put
+    # on the base quantised as in training
     capsys.readouterr()
-    assert main(["generate", "--model", str(tmp_path / "qlora"), "--prompt", "Hello",
-                 "--max-new-tokens", "4"]) == 0
-    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rec["new_tokens"] == 4
+    with caplog.at_level(logging.INFO, logger="hybridtrain.peft.quant"):
+        assert main(["generate", "--model", str(half), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+        rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rec["new_tokens"] == 4
+        assert main(["evaluate", "-c", str(RECIPE), f"--checkpoint.dir={half}",
+                     "--+validation_dataset.limit=2"]) == 0
+    assert sum("base weights in NF4" in r.getMessage() for r in caplog.records) == 2
+    assert json.loads((half / "evaluation.jsonl").read_text().splitlines()[-1])["step"] == STEPS
