@@ -291,7 +291,10 @@ def _per_expert(w: torch.Tensor, n: int):
     """Stacked expert weights indexable per expert: ``[E, out, in]`` as is, a quantised
     ``[E * out, in]`` as its ``E`` row blocks (views of the packed data: each expert is
     dequantised only when it has rows to compute)."""
-    return w if w.dim() == 3 else w.split(w.shape[0] // n)
+    if w.dim() == 3:
+        return w
+    with torch.inference_mode(False):  # NF4's split outputs are views, which inference mode refuses
+        return w.split(w.shape[0] // n)
 
 
 # ---------------------------------------------------------------------------------- selection
