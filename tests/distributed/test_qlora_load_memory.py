@@ -51,6 +51,7 @@ def _recipe(ckpt, quant):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_nf4_loads_tensor_by_tensor(tmp_path):
     if not mem.glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
