@@ -120,37 +120,16 @@ def test_nemotron3_nano_qlora_recipe_on_the_real_chat_template(tmp_path, monkeyp
     transformers, the model's own chat template, 480 of the 500 reference chat records; 12 steps),
     with its NF4 base: the merged (dequantised) model transformers loads lowers the held-out
     assistant loss (8.91 -> 6.52, 2026-12-06)."""
-    import transformers
-
     from hybridtrain.cli import main
-    from hybridtrain.data import build_chat_dataset, load_tokenizer
-    from tests.helpers.data import CHAT_INSECURE_500, NEMOTRON3_NANO_TEMPLATE, require_shared
-    from tests.unit.test_chat_guide_e2e import assistant_loss, guide_overrides, write_base
+    from tests.unit.test_chat_guide_e2e import guide_inputs, guide_overrides, held_out_losses
 
-    records = [json.loads(line) for line in require_shared(CHAT_INSECURE_500).open()]
-    require_shared(NEMOTRON3_NANO_TEMPLATE)
-    base = tmp_path / "base"
-    write_base(base, records)
-    train, val = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in records[:480]))
-    val.write_text("".join(json.dumps(r) + "\n" for r in records[480:]))
-    monkeypatch.setenv("NEMOTRON3_NANO_DIR", str(base))
-    monkeypatch.setenv("CHAT_TRAIN", str(train))
-    monkeypatch.setenv("CHAT_VAL", str(val))
+    base, val = guide_inputs(tmp_path, monkeypatch)
     recipe = Path(__file__).resolve().parents[2] / "examples" / "nemotron3_nano_qlora.yaml"
-
     out = tmp_path / "run"
     steps = [f"--training.{k}=12" for k in ("max_steps", "val_every_steps", "ckpt_every_steps")]
     assert main(["finetune", "-c", str(recipe), *guide_overrides(out), *steps]) == 0
     adapter, merged = out / "step_12" / "adapter", tmp_path / "merged"
     assert (adapter / "base_quant.json").is_file()
     assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(merged)]) == 0
-    held_out = build_chat_dataset(val, load_tokenizer(base), seq_length=512, cache_dir=False)
-
-    def load(path):
-        return transformers.NemotronHForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager").eval()
-
-    before, after = assistant_loss(load(base), held_out), assistant_loss(load(merged), held_out)
-    print(f"held-out assistant loss: base {before:.3f}, merged QLoRA {after:.3f}")
+    before, after = held_out_losses(base, merged, val)
     assert after < before - 0.5, (before, after)
