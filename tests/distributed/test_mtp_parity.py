@@ -26,7 +26,9 @@ LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
            "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
            "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance"),
            "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"), "tp2": ({"tp": 2}, False, "plain"),
-           "cp2": ({"cp": 2}, False, "plain"), "pp2": ({"pp": 2}, False, "plain")}
+           "cp2": ({"cp": 2}, False, "plain"), "pp2": ({"pp": 2}, False, "plain"),
+           # (the V schedule: the first and last stages on one rank, a zero-bubble backward)
+           "pp2_zbv": ({"pp": 2, "schedule": "zbv"}, False, "plain")}
 # the routers' sequence-level balance loss beside the MTP loss
 SEQ_AUX = {"moe_aux_loss_coeff": 0.01}
 VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE},
