@@ -4,9 +4,11 @@ layers and the routers' correction biases included) within 1e-5 (``tests.helpers
 recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP, TP,
 activation checkpointing, LoRA (the MTP linears adapted), aux-loss-free balancing under
 FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike), the
-sequence-level balance loss under EP, context parallelism (a depth's next tokens and
-targets read across the slice boundary) and pipeline parallelism (the first stage's embeddings
-of the tokens ahead carried to the MTP layers on the last). The layouts MTP cannot train under yet are refused."""
+sequence-level balance loss under EP, TP with sequence parallelism, context parallelism (a
+depth's next tokens and targets read across the slice boundary) and pipeline parallelism (the
+first stage's embeddings of the tokens ahead carried to the MTP layers on the last, also under
+the zbv schedule). The layouts the sequence-level balance loss cannot train under yet are
+refused."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ BALANCE = {"moe_bias_update_rate": 0.01}  # the routers' biases move with counts
 LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
            "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
            "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance"),
-           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"), "tp2": ({"tp": 2}, False, "plain"),
+           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"), "tp2": ({"tp": 2}, False, "plain"), "tp2_sp": ({"tp": 2, "sp": True}, False, "plain"),
            "cp2": ({"cp": 2}, False, "plain"), "pp2": ({"pp": 2}, False, "plain"),
            # (the V schedule: the first and last stages on one rank, a zero-bubble backward)
            "pp2_zbv": ({"pp": 2, "schedule": "zbv"}, False, "plain")}
@@ -77,14 +79,6 @@ def test_mtp_layout_matches_single_process(results, layout):
     assert ref_steps[-1][1] > 0
     if LAYOUTS[layout][2] == "balance":  # the biases did move
         assert any(float(w[k].abs().sum()) > 0 for k in w if k.endswith("e_score_correction_bias"))
-
-
-def test_sequence_parallelism_is_refused_by_plan_and_run():
-    from hybridtrain.training.builder import build
-
-    recipe = pu.recipe({"tp": 2, "sp": True}, packed=True, model=MTP_MODEL)
-    with pytest.raises(ValueError, match=r"training.mtp=train.*sequence_parallel.*freeze or drop"):
-        build(recipe, "cpu", world_size=2)
 
 
 @pytest.mark.parametrize("layout", [{"pp": 2}, {"cp": 2}])

@@ -69,11 +69,16 @@ class MTPLayer(Block):
         return self.eh_proj(fused)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor | None = None, info=None) -> torch.Tensor:
+        """A depth's rows [B, L, H] in and out; under sequence parallelism (``info.sp``) its
+        layers run on this rank's part of the rows, as the main stack's."""
+        sp = info.sp if info is not None else None
         if self.eh_proj is not None:
             hidden = self.fuse(hidden, embeds)
+            hidden = hidden if sp is None else sp.shard(hidden)
         hidden = super().forward(hidden, info)
         if self.final_layernorm is not None:
-            hidden = self.final_layernorm(hidden.to(self.final_layernorm.weight.dtype))
+            hidden = self.final_layernorm(hidden.to(self.final_layernorm.weight.dtype), sp)
+            hidden = hidden if sp is None else sp.gather(hidden, info.length)
         return hidden
 
 
