@@ -28,8 +28,6 @@ REFUSALS = [
      "global_batch_size=4 is not divisible"),
     ("pp_microbatch", 2, {"distributed": {"pp": 2, "pp_microbatch_size": 3}},
      "not divisible by distributed.pp_microbatch_size=3"),
-    ("val_accuracy_pp", 2, {"distributed": {"pp": 2}, "training": {"val_accuracy": True}},
-     "val_accuracy is not available under pipeline parallelism"),
     ("layer_type", 1, {"training": {"activation_checkpointing": ["conv"]}},
      "unknown layer type 'conv'"),
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),

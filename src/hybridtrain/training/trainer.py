@@ -52,7 +52,7 @@ from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.runfolder import TrainingStopped
-from hybridtrain.training.accuracy import answer_counts
+from hybridtrain.training.accuracy import prediction_counts
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.flops import Throughput
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
@@ -77,9 +77,11 @@ class TrainStep:
     the global count) and returns the detached fp32 sum over this rank's micro-batches, where
     ``loss_sum`` is ``model(input_ids, labels=labels, ...)``: the model's own forward with its
     summing training loss installed. ``eval_loss(model, batch)`` is that sum for one batch
-    without gradients (validation). Under FSDP2 the gradient reduction runs only after the last
-    micro-batch. ``pipeline``: a pipeline schedule step (``__call__`` and ``eval_loss`` of the
-    same signatures), which runs forward and backward of all micro-batches itself. Everything
+    without gradients (validation), ``eval_answer_counts(model, batch)`` its accuracy counts.
+    Under FSDP2 the gradient reduction runs only after the last micro-batch. ``pipeline``: a
+    pipeline schedule step (``__call__`` and ``eval_loss`` of the same signatures, and
+    ``eval_predictions(model, batch)``: the predicted tokens), which runs forward and backward
+    of all micro-batches itself. Everything
     runs under :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
     """
 
@@ -114,12 +116,15 @@ class TrainStep:
         return total
 
     @torch.no_grad()
-    def eval_logits(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
-        """Logits of a validation batch (None on a rank that computes none)."""
+    def eval_answer_counts(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        """:func:`~hybridtrain.training.accuracy.answer_counts` of a validation batch (None on
+        a rank that predicts none: an encoder's ranks); a pipeline's on every pp rank."""
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
-                return self.pipeline.eval_logits(model, batch)
-            return model(batch["input_ids"], **model_inputs(batch))
+                pred = self.pipeline.eval_predictions(model, batch)
+            else:
+                pred = model(batch["input_ids"], **model_inputs(batch)).argmax(-1)
+        return None if pred is None else prediction_counts(pred, batch)
 
     @torch.no_grad()
     def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -189,9 +194,6 @@ class Trainer:
         self.throughput = throughput
         self.val_micro_batch_size = (self.settings.training.val_micro_batch_size
                                      or step_scheduler.micro_batch_size)
-        # (training.validate.validate_run refuses val_accuracy under pipeline parallelism)
-        assert not (self.settings.training.val_accuracy and self.train_step.pipeline), \
-            "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
         self._saved_step: int | None = None  # step of this process's latest checkpoint
@@ -284,7 +286,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
-        acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see answer_counts
+        acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see eval_answer_counts
         for i, batch in enumerate(self.data.make_loader(self.data.val, sampler)):
             if self.settings.training.max_val_steps and i >= self.settings.training.max_val_steps:
                 break
@@ -300,9 +302,9 @@ class Trainer:
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
             if self.settings.training.val_accuracy:
-                logits = self.train_step.eval_logits(self.model, batch)
-                if logits is not None:
-                    acc += answer_counts(logits, batch).to(self.device)
+                counts = self.train_step.eval_answer_counts(self.model, batch)
+                if counts is not None:
+                    acc += counts.to(self.device)
         self.dims.all_reduce_dp_cp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None

@@ -32,7 +32,7 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     everything the run would refuse about them: the degrees, the family's rules
     (``LayoutRules``), the pipeline split and schedule, the activation-checkpointing policy, an
     encoder on its own ranks; with ``train_loop`` (a training loop over the recipe's batches:
-    finetune, plan) also the batch sizes and ``training.val_accuracy``; with ``evaluation``
+    finetune, plan) also the batch sizes; with ``evaluation``
     (default: ``train_loop`` and an ``evaluation`` section) whether the family generates under
     the layout. ValueError naming the setting and the fix. Returns None for a layout with
     ``distributed.encoder_ranks`` (its plan lays it out: ``HeteroSupport``)."""
@@ -71,9 +71,6 @@ def _check_train_loop(cfg: RecipeConfig, dims: ParallelDims) -> None:
                 f"pipeline: the local batch of {local} samples (micro_batch_size × "
                 f"gradient accumulation) is not divisible by distributed.pp_microbatch_size="
                 f"{d.pp_microbatch_size}")
-        if t.val_accuracy:
-            raise ValueError("training.val_accuracy is not available under pipeline "
-                             "parallelism (distributed.pp > 1); set it to false")
 
 
 def _check_decoding(spec: ModelSpec, dims: ParallelDims) -> None:
