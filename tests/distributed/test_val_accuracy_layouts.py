@@ -7,11 +7,14 @@ the recipe's builder and ``Trainer.validate``: the same answer and token accurac
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from tests.helpers import vlm
 from tests.helpers.distributed import run_distributed
+from tests.helpers.recipes import tiny_recipe
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,3 +54,35 @@ def test_val_accuracy_under_the_layout_is_one_process(vlm_dir, trained, name):
         assert rec["answer_accuracy"] == ref["answer_accuracy"], (name, rec, ref)
         assert rec["token_accuracy"] == ref["token_accuracy"], (name, rec, ref)
         assert abs(rec["val_loss"] - ref["val_loss"]) <= 1e-5 * ref["val_loss"], (name, rec, ref)
+
+
+# -- context parallelism: each rank predicts a slice of every row ------------------------------
+def _lm_recipe(out, layout):
+    """The tiny language model on packed rows of two token ids: a few steps at a high
+    learning rate make its predictions partly right."""
+    data = {"_target_": "tests.helpers.data.sft_dataset", "vocab_size": 3, "min_len": 4,
+            "max_len": 16}
+    return tiny_recipe(dataset={**data, "n": 160}, validation_dataset={**data, "n": 16, "seed": 99},
+                       packing={"enabled": True, "pack_size": 32}, distributed=layout,
+                       training={"max_steps": 6, "val_accuracy": True, "val_every_steps": 6,
+                                 "ckpt_every_steps": 100},
+                       optimizer={"lr": 1e-2}, checkpoint={"dir": out, "enabled": False})
+
+
+def _lm_validation(rank, world, out, layout):
+    from hybridtrain.recipes.finetune import run
+
+    run(_lm_recipe(out, layout))
+    with open(f"{out}/validation.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_val_accuracy_under_context_parallelism_is_one_process(tmp_path):
+    torch.set_num_threads(1)
+    ref = _lm_validation(0, 1, str(tmp_path / "one"), {})
+    got = run_distributed(_lm_validation, 2, str(tmp_path / "cp2"), {"cp": 2}, timeout=300)[0]
+    assert ref[-1]["token_accuracy"] > 0.1 and ref[-1]["answer_accuracy"] > 0
+    for r, g in zip(ref, got, strict=True):
+        assert (g["answer_accuracy"], g["token_accuracy"]) == (
+            r["answer_accuracy"], r["token_accuracy"]), (g, r)
+        assert abs(g["val_loss"] - r["val_loss"]) <= 1e-5 * r["val_loss"]

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
-from hybridtrain.distributed.context_parallel import shard_batches
+from hybridtrain.distributed.context_parallel import shard_batches, unshard_rows
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.runfolder import TrainingStopped
@@ -77,7 +77,7 @@ class TrainStep:
     the global count) and returns the detached fp32 sum over this rank's micro-batches, where
     ``loss_sum`` is ``model(input_ids, labels=labels, ...)``: the model's own forward with its
     summing training loss installed. ``eval_loss(model, batch)`` is that sum for one batch
-    without gradients (validation), ``eval_answer_counts(model, batch)`` its accuracy counts.
+    without gradients (validation), ``eval_predictions(model, batch)`` its predicted tokens.
     Under FSDP2 the gradient reduction runs only after the last micro-batch. ``pipeline``: a
     pipeline schedule step (``__call__`` and ``eval_loss`` of the same signatures, and
     ``eval_predictions(model, batch)``: the predicted tokens), which runs forward and backward
@@ -116,15 +116,14 @@ class TrainStep:
         return total
 
     @torch.no_grad()
-    def eval_answer_counts(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
-        """:func:`~hybridtrain.training.accuracy.answer_counts` of a validation batch (None on
-        a rank that predicts none: an encoder's ranks); a pipeline's on every pp rank."""
+    def eval_predictions(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        """The predicted tokens ``[rows, L]`` (argmax of the logits) of a validation batch;
+        None on a rank that predicts none (an encoder's own ranks); a pipeline's on every pp
+        rank."""
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
-                pred = self.pipeline.eval_predictions(model, batch)
-            else:
-                pred = model(batch["input_ids"], **model_inputs(batch)).argmax(-1)
-        return None if pred is None else prediction_counts(pred, batch)
+                return self.pipeline.eval_predictions(model, batch)
+            return model(batch["input_ids"], **model_inputs(batch)).argmax(-1)
 
     @torch.no_grad()
     def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -286,7 +285,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, label tokens, rows
-        acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see eval_answer_counts
+        acc = torch.zeros(4, dtype=torch.float64, device=self.device)  # see answer_counts
         for i, batch in enumerate(self.data.make_loader(self.data.val, sampler)):
             if self.settings.training.max_val_steps and i >= self.settings.training.max_val_steps:
                 break
@@ -295,6 +294,7 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
+            whole = batch
             if self.dims.cp > 1:
                 batch = shard_batches([batch], self.dims.cp_rank, self.dims.cp)[0]
                 n_real = n_real if self.dims.cp_rank == 0 else 0
@@ -302,7 +302,7 @@ class Trainer:
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
             if self.settings.training.val_accuracy:
-                counts = self.train_step.eval_answer_counts(self.model, batch)
+                counts = self._answer_counts(batch, whole)
                 if counts is not None:
                     acc += counts.to(self.device)
         self.dims.all_reduce_dp_cp(sums)
@@ -320,6 +320,20 @@ class Trainer:
         if self.evaluator is not None:  # answers generated for validation examples, scored
             rec.update(self.evaluator(self.model, self.sched.step))
         return rec
+
+    def _answer_counts(self, batch: dict, whole: dict) -> torch.Tensor | None:
+        """:func:`~hybridtrain.training.accuracy.answer_counts` of validation batch ``whole``
+        (``batch``: this rank's context-parallel slice of it) from this rank, None where it adds
+        nothing: under context parallelism the slices' predictions are joined into whole rows
+        (an answer may span slices) and counted on the first slice's rank."""
+        pred = self.train_step.eval_predictions(self.model, batch)
+        if pred is None:
+            return None
+        if self.dims.cp > 1:
+            pred = unshard_rows(pred, self.dims.group("cp"))[:, :whole["labels"].shape[1]]
+            if self.dims.cp_rank:
+                return None
+        return prediction_counts(pred, whole)
 
     def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
