@@ -19,7 +19,7 @@ mkdocs.yml's nav carries a marker comment on the line above it:
     <!-- doc-test: skip reason="..." -->
         not run here: only what truly cannot run on a CPU machine (GPUs, Slurm, a real
         checkpoint); the reason says why and where it is run instead. The output lists these
-        blocks and counts them.
+        blocks and counts them. The quickstart, distributed, RL and VLM pages take none.
 
     after="make demo" (with run)
         the block reads what an earlier block (the one whose command is exactly "make demo")
@@ -71,6 +71,8 @@ RECIPE_COMMANDS = ("finetune", "dpo", "grpo", "benchmark", "evaluate")
 TRAINING_COMMANDS = ("finetune", "dpo", "grpo")
 MODES = ("run", "skip")
 MAX_PARALLEL_STEPS = 3  # a multi-process training command in the docs runs at most this many
+# pages whose every command runs on the tiny examples: a skip marker there is refused
+RUN_EVERY_BLOCK = ("docs/getting-started.md", "docs/distributed.md", "docs/rl.md", "docs/vlm.md")
 SKIPPED_EXIT = 77  # a block that exits so says it skipped itself (automake's convention)
 PYTEST_SKIPPED = re.compile(r"(?m)^=*\s*(?:\d+ \w+, )*\d+ skipped\b.* in [\d.]+s")
 
@@ -153,6 +155,10 @@ def problems(blocks: list[Block]) -> list[str]:
                            "append=\"...\" for a cheaper form) or skip reason=\"...\"")
             elif b.mode == "skip" and not b.attrs.get("reason"):
                 out.append(f"{b.where}: doc-test skip needs reason=\"...\"")
+            elif b.mode == "skip" and b.path in RUN_EVERY_BLOCK:
+                out.append(f"{b.where}: every command of {b.path} runs on the tiny examples; "
+                           "run this one (append=\"...\" for a cheaper form) or move it to "
+                           "a page of real-model commands")
             elif b.mode == "run":
                 out += [f"{b.where}: {line.strip()!r} starts several processes and trains more "
                         f"than {MAX_PARALLEL_STEPS} steps here; add --training.max_steps="

@@ -75,9 +75,14 @@ def test_a_multi_process_training_command_runs_at_most_three_steps(line, too_lon
     assert all("p.md:7" in f and "--training.max_steps=3" in f for f in found)
 
 
-def test_only_run_and_skip_are_modes():
+def test_only_run_and_skip_are_modes_and_some_pages_skip_nothing():
     found = rdc.problems([rdc.Block("p.md", 3, "bash", "make demo\n", "check")])
     assert len(found) == 1 and "'check'" in found[0] and "skip reason=" in found[0]
+    skip = {"reason": ["needs 8 GPUs"]}
+    assert rdc.problems([rdc.Block("docs/memory.md", 3, "bash", "make demo\n", "skip", skip)]) == []
+    for page in ("docs/getting-started.md", "docs/distributed.md", "docs/rl.md", "docs/vlm.md"):
+        found = rdc.problems([rdc.Block(page, 3, "bash", "make demo\n", "skip", skip)])
+        assert len(found) == 1 and f"{page}:3" in found[0], found
 
 
 def test_a_block_marked_run_that_skips_itself_fails(tmp_path):
