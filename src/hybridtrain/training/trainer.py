@@ -81,8 +81,8 @@ class TrainStep:
     Under FSDP2 the gradient reduction runs only after the last micro-batch. ``pipeline``: a
     pipeline schedule step (``__call__`` and ``eval_loss`` of the same signatures, and
     ``eval_predictions(model, batch)``: the predicted tokens), which runs forward and backward
-    of all micro-batches itself. Everything
-    runs under :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
+    of all micro-batches itself. Everything runs under
+    :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
     """
 
     def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None):

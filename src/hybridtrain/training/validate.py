@@ -34,9 +34,8 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     (``LayoutRules``), the pipeline split and schedule, the activation-checkpointing policy, an
     encoder on its own ranks; with ``train_loop`` (a training loop over the recipe's batches:
     finetune, plan) also the batch sizes and the pipeline schedule's micro-batches per step;
-    with ``evaluation``
-    (default: ``train_loop`` and an ``evaluation`` section) whether the family generates under
-    the layout. ValueError naming the setting and the fix. With ``distributed.encoder_ranks``
+    with ``evaluation`` (default: ``train_loop`` and an ``evaluation`` section) whether the
+    family generates under the layout. ValueError naming the setting and the fix. With ``distributed.encoder_ranks``
     the checks hold for the model laid out on the other ranks (their own degrees), and it
     returns None (the family's ``HeteroSupport`` plan lays it out)."""
     d, t = cfg.distributed, cfg.training
