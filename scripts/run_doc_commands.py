@@ -26,11 +26,13 @@ mkdocs.yml's nav carries a marker comment on the line above it:
         left behind: it runs after that block, in the same scratch copy.
 
 A shell block without a marker is an error, so a new command cannot slip in unchecked. Python
-blocks are compiled (syntax). Blocks run in two lanes at once, each in reading order (README
-first, then the nav's pages) and in a scratch copy of its own: the blocks marked after="CMD"
-with the block running CMD (the README's order: `make demo`, then evaluate / generate / convert
-on its output), and all the others. A block that reads another's output without saying so
-fails in the other copy, never by chance. With two lanes every process gets one thread
+blocks are compiled (syntax). Blocks run in two lanes at once, in scratch copies of their own:
+the first runs the blocks marked after="CMD" with the block running CMD, in reading order
+(README first, then the nav's pages; the README's order: `make demo`, then evaluate / generate /
+convert on its output); the second takes the others in reading order, and once the first is
+done it takes them from the end, in a third, fresh copy (so the lanes finish together). A block
+that reads the after-chain's output without saying so fails in the other copies, never by
+chance; a block must not read another's output at all without saying so. With two lanes every process gets one thread
 (OMP_NUM_THREADS=1, unless set): two at a time fill the 2 cores of a small machine without the
 oversubscription that makes spinning OpenMP threads crawl. A block identical to one already run
 is not run again. The results are printed in reading order; each block's line gives its wall
@@ -47,6 +49,7 @@ included).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import shlex
@@ -174,11 +177,36 @@ def problems(blocks: list[Block]) -> list[str]:
 
 
 def lanes(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
-    """(the blocks marked after="CMD" and the blocks running a CMD, the others), each in reading
-    order: the two lanes that run at once, in scratch copies of their own."""
+    """(the after-chain: the blocks marked after="CMD" and the blocks running a CMD; the
+    others), each in reading order (see the module docstring for how they run)."""
     anchors = {cmd for b in blocks for cmd in b.attrs.get("after", [])}
     first = [b for b in blocks if b.attrs.get("after") or b.text.strip() in anchors]
     return first, [b for b in blocks if b not in first]
+
+
+def lane_threads(chain: list[Block], rest: list[Block], copies: list[Path], run
+                 ) -> list[threading.Thread]:
+    """The two lanes (not started): the first runs ``chain`` in ``copies[0]``, then takes
+    ``rest`` from its end into ``copies[2]``; the second takes ``rest`` in reading order into
+    ``copies[1]``. ``run(block, copy)`` runs one block."""
+    queue, lock = collections.deque(rest), threading.Lock()
+
+    def take(from_end: bool) -> Block | None:
+        with lock:
+            return None if not queue else queue.pop() if from_end else queue.popleft()
+
+    def first() -> None:
+        for b in chain:
+            run(b, copies[0])
+        while (b := take(from_end=True)) is not None:
+            run(b, copies[2])
+
+    def second() -> None:
+        while (b := take(from_end=False)) is not None:
+            run(b, copies[1])
+
+    return [threading.Thread(target=first, daemon=True),
+            threading.Thread(target=second, daemon=True)]
 
 
 def logical_lines(text: str) -> list[str]:
@@ -345,39 +373,33 @@ def main(argv=None) -> int:
         if key not in seen:
             seen[key] = b.where
             unique.append(b)
-    both = [lane for lane in lanes(unique) if lane]
-    env_extra = {} if len(both) < 2 or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
-
+    env_extra = ({} if len(unique) < 2 or "OMP_NUM_THREADS" in os.environ
+                 else {"OMP_NUM_THREADS": "1"})
     scratch = None if args.keep else Path(tempfile.mkdtemp(prefix="doc-commands-"))
     work = args.keep or scratch / "checkout"
     if scratch is not None and (ROOT.parent / "shared").is_dir():  # the data some pages read
         (scratch / "shared").symlink_to((ROOT.parent / "shared").resolve())
     results: dict[int, Future] = {id(b): Future() for b in unique}
+    copies = [work] + [work.with_name(f"{work.name}-{i}") for i in (2, 3)]
+    log_dirs: dict[Path, Path] = {}
 
-    def run_lane(blocks: list[Block], copy: Path) -> None:
-        """Runs ``blocks`` in order in ``copy``; every block gets a result, also when the
+    def run(b: Block, copy: Path) -> None:
+        """``b`` in ``copy`` (made at its first block); ``b`` gets a result, also when the
         runner itself fails (reported as the block's failure)."""
         try:
-            copy.mkdir(parents=True, exist_ok=True)
-            if not (copy / "README.md").exists():
-                scratch_copy(copy, args.venv)
-            log_dir = copy / "doc-test-logs"
-            log_dir.mkdir(exist_ok=True)
+            if copy not in log_dirs:
+                copy.mkdir(parents=True, exist_ok=True)
+                if not (copy / "README.md").exists():
+                    scratch_copy(copy, args.venv)
+                log_dirs[copy] = copy / "doc-test-logs"
+                log_dirs[copy].mkdir(exist_ok=True)
+            results[id(b)].set_result(
+                run_block(b, copy, log_dirs[copy], args.timeout, env_extra=env_extra))
         except Exception as e:
-            for b in blocks:
-                results[id(b)].set_result((False, f"scratch copy {copy}: {e!r}", 0.0, 0.0))
-            return
-        for b in blocks:
-            try:
-                results[id(b)].set_result(
-                    run_block(b, copy, log_dir, args.timeout, env_extra=env_extra))
-            except Exception as e:
-                results[id(b)].set_result((False, f"runner error: {e!r}", 0.0, 0.0))
+            results[id(b)].set_result((False, f"runner error in {copy}: {e!r}", 0.0, 0.0))
 
     failed, start, load0 = [], time.monotonic(), os.getloadavg()[0]
-    copies = [work] + [work.with_name(f"{work.name}-{i + 1}") for i in range(1, len(both))]
-    threads = [threading.Thread(target=run_lane, args=(lane, copy), daemon=True)
-               for lane, copy in zip(both, copies)]
+    threads = lane_threads(*lanes(unique), copies, run)
     for t in threads:
         t.start()
     cpu = 0.0
@@ -406,13 +428,13 @@ def main(argv=None) -> int:
     for t in threads:
         t.join()
     total = time.monotonic() - start
-    print(f"{len(unique)} blocks in {total:.0f}s, {len(both)} at a time (cpu {cpu:.0f}s; load "
+    print(f"{len(unique)} blocks in {total:.0f}s, 2 at a time (cpu {cpu:.0f}s; load "
           f"average {load0:.1f} before, {os.getloadavg()[0]:.1f} after); {len(skipped)} "
           f"skipped by their markers; failed: {', '.join(failed) or 'none'}")
     if scratch is not None and not failed:
         shutil.rmtree(scratch, ignore_errors=True)
     elif failed:
-        print(f"logs: {', '.join(str(c / 'doc-test-logs') for c in copies)}")
+        print(f"logs: {', '.join(str(c / 'doc-test-logs') for c in copies if c.exists())}")
     return 1 if failed else 0
 
 

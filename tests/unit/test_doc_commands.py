@@ -122,6 +122,33 @@ def test_blocks_after_a_command_share_its_lane_and_must_name_an_earlier_block():
     assert len(found) == 1 and "a.md:1" in found[0] and "make demo" in found[0]
 
 
+def test_the_lanes_run_every_block_once_and_the_chain_in_order_in_its_own_copy():
+    """The first lane runs the after-chain, then takes the other blocks from the end, in a
+    copy of their own; the second takes them from the start: both finish together."""
+    import time
+
+    chain = [rdc.Block("README.md", i, "bash", f"chain {i}\n", "run") for i in range(3)]
+    rest = [rdc.Block("a.md", i, "bash", f"other {i}\n", "run") for i in range(8)]
+    ran = []
+
+    def run(b, copy):
+        time.sleep(0.01)
+        ran.append((b.path, b.line, copy))
+
+    for t in (threads := rdc.lane_threads(chain, rest, ["A", "B", "C"], run)):
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(x[:2] for x in ran) == sorted(
+        [("README.md", i) for i in range(3)] + [("a.md", i) for i in range(8)])
+    assert [x[1] for x in ran if x[2] == "A"] == [0, 1, 2]
+    second = [x[1] for x in ran if x[2] == "B"]
+    from_end = [x[1] for x in ran if x[2] == "C"]
+    assert sorted(second + from_end) == list(range(8))
+    assert second == list(range(len(second))) and from_end == sorted(from_end, reverse=True)
+    assert second and from_end  # both lanes took some
+
+
 def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
     """`make` in the copy must not reinstall: its pyproject.toml is not newer than the venv's
     stamp, to the nanosecond (a reinstall would point the venv's package at the copy)."""
