@@ -1,15 +1,16 @@
-"""Load a YAML recipe into a ``ConfigNode``: schema defaults, overrides, ``${env:...}``.
+"""Load a YAML recipe into a ``ConfigNode``: the recipe's defaults, overrides, ``${env:...}``.
 
 ``load_config(path, overrides)`` does, in order:
 
 1. parse the YAML (floats such as ``1e-4`` are floats; duplicate keys are errors) and record
    the line of every key, so errors can say ``recipe.yaml:12``;
-2. check the top-level sections and fill the defaults of fixed sections from ``schema.py``;
+2. check the top-level sections and fill the defaults of fixed sections from ``recipe.py``;
 3. apply overrides (``--section.key=value``; values parsed as YAML; a key that exists neither
-   in the recipe nor in the schema needs a leading ``+``: ``--+model.new_kwarg=1``);
+   in the recipe nor in ``recipe.py`` needs a leading ``+``: ``--+model.new_kwarg=1``);
 4. replace ``${env:VAR}`` / ``${env:VAR,default}`` in string values (a value that is exactly one
    reference is parsed as a YAML scalar, so ``${env:STEPS,10}`` is the int 10);
-5. validate fixed sections (unknown keys with a suggestion, types, choices), ``dist_env``, and
+5. validate fixed sections (unknown keys with a suggestion; types, ranges, choices and the
+   rules over several keys, by making the section's dataclass), ``dist_env``, and
    every ``_target_`` against the allow-list (without importing anything); a key that would
    let a dependency load code (``trust_remote_code: true``, ``targets.CODE_LOADING_OPTIONS``)
    is refused anywhere in the recipe;
@@ -20,6 +21,7 @@ Nothing here imports torch, so ``dist_env`` can be applied before CUDA is touche
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -29,13 +31,14 @@ import yaml
 
 from hybridtrain.config.consistency import warn_contradictions
 from hybridtrain.config.dist_env import dist_env_vars
-from hybridtrain.config.dtypes import canonical_dtype_name
 from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
-from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
+from hybridtrain.config.recipe import SECTIONS, TOP_LEVEL_KEYS
+from hybridtrain.config.recipe_fields import KeyProblem, KeySpec, check_value, section_defaults
 from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_code_loading_option,
                                         check_target, normalize_prefixes)
-from hybridtrain.fileio import EncodingError, read_text
+from hybridtrain.fileio import (MAX_RECIPE_BYTES, EncodingError, InputError, read_text,
+                                text_reader)
 
 __all__ = [
     "ConfigError", "Override", "load_config", "build_config", "parse_overrides",
@@ -107,22 +110,29 @@ def _yaml_error(e: yaml.YAMLError, source: str) -> _InvalidYAML:
 def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tuple, str]]:
     """The document of ``text`` (``empty`` when it has none) and the ``file:line`` of each key;
     refuses a document whose aliases expand past :data:`MAX_YAML_NODES` before building it."""
-    loader = _Loader(text)
-    loader.name = source  # PyYAML's marks would say "<unicode string>"
+    loader = None
     try:
+        loader = _Loader(text)  # refuses control characters (e.g. NUL bytes) at once
+        loader.name = source  # PyYAML's marks would say "<unicode string>"
         node = loader.get_single_node()
         if node is None:
             return empty, {}
         locs: dict[tuple, str] = {}
         _record_locations(node, (), locs, source, [MAX_YAML_NODES])
         data = loader.construct_document(node)
+    except yaml.reader.ReaderError as e:  # a character YAML never holds (e.g. a NUL byte)
+        char = ord(e.character) if isinstance(e.character, str) else e.character
+        line = text.count("\n", 0, e.position) + 1
+        raise _InvalidYAML(f"{source}:{line}: invalid YAML: unacceptable character #x{char:04x} "
+                           "(a recipe is text: is it a binary file?)") from None
     except yaml.YAMLError as e:
         raise _yaml_error(e, source) from None
     except RecursionError:  # a key that is its own ancestor (&a [*a]) or absurd nesting
         raise ConfigError(f"{source}: the YAML nests too deeply (or an alias refers to a value "
                           "that contains it); a recipe is a few levels deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, locs
 
 
@@ -233,8 +243,8 @@ def split_cli_overrides(argv: Sequence[str], known_options: set[str]) -> tuple[l
     return rest, overrides
 
 
-def _fixed_keys(path: tuple, root: dict) -> dict[str, K] | None:
-    """Schema keys when ``path`` names a fixed section that is not a ``_target_`` mapping."""
+def _fixed_keys(path: tuple, root: dict) -> dict[str, KeySpec] | None:
+    """The keys of ``recipe.py`` when ``path`` names a fixed section (not a _target_ mapping)."""
     if len(path) != 1 or path[0] not in SECTIONS:
         return None
     sec = SECTIONS[path[0]]
@@ -251,7 +261,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         raise ConfigError(
             f"unknown section '{top}' in {where}"
             f"{suggest(top, list(SECTIONS) + list(TOP_LEVEL_KEYS))} "
-            f"(sections are defined in src/hybridtrain/config/schema.py)")
+            f"(sections are defined in src/hybridtrain/config/recipe.py)")
     cur: Any = root
     for depth, seg in enumerate(ov.path[:-1]):
         here = ov.path[: depth + 1]
@@ -264,7 +274,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         if nxt is None:
             sec = SECTIONS.get(seg) if depth == 0 else None
             if sec is not None and sec.kind == "fixed":
-                nxt = section_defaults(seg)  # e.g. --peft.dim=8 enables an absent peft section
+                nxt = section_defaults(sec)  # e.g. --peft.dim=8 enables an absent peft section
             elif sec is not None or ov.add or (isinstance(cur, dict) and seg in cur):
                 nxt = {}
             else:
@@ -285,7 +295,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         if fixed is not None and last not in fixed:
             raise ConfigError(
                 f"unknown key '{dotted(ov.path)}' in {where}{suggest(last, fixed)} "
-                f"(the keys of '{parent[0]}' are fixed: see src/hybridtrain/config/schema.py)")
+                f"(the keys of '{parent[0]}' are fixed: see src/hybridtrain/config/recipe.py)")
         if fixed is None and not ov.add and parent:
             raise ConfigError(f"unknown key '{dotted(ov.path)}' in {where}"
                               f"{suggest(last, cur.keys())}; to add a new key write "
@@ -337,42 +347,10 @@ def _interpolate(value: Any, path: tuple, meta: ConfigMeta, environ: Mapping[str
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
-def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
-    types = spec.types
-    if types is None:
-        if spec.default is None:
-            return value
-        types = (type(spec.default),)
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-        raise ConfigError(f"'{name}.{key}' must be {want}, got {value!r} "
-                          f"({type(value).__name__}) in {where}")
-    if spec.minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and value < spec.minimum:
-        raise ConfigError(f"'{name}.{key}' must be >= {spec.minimum}, got {value!r} in {where}")
-    if spec.path and isinstance(value, str):
-        if not value.strip():
-            raise ConfigError(f"'{name}.{key}' is empty ({value!r}) in {where}: give a "
-                              f"{spec.path} path (an unset ${{env:VAR,}} gives an empty one), or "
-                              "leave the key out for its default")
-        return os.path.expanduser(value)
-    if spec.choices and isinstance(value, str):
-        low = canonical_dtype_name(value) or value.lower()
-        for choice in spec.choices:
-            if choice.lower() == low:
-                return choice
-        raise ConfigError(f"'{name}.{key}' must be one of {', '.join(spec.choices)}; "
-                          f"got {value!r} in {where}")
-    return value
-
-
 def _validate_fixed(name: str, node: Any, meta: ConfigMeta) -> Any:
     sec = SECTIONS[name]
     if node is None:
-        return None if sec.optional else section_defaults(name)
+        return None if sec.optional else section_defaults(sec)
     if not isinstance(node, dict):
         raise ConfigError(f"section '{name}' must be a mapping, got {node!r} "
                           f"in {meta.where((name,))}")
@@ -383,14 +361,11 @@ def _validate_fixed(name: str, node: Any, meta: ConfigMeta) -> Any:
             hint = " (or make the section a _target_ mapping)" if sec.target_ok else ""
             raise ConfigError(f"unknown key '{name}.{key}' in {meta.where((name, key))}"
                               f"{suggest(key, sec.keys)}{hint}")
-    out = section_defaults(name)
-    for key, value in node.items():
-        out[key] = _check_value(name, key, sec.keys[key], value, meta.where((name, key)))
-    problem = sec.check(out) if sec.check is not None else None
-    if problem:
-        key, message = problem
-        raise ConfigError(f"{message} ({meta.where((name, key))})")
-    return out
+    try:  # the dataclass checks each value and the rules over its keys
+        made = sec.cls(**{**section_defaults(sec), **node})
+    except KeyProblem as e:
+        raise e.at(meta.where((name, e.key))) from None
+    return {key: getattr(made, key) for key in sec.keys}
 
 
 def _validate_dist_env(node: Any, meta: ConfigMeta) -> dict:
@@ -423,6 +398,17 @@ def _check_targets(value: Any, path: tuple, meta: ConfigMeta) -> None:
 # --------------------------------------------------------------------------------------------
 # entry points
 # --------------------------------------------------------------------------------------------
+def _refuse_nan(value: Any, path: tuple, meta: ConfigMeta) -> None:
+    """No recipe value is NaN (``.nan`` in YAML), also where no key's range applies (a
+    ``_target_``'s arguments): it compares false with every bound."""
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"'{dotted(path)}' is NaN in {meta.where(path)}; give a number")
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(
+        value, list) else ()
+    for k, v in items:
+        _refuse_nan(v, path + (k,), meta)
+
+
 def build_config(
     data: Mapping[str, Any] | None,
     overrides: Sequence[str | Override] | Mapping[str, Any] = (),
@@ -452,15 +438,15 @@ def build_config(
         node = data.get(name)
         if sec.kind == "fixed" and isinstance(node, dict) and not (
                 sec.target_ok and "_target_" in node):
-            root[name] = {**section_defaults(name), **node}
+            root[name] = {**section_defaults(sec), **node}
         elif sec.kind == "fixed" and node is None and not sec.optional:
-            root[name] = section_defaults(name)
+            root[name] = section_defaults(sec)
         elif sec.kind == "env" and node is None:
             root[name] = {}
         else:
             root[name] = node
     for name, spec in TOP_LEVEL_KEYS.items():
-        root[name] = data.get(name, spec.default)
+        root[name] = data.get(name, spec.current_default())
 
     for ov in parse_overrides(overrides):
         _apply_override(root, ov, meta.locs)
@@ -476,7 +462,7 @@ def build_config(
             raise ConfigError(f"section '{name}' must be a mapping (usually with _target_), "
                               f"got {root[name]!r} in {meta.where((name,))}")
     for name, spec in TOP_LEVEL_KEYS.items():
-        root[name] = _check_value("<top>", name, spec, root[name], meta.where((name,)))
+        root[name] = check_value("", spec, root[name], meta.where((name,)))
 
     extra = list(root["allowed_target_prefixes"]) + list(allowed_target_prefixes)
     for p in extra:
@@ -484,11 +470,13 @@ def build_config(
             raise ConfigError(f"allowed_target_prefixes entries must be module names like "
                               f"'mypkg.', got {p!r} ({meta.where(('allowed_target_prefixes',))})")
     meta.allowed_target_prefixes = normalize_prefixes(DEFAULT_ALLOWED_PREFIXES + tuple(extra))
+    _refuse_nan(root, (), meta)  # in what no key's range checks, e.g. a target's arguments
     _check_targets(root, (), meta)
     warn_contradictions(root, meta.where)
     return ConfigNode(root, (), meta)
 
 
+@text_reader("recipe")
 def load_config(
     path: str | os.PathLike,
     overrides: Sequence[str | Override] | Mapping[str, Any] = (),
@@ -505,12 +493,12 @@ def load_config(
     """
     source = os.fspath(path)
     try:
-        text = read_text(source)
+        text = read_text(source, max_bytes=MAX_RECIPE_BYTES, what="a recipe")
     except FileNotFoundError:
         raise ConfigError(f"recipe file not found: {source}") from None
     except IsADirectoryError:
         raise ConfigError(f"recipe {source} is a folder; give the YAML file in it") from None
-    except EncodingError as e:
+    except (EncodingError, InputError) as e:
         raise ConfigError(str(e)) from None
     data, locs = _read_yaml(text, source, empty={})
     return build_config(data, overrides, source=source, locs=locs,

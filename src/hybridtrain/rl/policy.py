@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
-from hybridtrain.config.sections import RecipeConfig
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.context_parallel import ContextParallel, gather_sequence, shard_batches
 from hybridtrain.distributed.init import init_distributed
 from hybridtrain.rl import batch as rb
@@ -59,16 +59,20 @@ __all__ = ["Policy"]
 LossFn = Callable[[torch.Tensor, dict, float, float], tuple[torch.Tensor, dict]]
 
 
-def _load(recipe: Any, overrides) -> ConfigNode:
+def _load(recipe: Any, overrides) -> RecipeConfig:
+    """The typed recipe of a path, a dict, a loaded tree or a typed recipe, with ``overrides``."""
     ov = parse_overrides(overrides or ())
+    if isinstance(recipe, RecipeConfig) and not ov:
+        return recipe
     if isinstance(recipe, RecipeConfig):
         recipe = recipe.node
     if isinstance(recipe, ConfigNode):
-        return build_config(recipe.to_dict(), ov, source=recipe.source_file or "<config>")
+        return recipe_config(build_config(recipe.to_dict(), ov,
+                                          source=recipe.source_file or "<config>"))
     if isinstance(recipe, (str, os.PathLike)):
-        return load_config(recipe, ov)
+        return recipe_config(load_config(recipe, ov))
     if isinstance(recipe, Mapping):
-        return build_config(dict(recipe), ov)
+        return recipe_config(build_config(dict(recipe), ov))
     raise ValueError(f"Policy: expected a recipe path, a loaded config or a dict, got {type(recipe)}")
 
 
@@ -90,6 +94,13 @@ class Policy:
         self.built = b = build(cfg, info.device, info.is_main, info.world_size, data=False,
                                loss=self.head, tokenizer=True)
         self.model, self.optimizer, self.device = b.model, b.optimizer, b.device
+        if b.aux_loss is not None or (b.expert_load is not None and b.expert_load.rate):
+            logger.warning(
+                "the policy trains on the RL losses only: the model's extra objectives (%s) and the "
+                "routers' bias update are not applied here, their layers and biases stay as "
+                "loaded (set training.mtp: freeze, training.moe_aux_loss_coeff: 0 and "
+                "training.moe_bias_update_rate: 0 to say so)",
+                ", ".join(b.aux_loss.names) if b.aux_loss is not None else "none")
         self.tokenizer, self.dims = b.tokenizer, b.plan.dims
         self._run_length = (t.max_steps, t.global_batch_size)  # see set_run_length()
         self._lr_scheduler = None  # made on first use

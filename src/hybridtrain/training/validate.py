@@ -20,7 +20,7 @@ from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.distributed.hetero import receiver_degrees
 from hybridtrain.distributed.pipeline_layout import check_microbatches, pipeline_layout
 from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
-from hybridtrain.models.spec import Decoding, HeteroSupport, LayerTypes, LayoutRules, ModelSpec
+from hybridtrain.models.spec import AuxiliaryLosses, Decoding, HeteroSupport, LayerTypes, LayoutRules, ModelSpec
 from hybridtrain.training.step_scheduler import StepScheduler
 
 __all__ = ["validate_run"]
@@ -35,9 +35,10 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     encoder on its own ranks; with ``train_loop`` (a training loop over the recipe's batches:
     finetune, plan) also the batch sizes and the pipeline schedule's micro-batches per step;
     with ``evaluation`` (default: ``train_loop`` and an ``evaluation`` section) whether the
-    family generates under the layout. ValueError naming the setting and the fix. With ``distributed.encoder_ranks``
-    the checks hold for the model laid out on the other ranks (their own degrees), and it
-    returns None (the family's ``HeteroSupport`` plan lays it out)."""
+    family generates under the layout. ValueError naming the setting and the fix. With
+    ``distributed.encoder_ranks`` the checks hold for the model laid out on the other ranks
+    (their own degrees), and it returns None (the family's ``HeteroSupport`` plan lays it
+    out)."""
     d, t = cfg.distributed, cfg.training
     if d.encoder_ranks:  # the checks below hold for the model laid out on the other ranks
         spec.part(HeteroSupport, f"distributed.encoder_ranks={d.encoder_ranks} (an encoder on "
@@ -49,6 +50,9 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     if rules is not None:
         rules.check(model.config, dims, d, t, device_type)
     parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
+    aux = spec.find(AuxiliaryLosses)
+    if aux is not None:
+        aux.check_layout(model, dims, d, t)
     schedule = None
     if dims.pp > 1:
         config = model.config
