@@ -54,6 +54,7 @@ from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.device_step import PendingStep, fused_step, supports_device_skip
 from hybridtrain.training.flops import Throughput
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.precision import autocast_context
@@ -196,6 +197,8 @@ class Trainer:
         self.stop = stop or RunStop()  # default: never stops early
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
+        self._diverged = False  # the streak reached max_consecutive_skipped_steps
+        self._pending: PendingStep | None = None  # the step queued but not yet read back
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
 
@@ -204,73 +207,112 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def train_one_step(self, micro_batches: list[dict]) -> dict[str, Any]:
-        """Runs one global batch: forward/backward, clip, update (or skip). Returns its record."""
+        """Runs one global batch: forward/backward, clip, update (or skip). Returns its record,
+        settled (loss, grad norm and skip read back; on CUDA the step finished)."""
+        rec = self.step(micro_batches)
+        self.settle()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # this one-step API is timed by its callers
+        return rec
+
+    def step(self, micro_batches: list[dict]) -> dict[str, Any]:
+        """One global batch queued without waiting on the device (see :mod:`.device_step`):
+        the update is skipped on the device where the loss or norm is not finite, and the
+        record's ``loss`` / ``grad_norm`` / ``skipped_steps`` are filled in when the step is
+        settled (by the next step, or :meth:`settle`). Settling the previous step here is the
+        one read per step, of a flag the device finished a step ago."""
         t0 = time.perf_counter()
-        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
         flops = self.throughput.flops(micro_batches) if self.throughput is not None else 0.0
         if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
             micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
             flops /= self.dims.cp
-        counts = torch.tensor(
-            [sum(count_label_tokens(mb) for mb in micro_batches),
-             sum(count_tokens(mb) for mb in micro_batches), flops],
-            dtype=torch.float64, device=self.device)
-        self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
-        num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
-        lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
-              self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
+        # counted on the loader's host tensors, before they move: no device read
+        num_label_tokens, num_tokens, flops = self._global_counts(micro_batches, flops)
+        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
         self.model.train()
+        rec = {"step": self.sched.step + 1, "num_label_tokens": num_label_tokens,
+               "num_tokens": num_tokens}
+        on_device = self._skip_on_device
         if num_label_tokens == 0:
             logger.warning("step %d: the global batch has no label tokens; skipping it",
                            self.sched.step + 1)
-            loss = torch.tensor(float("nan"))
-            grad_norm = torch.tensor(float("nan"))
+            pending = PendingStep.of(rec, torch.full((2,), math.nan, dtype=torch.float64), "cpu")
+            self.settle()
         else:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
-        loss_v, grad_norm_v = float(loss), float(grad_norm)
-        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
-        if skipped:
-            if num_label_tokens:
-                logger.warning("step %d: non-finite %s; skipping the update (lr stays %.3g)",
-                               self.sched.step + 1,
-                               "loss" if not math.isfinite(loss_v) else "gradient norm", lr)
-        else:
+            pending = PendingStep.of(rec, torch.stack([loss, grad_norm.to(loss)]), self.device)
+            self.settle()  # the previous step (its flag is a step old): the LR of this update
             if self.optimizer is not None:  # None: nothing trainable on this rank
-                self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(self.sched.global_batch_size)
+                if on_device:
+                    fused_step(self.optimizer, pending.nonfinite)
+                elif not pending.skipped:  # read now: this step waits on the device
+                    self.optimizer.step()
+        lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
+              self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         epoch = self.sched.epoch
-        self.sched.advance(skipped=skipped)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.sched.advance()  # skipped_steps: counted when the step is settled
         dt = time.perf_counter() - t0
-        tps = num_tokens / dt if dt > 0 else None
         world = self.dims.world_size
+        tps = num_tokens / dt if dt > 0 else None
         tflops = mfu = None
         if self.throughput is not None and dt > 0:
             tflops, mfu = self.throughput.rates(flops, dt, world)
-        return {
-            "step": self.sched.step,
-            "loss": loss_v,
-            "grad_norm": grad_norm_v,
-            "lr": lr,
-            "num_label_tokens": num_label_tokens,
-            "num_tokens": num_tokens,
-            "tps": tps,
+        rec.update({
+            "lr": lr, "tps": tps,
             "tps_per_device": tps / world if tps is not None else None,
-            "tflops_per_device": tflops,
-            "mfu": mfu,
+            "tflops_per_device": tflops, "mfu": mfu,
             "mem_gb": peak_memory_gb(self.device),
             "consumed_samples": self.sched.consumed_samples,
-            "skipped_steps": self.sched.skipped_steps,
-            "epoch": epoch,
-            "step_time_s": dt,
-        }
+            "epoch": epoch, "step_time_s": dt,
+        })
+        self._pending = pending
+        if num_label_tokens == 0 or not on_device:
+            self.settle()  # known on the host already
+        return rec
+
+    def _global_counts(self, micro_batches: list[dict], flops: float) -> tuple[int, int, float]:
+        """(label tokens, tokens, FLOPs) of the global batch, from this rank's host tensors
+        summed over the data(-and-context)-parallel ranks. One process: no device involved;
+        several: one all-reduce, read back (the count scales this step's loss)."""
+        counts = [sum(count_label_tokens(mb) for mb in micro_batches),
+                  sum(count_tokens(mb) for mb in micro_batches), flops]
+        if self.dims.dp * self.dims.cp == 1:
+            return int(counts[0]), int(counts[1]), float(counts[2])
+        t = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        self.dims.all_reduce_dp_cp(t)  # global batch: all data(-and-context)-parallel ranks
+        n_label, n_tok, flops = t.tolist()
+        return int(n_label), int(n_tok), float(flops)
+
+    @property
+    def _skip_on_device(self) -> bool:
+        return self.optimizer is None or supports_device_skip(self.optimizer)
+
+    def settle(self) -> None:
+        """Reads back the queued step (if any): fills its record, counts a skip (the LR
+        schedule does not advance) or advances the LR schedule, and counts the non-finite
+        streak (:class:`TrainingDiverged` when it reaches the limit)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        rec = pending.read()
+        skipped = pending.skipped
+        if skipped:
+            self.sched.skipped_steps += 1
+            if rec["num_label_tokens"]:
+                logger.warning("step %d: non-finite %s; skipping the update (lr stays %.3g)",
+                               rec["step"], "loss" if not math.isfinite(rec["loss"])
+                               else "gradient norm", rec["lr"] if "lr" in rec else float("nan"))
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(self.sched.global_batch_size)
+        rec["skipped_steps"] = self.sched.skipped_steps
+        self._diverged = self._count_nonfinite(rec)
+        if self.metrics is not None:
+            self.metrics.progress(rec["step"], rec["loss"], rec.get("lr"), rec.get("tps"))
 
     # -- validation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -370,6 +412,12 @@ class Trainer:
         self.checkpointer.load(path, self.model, self.optimizer, self.lr_scheduler, self.sched)
 
     # -- divergence --------------------------------------------------------------------------
+    def _streak_may_end_run(self) -> bool:
+        """Whether the queued step's flag may reach ``max_consecutive_skipped_steps`` (then it
+        is read at once, so that the run stops at that step)."""
+        limit = self.settings.training.max_consecutive_skipped_steps
+        return bool(limit) and self._nonfinite_streak + 1 >= limit
+
     def _count_nonfinite(self, rec: dict) -> bool:
         """Counts step ``rec`` into the non-finite streak; True when the streak hits the limit."""
         nonfinite = rec["num_label_tokens"] > 0 and not (
@@ -413,14 +461,13 @@ class Trainer:
         saving = self.checkpointer is not None and settings.checkpoint.enabled
         while not sched.done:
             micro_batches = next(batches)
-            rec = self.train_one_step(micro_batches)
+            rec = self.step(micro_batches)
             self.history.append(rec)
-            diverged = self._count_nonfinite(rec)
-            if self.metrics is not None:
-                if sched.is_log_step or diverged:
-                    self.metrics.log_train(rec)
-                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
-            if diverged:
+            if sched.is_log_step or sched.is_ckpt_step or self._streak_may_end_run():
+                self.settle()  # read back at logging steps (and where the values decide)
+            if self.metrics is not None and (sched.is_log_step or self._diverged):
+                self.metrics.log_train(rec)
+            if self._diverged:
                 self._stop_diverged()
             gc_every = settings.training.gc_every_steps
             if gc_every and sched.step % gc_every == 0:
@@ -432,9 +479,11 @@ class Trainer:
             if sched.done:
                 break
             if saving and self.stop.needs_timed_save():
+                self.settle()
                 last_ckpt = self._save()  # training.max_time: how long a save takes
             reason = self.stop.requested()
             if reason is not None:
+                self.settle()
                 self._stop_early(reason, last_ckpt)
         return last_ckpt
 
