@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 # first). `make test` installs them once; a Triton or mamba_ssm already importable (a cluster's
 # CUDA build) is kept. `make demo` does not need them.
 TRITON_PIN ?= triton==3.7.1
-KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging
+KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging torchao==0.18.0
 MAMBA_PIN ?= mamba-ssm==2.3.2.post1
 
 # The set-up's packages (torch and the rest: ~10,000 Python files) are installed without

@@ -110,8 +110,10 @@ TRAINING = {
     "cpu_bf16": K("auto", "whether this CPU's bf16 matmuls are fast, for dtype: auto; auto -> CPU "
                           "flags (avx512_bf16/amx_bf16), else a timed matmul probe; true/false "
                           "override the detection (ops/backend.py)", (bool, str)),
-    "grouped_mm": K(True, "CUDA bf16 MoE experts through torch grouped_mm; false -> a loop over "
-                          "experts (ops/backend.py)"),
+    "grouped_mm": K("auto", "CUDA bf16 MoE experts through torch grouped_mm: auto -> where torch "
+                            "has it (a CUDA run without it, or not in bf16, warns); true -> a run "
+                            "that cannot use it refuses; false -> a loop over experts "
+                            "(ops/backend.py)", (bool, str), choices=("auto",)),
     "fused_loss": K("auto", "the linear cross-entropy's implementation: torch (chunked PyTorch "
                             "loop), compiled (its chunk functions under torch.compile), liger "
                             "(Liger-Kernel's fused Triton kernel, extra hybridtrain[cuda]); auto -> "

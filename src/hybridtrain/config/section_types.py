@@ -99,9 +99,10 @@ class TrainingSection(RecipeSection):
     #: (avx512_bf16/amx_bf16), else a timed matmul probe; true/false override the
     #: detection (ops/backend.py)
     cpu_bf16: bool | str
-    #: CUDA bf16 MoE experts through torch grouped_mm; false -> a loop over experts
-    #: (ops/backend.py)
-    grouped_mm: bool
+    #: CUDA bf16 MoE experts through torch grouped_mm: auto -> where torch has it (a CUDA
+    #: run without it, or not in bf16, warns); true -> a run that cannot use it refuses;
+    #: false -> a loop over experts (ops/backend.py)
+    grouped_mm: bool | str
     #: the linear cross-entropy's implementation: torch (chunked PyTorch loop), compiled
     #: (its chunk functions under torch.compile), liger (Liger-Kernel's fused Triton
     #: kernel, extra hybridtrain[cuda]); auto -> liger on CUDA where it imports, else
