@@ -114,6 +114,13 @@ TRAINING = {
                             "has it (a CUDA run without it, or not in bf16, warns); true -> a run "
                             "that cannot use it refuses; false -> a loop over experts "
                             "(ops/backend.py)", (bool, str), choices=("auto",)),
+    "float8": K(None, "train the blocks' Linear layers in float8 through torchao (extra "
+                      "hybridtrain[quant]): tensorwise or rowwise scales; null -> off. Weights, "
+                      "checkpoints and exports stay high-precision (training/float8.py)",
+                (str, type(None)), choices=("tensorwise", "rowwise")),
+    "float8_filter": K(None, "regular expressions: Linear layers whose names match stay "
+                             "high-precision under float8; null -> the first and last block",
+                       (list, type(None))),
     "fused_loss": K("auto", "the linear cross-entropy's implementation: torch (chunked PyTorch "
                             "loop), compiled (its chunk functions under torch.compile), liger "
                             "(Liger-Kernel's fused Triton kernel, extra hybridtrain[cuda]); auto -> "

@@ -103,6 +103,13 @@ class TrainingSection(RecipeSection):
     #: run without it, or not in bf16, warns); true -> a run that cannot use it refuses;
     #: false -> a loop over experts (ops/backend.py)
     grouped_mm: bool | str
+    #: train the blocks' Linear layers in float8 through torchao (extra
+    #: hybridtrain[quant]): tensorwise or rowwise scales; null -> off. Weights,
+    #: checkpoints and exports stay high-precision (training/float8.py)
+    float8: str | None
+    #: regular expressions: Linear layers whose names match stay high-precision under
+    #: float8; null -> the first and last block
+    float8_filter: list | None
     #: the linear cross-entropy's implementation: torch (chunked PyTorch loop), compiled
     #: (its chunk functions under torch.compile), liger (Liger-Kernel's fused Triton
     #: kernel, extra hybridtrain[cuda]); auto -> liger on CUDA where it imports, else

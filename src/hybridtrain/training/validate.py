@@ -46,6 +46,7 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     if rules is not None:
         rules.check(model.config, dims, d, t, device_type)
     parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
+    _check_float8(cfg, dims)
     if dims.pp > 1:
         config = model.config
         pipeline_layout(len(spec.pipeline.layers(model)), dims, d,
@@ -74,6 +75,20 @@ def _check_train_loop(cfg: RecipeConfig, dims: ParallelDims) -> None:
         if t.val_accuracy:
             raise ValueError("training.val_accuracy is not available under pipeline "
                              "parallelism (distributed.pp > 1); set it to false")
+
+
+def _check_float8(cfg: RecipeConfig, dims: ParallelDims) -> None:
+    """``training.float8`` with what it is not tested with here."""
+    t = cfg.training
+    if t.float8 is None:
+        return
+    if cfg.peft is not None:
+        raise ValueError("training.float8 with a peft section: LoRA wraps the Linear layers "
+                         "float8 converts; set training.float8: null")
+    if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
+        raise ValueError("training.float8 is not available with tensor, context or pipeline "
+                         "parallelism yet (distributed.tp / cp / pp > 1); set training.float8: "
+                         "null or those degrees to 1")
 
 
 def _check_decoding(spec: ModelSpec, dims: ParallelDims) -> None:
