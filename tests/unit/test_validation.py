@@ -33,6 +33,8 @@ REFUSALS = [
     ("layer_type", 1, {"training": {"activation_checkpointing": ["conv"]}},
      "unknown layer type 'conv'"),
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),
+    ("float8_tp", 2, {"distributed": {"tp": 2}, "training": {"float8": "tensorwise"}},
+     "training.float8 is not available with tensor"),
 ]
 DENSE_REFUSALS = [
     ("dense_tp", 2, {"distributed": {"tp": 2}}, "dense_test supports data and pipeline"),
