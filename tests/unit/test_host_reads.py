@@ -15,7 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridtrain.ops import backend
-from hybridtrain.training.trainer import TrainData
+from hybridtrain.training.lr_schedule import LRScheduler
+from hybridtrain.training.optim import build_optimizer
+from hybridtrain.training.trainer import TrainData, TrainStep
 from tests.helpers.data import make_loader, sft_dataset
 from tests.helpers.training import build_trainer
 
@@ -89,3 +91,34 @@ def test_a_step_reads_nothing_back_from_the_device(path, monkeypatch):
         assert unnamed == [], unnamed
     assert [r["skipped_steps"] for r in records] == [0, 0, 0]  # filled in a step late
     assert all(isinstance(r["loss"], float) and r["loss"] > 0 for r in records)
+
+
+class _NaNAt(TrainStep):
+    """A train step whose ``bad``-th call returns a NaN loss sum."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.calls, self.bad = 0, bad
+
+    def __call__(self, model, micro_batches, n):
+        self.calls += 1
+        ce = super().__call__(model, micro_batches, n)
+        return ce * float("nan") if self.calls == self.bad else ce
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_the_skip_on_the_device_and_on_the_host_agree(implementation):
+    """The fused AdamW skips on the device flag; foreach reads it first: the same run."""
+    tr = build_trainer(None, max_steps=4, val=False, train_step=_NaNAt(2), log_every=100)
+    tr.optimizer = build_optimizer(tr.model, lr=3e-3, weight_decay=0.1, implementation=implementation)
+    tr.lr_scheduler = LRScheduler(tr.optimizer, lr_decay_style="cosine", lr_warmup_steps=2,
+                                  total_steps=4, min_lr=3e-4)
+    tr.fit()
+    hist = tr.history
+    assert [r["skipped_steps"] for r in hist] == [0, 1, 1, 1]
+    f = tr.lr_scheduler.lr_at
+    assert [r["lr"] for r in hist] == [f(0), f(1), f(1), f(2)]
+    assert tr.lr_scheduler.num_steps == 3
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+    state = tr.optimizer.state[next(iter(tr.model.parameters()))]
+    assert float(state["step"]) == 3  # the skipped update did not count
