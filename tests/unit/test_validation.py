@@ -35,6 +35,8 @@ REFUSALS = [
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),
     ("float8_tp", 2, {"distributed": {"tp": 2}, "training": {"float8": "tensorwise"}},
      "training.float8 is not available with tensor"),
+    ("float8_evaluation", 1, {"training": {"float8": "rowwise"}, "evaluation": {"num_examples": 2}},
+     "training.float8 with an evaluation section"),
 ]
 DENSE_REFUSALS = [
     ("dense_tp", 2, {"distributed": {"tp": 2}}, "dense_test supports data and pipeline"),
