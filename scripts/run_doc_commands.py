@@ -80,7 +80,7 @@ class Block:
 
 
 def doc_files(root: Path = ROOT) -> list[str]:
-    """README.md, then every page of mkdocs.yml's nav in its order."""
+    """README.md, then every page of mkdocs.yml's nav in its order (those written in docs/)."""
     nav = yaml.safe_load((root / "mkdocs.yml").read_text())["nav"]
     pages: list[str] = []
 
@@ -95,7 +95,8 @@ def doc_files(root: Path = ROOT) -> list[str]:
                 walk(x)
 
     walk(nav)
-    return ["README.md", *pages]
+    # a page the site generates when it builds (recipes/reference.md) has no file, nor commands
+    return ["README.md", *(p for p in pages if (root / p).exists())]
 
 
 def parse_blocks(path: str, root: Path = ROOT) -> list[Block]:

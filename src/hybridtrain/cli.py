@@ -48,7 +48,7 @@ import hybridtrain
 from hybridtrain.config import ConfigError, apply_dist_env, apply_process_defaults, load_config
 from hybridtrain.config.dtypes import DTYPE_NAMES
 from hybridtrain.config.loader import parse_overrides, split_cli_overrides
-from hybridtrain.config.schema import SECTIONS
+from hybridtrain.config.recipe import SECTIONS
 from hybridtrain.fileio import given_path, output_folder, write_error
 from hybridtrain.launch import first_to_report, launch, worker_argv
 from hybridtrain.runfolder import TrainingStopped
@@ -77,7 +77,8 @@ overrides (any number, after or before -c):
 
 recipe sections:
 """ + "".join(f"  {name:<19}{sec.doc}\n" for name, sec in SECTIONS.items()) + """\
-  (keys and defaults: src/hybridtrain/config/schema.py)
+  (every key with its default, range and unit: src/hybridtrain/config/recipe.py, or
+   python -m hybridtrain.config.reference [SECTION])
 
 examples:
   hybridtrain finetune -c examples/squad_tiny.yaml --training.max_steps=20

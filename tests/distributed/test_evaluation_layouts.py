@@ -62,12 +62,11 @@ class _Scored(_Examples):
 
 
 def _section(out_dir):
-    from hybridtrain.config.schema import section_defaults
+    from hybridtrain.config.recipe import EvaluationSection
 
-    s = dict(section_defaults("evaluation"))
-    s.update(num_examples=NUM_EXAMPLES, max_new_tokens=MAX_NEW, batch_size=3, num_samples=NUM_EXAMPLES,
-             samples_file=os.path.join(out_dir, "samples.jsonl"))
-    return s
+    return EvaluationSection(num_examples=NUM_EXAMPLES, max_new_tokens=MAX_NEW, batch_size=3,
+                             num_samples=NUM_EXAMPLES,
+                             samples_file=os.path.join(out_dir, "samples.jsonl"))
 
 
 def _prompts():

@@ -188,7 +188,7 @@ def test_config_helpers(monkeypatch):
         assert info.world_size == 1
     assert started == {"device": "cpu", "backend": None, "timeout_minutes": 2.0}
     d = config_section("distributed", {"pp_schedule": "zbv"})
-    assert d.pp_schedule == "zbv" and d.ep_backend == "alltoall"  # the schema's defaults
+    assert d.pp_schedule == "zbv" and d.ep_backend == "alltoall"  # the recipe's defaults
     assert config_section("training", {"activation_checkpointing": "moe"}
                           ).activation_checkpointing == "moe"
     with pytest.raises(ValueError, match="pp_shedule"):  # an unknown option is an error

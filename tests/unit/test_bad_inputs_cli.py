@@ -375,9 +375,9 @@ def test_a_count_that_would_silently_skip_work_is_refused(tmp_path, override):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["--evaluation.temperature=-0.5"], "evaluation.temperature must be a finite number >= 0"),
+    (["--evaluation.temperature=-0.5"], "'evaluation.temperature' must be >= 0, got -0.5"),
     (["--evaluation.do_sample=true", "--evaluation.temperature=0"], "temperature 0 is greedy"),
-    (["--evaluation.top_p=1.5"], "evaluation.top_p must be in (0, 1]"),
+    (["--evaluation.top_p=1.5"], "'evaluation.top_p' must be in (0, 1], got 1.5"),
 ])
 def test_evaluation_sampling_out_of_range_is_refused_at_load(tmp_path, overrides, message):
     from hybridtrain.config import ConfigError, load_config

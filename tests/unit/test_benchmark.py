@@ -127,9 +127,9 @@ def test_tokenizer_larger_than_the_model_vocab_is_an_error(tmp_path):
         run(cfg)
 
 
-def test_benchmark_keys_are_schema_keys(tmp_path):
-    """`benchmark` is a schema section: overrides need no `+` (the old `+` form still works),
-    absent keys take the schema defaults, a typo is refused with a suggestion."""
+def test_benchmark_keys_are_recipe_keys(tmp_path):
+    """`benchmark` is a recipe section: overrides need no `+` (the old `+` form still works),
+    absent keys take their defaults, a typo is refused with a suggestion."""
     from hybridtrain.config import build_config
 
     data = _cfg(tmp_path)

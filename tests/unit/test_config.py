@@ -1,4 +1,4 @@
-"""Recipe loading: schema defaults, typo suggestions with file:line, overrides, ${env:...},
+"""Recipe loading: defaults, typo suggestions with file:line, overrides, ${env:...},
 ``_target_`` allow-list and instantiation."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hybridtrain.config import (
     parse_scalar,
 )
 from hybridtrain.config.loader import split_cli_overrides
-from hybridtrain.config.schema import SECTIONS
+from hybridtrain.config.recipe import TrainingSection
 
 
 def write(tmp_path, text, name="recipe.yaml"):
@@ -49,7 +49,7 @@ def test_defaults_filled_and_attribute_access(tmp_path):
     cfg = load_config(write(tmp_path, BASE))
     assert isinstance(cfg, ConfigNode) and isinstance(cfg.training, dict)
     assert cfg.training.max_steps == 10 and cfg["training"]["global_batch_size"] == 16
-    assert cfg.training.micro_batch_size == SECTIONS["training"].keys["micro_batch_size"].default
+    assert cfg.training.micro_batch_size == TrainingSection().micro_batch_size
     assert cfg.optimizer.lr == 1e-4 and isinstance(cfg.optimizer.lr, float)  # YAML 1.1 gotcha
     assert cfg.optimizer.betas == [0.9, 0.95]
     assert cfg.checkpoint.dir and cfg.distributed.tp == 1 and cfg.dist_env == {}
@@ -194,7 +194,7 @@ def test_override_forms_and_types(tmp_path):
     assert cfg.training.where("max_steps") == "command-line override '--training.max_steps=20'"
 
 
-def test_override_schema_key_absent_from_recipe_and_optional_section(tmp_path):
+def test_override_recipe_key_absent_from_recipe_and_optional_section(tmp_path):
     cfg = load_config(write(tmp_path, BASE), ["--training.seed=7", "--peft.dim=4",
                                               "--peft.match_all_linear=true"])
     assert cfg.training.seed == 7
@@ -392,6 +392,6 @@ def test_settings_that_contradict_each_other_are_named_with_where(tmp_path, capl
     assert not caplog.records
 
 
-def test_key_errors_point_at_the_schema_file_by_its_path(tmp_path):
-    with pytest.raises(ValueError, match="src/hybridtrain/config/schema.py"):
+def test_key_errors_point_at_the_recipe_file_by_its_path(tmp_path):
+    with pytest.raises(ValueError, match="src/hybridtrain/config/recipe.py"):
         load_config(write(tmp_path, "training: {}\n"), ["--trainng.max_steps=3"])

@@ -109,7 +109,7 @@ def test_payload_recipe_runs_nothing(tmp_path):
 
 
 def test_every_shipped_target_resolves():
-    """The targets the examples and the schema's defaults name keep resolving."""
+    """The targets the examples and the recipe's defaults name keep resolving."""
     import pathlib
 
     import yaml

@@ -16,7 +16,7 @@ import yaml
 from tests.helpers.recipes import tiny_recipe
 
 from hybridtrain.cli import main
-from hybridtrain.config.schema import parse_duration
+from hybridtrain.config.text_values import parse_duration
 from hybridtrain.runfolder import LOCK_NAME
 from hybridtrain.training.preemption import EXIT_PREEMPTED, RunStop
 

@@ -330,17 +330,17 @@ def test_trainer_clips_then_steps(max_norm):
         assert torch.equal(a, b), name
 
 
-def test_trainer_settings_come_from_the_recipe_sections_over_the_schema_defaults():
+def test_trainer_settings_come_from_the_recipe_sections_over_their_defaults():
     from hybridtrain.config import ConfigError
-    from hybridtrain.config.schema import section_defaults
+    from hybridtrain.config.recipe import CheckpointSection, TrainingSection
     from hybridtrain.training.settings import trainer_settings
 
     s = trainer_settings({"grad_clip": None, "gc_every_steps": 3}, {"enabled": False})
-    t = section_defaults("training")
     assert (s.training.grad_clip, s.training.gc_every_steps, s.checkpoint.enabled) == \
         (None, 3, False)
-    assert s.training.max_consecutive_skipped_steps == t["max_consecutive_skipped_steps"]
-    assert s.checkpoint.save_hf_at_end == section_defaults("checkpoint")["save_hf_at_end"]
+    assert s.training.max_consecutive_skipped_steps == \
+        TrainingSection().max_consecutive_skipped_steps
+    assert s.checkpoint.save_hf_at_end == CheckpointSection().save_hf_at_end
     with pytest.raises(ConfigError, match="training.grad_clipp"):
         trainer_settings({"grad_clipp": 1.0})
     with pytest.raises(dataclasses.FrozenInstanceError):

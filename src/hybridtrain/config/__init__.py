@@ -1,4 +1,4 @@
-"""Recipes: YAML loading, schema defaults, overrides, ``${env:...}``, ``_target_``, dist_env.
+"""Recipes: YAML loading, defaults, overrides, ``${env:...}``, ``_target_``, dist_env.
 
 The API the rest of hybridtrain uses::
 
@@ -7,12 +7,13 @@ The API the rest of hybridtrain uses::
     cfg = load_config("recipe.yaml", ["--training.max_steps=5"])   # ConfigNode
     recipe = recipe_config(cfg)               # typed sections: recipe.training.max_steps
     apply_dist_env(cfg.dist_env)              # before torch.cuda / torch.distributed
-    cfg.training.max_steps                    # schema defaults are filled in
+    cfg.training.max_steps                    # defaults are filled in
     model = instantiate(cfg.model)
     opt = instantiate(cfg.optimizer, params)  # call-site arguments are added
     raise ValueError(f"... ({cfg.training.where('global_batch_size')})")  # "recipe.yaml:12"
 
-Keys and defaults live in ``src/hybridtrain/config/schema.py`` (the single source of truth).
+Every key, with its default, doc, range and unit, is written once: the dataclasses of
+``src/hybridtrain/config/recipe.py``.
 Nothing in this package imports torch.
 """
 
@@ -27,7 +28,7 @@ from hybridtrain.config.loader import (
     parse_scalar,
 )
 from hybridtrain.config.node import ConfigNode
-from hybridtrain.config.schema import SECTIONS
+from hybridtrain.config.recipe import SECTIONS
 from hybridtrain.config.sections import RecipeConfig, config_section, recipe_config
 from hybridtrain.config.targets import DEFAULT_ALLOWED_PREFIXES, is_target_allowed
 

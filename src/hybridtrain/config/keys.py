@@ -5,16 +5,16 @@
 Components take plain arguments (``StepScheduler(global_batch_size, ...)``, ``pack_dataset(ds,
 pack_size)``); their messages name the recipe key the value came from, so the user knows what to
 change. A name listed in :data:`INTERNAL_NAMES` maps there; any other name that is a key of
-exactly one section of ``schema.py`` maps to ``section.key``; anything else is returned as is.
+exactly one section of ``recipe.py`` maps to ``section.key``; anything else is returned as is.
 """
 
 from __future__ import annotations
 
-from hybridtrain.config.schema import SECTIONS
+from hybridtrain.config.recipe import SECTIONS
 
 __all__ = ["INTERNAL_NAMES", "recipe_key"]
 
-# Names whose recipe key is not found by the schema alone (in several sections, or not a key).
+# Names whose recipe key is not found by recipe.py alone (in several sections, or not a key).
 INTERNAL_NAMES = {
     "micro_batch_size": "training.micro_batch_size",
     "seq_length": "dataset.seq_length",

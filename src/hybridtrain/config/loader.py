@@ -1,15 +1,16 @@
-"""Load a YAML recipe into a ``ConfigNode``: schema defaults, overrides, ``${env:...}``.
+"""Load a YAML recipe into a ``ConfigNode``: the recipe's defaults, overrides, ``${env:...}``.
 
 ``load_config(path, overrides)`` does, in order:
 
 1. parse the YAML (floats such as ``1e-4`` are floats; duplicate keys are errors) and record
    the line of every key, so errors can say ``recipe.yaml:12``;
-2. check the top-level sections and fill the defaults of fixed sections from ``schema.py``;
+2. check the top-level sections and fill the defaults of fixed sections from ``recipe.py``;
 3. apply overrides (``--section.key=value``; values parsed as YAML; a key that exists neither
-   in the recipe nor in the schema needs a leading ``+``: ``--+model.new_kwarg=1``);
+   in the recipe nor in ``recipe.py`` needs a leading ``+``: ``--+model.new_kwarg=1``);
 4. replace ``${env:VAR}`` / ``${env:VAR,default}`` in string values (a value that is exactly one
    reference is parsed as a YAML scalar, so ``${env:STEPS,10}`` is the int 10);
-5. validate fixed sections (unknown keys with a suggestion, types, choices), ``dist_env``, and
+5. validate fixed sections (unknown keys with a suggestion; types, ranges, choices and the
+   rules over several keys, by making the section's dataclass), ``dist_env``, and
    every ``_target_`` against the allow-list (without importing anything); a key that would
    let a dependency load code (``trust_remote_code: true``, ``targets.CODE_LOADING_OPTIONS``)
    is refused anywhere in the recipe;
@@ -29,10 +30,10 @@ import yaml
 
 from hybridtrain.config.consistency import warn_contradictions
 from hybridtrain.config.dist_env import dist_env_vars
-from hybridtrain.config.dtypes import canonical_dtype_name
 from hybridtrain.config.errors import ConfigError
 from hybridtrain.config.node import ConfigMeta, ConfigNode, dotted, suggest
-from hybridtrain.config.schema import SECTIONS, TOP_LEVEL_KEYS, K, section_defaults
+from hybridtrain.config.recipe import SECTIONS, TOP_LEVEL_KEYS
+from hybridtrain.config.recipe_fields import KeyProblem, KeySpec, check_value, section_defaults
 from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_code_loading_option,
                                         check_target, normalize_prefixes)
 from hybridtrain.fileio import EncodingError, read_text
@@ -233,8 +234,8 @@ def split_cli_overrides(argv: Sequence[str], known_options: set[str]) -> tuple[l
     return rest, overrides
 
 
-def _fixed_keys(path: tuple, root: dict) -> dict[str, K] | None:
-    """Schema keys when ``path`` names a fixed section that is not a ``_target_`` mapping."""
+def _fixed_keys(path: tuple, root: dict) -> dict[str, KeySpec] | None:
+    """The keys of ``recipe.py`` when ``path`` names a fixed section (not a _target_ mapping)."""
     if len(path) != 1 or path[0] not in SECTIONS:
         return None
     sec = SECTIONS[path[0]]
@@ -251,7 +252,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         raise ConfigError(
             f"unknown section '{top}' in {where}"
             f"{suggest(top, list(SECTIONS) + list(TOP_LEVEL_KEYS))} "
-            f"(sections are defined in src/hybridtrain/config/schema.py)")
+            f"(sections are defined in src/hybridtrain/config/recipe.py)")
     cur: Any = root
     for depth, seg in enumerate(ov.path[:-1]):
         here = ov.path[: depth + 1]
@@ -264,7 +265,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         if nxt is None:
             sec = SECTIONS.get(seg) if depth == 0 else None
             if sec is not None and sec.kind == "fixed":
-                nxt = section_defaults(seg)  # e.g. --peft.dim=8 enables an absent peft section
+                nxt = section_defaults(sec)  # e.g. --peft.dim=8 enables an absent peft section
             elif sec is not None or ov.add or (isinstance(cur, dict) and seg in cur):
                 nxt = {}
             else:
@@ -285,7 +286,7 @@ def _apply_override(root: dict, ov: Override, locs: dict) -> None:
         if fixed is not None and last not in fixed:
             raise ConfigError(
                 f"unknown key '{dotted(ov.path)}' in {where}{suggest(last, fixed)} "
-                f"(the keys of '{parent[0]}' are fixed: see src/hybridtrain/config/schema.py)")
+                f"(the keys of '{parent[0]}' are fixed: see src/hybridtrain/config/recipe.py)")
         if fixed is None and not ov.add and parent:
             raise ConfigError(f"unknown key '{dotted(ov.path)}' in {where}"
                               f"{suggest(last, cur.keys())}; to add a new key write "
@@ -337,42 +338,10 @@ def _interpolate(value: Any, path: tuple, meta: ConfigMeta, environ: Mapping[str
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
-def _check_value(name: str, key: str, spec: K, value: Any, where: str) -> Any:
-    types = spec.types
-    if types is None:
-        if spec.default is None:
-            return value
-        types = (type(spec.default),)
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-        raise ConfigError(f"'{name}.{key}' must be {want}, got {value!r} "
-                          f"({type(value).__name__}) in {where}")
-    if spec.minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and value < spec.minimum:
-        raise ConfigError(f"'{name}.{key}' must be >= {spec.minimum}, got {value!r} in {where}")
-    if spec.path and isinstance(value, str):
-        if not value.strip():
-            raise ConfigError(f"'{name}.{key}' is empty ({value!r}) in {where}: give a "
-                              f"{spec.path} path (an unset ${{env:VAR,}} gives an empty one), or "
-                              "leave the key out for its default")
-        return os.path.expanduser(value)
-    if spec.choices and isinstance(value, str):
-        low = canonical_dtype_name(value) or value.lower()
-        for choice in spec.choices:
-            if choice.lower() == low:
-                return choice
-        raise ConfigError(f"'{name}.{key}' must be one of {', '.join(spec.choices)}; "
-                          f"got {value!r} in {where}")
-    return value
-
-
 def _validate_fixed(name: str, node: Any, meta: ConfigMeta) -> Any:
     sec = SECTIONS[name]
     if node is None:
-        return None if sec.optional else section_defaults(name)
+        return None if sec.optional else section_defaults(sec)
     if not isinstance(node, dict):
         raise ConfigError(f"section '{name}' must be a mapping, got {node!r} "
                           f"in {meta.where((name,))}")
@@ -383,14 +352,11 @@ def _validate_fixed(name: str, node: Any, meta: ConfigMeta) -> Any:
             hint = " (or make the section a _target_ mapping)" if sec.target_ok else ""
             raise ConfigError(f"unknown key '{name}.{key}' in {meta.where((name, key))}"
                               f"{suggest(key, sec.keys)}{hint}")
-    out = section_defaults(name)
-    for key, value in node.items():
-        out[key] = _check_value(name, key, sec.keys[key], value, meta.where((name, key)))
-    problem = sec.check(out) if sec.check is not None else None
-    if problem:
-        key, message = problem
-        raise ConfigError(f"{message} ({meta.where((name, key))})")
-    return out
+    try:  # the dataclass checks each value and the rules over its keys
+        made = sec.cls(**{**section_defaults(sec), **node})
+    except KeyProblem as e:
+        raise e.at(meta.where((name, e.key))) from None
+    return {key: getattr(made, key) for key in sec.keys}
 
 
 def _validate_dist_env(node: Any, meta: ConfigMeta) -> dict:
@@ -452,15 +418,15 @@ def build_config(
         node = data.get(name)
         if sec.kind == "fixed" and isinstance(node, dict) and not (
                 sec.target_ok and "_target_" in node):
-            root[name] = {**section_defaults(name), **node}
+            root[name] = {**section_defaults(sec), **node}
         elif sec.kind == "fixed" and node is None and not sec.optional:
-            root[name] = section_defaults(name)
+            root[name] = section_defaults(sec)
         elif sec.kind == "env" and node is None:
             root[name] = {}
         else:
             root[name] = node
     for name, spec in TOP_LEVEL_KEYS.items():
-        root[name] = data.get(name, spec.default)
+        root[name] = data.get(name, spec.current_default())
 
     for ov in parse_overrides(overrides):
         _apply_override(root, ov, meta.locs)
@@ -476,7 +442,7 @@ def build_config(
             raise ConfigError(f"section '{name}' must be a mapping (usually with _target_), "
                               f"got {root[name]!r} in {meta.where((name,))}")
     for name, spec in TOP_LEVEL_KEYS.items():
-        root[name] = _check_value("<top>", name, spec, root[name], meta.where((name,)))
+        root[name] = check_value("", spec, root[name], meta.where((name,)))
 
     extra = list(root["allowed_target_prefixes"]) + list(allowed_target_prefixes)
     for p in extra:

@@ -126,7 +126,7 @@ class ConfigNode(dict):
 
     def where(self, key: Any = None) -> str:
         """Where this node (or ``key`` in it) was set: ``"recipe.yaml:12"``, a command-line
-        override, or the recipe file when the value is a schema default."""
+        override, or the recipe file when the value is a default."""
         return self._meta.where(self._path + ((key,) if key is not None else ()))
 
     @property

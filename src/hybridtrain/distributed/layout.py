@@ -6,8 +6,8 @@
         dims = parallel_dims_from_config(cfg.distributed, info.world_size, info.device.type)
         plan = parallelize(spec, model, dims, recipe.distributed, recipe.training, ...)
 
-Sections are the typed objects of :mod:`hybridtrain.config.sections`, filled with the schema's
-defaults (``hybridtrain.config.schema``, the one place each default is stated);
+Sections are the typed objects of :mod:`hybridtrain.config.sections`, filled with their
+defaults (``hybridtrain.config.recipe``, the one place each default is stated);
 :func:`~hybridtrain.config.sections.config_section` makes one from a few keys (tests, API use).
 """
 

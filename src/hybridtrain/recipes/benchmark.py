@@ -3,8 +3,8 @@
 Builds the recipe's model, optimizer and parallel layout as ``finetune`` does, then times full
 training steps (forward, backward, clipping, optimizer step) with the trainer's own step. Options
 live in the recipe's ``benchmark:`` section (or ``--benchmark.KEY=VALUE``); its keys, defaults
-and meanings are in ``src/hybridtrain/config/schema.py`` (``BENCHMARK``; docs/recipes/reference.md:
-the recipe reference).
+and meanings are in ``src/hybridtrain/config/recipe.py`` (``BenchmarkSection``;
+docs/recipes/reference.md: the recipe reference).
 
 With ``benchmark.profile`` the traced steps' top operators/kernels by device time (CPU time on
 a CPU) are printed after the MFU line, as a table like ``torch.profiler``'s ``key_averages``.
@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from hybridtrain.config.schema import section_defaults
-from hybridtrain.config.sections import recipe_config
+from hybridtrain.config.sections import BenchmarkSection, recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.fileio import atomic_write
 from hybridtrain.ops.backend import configure_backend, kernel_paths, kernel_paths_line
@@ -51,20 +50,13 @@ from hybridtrain.training.trainer import TrainData, Trainer
 logger = logging.getLogger(__name__)
 
 def _options(cfg, args) -> dict[str, Any]:
-    """The ``benchmark:`` section (schema defaults when absent), with the command-line flags."""
-    opts = cfg.benchmark.to_dict() if cfg.benchmark is not None else section_defaults("benchmark")
+    """The ``benchmark:`` section (its defaults when absent), with the command-line flags."""
+    opts = (cfg.benchmark or BenchmarkSection()).to_dict()
     for flag, key in (("profile", "profile"), ("measure_peak", "measure_peak")):
         v = getattr(args, flag, None) if args is not None else None
         if v:
             opts[key] = v
-    for key in ("warmup_steps", "steps", "profile_steps"):
-        if opts[key] < (1 if key == "steps" else 0):
-            raise ValueError(f"benchmark.{key} must be a {'positive' if key == 'steps' else 'non-negative'} "
-                             f"int, got {opts[key]!r}")
-    lengths = opts["seq_lengths"] or []
-    if any(not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValueError(f"benchmark.seq_lengths must be a list of positive ints, got {lengths!r}")
-    opts["seq_lengths"] = sorted(lengths)
+    opts["seq_lengths"] = sorted(opts["seq_lengths"] or [])  # (each checked when it loads)
     return opts
 
 

@@ -21,8 +21,7 @@ import logging
 import os
 from typing import Any
 
-from hybridtrain.config.schema import section_defaults
-from hybridtrain.config.sections import RecipeConfig, recipe_config
+from hybridtrain.config.sections import EvaluationSection, RecipeConfig, recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.recipes.generate import open_model
@@ -68,7 +67,7 @@ def _run_laid_out(cfg: RecipeConfig, checkpoint: str | None) -> dict[str, Any] |
     The checkpoint is read as :func:`~hybridtrain.training.checkpoint_reader.read_checkpoint` reads it
     (rank 0 chooses the step, every rank pins it; nothing is written into its run folder)."""
     out_dir = run_folder_path(cfg.checkpoint.dir)
-    section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
+    section = cfg.evaluation if cfg.evaluation is not None else EvaluationSection()
     with process_group(cfg) as info:
         b = build(cfg, info.device, info.is_main, info.world_size, data=False, tokenizer=True,
                   evaluation=True)
@@ -104,7 +103,7 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
     (model, tokenizer, _, source), step = read_checkpoint(ckpt, read)
     dtype = resolve_dtype(cfg.training.dtype, device, model.config.hidden_size, cfg.training.cpu_bf16)
     val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
-    section = cfg.evaluation if cfg.evaluation is not None else section_defaults("evaluation")
+    section = cfg.evaluation if cfg.evaluation is not None else EvaluationSection()
     evaluator = evaluator_from_config(section, val_ds, tokenizer, out_dir, autocast_dtype=autocast_dtype(dtype))
     rec = {"checkpoint": source, "step": step, **evaluator(model, step)}
     _write(out_dir, rec)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtrain.config import ConfigNode, build_config, load_config, parse_overrides
-from hybridtrain.config.sections import RecipeConfig
+from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.context_parallel import ContextParallel, gather_sequence, shard_batches
 from hybridtrain.distributed.init import init_distributed
 from hybridtrain.rl import batch as rb
@@ -59,16 +59,20 @@ __all__ = ["Policy"]
 LossFn = Callable[[torch.Tensor, dict, float, float], tuple[torch.Tensor, dict]]
 
 
-def _load(recipe: Any, overrides) -> ConfigNode:
+def _load(recipe: Any, overrides) -> RecipeConfig:
+    """The typed recipe of a path, a dict, a loaded tree or a typed recipe, with ``overrides``."""
     ov = parse_overrides(overrides or ())
+    if isinstance(recipe, RecipeConfig) and not ov:
+        return recipe
     if isinstance(recipe, RecipeConfig):
         recipe = recipe.node
     if isinstance(recipe, ConfigNode):
-        return build_config(recipe.to_dict(), ov, source=recipe.source_file or "<config>")
+        return recipe_config(build_config(recipe.to_dict(), ov,
+                                          source=recipe.source_file or "<config>"))
     if isinstance(recipe, (str, os.PathLike)):
-        return load_config(recipe, ov)
+        return recipe_config(load_config(recipe, ov))
     if isinstance(recipe, Mapping):
-        return build_config(dict(recipe), ov)
+        return recipe_config(build_config(dict(recipe), ov))
     raise ValueError(f"Policy: expected a recipe path, a loaded config or a dict, got {type(recipe)}")
 
 

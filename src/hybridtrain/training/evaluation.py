@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridtrain.config.recipe import EvaluationSection
 from hybridtrain.data.batch import IGNORE_INDEX
 from hybridtrain.distributed.pipeline_decode import PipelineDecoder
 from hybridtrain.ops.sampling import GenerationConfig
@@ -242,12 +243,13 @@ class GenerationEvaluator:
         return rec
 
 
-def evaluator_from_config(section, dataset, tokenizer, out_dir: str, **kwargs) -> GenerationEvaluator:
+def evaluator_from_config(section: EvaluationSection, dataset, tokenizer, out_dir: str,
+                          **kwargs) -> GenerationEvaluator:
     """The evaluator of a recipe's ``evaluation:`` section (``kwargs``: autocast_dtype, dims,
     is_main)."""
     if dataset is None:
         raise ValueError("evaluation: needs a validation_dataset to answer")
-    s = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    s = section.to_dict()
     path = s.pop("samples_file")
     return GenerationEvaluator(dataset, tokenizer, samples_path=os.path.join(out_dir, path) if path else None,
                                **s, **kwargs)

@@ -38,8 +38,8 @@ Every write into the run folder (a checkpoint, the export, ``latest``, ``final``
 and then reach the handler that was in place (a step loop's records it; Ctrl-C's raises
 ``KeyboardInterrupt``: exit 130 after an intact save; a default action ends the process).
 
-This module imports torch only when it all-reduces and the recipe schema only when it reads a
-recipe (the CLI imports it first thing).
+This module imports torch only when it all-reduces and the recipe's parsers only when it reads
+a recipe (the CLI imports it first thing).
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ class RunStop:
     @classmethod
     def from_config(cls, cfg, device=None, started: float | None = None) -> "RunStop":
         """From ``checkpoint.save_on_signal`` and ``training.max_time`` of a loaded recipe."""
-        # (a light start-up: the CLI installs its signal handlers before torch or the schema load)
-        from hybridtrain.config.schema import parse_duration, parse_signals
+        # (a light start-up: the CLI installs its signal handlers before torch or the recipe loads)
+        from hybridtrain.config.text_values import parse_duration, parse_signals
 
         text = cfg.training.max_time
         return cls(parse_signals(cfg.checkpoint.save_on_signal),
@@ -236,7 +236,7 @@ def stopping_at_once(cfg_or_signals, release: Sequence[int] = ()) -> Iterator[No
     this while it runs); the signals of ``release`` that are not among them get their default
     action back. Main thread only; elsewhere nothing changes."""
     if hasattr(cfg_or_signals, "checkpoint"):
-        from hybridtrain.config.schema import parse_signals  # (a light start-up, as above)
+        from hybridtrain.config.text_values import parse_signals  # (a light start-up, as above)
 
         signals = parse_signals(cfg_or_signals.checkpoint.save_on_signal)
     else:

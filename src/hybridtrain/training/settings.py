@@ -15,7 +15,7 @@ __all__ = ["TrainerSettings", "trainer_settings"]
 class TrainerSettings:
     """What :class:`~hybridtrain.training.trainer.Trainer` reads: the recipe's ``training:``
     and ``checkpoint:`` sections, under the recipe's names (``settings.training.grad_clip``,
-    ``settings.checkpoint.enabled``; meanings and defaults: config/schema.py)."""
+    ``settings.checkpoint.enabled``; meanings and defaults: config/recipe.py)."""
 
     training: TrainingSection
     checkpoint: CheckpointSection
@@ -24,6 +24,6 @@ class TrainerSettings:
 def trainer_settings(training: Mapping[str, Any] | Any = None,
                      checkpoint: Mapping[str, Any] | Any = None) -> TrainerSettings:
     """The settings of a recipe's ``training`` and ``checkpoint`` sections (typed sections, or
-    mappings of some keys over the schema's defaults)."""
+    mappings of some keys over their defaults)."""
     return TrainerSettings(config_section("training", training),
                            config_section("checkpoint", checkpoint))

@@ -155,7 +155,7 @@ class Trainer:
     :meth:`ParallelPlan.single` for one process, or a heterogeneous layout's); its step is ``TrainStep.of(plan)`` (the
     ``train_step`` attribute; a test may replace it). ``data``: the datasets and their loader.
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
-    default: the schema's). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
+    default: the recipe's defaults). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
     step)`` (fields added to each validation record), ``stop`` (default: never stops early).
     """
@@ -184,7 +184,7 @@ class Trainer:
         self.lr_scheduler = lr_scheduler
         self.sched = step_scheduler
         self.data = data
-        self.settings = settings or trainer_settings()  # default: the schema's
+        self.settings = settings or trainer_settings()  # default: the recipe's defaults
         self.checkpointer = checkpointer
         self.metrics = metrics
         self.throughput = throughput

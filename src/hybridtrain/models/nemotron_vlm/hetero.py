@@ -187,7 +187,7 @@ def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
     ``0..E-1`` (replicated), the language model on the rest laid out by
     ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.parallel_plan.parallelize``
-    with the schema's training section) over their own ``ParallelDims``; each rank keeps only
+    with the default training section) over their own ``ParallelDims``; each rank keeps only
     its modules (a side with nothing trainable, e.g. the frozen language model of stage 1,
     gets no optimizer)."""
     E = distributed.encoder_ranks
