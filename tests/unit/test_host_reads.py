@@ -122,3 +122,15 @@ def test_the_skip_on_the_device_and_on_the_host_agree(implementation):
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
     state = tr.optimizer.state[next(iter(tr.model.parameters()))]
     assert float(state["step"]) == 3  # the skipped update did not count
+
+
+def test_logging_steps_are_timed_over_their_window():
+    """Where the host runs ahead (CUDA), a logging step reports the rates of the steps since
+    the previous one, not its own host time (the window's mechanics, here on a CPU)."""
+    tr = build_trainer(None, max_steps=4, val=False, log_every=2)
+    tr._timed_by_window = True
+    tr.fit()
+    log = [tr.history[1], tr.history[3]]
+    for i, rec in zip((0, 2), log):
+        tokens = tr.history[i]["num_tokens"] + rec["num_tokens"]
+        assert rec["tps"] == pytest.approx(tokens / (2 * rec["step_time_s"]))

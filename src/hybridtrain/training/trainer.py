@@ -65,6 +65,30 @@ from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 logger = logging.getLogger(__name__)
 
 
+class Window:
+    """Steps since a point in time: their count, tokens and FLOPs (see ``Trainer._window_rates``)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.steps, self.tokens, self.flops = None, 0, 0, 0.0
+
+    def begin(self, t: float) -> None:
+        if self.start is None:
+            self.start = t
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + tokens, self.flops + flops
+
+    def close(self, t: float) -> tuple[int, float, int, float]:
+        """(steps, seconds, tokens, FLOPs) up to ``t``; the next window starts at ``t``."""
+        out = (self.steps, t - self.start, self.tokens, self.flops)
+        self.reset()
+        self.start = t
+        return out
+
+
 class TrainingDiverged(TrainingStopped):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
@@ -199,6 +223,9 @@ class Trainer:
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self._diverged = False  # the streak reached max_consecutive_skipped_steps
         self._pending: PendingStep | None = None  # the step queued but not yet read back
+        # on CUDA the host runs ahead: a logging step's rates are those of its window of steps
+        self._timed_by_window = self.device.type == "cuda"
+        self._window = Window()
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
 
@@ -222,6 +249,7 @@ class Trainer:
         settled (by the next step, or :meth:`settle`). Settling the previous step here is the
         one read per step, of a flag the device finished a step ago."""
         t0 = time.perf_counter()
+        self._window.begin(t0)
         flops = self.throughput.flops(micro_batches) if self.throughput is not None else 0.0
         if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
             micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
@@ -271,6 +299,7 @@ class Trainer:
             "epoch": epoch, "step_time_s": dt,
         })
         self._pending = pending
+        self._window.add(num_tokens, flops)
         if num_label_tokens == 0 or not on_device:
             self.settle()  # known on the host already
         return rec
@@ -412,6 +441,21 @@ class Trainer:
         self.checkpointer.load(path, self.model, self.optimizer, self.lr_scheduler, self.sched)
 
     # -- divergence --------------------------------------------------------------------------
+    def _window_rates(self, rec: dict) -> None:
+        """A logging step's ``step_time_s`` and rates over the steps since the last logging step
+        (or validation, or save), timed to the end of the device's work (CUDA: the host does not
+        wait for a step, so one step's own time is the host's)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        steps, seconds, tokens, flops = self._window.close(time.perf_counter())
+        if seconds <= 0:
+            return
+        world = self.dims.world_size
+        rec.update(step_time_s=seconds / steps, tps=tokens / seconds,
+                   tps_per_device=tokens / seconds / world)
+        if self.throughput is not None:
+            rec["tflops_per_device"], rec["mfu"] = self.throughput.rates(flops, seconds, world)
+
     def _streak_may_end_run(self) -> bool:
         """Whether the queued step's flag may reach ``max_consecutive_skipped_steps`` (then it
         is read at once, so that the run stops at that step)."""
@@ -465,6 +509,8 @@ class Trainer:
             self.history.append(rec)
             if sched.is_log_step or sched.is_ckpt_step or self._streak_may_end_run():
                 self.settle()  # read back at logging steps (and where the values decide)
+            if sched.is_log_step and self._timed_by_window:
+                self._window_rates(rec)
             if self.metrics is not None and (sched.is_log_step or self._diverged):
                 self.metrics.log_train(rec)
             if self._diverged:
@@ -474,8 +520,10 @@ class Trainer:
                 gc.collect()
             if self.data.val is not None and sched.is_val_step:
                 self._validate_and_log()
+                self._window.reset()  # (not a training step's time)
             if saving and sched.is_ckpt_step and (self._nonfinite_streak == 0 or sched.done):
                 last_ckpt = self._save(final=sched.done)
+                self._window.reset()
             if sched.done:
                 break
             if saving and self.stop.needs_timed_save():
