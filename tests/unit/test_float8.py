@@ -88,3 +88,12 @@ def test_a_missing_recipe_is_refused():
     model = _nano()
     with pytest.raises(ValueError, match="training.float8"):
         convert_to_float8(model, "mxfp8", _blocks(model))
+
+
+def test_float8_with_activation_checkpointing_is_exact():
+    """The recipe's builder converts; checkpointed blocks recompute the same float8 forward."""
+    from tests.helpers import parity
+
+    float8 = {"float8": "tensorwise", "float8_filter": []}
+    runs = [parity.train(*parity.build({}, 1, ac=ac, training=float8)) for ac in (False, True)]
+    assert runs[0] == runs[1]
