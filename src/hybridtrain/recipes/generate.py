@@ -35,7 +35,7 @@ import torch
 from hybridtrain.config.dtypes import DTYPE_NAMES, to_torch_dtype
 from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
-from hybridtrain.fileio import decode_utf8, given_path, input_file, output_file, write_error
+from hybridtrain.fileio import decode_utf8, given_path, json_loads, read_json, text_reader, input_file, output_file, write_error
 from hybridtrain.models.spec import Decoding, get_model_spec, model_spec_for
 from hybridtrain.peft.export import load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
@@ -48,8 +48,7 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------- loading
 def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read it ({e})") from None
 
@@ -189,6 +188,7 @@ def check_prompt(record: dict, where: str) -> dict:
     return record
 
 
+@text_reader("prompts")
 def read_prompts(path: str) -> list[dict]:
     """The prompt records of a JSONL file (errors name the file and line)."""
     path = input_file(path, "--prompts")
@@ -199,7 +199,7 @@ def read_prompts(path: str) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json_loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
             if not isinstance(rec, dict) or not ({"prompt", "messages"} & rec.keys()):

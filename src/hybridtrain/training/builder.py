@@ -299,7 +299,8 @@ class Built:
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None,
           loss: nn.Module | None = None, tokenizer: bool | None = None,
-          train_loop: bool = False, evaluation: bool | None = None) -> Built:
+          train_loop: bool = False, evaluation: bool | None = None,
+          check_model: Callable[[nn.Module, dict | None], None] | None = None) -> Built:
     """Builds a recipe's parts in a fixed order: seeds -> input paths checked
     (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
@@ -313,7 +314,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     layout is built (``train_loop``: also what a training loop over the recipe's batches and
     its ``evaluation`` section need, as ``finetune`` runs them; ``evaluation``: whether the
     model generates under the layout, default with ``train_loop`` and an ``evaluation``
-    section).
+    section). ``check_model(model, peft)``: called on the model (with its LoRA adapters,
+    before the layout) before the datasets are built, e.g. to refuse a checkpoint to resume.
     ``cfg``: a :class:`~hybridtrain.config.sections.RecipeConfig` (or a path, a ``ConfigNode``
     or a dict, made into one here).
     """
@@ -361,6 +363,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if cfg.peft is not None:
         peft = cfg.peft.to_dict()
         apply_lora(model, **peft)
+    if check_model is not None:
+        check_model(model, peft)
     if t.float8 is not None:  # before the layout (torchtitan's order)
         convert_to_float8(model, t.float8, block_names(model, spec.pipeline.layers(model)),
                           t.float8_filter, emulate=device.type != "cuda")

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hybridtrain.fileio import read_json, text_reader
+
 from .mlp import ACTIVATIONS
 
 # one character per layer type, as in `hybrid_override_pattern`
@@ -291,12 +293,7 @@ class NemotronHConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "NemotronHConfig":
-        with open(path) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
 
     @classmethod
     def from_pretrained(cls, local_dir: str | os.PathLike) -> "NemotronHConfig":
@@ -344,6 +341,9 @@ class NemotronHConfig:
             d["layers_block_type"] = pattern_to_layer_types(changes.pop("hybrid_override_pattern"))
         d.update(changes)
         return type(self)(**d)
+
+
+text_reader("model config")(NemotronHConfig.from_json_file)
 
 
 def pattern_to_layer_types(pattern: str, name: str = "hybrid_override_pattern") -> list[str]:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
-from hybridtrain.fileio import apply_umask, open_safetensors
+from hybridtrain.fileio import apply_umask, open_safetensors, read_json
 
 from hybridtrain.distributed.materialize import SafetensorsReader
 from .config import NemotronHConfig
@@ -144,11 +144,11 @@ def checkpoint_files(local_dir: str | os.PathLike) -> list[str]:
     index = os.path.join(local_dir, INDEX_FILE)
     single = os.path.join(local_dir, SINGLE_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+        index_json = read_json(index)
+        if not isinstance(index_json, dict) or not isinstance(index_json.get("weight_map"), dict):
+            raise ValueError(f"{index}: not a safetensors index (no 'weight_map' object); copy "
+                             "or download it again")
+        weight_map = index_json["weight_map"]
         files = sorted(set(weight_map.values()))
         missing = [fn for fn in files if not os.path.isfile(os.path.join(local_dir, fn))]
         if missing:
