@@ -57,7 +57,7 @@ class PendingStep:
     _read: bool = False
 
     @classmethod
-    def of(cls, record: dict[str, Any], values: torch.Tensor, device: torch.device) -> "PendingStep":
+    def of(cls, record: dict[str, Any], values: torch.Tensor) -> "PendingStep":
         values = values.detach()
         nonfinite = torch.logical_not(torch.isfinite(values).all()).float()
         event = None

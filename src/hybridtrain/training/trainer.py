@@ -264,14 +264,14 @@ class Trainer:
         if num_label_tokens == 0:
             logger.warning("step %d: the global batch has no label tokens; skipping it",
                            self.sched.step + 1)
-            pending = PendingStep.of(rec, torch.full((2,), math.nan, dtype=torch.float64), "cpu")
+            pending = PendingStep.of(rec, torch.full((2,), math.nan, dtype=torch.float64))
             self.settle()
         else:
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
             loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
-            pending = PendingStep.of(rec, torch.stack([loss, grad_norm.to(loss)]), self.device)
+            pending = PendingStep.of(rec, torch.stack([loss, grad_norm.to(loss)]))
             self.settle()  # the previous step (its flag is a step old): the LR of this update
             if self.optimizer is not None:  # None: nothing trainable on this rank
                 if on_device:
