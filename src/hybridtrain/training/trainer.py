@@ -16,7 +16,9 @@ each validation record (answers generated and scored: ``training.evaluation``).
 
 A step whose loss or gradient norm is not finite is skipped: gradients are dropped, the optimizer
 and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
-without any label token is skipped the same way (it has no loss).
+without any label token is skipped the same way (it has no loss). The skip is decided on the
+device and the loss, norm and skip are read back a step later, or at once at logging and
+checkpoint steps (:mod:`hybridtrain.training.device_step`): the host never waits for a step.
 
 A run that diverges stops: after ``max_consecutive_skipped_steps`` non-finite steps in a row
 :meth:`Trainer.fit` raises :class:`TrainingDiverged` (no export is written). While such a streak
