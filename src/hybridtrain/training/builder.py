@@ -38,9 +38,11 @@ from hybridtrain.distributed.materialize import InitUnit, materialize, module_in
 from hybridtrain.distributed.parallel_plan import ParallelPlan, parallelize, pipeline_split_seq_len
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
-    HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
+    AuxiliaryLosses, ExpertRouting, HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
 )
 from hybridtrain.ops.backend import configure_backend
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
@@ -294,6 +296,8 @@ class Built:
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     data: TrainData | None = None  # None when built with data=False
+    aux_loss: AuxiliaryLoss | None = None  # the model's extra objectives (spec's AuxiliaryLosses)
+    expert_load: ExpertLoad | None = None  # its MoE routers' load (spec's ExpertRouting)
 
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
@@ -347,6 +351,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         model = instantiate_with(cfg.model)
     spec = model_spec_for(model)
     spec.check_model(model)
+    aux_part = spec.find(AuxiliaryLosses)  # e.g. training.mtp: train, freeze or drop the layers
+    aux_loss = aux_part.setup(model, t) if aux_part is not None else None
+    routing = spec.find(ExpertRouting)  # the routers' load each step, their bias update
+    expert_load = routing.setup(model, t) if routing is not None else None
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
     configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
@@ -400,7 +408,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
         save_dtype=save_dtype, peft=peft, plan=plan,
         optimizer=_build_optimizer(cfg, model, device),
-        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data)
+        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data,
+        aux_loss=aux_loss, expert_load=expert_load)
 
 
 def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
@@ -451,4 +460,5 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         trainer_settings(cfg.training, cfg.checkpoint), checkpointer=checkpointer,
         metrics=metrics, throughput=Throughput(b.flops_fn, _peak_tflops(cfg, b.device, b.dtype)),
         evaluator=make_evaluator(b) if cfg.evaluation is not None else None,
-        stop=RunStop.from_config(cfg, b.device, started))
+        stop=RunStop.from_config(cfg, b.device, started), aux_loss=b.aux_loss,
+        expert_load=b.expert_load)

@@ -53,6 +53,8 @@ from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_token
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.parallel_plan import ParallelPlan
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.checkpoint import Checkpointer
@@ -183,7 +185,11 @@ class Trainer:
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
     default: the recipe's defaults). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
-    step)`` (fields added to each validation record), ``stop`` (default: never stops early).
+    step)`` (fields added to each validation record), ``stop`` (default: never stops early),
+    ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
+    normalisers join the step's counts, their values the step's record), ``expert_load`` (the
+    MoE routers' load, :mod:`hybridtrain.ops.expert_load`: its metrics join the record, its
+    bias update follows each optimizer step).
     """
 
     def __init__(
@@ -200,6 +206,8 @@ class Trainer:
         throughput: Throughput | None = None,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
+        aux_loss: AuxiliaryLoss | None = None,
+        expert_load: ExpertLoad | None = None,
     ):
         self.plan = plan
         self.model = plan.model
@@ -221,6 +229,10 @@ class Trainer:
             "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
+        # the model's extra objectives (e.g. multi-token prediction), logged beside `loss`
+        self.aux_loss = aux_loss
+        # the MoE routers' load per step (moe_max_load, ...) and their correction-bias update
+        self.expert_load = expert_load
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self._diverged = False  # the streak reached max_consecutive_skipped_steps
@@ -257,8 +269,10 @@ class Trainer:
             micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
             flops /= self.dims.cp
         # counted on the loader's host tensors, before they move: no device read
-        num_label_tokens, num_tokens, flops = self._global_counts(micro_batches, flops)
+        aux = self.aux_loss
+        num_label_tokens, num_tokens, flops, aux_counts = self._global_counts(micro_batches, flops)
         micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
+        aux_values = {} if aux is None else aux.record(torch.zeros(aux.num_terms), torch.zeros(aux.num_terms))
         self.model.train()
         rec = {"step": self.sched.step + 1, "num_label_tokens": num_label_tokens,
                "num_tokens": num_tokens}
@@ -269,9 +283,22 @@ class Trainer:
             pending = PendingStep.of(rec, torch.full((2,), math.nan, dtype=torch.float64))
             self.settle()
         else:
+            if aux is not None:
+                aux.begin_step(aux_counts)
+            if self.expert_load is not None:
+                self.expert_load.begin_step(self.device)
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
+            if aux is not None:
+                ce = torch.cat([ce, aux.step_sums(self.device)])
+                aux.end_step()
+            ce = self.dims.all_reduce_dp_cp(ce)
+            loss = ce[0] / num_label_tokens
+            if aux is not None:
+                aux_values = aux.record(ce[1:], aux_counts)
+            if self.expert_load is not None:
+                load_table = self._sum_expert_load(self.expert_load.end_step())
+                aux_values.update(self.expert_load.record(load_table))
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
             pending = PendingStep.of(rec, torch.stack([loss, grad_norm.to(loss)]))
             self.settle()  # the previous step (its flag is a step old): the LR of this update
@@ -280,6 +307,8 @@ class Trainer:
                     fused_step(self.optimizer, pending.nonfinite)
                 elif not pending.skipped:  # read now: this step waits on the device
                     self.optimizer.step()
+            if self.expert_load is not None and not pending.skipped:  # (read: on_device is False)
+                self.expert_load.update_biases(load_table)
         lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
               self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
         if self.optimizer is not None:
@@ -298,7 +327,7 @@ class Trainer:
             "tflops_per_device": tflops, "mfu": mfu,
             "mem_gb": peak_memory_gb(self.device),
             "consumed_samples": self.sched.consumed_samples,
-            "epoch": epoch, "step_time_s": dt,
+            "epoch": epoch, "step_time_s": dt, **aux_values,
         })
         self._pending = pending
         self._window.add(num_tokens, flops)
@@ -306,21 +335,32 @@ class Trainer:
             self.settle()  # known on the host already
         return rec
 
-    def _global_counts(self, micro_batches: list[dict], flops: float) -> tuple[int, int, float]:
-        """(label tokens, tokens, FLOPs) of the global batch, from this rank's host tensors
-        summed over the data(-and-context)-parallel ranks. One process: no device involved;
-        several: one all-reduce, read back (the count scales this step's loss)."""
+    def _global_counts(self, micro_batches: list[dict], flops: float
+                       ) -> tuple[int, int, float, torch.Tensor | None]:
+        """(label tokens, tokens, FLOPs, the extra objectives' counts or None) of the global
+        batch, from this rank's host tensors summed over the data(-and-context)-parallel ranks.
+        One process: no device involved; several: one all-reduce, read back (the count scales
+        this step's loss)."""
         counts = [sum(count_label_tokens(mb) for mb in micro_batches),
                   sum(count_tokens(mb) for mb in micro_batches), flops]
+        aux = (None if self.aux_loss is None
+               else sum(self.aux_loss.counts(mb) for mb in micro_batches).to(torch.float64))
         if self.dims.dp * self.dims.cp == 1:
-            return int(counts[0]), int(counts[1]), float(counts[2])
+            return int(counts[0]), int(counts[1]), float(counts[2]), aux
         t = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        if aux is not None:  # its terms' normalisers, in the same all-reduce
+            t = torch.cat([t, aux.to(t)])
         self.dims.all_reduce_dp_cp(t)  # global batch: all data(-and-context)-parallel ranks
-        n_label, n_tok, flops = t.tolist()
-        return int(n_label), int(n_tok), float(flops)
+        n_label, n_tok, flops = t[:3].tolist()
+        return int(n_label), int(n_tok), float(flops), (t[3:] if aux is not None else None)
 
     @property
     def _skip_on_device(self) -> bool:
+        """Whether the update is skipped on the device flag (else the flag is read first): the
+        fused AdamW, and no extra objectives or expert-load updates (their records and the
+        routers' bias update read the step's values)."""
+        if self.aux_loss is not None or self.expert_load is not None:
+            return False
         return self.optimizer is None or supports_device_skip(self.optimizer)
 
     def settle(self) -> None:
@@ -343,7 +383,24 @@ class Trainer:
         rec["skipped_steps"] = self.sched.skipped_steps
         self._diverged = self._count_nonfinite(rec)
         if self.metrics is not None:
-            self.metrics.progress(rec["step"], rec["loss"], rec.get("lr"), rec.get("tps"))
+            self.metrics.progress(rec["step"], rec["loss"], rec.get("lr"), rec.get("tps"),
+                                  extra=self._progress_extra(rec))
+
+    def _sum_expert_load(self, table: torch.Tensor) -> torch.Tensor:
+        """The step's token counts per expert summed over the ranks holding other tokens
+        (data, expert, context parallel) and other layers (pipeline stages)."""
+        self.dims.all_reduce_dp_cp(table)
+        if self.dims.pp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(table, group=self.dims.group("pp"))
+        return table
+
+    def _progress_extra(self, rec: dict) -> dict[str, float | None]:
+        """The extra objectives' summary values for the progress line."""
+        if self.aux_loss is None:
+            return {}
+        return {n: rec.get(n) for n in self.aux_loss.summary_names}
 
     # -- validation --------------------------------------------------------------------------
     @torch.no_grad()

@@ -35,8 +35,8 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-# tensors in Hub checkpoints that hybridtrain does not build (multi-token prediction heads),
-# skipped on load as transformers does
+# multi-token prediction tensors: built when config.json asks for MTP layers
+# (`num_nextn_predict_layers`), else skipped on load as transformers does
 IGNORED_ON_LOAD = re.compile(r"^mtp\.")
 _EXPERT_HUB = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _EXPERT_OURS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
@@ -242,9 +242,9 @@ def load_pretrained(
         for path in files:
             with open_safetensors(path, device=str(device)) as f:
                 for k in f.keys():
-                    if IGNORED_ON_LOAD.match(k):
-                        continue
                     ours, expert = hub_name_to_ours(k)
+                    if ours not in state:  # (check_tensors let only IGNORED_ON_LOAD through)
+                        continue
                     target = state[ours]
                     if expert is not None:
                         target = target[expert]
