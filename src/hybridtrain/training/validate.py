@@ -37,6 +37,10 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     the layout. ValueError naming the setting and the fix. Returns None for a layout with
     ``distributed.encoder_ranks`` (its plan lays it out: ``HeteroSupport``)."""
     d, t = cfg.distributed, cfg.training
+    base_quant = cfg.peft.base_quant if cfg.peft is not None else None
+    if base_quant and d.encoder_ranks:
+        raise ValueError(f"peft.base_quant: {base_quant} does not run with "
+                         "distributed.encoder_ranks; set peft.base_quant: null or encoder_ranks: 0")
     if d.encoder_ranks:
         spec.part(HeteroSupport, f"distributed.encoder_ranks={d.encoder_ranks} (an encoder on "
                                  "its own ranks; set it to 0)")
@@ -47,6 +51,8 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
         rules.check(model.config, dims, d, t, device_type)
     parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
     _check_float8(cfg, dims)
+    if base_quant:
+        _check_base_quant(base_quant, dims)
     aux = spec.find(AuxiliaryLosses)
     if aux is not None:
         aux.check_layout(model, dims, d, t)
@@ -62,6 +68,17 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     if evaluation:
         _check_decoding(spec, dims)
     return dims
+
+
+def _check_base_quant(base_quant: str, dims: ParallelDims) -> None:
+    """An NF4 base (QLoRA) runs in one process and under FSDP2 (data parallel, cp), not split
+    by tensor, expert or pipeline parallelism."""
+    split = {k: v for k, v in (("tp", dims.tp), ("ep", dims.ep), ("pp", dims.pp)) if v > 1}
+    if split:
+        raise ValueError(f"peft.base_quant: {base_quant} runs in one process and under FSDP2 "
+                         f"(distributed.dp_shard / dp_replicate / cp), not with "
+                         f"{', '.join(f'distributed.{k}={v}' for k, v in split.items())}; "
+                         "set those to 1 or peft.base_quant: null")
 
 
 def _check_train_loop(cfg: RecipeConfig, dims: ParallelDims) -> None:
