@@ -30,6 +30,8 @@ LOCK_EXCLUDE := ^(torch|triton)==
 TRITON_PIN ?= triton==3.7.1
 KERNEL_PKGS ?= liger-kernel>=0.8.5 einops packaging
 MAMBA_PKG ?= mamba-ssm>=2.2.5
+# QLoRA's NF4 base (peft.base_quant: nf4) and training.float8, the `quant` extra; it requires no torch of its own
+TORCHAO_PKG ?= torchao>=0.18
 # The experiment trackers the suite runs offline (the wandb and mlflow extras; ~15 s to install)
 TRACKER_PKGS ?= wandb>=0.31 mlflow-skinny>=3.18 sqlalchemy>=2.1 alembic>=1.20
 # lm-evaluation-harness (the lm_eval extra; ~40 packages with scikit-learn, nltk, sacrebleu:
@@ -58,7 +60,7 @@ test-deps: $(VENV)/.test-deps
 $(VENV)/.test-deps: $(VENV)/.installed Makefile $(LOCK) tests/families/hybridtrain_dense/pyproject.toml
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "$(TRITON_PIN)"
 	$(BIN)/python -m pip install -q $(CONSTRAINTS) \
-	  $(foreach p,$(KERNEL_PKGS) $(TRACKER_PKGS) $(LM_EVAL_PKG),"$(p)") "$(TORCH_PIN)"
+	  $(foreach p,$(KERNEL_PKGS) $(TRACKER_PKGS) $(LM_EVAL_PKG) $(TORCHAO_PKG),"$(p)") "$(TORCH_PIN)"
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('mamba_ssm') is None)" || \
 	  MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(BIN)/python -m pip install -q --no-deps \
 	    --no-build-isolation $(CONSTRAINTS) "$(MAMBA_PKG)"

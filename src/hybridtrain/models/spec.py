@@ -196,6 +196,9 @@ class PipelineSplit:
     * ``row_inputs(config, batch) -> {name: tensor}``: keyword inputs of the first stage besides
       ``input_ids`` / ``position_ids`` / ``labels`` (e.g. images), one entry per row of the
       collated ``batch`` (zero-padded), split into micro-batches with the rows (None: none).
+    * ``carried_size(model) -> int``: the further width the stages' training activations carry
+      after the hidden states, for the model as training set it up (e.g. inputs of the last
+      stage's extra objectives that only the first stage can compute; None: none).
     """
 
     layers: Callable[[nn.Module], list[str]]
@@ -203,9 +206,10 @@ class PipelineSplit:
     is_complete: Callable[[nn.Module], bool]
     hidden_size: Callable[[Any], int] = lambda config: config.hidden_size
     row_inputs: Callable[[Any, dict], dict] | None = None
+    carried_size: Callable[[nn.Module], int] | None = None
 
     def __post_init__(self):
-        _check(self, ("layers", "stage", "is_complete", "hidden_size"), ("row_inputs",))
+        _check(self, ("layers", "stage", "is_complete", "hidden_size"), ("row_inputs", "carried_size"))
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,12 @@ def pipeline_stage(model: nn.Module, layers: list[str], is_first: bool, is_last:
     return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
 
 
+def carried_size(model: nn.Module) -> int:
+    """The MTP depths' input embeddings, carried by the stages when those layers train (see
+    ``NemotronHForCausalLM.pipeline_stage``)."""
+    return model.config.hidden_size * model.config.num_nextn_predict_layers if "mtp" in model.aux_terms else 0
+
+
 def layer_flops(config: NemotronHConfig, seq_len: int) -> list[float]:
     """Forward FLOPs of each layer over one ``seq_len``-token row (the pipeline split's costs)."""
     return [float(sum(flops.layer_flops(config, t, seq_len).values()))
@@ -86,7 +92,8 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     model_cls=NemotronHForCausalLM,
     config_cls=NemotronHConfig,
     parallelize_fn=parallelize_nemotron_h,
-    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete),
+    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete,
+                           carried_size=carried_size),
     flops=FlopsCount(layer=layer_flops, head=head_flops, batch=batch_flops),
     hf=HFAdapter(save=save_hf_checkpoint, hub_tensors=hub_tensors, hub_layout=hub_layout,
                  state_format=state_format),
