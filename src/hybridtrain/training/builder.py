@@ -31,6 +31,7 @@ from hybridtrain.config import ConfigNode, instantiate, resolve_target
 from hybridtrain.config.dist_env import gemm_kernel_cache_defaults
 from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
+from hybridtrain.data.contract import check_dataset
 from hybridtrain.data.io import DataError
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.layout import parallel_dims_from_config
@@ -83,6 +84,16 @@ def instantiate_with(node, *, to_var_kw: bool = True, **offered):
     var_kw = to_var_kw and any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw = {k: v for k, v in offered.items() if (k in params or var_kw) and k not in node}
     return instantiate(node, **kw)
+
+
+def build_dataset(node: ConfigNode | None, section: str, **offered):
+    """The dataset a recipe section builds (``instantiate_with(node, **offered)``), checked
+    against the data contract (:func:`hybridtrain.data.contract.check_dataset`); ``None`` for
+    no section."""
+    if node is None:
+        return None
+    return check_dataset(instantiate_with(node, **offered),
+                         f"{section} ({node.where('_target_')}: {node.get('_target_')})")
 
 
 def _build_tokenizer(cfg: RecipeConfig, is_main: bool):
@@ -203,11 +214,11 @@ def _build_data(cfg: RecipeConfig, tokenizer, is_main: bool, device: torch.devic
     # rank 0 first: it writes files and fills the datasets cache the others then read
     # default_split: which files of a directory holding several splits each section reads
     train_ds = main_process_first(
-        lambda: instantiate_with(cfg.dataset, tokenizer=tokenizer, default_split="train"),
+        lambda: build_dataset(cfg.dataset, "dataset", tokenizer=tokenizer, default_split="train"),
         is_main)
     val_ds = main_process_first(
-        lambda: instantiate_with(cfg.validation_dataset, tokenizer=tokenizer,
-                                  default_split="validation"), is_main)
+        lambda: build_dataset(cfg.validation_dataset, "validation_dataset", tokenizer=tokenizer,
+                              default_split="validation"), is_main)
     if cfg.packing.enabled:
         if cfg.packing.split_across_pack:
             raise ValueError("packing.split_across_pack is not supported; set it to false")
