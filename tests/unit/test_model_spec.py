@@ -225,6 +225,10 @@ def test_registration_checks_the_model_contract():
     def save_without_tensors(state_dict, config, out_dir, dtype=None):
         pass
 
+    no_context = type("NoContext", (), {"model_type": "dense_test", "hidden_size": 8,
+                                        "vocab_size": 8, "to_dict": config.to_dict,
+                                        "from_dict": config.__dict__["from_dict"]})
+
     bare = type("Bare", (nn.Module,), {"forward": model.forward,
                                        "save_pretrained": model.save_pretrained,
                                        "from_pretrained": model.from_pretrained})
@@ -232,6 +236,7 @@ def test_registration_checks_the_model_contract():
         (dict(config_cls=NoSource), "NoSource.from_dict must take .* it lacks source"),
         (dict(config_cls=OtherType), "OtherType must have the class attribute model_type = "
                                      "'dense_test'"),
+        (dict(config_cls=no_context), "NoContext has no field or property context_length"),
         (dict(model_cls=bare, parts=()), "Bare must declare the class attribute name_or_path"),
         (dict(model_cls=OldSave), "OldSave.save_pretrained must take .* it lacks dtype, "
                                   "state_dict"),

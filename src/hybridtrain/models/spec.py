@@ -48,6 +48,8 @@ class ModelConfig(Protocol):
     * ``hidden_size`` / ``vocab_size`` (fields or properties): the width of the hidden states
       (the compute dtype ``auto`` is chosen by it on CPU) and of the vocabulary (the
       tokenizer must fit in it; synthetic data draws from it).
+    * ``context_length`` (a field or property): the longest sequence (prompt plus generated
+      tokens) the model takes, or None for no limit (``hybridtrain generate`` refuses longer).
     * ``to_dict()``: the ``config.json`` content; ``from_dict(d, source=...)``: the config of
       a ``config.json`` (``source``: the file, named in its errors).
     """
@@ -55,6 +57,7 @@ class ModelConfig(Protocol):
     model_type: ClassVar[str]
     hidden_size: int
     vocab_size: int
+    context_length: int | None
 
     def to_dict(self) -> dict[str, Any]: ...
 
@@ -449,7 +452,7 @@ class ModelSpec:
         for name in ("to_dict", "from_dict"):
             if not callable(getattr(config, name, None)):
                 raise ValueError(f"{c} has no {name} (ModelConfig in models/spec.py)")
-        for name in ("hidden_size", "vocab_size"):
+        for name in ("hidden_size", "vocab_size", "context_length"):
             if not (hasattr(config, name) or name in getattr(config, "__dataclass_fields__", {})):
                 raise ValueError(f"{c} has no field or property {name} (ModelConfig in "
                                  "models/spec.py)")
