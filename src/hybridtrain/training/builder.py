@@ -33,10 +33,11 @@ from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
 from hybridtrain.data.contract import check_dataset
 from hybridtrain.data.io import DataError
-from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
-from hybridtrain.distributed.parallel_plan import ParallelPlan, parallelize, pipeline_split_seq_len
+from hybridtrain.distributed.parallel_plan import (
+    ParallelPlan, Plan, parallelize, pipeline_split_seq_len,
+)
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
     HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
@@ -300,7 +301,7 @@ class Built:
     dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
     save_dtype: torch.dtype  # dtype of the HF export
     peft: dict | None
-    plan: ParallelPlan | HeteroPlan  # model, stages, coordinates, device, autocast dtype
+    plan: Plan  # model, stages, coordinates, device, autocast dtype
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     data: TrainData | None = None  # None when built with data=False
@@ -393,7 +394,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     else:
         plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
-    if train_data is not None and getattr(plan, "data_view", None) is not None:
+    if train_data is not None and plan.data_view is not None:
         train_data = dataclasses.replace(train_data, make_loader=functools.partial(
             train_data.make_loader, view=plan.data_view))
     if source is not None:  # FSDP2's CPU offload keeps the shards in host memory
