@@ -131,7 +131,7 @@ def test_plan_and_run_checkpoint_the_same_blocks_by_type():
     chosen = [int(k) for k, b in model.backbone.layers.items()
               if hasattr(b, "_checkpoint_wrapped_module")]
     act = spec.part(MemoryPlanSupport, "plan").activation_bytes(model.config, 1, 8, torch.float32)
-    category = [layer["category"] for layer in act["layers"]]
+    category = [layer.category for layer in act.layers]
     assert {category[i] for i in chosen} == {"mamba", "moe"}
     assert chosen == [i for i, c in enumerate(category) if c in ("mamba", "moe")]
 

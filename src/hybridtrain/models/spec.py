@@ -288,13 +288,38 @@ class MetaInit:
 
 
 @dataclass(frozen=True)
+class LayerActivations:
+    """What one block keeps of a micro-batch for its backward: ``saved`` without activation
+    checkpointing, ``checkpointed`` with it (its input), and ``backward``: what its backward
+    works with at once besides. ``type``: its layer type (``LayerTypes``), ``category``: the
+    name the plan sums it under."""
+
+    type: str
+    category: str
+    saved: float
+    checkpointed: float
+    backward: float = 0.0
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """One micro-batch's activation estimate (``MemoryPlanSupport.activation_bytes``):
+    ``layers``, one per block in order; ``loss``: what the final norm and the loss keep until
+    their backward on the last stage; ``loss_backward``: what the loss works with while it
+    runs."""
+
+    layers: tuple[LayerActivations, ...]
+    loss: float
+    loss_backward: float = 0.0
+
+
+@dataclass(frozen=True)
 class MemoryPlanSupport:
     """What ``hybridtrain plan`` estimates beyond parameters.
     ``activation_bytes(config, micro_batch, seq_len, dtype, loss_chunk_size, head_grad) ->
-    {"layers": [{"type", "category", "saved", "checkpointed", "backward"}, ...], "head": {name:
-    bytes}, "head_backward": bytes}``: what one micro-batch keeps for backward per layer (with
-    and without checkpointing) and in the loss, and what one layer's backward and the loss
-    work with at once besides ("backward" keys optional); ``tp_plan(model, tp) -> {submodule path: style}``:
+    ActivationBytes``: what one micro-batch keeps for backward per layer (with and without
+    checkpointing) and in the loss, and what one layer's backward and the loss work with at
+    once besides (``head_grad``: whether the output head trains); ``tp_plan(model, tp) -> {submodule path: style}``:
     how the spec's ``parallelize_fn`` splits a (stage) model over ``tp`` ranks (None: no
     tensor parallelism); ``fsdp_units(model) -> (units, expert_units)``: the FSDP2 units
     ``parallelize_fn`` gives ``distributed.fsdp.apply_fsdp`` (it asks this function too; a
@@ -305,7 +330,7 @@ class MemoryPlanSupport:
     given the recipe (its data and training sections), and what one encoder block's backward
     works with (its recompute when checkpointed; None: no encoder)."""
 
-    activation_bytes: Callable[..., dict] | None = None
+    activation_bytes: Callable[..., ActivationBytes] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None
     fsdp_units: Callable[[nn.Module], tuple[list, list]] | None = None
     encoder_activation_bytes: Callable[..., dict] | None = None

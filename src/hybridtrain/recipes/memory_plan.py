@@ -66,7 +66,7 @@ from hybridtrain.distributed.pipeline_layout import (
 )
 from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
-from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
+from hybridtrain.models.spec import ActivationBytes, LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types
 from hybridtrain.recipes.benchmark import _default_seq_len
 from hybridtrain.training.builder import instantiate_with
@@ -335,7 +335,8 @@ def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int], tp_dims
     return params, grads, opt
 
 
-def _layer_activations(act: dict, policy, names: list[str], positions: list[int], tp: int):
+def _layer_activations(act: ActivationBytes, policy, names: list[str], positions: list[int],
+                       tp: int):
     """({category: bytes one micro-batch keeps}, [what the micro-batch keeps up to each block
     plus that block's backward working set: its ``backward`` bytes and, checkpointed, its
     recomputed activations]): the backward runs the blocks last to first, each freeing what
@@ -343,16 +344,16 @@ def _layer_activations(act: dict, policy, names: list[str], positions: list[int]
     per_mb: dict[str, float] = {}
     kept, peaks = 0.0, []
     for i in positions:
-        layer = act["layers"][i]
-        ckpt = policy.selects(int(names[i]), layer["type"])
-        key = layer["category"]
-        per_mb[key] = per_mb.get(key, 0.0) + layer["checkpointed" if ckpt else "saved"] / tp
-        kept += layer["checkpointed" if ckpt else "saved"] / tp
-        peaks.append(kept + (layer["saved"] * ckpt + layer.get("backward", 0.0)) / tp)
+        layer = act.layers[i]
+        ckpt = policy.selects(int(names[i]), layer.type)
+        keeps = layer.checkpointed if ckpt else layer.saved
+        per_mb[layer.category] = per_mb.get(layer.category, 0.0) + keeps / tp
+        kept += keeps / tp
+        peaks.append(kept + (layer.saved * ckpt + layer.backward) / tp)
     return per_mb, peaks
 
 
-def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n_mb: int,
+def _pipeline_buffers(act: ActivationBytes | None, stage_ids: list[int], num_stages: int, n_mb: int,
                       batch: float, row_inputs: float = 0.0) -> dict[str, float]:
     """What a pipeline step holds besides the layers: {"batch": the step's inputs, every
     micro-batch's, merged on every rank (``batch``: one micro-batch's), "row_inputs": the copy
@@ -365,9 +366,9 @@ def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n
     backward}. A stage sends and receives one block's input (the estimate's ``checkpointed``
     bytes of a block)."""
     inputs = {"batch": n_mb * batch, "row_inputs": n_mb * row_inputs}
-    if act is None or not act["layers"]:
+    if act is None or not act.layers:
         return inputs
-    hidden = act["layers"][0]["checkpointed"]
+    hidden = act.layers[0].checkpointed
     not_first = sum(s != 0 for s in stage_ids)
     not_last = sum(s != num_stages - 1 for s in stage_ids)
     return {**inputs, "receive": n_mb * hidden * (not_first + not_last),
@@ -402,7 +403,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                                              pipeline_split_seq_len(cfg.packing))
     # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
     rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
-    head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
+    head_trains = model.lm_head.weight.requires_grad  # the output head (CausalLM.lm_head)
     activation_bytes = _memory_part(spec).activation_bytes
     act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
                            t.loss_chunk_size, head_trains) if activation_bytes else None
@@ -445,10 +446,9 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
                 per_mb[k] = per_mb.get(k, 0.0) + v
         head = 0.0
         if act is not None and is_last:  # the loss: kept per micro-batch until its backward
-            for k, v in act["head"].items():
-                per_mb[k] = per_mb.get(k, 0.0) + v
-                head += v
-            peaks.append(sum(per_mb.values()) + act.get("head_backward", 0.0))
+            per_mb["loss"] = per_mb.get("loss", 0.0) + act.loss
+            head = act.loss
+            peaks.append(sum(per_mb.values()) + act.loss_backward)
         pipe = (_pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch, row_inputs)
                 if sched else {})
         if pipe.get("outputs"):  # a stage's output, kept for its backward

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridtrain.models.spec import ActivationBytes, LayerActivations
 from hybridtrain.ops.backend import auto_chunk_size
 
 from .config import NemotronHConfig
@@ -110,23 +111,18 @@ _BACKWARD = {"linear_attention": _mamba_backward, "full_attention": _attention_b
 
 def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
                      dtype: torch.dtype, loss_chunk_size: int | str | None = "auto",
-                     head_grad: bool = True) -> dict:
-    """Bytes of one micro-batch of ``micro_batch`` rows of ``seq_len`` tokens.
-
-    Returns ``{"layers": [{"type", "category", "saved", "checkpointed", "backward"}, ...] (one
-    per block, in order; "saved": kept for backward without activation checkpointing,
-    "checkpointed": with it, "backward": what its backward works with at once besides),
-    "head": {"loss": kept per micro-batch by the final norm and the loss on the last stage},
-    "head_backward": what the loss works with while it runs}``. ``head_grad``: whether the LM
-    head trains (its fp32 gradient is accumulated in forward)."""
+                     head_grad: bool = True) -> ActivationBytes:
+    """Bytes of one micro-batch of ``micro_batch`` rows of ``seq_len`` tokens (the contract's
+    :class:`~hybridtrain.models.spec.ActivationBytes`). ``head_grad``: whether the LM head
+    trains (its fp32 gradient is accumulated in forward)."""
     T, e = micro_batch * seq_len, _bytes(dtype)
     block_in = T * config.hidden_size * e
     layers = []
     for t in config.layers_block_type:
         saved = block_in + T * _F32 + _MIXER[t](config, T, e)
-        layers.append({"type": t, "category": CATEGORY[t], "saved": float(saved),
-                       "checkpointed": float(block_in),
-                       "backward": float(3 * block_in + _BACKWARD[t](config, T, e))})
+        layers.append(LayerActivations(t, CATEGORY[t], saved=float(saved),
+                                       checkpointed=float(block_in),
+                                       backward=float(3 * block_in + _BACKWARD[t](config, T, e))))
     V, H = config.vocab_size, config.hidden_size
     chunk = auto_chunk_size(V) if loss_chunk_size == "auto" else loss_chunk_size
     chunk = T if chunk is None else min(int(chunk), T)
@@ -135,4 +131,4 @@ def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
             + (V * H * _F32 if head_grad else 0))
     # one chunk's logits, fp32 exponentials (the fp32 logits' own buffer), low-precision copy
     working = chunk * V * (_F32 if e == _F32 else 2 * e + _F32)
-    return {"layers": layers, "head": {"loss": float(kept)}, "head_backward": float(working)}
+    return ActivationBytes(tuple(layers), loss=float(kept), loss_backward=float(working))

@@ -28,6 +28,7 @@ from torch import nn
 
 from hybridtrain.data.vision_chat import VisionChatDataset
 from hybridtrain.models.nemotron_h.memory import activation_bytes as lm_activation_bytes
+from hybridtrain.models.spec import ActivationBytes
 
 from .config import NemotronVLMConfig
 
@@ -38,7 +39,7 @@ _F32 = 4
 _MAX_PATCHES = inspect.signature(VisionChatDataset).parameters["max_patches"].default
 
 
-def activation_bytes(config: NemotronVLMConfig, *args, **kwargs) -> dict:
+def activation_bytes(config: NemotronVLMConfig, *args, **kwargs) -> ActivationBytes:
     """The language model's layers and head (Nemotron-H's estimate on ``text_config``)."""
     return lm_activation_bytes(config.text_config, *args, **kwargs)
 
