@@ -28,7 +28,7 @@ from hybridtrain.distributed.utils import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Plan", "ParallelPlan", "parallelize", "pipeline_split_seq_len"]
+__all__ = ["Plan", "ParallelPlan", "parallelize", "pipeline_split_seq_len", "recipe_seq_len"]
 
 
 class Plan(Protocol):
@@ -96,6 +96,16 @@ class ParallelPlan:
         """Global gradient norm (all meshes, all pipeline stages); clips when ``max_norm``."""
         pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
         return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
+
+
+def recipe_seq_len(cfg) -> int:
+    """The row length of a recipe's batches (``cfg``: a ``RecipeConfig``): the packed length,
+    else the dataset's ``seq_length``, else 2048 (what ``benchmark`` and ``plan`` assume)."""
+    if cfg.packing.enabled:
+        return int(cfg.packing.pack_size)
+    if cfg.dataset is not None and cfg.dataset.get("seq_length"):
+        return int(cfg.dataset["seq_length"])
+    return 2048
 
 
 def pipeline_split_seq_len(packing: PackingSection) -> int:

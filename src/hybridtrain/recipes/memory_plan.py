@@ -54,9 +54,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.config import instantiate, resolve_target
+from hybridtrain.config import resolve_target
 from hybridtrain.config.dist_env import GEMM_KERNEL_BYTES, gemm_kernel_cache_entries
-from hybridtrain.config.sections import RecipeConfig, recipe_config
+from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
 from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
@@ -64,12 +64,11 @@ from hybridtrain.distributed.fsdp import (
 from hybridtrain.distributed.pipeline_layout import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
-from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
+from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len, recipe_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import ActivationBytes, LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types
-from hybridtrain.recipes.benchmark import _default_seq_len
-from hybridtrain.training.builder import instantiate_with
+from hybridtrain.training.builder import build_on_meta
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
 from hybridtrain.training.validate import validate_run
 
@@ -185,12 +184,8 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     (the config from ``dir/config.json``; the parameters in ``dtype``, else the checkpoint's)."""
     target = resolve_target(model_node["_target_"], model_node.target_prefixes())
     owner = getattr(target, "__self__", None)
-    if isinstance(target, type) and issubclass(target, nn.Module):
-        spec = model_spec_for(target)
-        with torch.device("meta"):
-            return spec, instantiate(model_node)
     if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
-        return _meta_model_of_factory(model_node)
+        return _meta_model_of_target(model_node)
     spec = model_spec_for(owner)
     # from_pretrained(local_dir, dtype=None, device=None): the model contract (models/spec.py)
     bound = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
@@ -214,10 +209,10 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     return spec, model
 
 
-def _meta_model_of_factory(model_node) -> tuple[Any, nn.Module]:
-    """(spec, model) of a model factory, built on the meta device as the run builds it."""
-    with torch.device("meta"):
-        model = instantiate_with(model_node, to_var_kw=False, device="meta")
+def _meta_model_of_target(model_node) -> tuple[Any, nn.Module]:
+    """(spec, model) of a model class or factory, built on the meta device as the run builds it
+    (:func:`~hybridtrain.training.builder.build_on_meta`)."""
+    model = build_on_meta(model_node)
     if not isinstance(model, nn.Module) or not all(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
@@ -278,10 +273,6 @@ def _compute_dtype(training, device_type: str) -> torch.dtype:
     if str(training.dtype).lower() == "auto":  # the GPU a plan is for: bf16 (CPU: fp32)
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     return parse_dtype(training.dtype, "training.dtype")
-
-
-def _seq_len(cfg: RecipeConfig) -> int:
-    return _default_seq_len(cfg)
 
 
 def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
@@ -398,7 +389,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline.layers(model)
-    seq_len = _seq_len(cfg)
+    seq_len = recipe_seq_len(cfg)
     sched, per_rank, parts = _pipeline_parts(spec, model, dims, d,
                                              pipeline_split_seq_len(cfg.packing))
     # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)

@@ -97,6 +97,15 @@ def build_dataset(node: ConfigNode | None, section: str, **offered):
                          f"{section} ({node.where('_target_')}: {node.get('_target_')})")
 
 
+def build_on_meta(model_node: ConfigNode) -> nn.Module:
+    """The model of a recipe's model section built on the meta device (the target gets
+    ``device="meta"`` when it takes it): the one meta-device build, of the run (materialised
+    after its layout) and of ``hybridtrain plan`` (never materialised). A target that ignores
+    the meta device returns a model with real tensors."""
+    with torch.device("meta"):
+        return instantiate_with(model_node, to_var_kw=False, device="meta")
+
+
 def _build_tokenizer(cfg: RecipeConfig, is_main: bool):
     node = cfg.tokenizer
     if node is None:
@@ -346,8 +355,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
-    with torch.device("meta"):  # built on the meta device, materialised after the layout
-        model = instantiate_with(cfg.model, to_var_kw=False, device="meta")
+    model = build_on_meta(cfg.model)  # materialised after the layout
     on_meta = all(p.is_meta for p in model.parameters())
     if not on_meta and any(p.is_meta for p in model.parameters()):
         # a target that built only part of itself on the meta device: build it in full
