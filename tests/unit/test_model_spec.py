@@ -283,3 +283,26 @@ def test_families_come_from_entry_points():
                        device_type="cpu")
     assert "warning: the model spec 'dense_test' gives no activation estimate" in format_plan(plan)
     assert not plan_memory(tiny_recipe(), 1, device_type="cpu").warnings
+
+
+def test_the_loss_slot_takes_only_a_declared_train_loss():
+    """The model's loss slot is a declared part of the contract (TrainLoss): what does not
+    keep it is refused naming it, by set_train_loss and by the built-model check."""
+    from hybridtrain.models.spec import TrainLoss, set_train_loss
+    from hybridtrain.ops.loss import LinearCrossEntropy
+    from hybridtrain.rl.head import PolicyHead
+    from tests.helpers.families import dense_spec
+
+    spec = dense_spec()
+    model = spec.model_cls(spec.config_cls())
+    assert isinstance(model.loss, TrainLoss) and isinstance(PolicyHead(), TrainLoss)
+    with pytest.raises(ValueError, match="set_train_loss takes a TrainLoss module"):
+        set_train_loss(model, nn.CrossEntropyLoss())
+    head = PolicyHead()
+    set_train_loss(model, head)
+    assert model.loss is head
+    spec.check_model(model)
+    set_train_loss(model, LinearCrossEntropy(reduction="sum"))
+    del model.loss.recompute
+    with pytest.raises(ValueError, match="no loss module with a recompute flag"):
+        spec.check_model(model)

@@ -25,7 +25,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable, ClassVar, Protocol, TypeVar
+from typing import Any, Callable, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
            "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "LayoutRules", "PART_TYPES",
-           "CausalLM", "ModelConfig", "Decoder", "HFSave", "ENTRY_POINT_GROUP",
+           "CausalLM", "TrainLoss", "ModelConfig", "ActivationBytes", "LayerActivations",
+           "Decoder", "HFSave", "ENTRY_POINT_GROUP",
            "register_model_spec", "get_model_spec", "model_spec_for", "registered_model_class",
            "set_train_loss"]
 
@@ -65,6 +66,27 @@ class ModelConfig(Protocol):
     def from_dict(cls, d: dict[str, Any], source: str = ...) -> "ModelConfig": ...
 
 
+@runtime_checkable
+class TrainLoss(Protocol):
+    """The model's loss slot (``CausalLM.loss``), a declared part of the contract: the model
+    calls it at the end of its forward with ``labels``, where the layout has gathered the
+    head's weight (FSDP2 unshards it for the root's forward; the last pipeline stage holds it).
+    The trainer fills the slot (:func:`set_train_loss`): the summing
+    :class:`~hybridtrain.ops.loss.LinearCrossEntropy` for training, RL's
+    :class:`~hybridtrain.rl.head.PolicyHead` for log-probs (docs/architecture.md, "Why the loss
+    is a slot on the model").
+
+    * ``forward(hidden [B, L, H], head, labels [B, L])``: the fused or chunked head and loss
+      (never the ``[B, L, vocab]`` logits): a scalar sum, or per-token values;
+    * ``recompute``: back-propagate through it twice (zero-bubble pipeline schedules set it).
+    """
+
+    recompute: bool
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Module,
+                 labels: torch.Tensor) -> torch.Tensor: ...
+
+
 class CausalLM(Protocol):
     """What generic code calls on a model of a spec (``ModelSpec.model_cls``).
 
@@ -76,9 +98,10 @@ class CausalLM(Protocol):
     * ``lm_head``: the output projection (an ``nn.Linear``; None on a pipeline stage before
       the last), registered last: its parameters come last in ``parameters()`` (LoRA never
       adapts it; ``plan`` counts it as the last stage's).
-    * ``loss``: an ``ops.loss.LinearCrossEntropy`` (generic code installs its own with
-      :func:`set_train_loss` and sets ``loss.recompute`` for zero-bubble pipelines); it may be a
-      property whose setter stores it in a sub-model.
+    * ``loss``: a :class:`TrainLoss` module (the family builds an
+      ``ops.loss.LinearCrossEntropy``; the trainer installs its own with :func:`set_train_loss`
+      and sets ``loss.recompute`` for zero-bubble pipelines); it may be a property of a model
+      that holds it in a sub-model.
     * the decoder layers sit in an ``nn.ModuleDict`` keyed by their global index (``"0"``,
       ``"1"``, ...; a pipeline stage keeps the keys of the layers it holds), the names
       ``PipelineSplit.layers`` returns.
@@ -93,7 +116,7 @@ class CausalLM(Protocol):
 
     config: ModelConfig
     lm_head: nn.Module | None
-    loss: nn.Module
+    loss: TrainLoss
     name_or_path: ClassVar[str | None]
     checkpoint_dtype: ClassVar[torch.dtype | None]
 
@@ -518,8 +541,9 @@ class ModelSpec:
         if head_names and names[-len(head_names):] != head_names:
             raise ValueError(f"{m}: the lm_head's parameters must come last in parameters() "
                              f"(register lm_head last); the last is {names[-1]!r}")
-        if not isinstance(model.loss, nn.Module):
-            raise ValueError(f"{m} has no loss module (CausalLM in models/spec.py)")
+        if not (isinstance(model.loss, nn.Module) and isinstance(model.loss, TrainLoss)):
+            raise ValueError(f"{m} has no loss module with a recompute flag (TrainLoss, "
+                             "CausalLM.loss in models/spec.py)")
         layers = self.pipeline.layers(model)
         if layers != [str(i) for i in range(len(layers))]:
             raise ValueError(f"{m}: its layers must sit in an nn.ModuleDict keyed by their global "
@@ -617,9 +641,13 @@ def registered_model_class(dotted: str) -> type[nn.Module]:
                               "registered model spec"))
 
 
-def set_train_loss(model: nn.Module, loss: nn.Module) -> None:
-    """Install the loss ``model.forward(labels=...)`` returns (the contract's ``loss``) in the
-    place of ``model.loss``, wherever the model holds it (e.g. in a sub-model)."""
+def set_train_loss(model: nn.Module, loss: TrainLoss) -> None:
+    """Install the loss ``model.forward(labels=...)`` returns (the contract's
+    :class:`TrainLoss`) in the place of ``model.loss``, wherever the model holds it (e.g. in a
+    sub-model)."""
+    if not (isinstance(loss, nn.Module) and isinstance(loss, TrainLoss)):
+        raise ValueError(f"set_train_loss takes a TrainLoss module (models/spec.py: forward("
+                         f"hidden, head, labels) and a recompute flag), got {type(loss).__name__}")
     old = model.loss
     holders = [(mod, name) for mod in model.modules() for name, child in mod.named_children()
                if child is old]
