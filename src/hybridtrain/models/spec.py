@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
            "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "LayoutRules", "PART_TYPES",
            "CausalLM", "TrainLoss", "ModelConfig", "ActivationBytes", "LayerActivations",
+           "EncoderActivations",
            "Decoder", "HFSave", "ENTRY_POINT_GROUP",
            "register_model_spec", "get_model_spec", "model_spec_for", "registered_model_class",
            "set_train_loss"]
@@ -337,6 +338,18 @@ class ActivationBytes:
 
 
 @dataclass(frozen=True)
+class EncoderActivations:
+    """What the first stage's input encoders (e.g. a vision encoder) keep of one micro-batch
+    (``MemoryPlanSupport.encoder_activation_bytes``): ``kept``, bytes kept for backward by the
+    category the plan sums them under; ``backward``: what one encoder block's backward works
+    with (its recompute when checkpointed); ``inputs``: the encoders' inputs in the batch."""
+
+    kept: dict[str, float] = dataclasses.field(default_factory=dict)
+    backward: float = 0.0
+    inputs: float = 0.0
+
+
+@dataclass(frozen=True)
 class MemoryPlanSupport:
     """What ``hybridtrain plan`` estimates beyond parameters.
     ``activation_bytes(config, micro_batch, seq_len, dtype, loss_chunk_size, head_grad) ->
@@ -347,16 +360,16 @@ class MemoryPlanSupport:
     tensor parallelism); ``fsdp_units(model) -> (units, expert_units)``: the FSDP2 units
     ``parallelize_fn`` gives ``distributed.fsdp.apply_fsdp`` (it asks this function too; a
     unit is a module or a list of modules, the root holds the rest; None: no FSDP2 estimate);
-    ``encoder_activation_bytes(model, micro_batch, seq_len, dtype, recipe) -> {category:
-    bytes, "backward": bytes}``: what the first stage's input encoders (e.g. a vision encoder
-    on the micro-batch's images) of (stage) ``model`` keep per micro-batch beyond the layers,
-    given the recipe (its data and training sections), and what one encoder block's backward
-    works with (its recompute when checkpointed; None: no encoder)."""
+    ``encoder_activation_bytes(model, micro_batch, seq_len, dtype, recipe) ->
+    EncoderActivations``: what the first stage's input encoders (e.g. a vision encoder on the
+    micro-batch's images) of (stage) ``model`` keep per micro-batch beyond the layers, given
+    the recipe (its data and training sections), what one encoder block's backward works with,
+    and their inputs (None: no encoder)."""
 
     activation_bytes: Callable[..., ActivationBytes] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None
     fsdp_units: Callable[[nn.Module], tuple[list, list]] | None = None
-    encoder_activation_bytes: Callable[..., dict] | None = None
+    encoder_activation_bytes: Callable[..., EncoderActivations] | None = None
 
     def __post_init__(self):
         _check(self, (), ("activation_bytes", "tp_plan", "fsdp_units", "encoder_activation_bytes"))

@@ -45,6 +45,7 @@ buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted eith
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -404,19 +405,20 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
     batch = rows * -(-seq_len // dims.cp) * 3 * 8
     encoder_inputs = 0.0 if encoder_bytes is None else encoder_bytes(
-        model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
+        model, rows, -(-seq_len // dims.cp), compute, cfg).inputs
     batch += encoder_inputs
     row_inputs = encoder_inputs if spec.pipeline.row_inputs is not None else 0.0
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
-    fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
-            "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
-            "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
-                                                  "distributed.fsdp_reduce_dtype") or compute)}
+    fsdp = FsdpPolicy(
+        gather_dtype=fsdp_param_dtype(d, autocast),
+        reshard=resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
+        reduce_bytes=_elsize(resolve_dtype(d.fsdp_reduce_dtype,
+                                           "distributed.fsdp_reduce_dtype") or compute))
     # under pp the peak depends on the reshard policy: plan the other one's buffers too
     other = None
     if dims.pp_enabled and dims.fsdp_enabled:
-        other = "default" if fsdp["reshard"] else "always"
+        other = "default" if fsdp.reshard else "always"
         other_peak = 0.0
     ranks = []
     for rank in range(world_size):
@@ -428,12 +430,10 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp)
                          if act is not None else ({}, []))
         if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
-            enc = dict(encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg))
-            enc_working = enc.pop("backward", 0.0)
-            enc.pop("inputs", None)
-            enc_kept = sum(enc.values())
-            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc_working]
-            for k, v in enc.items():
+            enc = encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg)
+            enc_kept = sum(enc.kept.values())
+            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc.backward]
+            for k, v in enc.kept.items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
         head = 0.0
         if act is not None and is_last:  # the loss: kept per micro-batch until its backward
@@ -455,24 +455,16 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         if working:
             per_mb["backward"] = working
         states = _states(part, experts, dims, c, tp_dims)
-
-        def buffers(**policy):
-            b = _buffers(part, spec, dims, experts, tp_dims, autocast, **policy)
-            b.update({f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v})
-            if gemm_kernels:
-                b["cpu_gemm_kernels"] = gemm_kernels
-            if dims.pp_enabled and dims.fsdp_enabled:
-                # the stage's unsharded gradients exist until the last micro-batch's backward
-                # reduces them, the sharded ones (the gradients above) only after: count the
-                # larger once
-                b["fsdp_unsharded_grads"] = max(0.0, b["fsdp_unsharded_grads"] - states[1])
-            return b
-
+        owned = _Owned(part, spec, dims, experts, tp_dims, autocast, grads=states[1])
+        extra = {f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v}
+        if gemm_kernels:
+            extra["cpu_gemm_kernels"] = gemm_kernels
         ranks.append(RankMemory(rank, stage_ids, *states, per_mb, flight, activations,
-                                buffers(**fsdp), dims.fsdp_enabled and d.cpu_offload))
+                                _rank_buffers(owned, fsdp, extra),
+                                dims.fsdp_enabled and d.cpu_offload))
         if other is not None:
             r = ranks[-1]
-            alt = buffers(**{**fsdp, "reshard": not fsdp["reshard"]})
+            alt = _rank_buffers(owned, dataclasses.replace(fsdp, reshard=not fsdp.reshard), extra)
             other_peak = max(other_peak, r.total - sum(r.buffers.values()) + sum(alt.values()))
     all_params = _unique(model)
     return MemoryPlan(
@@ -516,9 +508,48 @@ def _units(part: nn.Module, spec) -> list[list[nn.Parameter]]:
     return [u for u in out if u]
 
 
-def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard, reduce_bytes):
+@dataclass(frozen=True)
+class FsdpPolicy:
+    """How FSDP2 gathers and reduces (the recipe's ``distributed`` section): the dtype it
+    gathers parameters in (None: theirs), whether units reshard after forward, and the bytes of
+    one element of the dtype it reduces gradients in."""
+
+    gather_dtype: torch.dtype | None
+    reshard: bool
+    reduce_bytes: int
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """What one rank holds, for its buffers: its (stage) model ``part`` and the layout's facts
+    about its parameters; ``grads``: its sharded gradients' bytes."""
+
+    part: nn.Module
+    spec: Any
+    dims: Any
+    experts: set[int]
+    tp_dims: dict[int, int]
+    autocast: torch.dtype | None
+    grads: float
+
+
+def _rank_buffers(owned: _Owned, fsdp: FsdpPolicy, extra: dict[str, float]) -> dict[str, float]:
+    """A rank's transient buffers under ``fsdp`` (:func:`_buffers`) plus ``extra`` (pipeline
+    buffers, CPU GEMM kernels)."""
+    b = _buffers(owned.part, owned.spec, owned.dims, owned.experts, owned.tp_dims,
+                 owned.autocast, fsdp)
+    b.update(extra)
+    if owned.dims.pp_enabled and owned.dims.fsdp_enabled:
+        # the stage's unsharded gradients exist until the last micro-batch's backward reduces
+        # them, the sharded ones (the gradients counted) only after: count the larger once
+        b["fsdp_unsharded_grads"] = max(0.0, b["fsdp_unsharded_grads"] - owned.grads)
+    return b
+
+
+def _buffers(part, spec, dims, experts, tp_dims, autocast, fsdp: FsdpPolicy):
     """Transient buffers: FSDP all-gathers and unsharded gradients, or autocast weight copies
     (of rank 0's tp shards)."""
+    gather_dtype, reshard, reduce_bytes = fsdp.gather_dtype, fsdp.reshard, fsdp.reduce_bytes
     def tp_numel(p):
         return p.numel() if id(p) not in tp_dims else p.numel() // p.shape[tp_dims[id(p)]] * _chunk(
             p.shape[tp_dims[id(p)]], dims.tp, 0)
