@@ -34,6 +34,17 @@ def test_a_dataset_that_breaks_the_contract_is_named_with_what_it_lacks():
         check_dataset(ds, "dataset")
 
 
+def test_packing_and_padding_name_a_missing_pad_token():
+    from hybridtrain.data import build_collator, pack_dataset
+
+    rows = [{"input_ids": torch.tensor([1, 2]), "labels": torch.tensor([2, -100])}]
+    with pytest.raises(ValueError, match="pack_dataset needs pad_token_id"):
+        pack_dataset(rows, 8)
+    with pytest.raises(ValueError, match="build_collator needs pad_token_id"):
+        build_collator(rows)
+    assert len(pack_dataset(rows, 8, pad_token_id=0)) == 1
+
+
 def test_a_recipe_names_a_dataset_that_is_not_registered():
     from hybridtrain.data import registered_dataset
 

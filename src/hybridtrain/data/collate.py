@@ -113,5 +113,8 @@ def build_collator(dataset: TokenDataset, pad_to_multiple_of: int = 1,
         return dataset.collator()
     if isinstance(dataset, PackedDataset):
         return PackedCollator()
+    if pad_token_id is None and not isinstance(dataset, TokenDataset):
+        raise ValueError("build_collator needs pad_token_id (the dataset does not carry one: "
+                         "hybridtrain.data.contract.TokenDataset)")
     pad = pad_token_id if pad_token_id is not None else dataset.pad_token_id
     return PaddingCollator(pad, pad_to_multiple_of=pad_to_multiple_of)

@@ -186,6 +186,9 @@ class PackedDataset(torch.utils.data.Dataset):
                  pad_to_multiple_of: int = 1):
         _check(pack_size, pad_to_multiple_of)
         if pad_token_id is None:
+            if not isinstance(dataset, TokenDataset):
+                raise ValueError("pack_dataset needs pad_token_id (the dataset does not carry "
+                                 "one: hybridtrain.data.contract.TokenDataset)")
             pad_token_id = dataset.pad_token_id
         self.dataset = dataset
         self.pack_size = pack_size
