@@ -271,7 +271,7 @@ def test_families_come_from_entry_points():
 
     from hybridtrain.models.spec import ENTRY_POINT_GROUP
     from hybridtrain.recipes.plan import format_plan
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
     from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
     from tests.helpers.recipes import tiny_recipe
 

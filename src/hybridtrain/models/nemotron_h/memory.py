@@ -1,6 +1,6 @@
 """Activation memory of Nemotron-H per micro-batch: what each block keeps for backward and what
 its backward works with at once (the memory plan's model-specific part,
-``MemoryPlanSupport.activation_bytes``; see :mod:`hybridtrain.recipes.memory_plan`).
+``MemoryPlanSupport.activation_bytes``; see :mod:`hybridtrain.training.memory_plan`).
 
 An estimate, counted from the forward and backward code, with ``T = micro_batch * seq_len``
 tokens, ``e`` the activation dtype's bytes and fp32 where the model computes in fp32 (norm

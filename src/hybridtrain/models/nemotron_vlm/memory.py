@@ -1,5 +1,5 @@
 """Activation memory of the vision-language model per micro-batch (its spec's
-``MemoryPlanSupport``; see :mod:`hybridtrain.recipes.memory_plan`): the language model's layers and
+``MemoryPlanSupport``; see :mod:`hybridtrain.training.memory_plan`): the language model's layers and
 head as Nemotron-H estimates them (:mod:`hybridtrain.models.nemotron_h.memory`) and, on the
 first pipeline stage, the vision encoder and projector on the micro-batch's images.
 
