@@ -3,8 +3,14 @@ the same time (every rank of a run).
 
 ::
 
-    read_text(path) -> str                               # UTF-8; EncodingError names file:line
+    read_text(path, max_bytes=None) -> str               # UTF-8 (a BOM is dropped); EncodingError
+                                                         # names file:line; InputError: too large,
+                                                         # a symlink loop, no permission
+    json_loads(text) -> Any                              # json.loads; deep nesting a JSONDecodeError
     read_json(path) -> Any                               # ... and syntax errors file:line
+    read_jsonl(path) -> list                             # one JSON value per non-blank line
+    strip_bom(data) -> bytes                             # without a leading UTF-8 byte-order mark
+    @text_reader(kind, arg="path")                       # registers a reader of user text files
     open_safetensors(path, device="cpu") -> safe_open    # a truncated file: ValueError naming it
     given_path(path, what) -> str | None                 # ~ expanded; empty: ValueError
     input_file(path, what) / output_file(path, what) / output_folder(path, what) -> str
@@ -15,6 +21,12 @@ the same time (every rank of a run).
     atomic_write_json(path, obj, indent=1, fsync=False) -> bool
     publish_files(src_dir, dst_dir) -> None              # each file of src_dir, atomically
     apply_umask(path) -> None                            # modes as a plain open()/mkdir give
+
+Every text file hybridtrain reads (recipes, JSON, JSONL, chat templates, prompts, tokenizer and
+model folders) is decoded by :func:`decode_utf8`: UTF-8, with or without the byte-order mark that
+Windows editors write. Each function that reads a kind of text file a user gives registers itself
+with :func:`text_reader` (in :data:`TEXT_READERS`), and one test feeds each a file that starts
+with a byte-order mark.
 
 A file is written to a temporary name unique to the process (``.NAME.<pid>.<random>.tmp`` in
 the same folder) and renamed over ``path`` with :func:`os.replace`, so a reader sees the old file
@@ -29,14 +41,18 @@ the user's umask like every other file.
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "publish_files", "unique_tmp_path", "current_umask",
-           "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json",
+           "apply_umask", "EncodingError", "decode_utf8", "read_text", "read_json", "read_jsonl",
+           "strip_bom", "BOM", "text_reader", "TEXT_READERS", "read_bytes", "InputError", "json_loads",
+           "MAX_RECIPE_BYTES",
            "open_safetensors", "WriteError", "write_error", "append_text", "given_path",
            "input_file", "output_file", "output_folder"]
 
@@ -87,10 +103,43 @@ class EncodingError(ValueError):
     """Bytes that are not UTF-8 in a text file (the message names the file, line and column)."""
 
 
+BOM = codecs.BOM_UTF8
+# byte-order marks of the encodings a text editor may save as instead (UTF-32's first: it
+# starts with UTF-16's)
+_OTHER_BOMS = (("UTF-32", codecs.BOM_UTF32_LE), ("UTF-32", codecs.BOM_UTF32_BE),
+               ("UTF-16", codecs.BOM_UTF16_LE), ("UTF-16", codecs.BOM_UTF16_BE))
+
+# reader function -> (kind of file it reads, e.g. "jsonl" or "recipe"; the parameter taking its path)
+TEXT_READERS: dict[Callable, tuple[str, str]] = {}
+
+
+def text_reader(kind: str, arg: str = "path") -> Callable:
+    """Registers the decorated function as a reader of ``kind`` files, given in its parameter
+    ``arg``, in :data:`TEXT_READERS` (the encoding test reads every registered reader's kind
+    with a byte-order mark); returns the function unchanged."""
+    def register(fn: Callable) -> Callable:
+        TEXT_READERS[fn] = (kind, arg)
+        return fn
+    return register
+
+
+def strip_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte-order mark."""
+    return data[len(BOM):] if data.startswith(BOM) else data
+
+
 def decode_utf8(data: bytes, path, line: int | None = None,
                 error: type[ValueError] = EncodingError) -> str:
     """``data`` (read from ``path``) as UTF-8 text; bytes that are not UTF-8 raise ``error``
-    naming the file, line and column (``line``: the line ``data`` is, else counted in it)."""
+    naming the file, line and column (``line``: the line ``data`` is, else counted in it).
+    ``data`` that starts the file (``line`` None or 1) may start with a byte-order mark,
+    which is dropped."""
+    if line is None or line == 1:
+        data = strip_bom(data)
+        other = next((name for name, bom in _OTHER_BOMS if data.startswith(bom)), None)
+        if other is not None:
+            raise error(f"{path}: the file is {other} (it starts with a {other} byte-order "
+                        f"mark); save it as UTF-8 (e.g. `iconv -f {other} -t UTF-8`)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -105,20 +154,78 @@ def decode_utf8(data: bytes, path, line: int | None = None,
         ) from None
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line)."""
-    with open(path, "rb") as f:
-        return decode_utf8(f.read(), os.fspath(path))
+class InputError(ValueError):
+    """A file to read is too large, or cannot be opened for a reason other than its absence
+    (a symbolic-link loop, permissions, ...)."""
 
 
+def read_bytes(path: str | os.PathLike, max_bytes: int | None = None,
+               what: str = "the file") -> bytes:
+    """The bytes of ``path``; a file larger than ``max_bytes`` is refused before it is read,
+    and an ``OSError`` other than a missing file or a folder is an :class:`InputError` naming
+    ``path``."""
+    try:
+        if max_bytes is not None and os.stat(path).st_size > max_bytes:
+            raise InputError(f"{os.fspath(path)} is {os.stat(path).st_size:,} bytes, more than "
+                             f"{what} can be ({max_bytes:,} bytes); is it the right file?")
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError):
+        raise
+    except OSError as e:
+        raise InputError(f"{os.fspath(path)}: cannot be read ({e.strerror or e}); check the "
+                         "path (a symbolic link that leads to itself?) and its permissions"
+                         ) from None
+
+
+@text_reader("text")
+def read_text(path: str | os.PathLike, max_bytes: int | None = None,
+              what: str = "the file") -> str:
+    """The UTF-8 text of ``path`` (:class:`EncodingError` names the file and line);
+    :func:`read_bytes` refuses a file over ``max_bytes`` or one that cannot be opened."""
+    return decode_utf8(read_bytes(path, max_bytes, what), os.fspath(path))
+
+
+def json_loads(text: str) -> Any:
+    """``json.loads(text)``; nesting deeper than Python's recursion limit is a
+    ``json.JSONDecodeError`` too (not a ``RecursionError``)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("the JSON nests too deeply (thousands of levels)", text,
+                                   0) from None
+
+
+@text_reader("json")
 def read_json(path: str | os.PathLike) -> Any:
     """The JSON document in ``path``; bad bytes or syntax raise a ``ValueError`` naming the file
     and line."""
     try:
-        return json.loads(read_text(path))
+        return json_loads(read_text(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{os.fspath(path)}: line {e.lineno}: column {e.colno}: not valid "
                          f"JSON ({e.msg})") from None
+
+
+@text_reader("jsonl")
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """The JSON value of each non-blank line of ``path``; bad bytes or syntax raise a
+    ``ValueError`` naming the file and line."""
+    out = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode_utf8(raw, os.fspath(path), line=n)
+            if not line.strip():
+                continue
+            try:
+                out.append(json_loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)}: line {n}: column {e.colno}: not valid "
+                                 f"JSON ({e.msg})") from None
+    return out
+
+
+MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few kB: a larger file is not one
 
 
 # -- paths the user gives ----------------------------------------------------------------------

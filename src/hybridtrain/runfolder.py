@@ -36,7 +36,7 @@ import shutil
 import socket
 import time
 
-__all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "LOCK_NAME", "STEP_RE", "PARTIAL_RE",
+__all__ = ["RunLock", "RunFolderBusy", "TrainingStopped", "NothingToDo", "LOCK_NAME", "STEP_RE", "PARTIAL_RE",
            "latest_checkpoint", "live_holder", "pin_step", "unpinned", "run_folder_path"]
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,11 @@ PINNED_FILE = "trainer_state.json"  # the file of a step folder a reader holds a
 
 class TrainingStopped(RuntimeError):
     """A run stopped on purpose before its end (the message says why and what to do)."""
+
+
+class NothingToDo(Exception):
+    """A resume whose checkpoint is at or past the run's last step: the message says so in one
+    line; the command exits 0 without writing anything."""
 
 
 class RunFolderBusy(ValueError):

@@ -21,6 +21,7 @@ Nothing here imports torch, so ``dist_env`` can be applied before CUDA is touche
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ from hybridtrain.config.recipe import SECTIONS, TOP_LEVEL_KEYS
 from hybridtrain.config.recipe_fields import KeyProblem, KeySpec, check_value, section_defaults
 from hybridtrain.config.targets import (DEFAULT_ALLOWED_PREFIXES, check_code_loading_option,
                                         check_target, normalize_prefixes)
-from hybridtrain.fileio import EncodingError, read_text
+from hybridtrain.fileio import (MAX_RECIPE_BYTES, EncodingError, InputError, read_text,
+                                text_reader)
 
 __all__ = [
     "ConfigError", "Override", "load_config", "build_config", "parse_overrides",
@@ -108,22 +110,29 @@ def _yaml_error(e: yaml.YAMLError, source: str) -> _InvalidYAML:
 def _read_yaml(text: str, source: str, empty: Any = None) -> tuple[Any, dict[tuple, str]]:
     """The document of ``text`` (``empty`` when it has none) and the ``file:line`` of each key;
     refuses a document whose aliases expand past :data:`MAX_YAML_NODES` before building it."""
-    loader = _Loader(text)
-    loader.name = source  # PyYAML's marks would say "<unicode string>"
+    loader = None
     try:
+        loader = _Loader(text)  # refuses control characters (e.g. NUL bytes) at once
+        loader.name = source  # PyYAML's marks would say "<unicode string>"
         node = loader.get_single_node()
         if node is None:
             return empty, {}
         locs: dict[tuple, str] = {}
         _record_locations(node, (), locs, source, [MAX_YAML_NODES])
         data = loader.construct_document(node)
+    except yaml.reader.ReaderError as e:  # a character YAML never holds (e.g. a NUL byte)
+        char = ord(e.character) if isinstance(e.character, str) else e.character
+        line = text.count("\n", 0, e.position) + 1
+        raise _InvalidYAML(f"{source}:{line}: invalid YAML: unacceptable character #x{char:04x} "
+                           "(a recipe is text: is it a binary file?)") from None
     except yaml.YAMLError as e:
         raise _yaml_error(e, source) from None
     except RecursionError:  # a key that is its own ancestor (&a [*a]) or absurd nesting
         raise ConfigError(f"{source}: the YAML nests too deeply (or an alias refers to a value "
                           "that contains it); a recipe is a few levels deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, locs
 
 
@@ -389,6 +398,17 @@ def _check_targets(value: Any, path: tuple, meta: ConfigMeta) -> None:
 # --------------------------------------------------------------------------------------------
 # entry points
 # --------------------------------------------------------------------------------------------
+def _refuse_nan(value: Any, path: tuple, meta: ConfigMeta) -> None:
+    """No recipe value is NaN (``.nan`` in YAML), also where no key's range applies (a
+    ``_target_``'s arguments): it compares false with every bound."""
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"'{dotted(path)}' is NaN in {meta.where(path)}; give a number")
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(
+        value, list) else ()
+    for k, v in items:
+        _refuse_nan(v, path + (k,), meta)
+
+
 def build_config(
     data: Mapping[str, Any] | None,
     overrides: Sequence[str | Override] | Mapping[str, Any] = (),
@@ -450,11 +470,13 @@ def build_config(
             raise ConfigError(f"allowed_target_prefixes entries must be module names like "
                               f"'mypkg.', got {p!r} ({meta.where(('allowed_target_prefixes',))})")
     meta.allowed_target_prefixes = normalize_prefixes(DEFAULT_ALLOWED_PREFIXES + tuple(extra))
+    _refuse_nan(root, (), meta)  # in what no key's range checks, e.g. a target's arguments
     _check_targets(root, (), meta)
     warn_contradictions(root, meta.where)
     return ConfigNode(root, (), meta)
 
 
+@text_reader("recipe")
 def load_config(
     path: str | os.PathLike,
     overrides: Sequence[str | Override] | Mapping[str, Any] = (),
@@ -471,12 +493,12 @@ def load_config(
     """
     source = os.fspath(path)
     try:
-        text = read_text(source)
+        text = read_text(source, max_bytes=MAX_RECIPE_BYTES, what="a recipe")
     except FileNotFoundError:
         raise ConfigError(f"recipe file not found: {source}") from None
     except IsADirectoryError:
         raise ConfigError(f"recipe {source} is a folder; give the YAML file in it") from None
-    except EncodingError as e:
+    except (EncodingError, InputError) as e:
         raise ConfigError(str(e)) from None
     data, locs = _read_yaml(text, source, empty={})
     return build_config(data, overrides, source=source, locs=locs,

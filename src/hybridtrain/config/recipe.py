@@ -152,6 +152,24 @@ class TrainingSection(RecipeSection):
         range=AT_LEAST_0, unit="steps")
     grad_clip: float | None = key(1.0, "max global gradient norm; null or 0 disables clipping",
                                   range=AT_LEAST_0)
+    mtp: str = key("train", "the model's multi-token prediction layers (a config.json with "
+                            "num_nextn_predict_layers): train (their loss beside the LM loss), "
+                            "freeze (kept and exported unchanged, not trained), drop (left out of "
+                            "training and of the export); logged at start",
+                   choices=("train", "freeze", "drop"))
+    mtp_loss_scale: float = key(0.1, "weight of the multi-token prediction loss, averaged over "
+                                     "the MTP depths (Megatron-Bridge's mtp_loss_scaling_factor); "
+                                     "each depth's CE is normalised by the global count of its "
+                                     "supervised positions", range=AT_LEAST_0)
+    moe_bias_update_rate: float = key(
+        0.0, "aux-loss-free balancing: after each optimizer step every MoE router's "
+             "e_score_correction_bias moves by this much toward its under-loaded experts (sign "
+             "of mean load - load, counts summed over all ranks; Megatron's "
+             "moe_router_bias_update_rate, e.g. 1e-3); 0 -> never updated", range=AT_LEAST_0)
+    moe_aux_loss_coeff: float = key(
+        0.0, "sequence-level auxiliary balance loss of the MoE routers (DeepSeek-V3 / Megatron "
+             "seq_aux_loss), summed over layers, per row, with this weight; logged as "
+             "moe_aux_loss; 0 -> off", range=AT_LEAST_0)
     activation_checkpointing: bool | int | str | list | dict = key(
         False, "recompute block activations in backward: true/false, 'all', k (every k-th "
                "block), layer types ['mamba', 'moe'] (see distributed/activation_checkpoint)",
@@ -362,7 +380,7 @@ class DistributedSection(RecipeSection):
 
 @dataclass
 class MetricsSection(RecipeSection):
-    """``metrics:``: jsonl / progress bar / TensorBoard / plot."""
+    """``metrics:``: jsonl / progress bar / TensorBoard / plot / W&B / MLflow."""
 
     section: ClassVar[str] = "metrics"
     jsonl: bool = key(True, "write <checkpoint.dir>/training.jsonl and validation.jsonl")
@@ -372,6 +390,23 @@ class MetricsSection(RecipeSection):
     plot: bool = key(True, "write <checkpoint.dir>/loss.png at the end (needs the plot extra)")
     peak_tflops: float | None = key(None, "per-device peak for MFU; null -> detect from device "
                                           "name", range=ABOVE_0, unit="TFLOP/s")
+    wandb: bool = key(False, "log to Weights & Biases from rank 0 (needs the wandb extra; offline "
+                             "through WANDB_MODE=offline; files under WANDB_DIR, else "
+                             "<checkpoint.dir>)")
+    mlflow: bool = key(False, "log to MLflow from rank 0 (needs the mlflow extra): the recipe as "
+                              "params, metrics per step, the HF export or adapter as an artifact")
+    project: str | None = key(None, "W&B project and MLflow experiment; null -> WANDB_PROJECT / "
+                                    "MLFLOW_EXPERIMENT_NAME, else 'hybridtrain'")
+    run_name: str | None = key(None, "the trackers' run name; null -> WANDB_NAME / the "
+                                     "tracker's own")
+    tags: list[str] = key([], "tags of the tracker runs (W&B tags; MLflow tags with an empty "
+                              "value)")
+    mlflow_tracking_uri: str | None = key(None, "MLflow store or server; null -> "
+                                                "MLFLOW_TRACKING_URI, else "
+                                                "sqlite:///<checkpoint.dir>/mlflow.db")
+    tracker_on_error: str = key("warn", "a tracker that cannot start: warn (the run goes on "
+                                        "without it) or raise (the run stops before its first "
+                                        "step)", choices=("warn", "raise"))
 
 
 @dataclass
@@ -444,6 +479,12 @@ class BenchmarkSection(RecipeSection):
                                     "and report MFU against it")
     output: str | None = key(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json",
                              path="file")
+    decode_tokens: int = key(0, "decoding table: greedy tokens/s of this many new tokens from a "
+                                "64-token synthetic prompt (batch 1, one process), plain and with "
+                                "the model's self-speculative decoding side by side; 0 -> no "
+                                "table", range=AT_LEAST_0, unit="tokens")
+    draft_tokens: int = key(3, "decoding table: tokens drafted per speculative step",
+                            range=AT_LEAST_1, unit="tokens")
 
 
 @dataclass

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.fileio import read_text
+from hybridtrain.fileio import json_loads, read_text, text_reader
 
 from .batch import IGNORE_INDEX
 from .dataset import (
@@ -129,10 +129,13 @@ def _tool_calls(calls: Any, where: str) -> list:
             raise ChatFormatError(f"{where}: tool_calls[{k}] must be an object")
         call = dict(call)
         fn = dict(call["function"]) if isinstance(call.get("function"), Mapping) else call
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise ChatFormatError(f"{where}: tool_calls[{k}] has no function name; give "
+                                  '{"function": {"name": ..., "arguments": {...}}}')
         args = fn.get("arguments")
         if isinstance(args, str) and args.strip().startswith("{"):
             try:
-                fn["arguments"] = json.loads(args)
+                fn["arguments"] = json_loads(args)
             except json.JSONDecodeError as e:
                 raise ChatFormatError(
                     f"{where}: tool_calls[{k}] 'arguments' is a string but not valid JSON: {e}"
@@ -211,7 +214,7 @@ def normalize_conversation(rec: Mapping, where: str) -> tuple[list[dict], list |
     tools = rec.get("tools")
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools) if tools.strip() else None
+            tools = json_loads(tools) if tools.strip() else None
         except json.JSONDecodeError as e:
             raise ChatFormatError(f"{name}: 'tools' is a string but not valid JSON: {e}") from None
     if tools is not None and not isinstance(tools, list):
@@ -399,6 +402,7 @@ def chat_tokenize_batch(
     return out
 
 
+@text_reader("chat template", arg="chat_template_path")
 def resolve_template(tokenizer, chat_template: str | None, chat_template_path) -> str:
     """The chat template to use: ``chat_template``, the file ``chat_template_path``, or the
     tokenizer's own (its default one when it has several)."""
@@ -512,6 +516,7 @@ class ChatDataset(SourceDataset):
     _build = staticmethod(_build_chat)
 
 
+@text_reader("chat")
 def build_chat_dataset(path, tokenizer, **kwargs) -> ChatDataset:
     """``ChatDataset(path, tokenizer, **kwargs)``; the form a YAML ``_target_`` calls."""
     return ChatDataset(path, tokenizer, **kwargs)

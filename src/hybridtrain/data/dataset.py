@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridtrain.fileio import read_json
+
 from .batch import IGNORE_INDEX
 from .io import DataError, EmptyDatasetError, describe_drop_reasons, resolve_data_files
 from .tokenizer import tokenizer_fingerprint
@@ -202,7 +204,7 @@ def build_cached(
 
     def load():
         try:
-            stats = Stats(json.loads(meta_file.read_text(encoding="utf-8"))["stats"])
+            stats = Stats(read_json(meta_file)["stats"])
         except Exception as e:  # a damaged or half-written record
             raise CorruptCacheError(f"the tokenized-data cache {final} cannot be read "
                                     f"({meta_file}: {type(e).__name__}: "

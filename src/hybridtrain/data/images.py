@@ -33,6 +33,9 @@ def _open(path: str | os.PathLike):
         return Image.open(path)
     except FileNotFoundError:
         raise DataError(f"image {path} does not exist") from None
+    except Image.DecompressionBombError as e:  # its header claims more pixels than is safe
+        raise DataError(f"image {path} is refused: {e} Downscale it (it is resized to the "
+                        "patch budget anyway)") from None
     except (UnidentifiedImageError, OSError) as e:
         raise DataError(f"image {path} cannot be read: {e}") from None
 
@@ -84,6 +87,15 @@ def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape((H // p) * (W // p), C * p * p)
 
 
+def _rgb(im):
+    """``im`` as 8-bit RGB; 16- and 32-bit grey samples are scaled down, not clipped."""
+    if im.mode.startswith("I;16") or im.mode == "I":
+        im = im.point(lambda v: v * (1 / 256)).convert("L")
+    elif im.mode == "F":  # floating-point samples, taken as [0, 1]
+        im = im.point(lambda v: v * 255).convert("L")
+    return im.convert("RGB")
+
+
 def load_patches(path: str | os.PathLike, grid: tuple[int, int], patch_size: int,
                  mean: Sequence[float] = DEFAULT_MEAN, std: Sequence[float] = DEFAULT_STD
                  ) -> torch.Tensor:
@@ -94,7 +106,7 @@ def load_patches(path: str | os.PathLike, grid: tuple[int, int], patch_size: int
     rows, cols = grid
     with _open(path) as im:
         try:  # the pixels are decoded here: a truncated or damaged file fails only now
-            im = im.convert("RGB").resize((cols * patch_size, rows * patch_size),
+            im = _rgb(im).resize((cols * patch_size, rows * patch_size),
                                           Image.Resampling.BICUBIC)
         except (OSError, SyntaxError, ValueError) as e:
             raise DataError(f"image {path} is truncated or corrupt ({e}); replace the file or "

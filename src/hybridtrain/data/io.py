@@ -173,6 +173,9 @@ def resolve_data_files(path: str | os.PathLike, split: str | None = None) -> lis
     matches = sorted(Path(m) for m in glob.glob(str(p)) if Path(m).is_file())
     if matches:
         return matches
+    if p.is_symlink():
+        raise DataError(f"{path}: a symbolic link that leads to itself or nowhere "
+                        f"(-> {os.readlink(p)}); point it at the data file")
     raise DataError(f"{path}: no such data file or directory")
 
 
@@ -186,16 +189,18 @@ def decode_utf8(data: bytes, path, line: int | None = None) -> str:
     return fileio.decode_utf8(data, path, line, error=EncodingError)
 
 
+@fileio.text_reader("json")
 def load_json(path: str | os.PathLike) -> Any:
     """Parse a whole JSON file; a syntax error names the file and line."""
     path = Path(path)
     text = decode_utf8(path.read_bytes(), path)
     try:
-        return json.loads(text)
+        return fileio.json_loads(text)
     except json.JSONDecodeError as e:
         raise MalformedJSONError(path, e.lineno, f"{e.msg} (column {e.colno})") from None
 
 
+@fileio.text_reader("jsonl")
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """``(line_number, object)`` for each non-blank line of a JSONL file (1-based lines)."""
     path = Path(path)
@@ -205,7 +210,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = fileio.json_loads(line)
             except json.JSONDecodeError as e:
                 raise MalformedJSONError(path, lineno, f"{e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):
@@ -231,6 +236,7 @@ def iter_parquet(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
             row += 1
 
 
+@fileio.text_reader("jsonl")
 def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
     """Flat records of one file as ``(where, record)``; ``where`` names file and line/row."""
     path = Path(path)
@@ -259,6 +265,17 @@ def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
         raise DataError(
             f"{path}: unknown data file type; expected one of {', '.join(DATA_SUFFIXES)}"
         )
+
+
+MAX_SYNTHETIC = 10_000_000  # records a synthetic-data writer makes at most
+
+
+def check_count(value: Any, name: str, most: int = MAX_SYNTHETIC) -> int:
+    """``value`` when it is a whole number in ``[1, most]`` (how many records a synthetic-data
+    writer makes); else a :class:`DataError` naming the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise DataError(f"{name}={value!r}: give a whole number of records from 1 to {most:,}")
+    return value
 
 
 def require(record: Mapping[str, Any], field: str, where: str, hint: str = "") -> Any:

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-from .io import DataError, iter_records, require
+from hybridtrain.fileio import text_reader
+
+from .io import DataError, check_count, iter_records, require
 from .templates import apply_template
 
 logger = logging.getLogger("hybridtrain.data")
@@ -128,6 +130,7 @@ def _warn_untaught(path, bad: dict[str, list[str]], total: int) -> None:
                    total, parts)
 
 
+@text_reader("preference")
 def build_preference_dataset(path: str | os.PathLike, tokenizer, max_length: int = 256,
                              limit: int | None = None) -> PreferenceDataset:
     pairs, dropped = [], 0
@@ -210,6 +213,7 @@ def synthetic_preference_texts(num_pairs: int = 2000, seed: int = 0) -> list[str
 
 def write_synthetic_preferences(path: str | os.PathLike, num_pairs: int = 2000, seed: int = 0) -> str:
     """Writes ``num_pairs`` synthetic pairs (plain text, TRL's format) as JSONL; returns the path."""
+    check_count(num_pairs, "write_synthetic_preferences num_pairs")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -41,6 +41,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from hybridtrain.fileio import text_reader
+
 from .batch import IGNORE_INDEX
 from .dataset import (
     SourceDataset,
@@ -184,6 +186,7 @@ class _Reader:
                 self.add(qa, f"{pwhere}.qas[{k}]", context=context, title=title)
 
 
+@text_reader("squad", arg="source")
 def read_squad(source, split: str | None = None, on_bad_record: str = "raise") -> dict:
     """Normalised records of a SQuAD source: ``{"columns": {...}, "read", "skipped", ...}``.
 
@@ -454,6 +457,7 @@ class SquadDataset(SourceDataset):
         return text.strip()
 
 
+@text_reader("squad")
 def build_squad_dataset(path, tokenizer, **kwargs) -> SquadDataset:
     """``SquadDataset(path, tokenizer, **kwargs)``; the form a YAML ``_target_`` calls."""
     return SquadDataset(path, tokenizer, **kwargs)

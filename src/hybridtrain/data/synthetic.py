@@ -28,6 +28,8 @@ from pathlib import Path
 
 from hybridtrain.fileio import atomic_write
 
+from .io import check_count
+
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr", "st"]
 _VOWELS = ["a", "e", "i", "o", "u", "ia", "ou"]
 _CODAS = ["", "", "n", "r", "s", "l", "th"]
@@ -137,6 +139,7 @@ def write_synthetic_squad(path: str | os.PathLike, num_questions: int = 2000, se
     """Write :func:`synthetic_squad` as JSON to ``path``; returns the path. Safe when every
     rank calls it at once (a file that already holds the document is not rewritten)."""
     path = Path(path)
+    check_count(num_questions, "write_synthetic_squad num_questions")
     doc = synthetic_squad(num_questions, seed, **kwargs)
     atomic_write(path, json.dumps(doc, ensure_ascii=False))
     return path

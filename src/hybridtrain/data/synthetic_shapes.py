@@ -18,6 +18,10 @@ import os
 import random
 from pathlib import Path
 
+from .io import DataError, check_count
+
+MAX_IMAGES = 1_000_000  # a typo of a few digits would otherwise draw images until the disk is full
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220),
            "yellow": (235, 200, 20)}
 SHAPES = ("square", "circle", "triangle")
@@ -63,6 +67,10 @@ def write_synthetic_shapes(out_dir: str | os.PathLike, n: int = 1000, seed: int 
                            text_only: float = 0.2, style: str = "llava") -> str:
     if style not in ("llava", "openai"):
         raise ValueError(f"style must be 'llava' or 'openai', got {style!r}")
+    check_count(n, "write_synthetic_shapes n", MAX_IMAGES)
+    if not 0 <= text_only <= 1:
+        raise DataError(f"write_synthetic_shapes text_only={text_only!r}: give the share of "
+                        "text-only records, from 0 to 1")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)

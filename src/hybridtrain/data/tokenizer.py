@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from hybridtrain.fileio import publish_files
+from hybridtrain.fileio import BOM, publish_files, read_json, strip_bom, text_reader
 
 from .io import DataError, decode_utf8
 
@@ -124,7 +125,7 @@ def _custom_code(folder: Path) -> str | None:
     config)."""
     for name in ("tokenizer_config.json", "config.json"):
         try:
-            auto_map = json.loads((folder / name).read_text(encoding="utf-8")).get("auto_map")
+            auto_map = read_json(folder / name).get("auto_map")
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(auto_map, dict) and auto_map:
@@ -143,6 +144,29 @@ def check_text_files(folder: Path) -> None:
             decode_utf8(f.read_bytes(), f)
 
 
+def _starts_with_bom(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(BOM)) == BOM
+
+
+@contextlib.contextmanager
+def without_boms(folder: Path):
+    """``folder`` itself, or (when one of its text files starts with a UTF-8 byte-order mark,
+    which transformers and ``tokenizers`` refuse) a temporary copy of its files with the marks
+    dropped."""
+    texts = [f for f in folder.iterdir() if f.is_file() and f.name.endswith(TEXT_SUFFIXES)]
+    if not any(_starts_with_bom(f) for f in texts):
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="hybridtrain-tokenizer-") as tmp:
+        for f in folder.iterdir():
+            if f.is_file():
+                data = f.read_bytes()
+                (Path(tmp) / f.name).write_bytes(strip_bom(data) if f in texts else data)
+        yield Path(tmp)
+
+
+@text_reader("tokenizer")
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs):
     """Load a tokenizer from a local directory, never from the network, never running a
     folder's code (``trust_remote_code`` is accepted only as False; other ``kwargs`` go to
@@ -157,9 +181,11 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, **k
             "offline only (download it first, e.g. with `hf download`, and pass the folder)"
         )
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(p), local_files_only=True, trust_remote_code=False, **kwargs
-        )
+        with without_boms(p) as folder:
+            tok = AutoTokenizer.from_pretrained(
+                str(folder), local_files_only=True, trust_remote_code=False, **kwargs
+            )
+        tok.name_or_path = str(p)
     except Exception as e:
         check_text_files(p)  # a file that is not UTF-8 is named with its line
         if not isinstance(e, (OSError, ValueError)):

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from hybridtrain.fileio import text_reader
+
 from .batch import IGNORE_INDEX
 from .chat import (
     added_token_strings,
@@ -316,6 +318,7 @@ class VisionCollator:
         return out
 
 
+@text_reader("vision chat")
 def build_vision_chat_dataset(path, tokenizer, **kwargs) -> VisionChatDataset:
     """``VisionChatDataset(path, tokenizer, **kwargs)``; the form a YAML ``_target_`` calls."""
     return VisionChatDataset(path, tokenizer, **kwargs)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hybridtrain.distributed.utils import local_tensor
+from hybridtrain.fileio import decode_utf8, json_loads
 
 __all__ = ["Region", "InitUnit", "SafetensorsReader", "local_region", "module_init_units",
            "unit_seed", "materialize"]
@@ -118,7 +119,13 @@ class SafetensorsReader:
                 if 8 + n > size:
                     raise ValueError(f"{path}: truncated safetensors file (header of {n} bytes, "
                                      f"file of {size})")
-                header = json.loads(f.read(n))
+                try:
+                    header = json_loads(decode_utf8(f.read(n), path))
+                except json.JSONDecodeError as e:
+                    header = e
+                if not isinstance(header, dict):
+                    raise ValueError(f"{path}: corrupt safetensors file (its header is not a "
+                                     "JSON object); copy or download it again")
             for name, info in header.items():
                 if name == "__metadata__":
                     continue

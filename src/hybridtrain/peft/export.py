@@ -420,9 +420,8 @@ def _model_class(hf_dir: str) -> type[nn.Module]:
     """The model class of a Hugging Face folder: the spec named by its config's ``model_type``."""
     path = os.path.join(hf_dir, "config.json")
     try:
-        with open(path) as f:
-            model_type = json.load(f)["model_type"]
-    except (OSError, ValueError, KeyError) as e:
+        model_type = read_json(path)["model_type"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: cannot read the model_type of the base model ({e})") from None
     return get_model_spec(model_type).model_cls
 

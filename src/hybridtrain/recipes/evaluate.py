@@ -24,6 +24,7 @@ from typing import Any
 from hybridtrain.config.sections import EvaluationSection, RecipeConfig, recipe_config
 from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.utils import main_process_first
+from hybridtrain.fileio import read_json
 from hybridtrain.recipes.generate import open_model
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import (
@@ -40,9 +41,8 @@ logger = logging.getLogger(__name__)
 def _step_of(step_dir: str) -> int | None:
     state = os.path.join(step_dir, "trainer_state.json")
     try:
-        with open(state) as f:
-            return int(json.load(f).get("step"))
-    except (OSError, ValueError, TypeError):
+        return int(read_json(state).get("step"))
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 

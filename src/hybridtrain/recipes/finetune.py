@@ -30,12 +30,12 @@ from hybridtrain.distributed.init import process_group
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write
-from hybridtrain.runfolder import RunLock, run_folder_path
+from hybridtrain.runfolder import NothingToDo, RunLock, run_folder_path
 from hybridtrain.training.builder import (
     build, build_checkpointer, build_lr_scheduler, make_trainer,
 )
-from hybridtrain.training.checkpoint import Checkpointer
-from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.checkpoint import Checkpointer, check_resumable, nothing_left
+from hybridtrain.training.metrics import metrics_logger
 from hybridtrain.training.preemption import stopping_at_once
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
@@ -65,8 +65,13 @@ def _run(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: int
     started = False
     try:
         with stopping_at_once(cfg):  # a signal before or after the steps: stop, lock released
-            trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size,
-                                                         out_dir, t_start)
+            try:
+                trainer, sched, checkpointer, clear = _start(cfg, device, is_main, world_size,
+                                                             out_dir, t_start)
+            except NothingToDo as e:  # said in one line; the run folder is left as it is
+                if is_main:
+                    print(e, flush=True)
+                return {"steps": 0, "nothing_to_do": str(e), "out_dir": out_dir}
             started = True
             return _train(cfg, trainer, sched, checkpointer, clear, is_main, out_dir, t_start)
     finally:
@@ -103,7 +108,11 @@ def _start(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: i
     there. Returns (trainer, step scheduler, checkpointer, whether to clear an earlier run)."""
     t = cfg.training
     resume, clear = _check_run_folder(cfg, out_dir)  # before build writes data or a tokenizer
-    b = build(cfg, device, is_main, world_size, train_loop=True)
+    done = resume is not None and t.max_steps is not None and nothing_left(resume, t.max_steps)
+    if done:
+        raise NothingToDo(done)
+    b = build(cfg, device, is_main, world_size, train_loop=True, check_model=None if resume is None
+              else lambda model, peft: check_resumable(resume, model, peft))
     train_ds = b.data.train
 
     # step scheduler, LR scheduler
@@ -117,12 +126,12 @@ def _start(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: i
 
     # checkpoints, metrics, resume
     checkpointer = build_checkpointer(b, out_dir)
-    metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
-                            tensorboard_dir=cfg.metrics.tensorboard_dir,
-                            progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
-                            plot=cfg.metrics.plot)
+    metrics = metrics_logger(cfg, out_dir, is_main)
     trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics, started=t_start)
     if resume is not None:
+        done = t.max_steps is None and nothing_left(resume, sched.max_steps, t.num_epochs)
+        if done:  # the run's length comes from its epochs: known once the data is
+            raise NothingToDo(done)
         trainer.resume(resume)
     return trainer, sched, checkpointer, clear
 

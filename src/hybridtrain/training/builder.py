@@ -40,9 +40,11 @@ from hybridtrain.distributed.parallel_plan import (
 )
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
-    HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
+    AuxiliaryLosses, ExpertRouting, HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
 )
 from hybridtrain.ops.backend import configure_backend
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
@@ -314,12 +316,15 @@ class Built:
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     data: TrainData | None = None  # None when built with data=False
+    aux_loss: AuxiliaryLoss | None = None  # the model's extra objectives (spec's AuxiliaryLosses)
+    expert_load: ExpertLoad | None = None  # its MoE routers' load (spec's ExpertRouting)
 
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
           world_size: int = 1, *, data: bool = True, dtype: str | None = None,
           loss: nn.Module | None = None, tokenizer: bool | None = None,
-          train_loop: bool = False, evaluation: bool | None = None) -> Built:
+          train_loop: bool = False, evaluation: bool | None = None,
+          check_model: Callable[[nn.Module, dict | None], None] | None = None) -> Built:
     """Builds a recipe's parts in a fixed order: seeds -> input paths checked
     (:func:`check_input_paths`) -> tokenizer -> model (random init from
     a config, or ``from_pretrained``) -> compute dtype and backend tuning -> LoRA (``peft:``) -> datasets (+ packing) -> parallel
@@ -333,7 +338,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     layout is built (``train_loop``: also what a training loop over the recipe's batches and
     its ``evaluation`` section need, as ``finetune`` runs them; ``evaluation``: whether the
     model generates under the layout, default with ``train_loop`` and an ``evaluation``
-    section).
+    section). ``check_model(model, peft)``: called on the model (with its LoRA adapters,
+    before the layout) before the datasets are built, e.g. to refuse a checkpoint to resume.
     ``cfg``: a :class:`~hybridtrain.config.sections.RecipeConfig` (or a path, a ``ConfigNode``
     or a dict, made into one here).
     """
@@ -364,6 +370,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         model = instantiate_with(cfg.model)
     spec = model_spec_for(model)
     spec.check_model(model)
+    aux_part = spec.find(AuxiliaryLosses)  # e.g. training.mtp: train, freeze or drop the layers
+    aux_loss = aux_part.setup(model, t) if aux_part is not None else None
+    routing = spec.find(ExpertRouting)  # the routers' load each step, their bias update
+    expert_load = routing.setup(model, t) if routing is not None else None
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
     configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
@@ -380,6 +390,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if cfg.peft is not None:
         peft = cfg.peft.to_dict()
         apply_lora(model, **peft)
+    if check_model is not None:
+        check_model(model, peft)
     if not on_meta:  # a model target that ignored the meta device: built in full already
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -412,7 +424,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
         save_dtype=save_dtype, peft=peft, plan=plan,
         optimizer=_build_optimizer(cfg, model, device),
-        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data)
+        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data,
+        aux_loss=aux_loss, expert_load=expert_load)
 
 
 def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
@@ -463,4 +476,5 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         trainer_settings(cfg.training, cfg.checkpoint), checkpointer=checkpointer,
         metrics=metrics, throughput=Throughput(b.flops_fn, _peak_tflops(cfg, b.device, b.dtype)),
         evaluator=make_evaluator(b) if cfg.evaluation is not None else None,
-        stop=RunStop.from_config(cfg, b.device, started))
+        stop=RunStop.from_config(cfg, b.device, started), aux_loss=b.aux_loss,
+        expert_load=b.expert_load)

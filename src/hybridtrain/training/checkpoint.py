@@ -60,6 +60,7 @@ from hybridtrain.training.checkpoint_files import (
     write_step_json,
 )
 from hybridtrain.training.checkpoint_reader import read_checkpoint
+from hybridtrain.training.dcp_safe import UnsafeCheckpointError, read_metadata
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.rng import get_rng_state, set_rng_state
 
@@ -126,6 +127,71 @@ def _peft_diff(saved: dict | None, current: dict | None) -> list[str]:
     keys = (set(saved) | set(current)) - {"dropout"}
     return [f"peft.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
             for k in sorted(keys) if saved.get(k) != current.get(k)]
+
+
+def _tensor_diff(path: str, model: torch.nn.Module) -> list[str]:
+    """The tensors of ``model`` (not laid out yet; frozen ones aside, as :meth:`Checkpointer.save`
+    writes them) that checkpoint ``path`` holds with another shape, or lacks."""
+    try:
+        saved = read_metadata(os.path.join(path, "dcp")).state_dict_metadata
+    except UnsafeCheckpointError:
+        raise
+    except ValueError as e:
+        raise unreadable(path, str(e)) from None
+    out = []
+    for name, tensor in get_model_state_dict(model, options=SAVE_OPTIONS).items():
+        entry = saved.get(f"model.{name}")
+        have = list(tensor.shape)
+        if entry is None:
+            out.append(f"tensor {name}: not in the checkpoint, this run {have}")
+        elif list(entry.size) != have:
+            out.append(f"tensor {name}: checkpoint {list(entry.size)}, this run {have}")
+    return out
+
+
+def check_resumable(path: str, model: torch.nn.Module, peft: dict | None,
+                    tensors: bool = True) -> None:
+    """Raises a ``ValueError`` saying why checkpoint ``path`` cannot continue a run of ``model``
+    with the LoRA settings ``peft``: another model config, other LoRA settings and
+    (``tensors``: ``model`` not laid out yet) tensors of other shapes, each named with both
+    values. Called before the data is built."""
+    state = read_step_json(os.path.join(path, "trainer_state.json"))
+    reasons = []
+    shapes = _tensor_diff(path, model) if tensors else []
+    if shapes:
+        more = f"\n  ... and {len(shapes) - 8} more" if len(shapes) > 8 else ""
+        reasons.append("its tensors do not fit this run's model:\n  "
+                       + "\n  ".join(shapes[:8]) + more)
+    cfg_path, current = os.path.join(path, "config.json"), model_config_dict(model)
+    diff = config_diff(read_step_json(cfg_path), current) if (
+        current is not None and os.path.isfile(cfg_path)) else []
+    if diff:
+        reasons.append("its model config differs from this run's model config:\n  "
+                       + "\n  ".join(diff))
+    peft_diff = _peft_diff(state.get("peft"), peft)
+    if peft_diff:
+        reasons.append("its peft settings differ from this run's peft section:\n  "
+                       + "\n  ".join(peft_diff))
+    if reasons:
+        raise ValueError(f"refusing to resume from {path}: " + ";\n".join(reasons)
+                         + "\nUse the model and peft settings of the run that wrote it, a new "
+                         "checkpoint.dir, or checkpoint.resume: null to start over")
+    check_state_format(path, state, model)
+
+
+def nothing_left(path: str, max_steps: int, num_epochs: float | None = None) -> str | None:
+    """The one line that says a resume from checkpoint ``path`` has nothing to do (its step
+    is at or past ``max_steps``, the recipe's or, given ``num_epochs``, that of its epochs), or
+    None."""
+    step = read_step_json(os.path.join(path, "trainer_state.json")).get("step")
+    if not isinstance(step, int) or step < max_steps:
+        return None
+    if num_epochs is None:
+        return (f"nothing to do: checkpoint step {step} >= training.max_steps {max_steps}; "
+                "raise training.max_steps to train further")
+    return (f"nothing to do: checkpoint step {step} >= the {max_steps} steps of "
+            f"training.num_epochs {num_epochs}; raise training.num_epochs (or set "
+            "training.max_steps) to train further")
 
 
 class Checkpointer:
@@ -350,23 +416,8 @@ class Checkpointer:
         if not os.path.isfile(state_path):
             raise unreadable(path, "it has no trainer_state.json")
         state = read_step_json(state_path)
-        cfg_path = os.path.join(path, "config.json")
-        current = model_config_dict(model)
-        if check_config and current is not None and os.path.isfile(cfg_path):
-            diff = config_diff(read_step_json(cfg_path), current)
-            if diff:
-                raise ValueError(
-                    f"refusing to resume from {path}: its model config differs from this run's "
-                    f"model config:\n  " + "\n  ".join(diff) + "\nUse the same model config, a "
-                    "new checkpoint.dir, or checkpoint.resume: null to start over"
-                )
         if check_config:
-            peft_diff = _peft_diff(state.get("peft"), self.state_extra.get("peft"))
-            if peft_diff:
-                raise ValueError(
-                    f"refusing to resume from {path}: its peft settings differ from this run's "
-                    f"peft section:\n  " + "\n  ".join(peft_diff) + "\nUse the same peft "
-                    "settings, a new checkpoint.dir, or checkpoint.resume: null to start over")
+            check_resumable(path, model, self.state_extra.get("peft"), tensors=False)
         check_state_format(path, state, model)
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVE_OPTIONS)

@@ -46,7 +46,6 @@ buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted eith
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -59,6 +58,7 @@ from hybridtrain.config import resolve_target
 from hybridtrain.config.dist_env import GEMM_KERNEL_BYTES, gemm_kernel_cache_entries
 from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
+from hybridtrain.fileio import read_json
 from hybridtrain.distributed.fsdp import (
     fsdp_param_dtype, resolve_dtype, resolve_reshard_after_forward,
 )
@@ -199,8 +199,7 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     if not os.path.isfile(path):
         raise ValueError(f"{model_node.where()}: {path} does not exist; the plan reads the "
                          "checkpoint's config.json (set the model directory, e.g. its env var)")
-    with open(path) as f:
-        hf = json.load(f)
+    hf = read_json(path)
     config = spec.config_cls.from_dict(hf, source=path)
     with torch.device("meta"):
         model = spec.model_cls(config)

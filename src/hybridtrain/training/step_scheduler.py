@@ -39,6 +39,17 @@ def steps_per_epoch(num_samples: int, global_batch_size: int, drop_last: bool = 
     return math.ceil(num_samples / global_batch_size)
 
 
+def check_epochs(num_epochs: float) -> None:
+    """Refuses a run length by epochs (``training.max_steps`` null) that trains nothing: 0, a
+    negative number, NaN or infinity (instead of rounding it up to one step)."""
+    if isinstance(num_epochs, bool) or not (float(num_epochs) > 0 and math.isfinite(
+            float(num_epochs))):
+        raise ValueError(
+            f"{recipe_key('num_epochs')}={num_epochs!r} with {recipe_key('max_steps')}=null "
+            f"trains nothing; set {recipe_key('num_epochs')} to a number of epochs > 0 (e.g. 1) "
+            f"or {recipe_key('max_steps')} to a number of steps")
+
+
 class MicroBatchSampler:
     """Batch sampler for one rank: the micro-batches of steps ``[start_step, steps_per_epoch)`` of
     one epoch (see module docstring). Usable as ``DataLoader(batch_sampler=...)``."""
@@ -163,6 +174,7 @@ class StepScheduler:
                 raise ValueError(f"set {recipe_key('max_steps')} or {recipe_key('num_epochs')}")
             if self.steps_per_epoch is None:
                 raise ValueError(f"{recipe_key('num_epochs')} needs the training-set size")
+            check_epochs(num_epochs)
             max_steps = max(int(float(num_epochs) * self.steps_per_epoch), 1)
         if int(max_steps) < 1:
             raise ValueError(f"{recipe_key('max_steps')} must be >= 1, got {max_steps}")

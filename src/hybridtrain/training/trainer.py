@@ -50,6 +50,8 @@ from torch import nn
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches
 from hybridtrain.distributed.parallel_plan import Plan
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.runfolder import TrainingStopped
 from hybridtrain.training.accuracy import answer_counts
 from hybridtrain.training.checkpoint import Checkpointer
@@ -158,7 +160,11 @@ class Trainer:
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
     default: the recipe's defaults). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
-    step)`` (fields added to each validation record), ``stop`` (default: never stops early).
+    step)`` (fields added to each validation record), ``stop`` (default: never stops early),
+    ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
+    normalisers join the step's counts, their values the step's record), ``expert_load`` (the
+    MoE routers' load, :mod:`hybridtrain.ops.expert_load`: its metrics join the record, its
+    bias update follows each optimizer step).
     """
 
     def __init__(
@@ -175,6 +181,8 @@ class Trainer:
         throughput: Throughput | None = None,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
+        aux_loss: AuxiliaryLoss | None = None,
+        expert_load: ExpertLoad | None = None,
     ):
         self.plan = plan
         self.model = plan.model
@@ -196,6 +204,10 @@ class Trainer:
             "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
+        # the model's extra objectives (e.g. multi-token prediction), logged beside `loss`
+        self.aux_loss = aux_loss
+        # the MoE routers' load per step (moe_max_load, ...) and their correction-bias update
+        self.expert_load = expert_load
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
@@ -217,8 +229,12 @@ class Trainer:
             [sum(count_label_tokens(mb) for mb in micro_batches),
              sum(count_tokens(mb) for mb in micro_batches), flops],
             dtype=torch.float64, device=self.device)
+        aux = self.aux_loss
+        if aux is not None:  # its terms' normalisers, in the same all-reduce
+            counts = torch.cat([counts, sum(aux.counts(mb) for mb in micro_batches).to(counts)])
         self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
         num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
+        aux_values = {} if aux is None else aux.record(torch.zeros(aux.num_terms), torch.zeros(aux.num_terms))
         lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
               self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
         self.model.train()
@@ -228,9 +244,22 @@ class Trainer:
             loss = torch.tensor(float("nan"))
             grad_norm = torch.tensor(float("nan"))
         else:
+            if aux is not None:
+                aux.begin_step(counts[3:])
+            if self.expert_load is not None:
+                self.expert_load.begin_step(self.device)
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
+            if aux is not None:
+                ce = torch.cat([ce, aux.step_sums(self.device)])
+                aux.end_step()
+            ce = self.dims.all_reduce_dp_cp(ce)
+            loss = ce[0] / num_label_tokens
+            if aux is not None:
+                aux_values = aux.record(ce[1:], counts[3:])
+            if self.expert_load is not None:
+                load_table = self._sum_expert_load(self.expert_load.end_step())
+                aux_values.update(self.expert_load.record(load_table))
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
         loss_v, grad_norm_v = float(loss), float(grad_norm)
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
@@ -242,6 +271,8 @@ class Trainer:
         else:
             if self.optimizer is not None:  # None: nothing trainable on this rank
                 self.optimizer.step()
+            if self.expert_load is not None:
+                self.expert_load.update_biases(load_table)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(self.sched.global_batch_size)
         if self.optimizer is not None:
@@ -272,7 +303,24 @@ class Trainer:
             "skipped_steps": self.sched.skipped_steps,
             "epoch": epoch,
             "step_time_s": dt,
+            **aux_values,
         }
+
+    def _sum_expert_load(self, table: torch.Tensor) -> torch.Tensor:
+        """The step's token counts per expert summed over the ranks holding other tokens
+        (data, expert, context parallel) and other layers (pipeline stages)."""
+        self.dims.all_reduce_dp_cp(table)
+        if self.dims.pp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(table, group=self.dims.group("pp"))
+        return table
+
+    def _progress_extra(self, rec: dict) -> dict[str, float | None]:
+        """The extra objectives' summary values for the progress line."""
+        if self.aux_loss is None:
+            return {}
+        return {n: rec.get(n) for n in self.aux_loss.summary_names}
 
     # -- validation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -421,7 +469,8 @@ class Trainer:
             if self.metrics is not None:
                 if sched.is_log_step or diverged:
                     self.metrics.log_train(rec)
-                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
+                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"],
+                                      extra=self._progress_extra(rec))
             if diverged:
                 self._stop_diverged()
             gc_every = settings.training.gc_every_steps
@@ -472,7 +521,7 @@ class Trainer:
         if self.stop.received:
             logger.warning("%s received after the last step: the run finished",
                            ", ".join(sorted({signal.Signals(x).name for x in self.stop.received})))
-        plot = self.metrics.close() if self.metrics is not None else None
+        plot = self.metrics.close(export_dir=export_dir) if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {
             "steps": sched.step,

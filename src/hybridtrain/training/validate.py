@@ -19,7 +19,7 @@ from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.distributed.pipeline_layout import pipeline_layout
 from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
-from hybridtrain.models.spec import Decoding, HeteroSupport, LayerTypes, LayoutRules, ModelSpec
+from hybridtrain.models.spec import AuxiliaryLosses, Decoding, HeteroSupport, LayerTypes, LayoutRules, ModelSpec
 from hybridtrain.training.step_scheduler import StepScheduler
 
 __all__ = ["validate_run"]
@@ -46,6 +46,9 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     if rules is not None:
         rules.check(model.config, dims, d, t, device_type)
     parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
+    aux = spec.find(AuxiliaryLosses)
+    if aux is not None:
+        aux.check_layout(model, dims, d, t)
     if dims.pp > 1:
         config = model.config
         pipeline_layout(len(spec.pipeline.layers(model)), dims, d,

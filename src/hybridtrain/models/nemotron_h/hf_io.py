@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridtrain.config.dtypes import dtype_name, to_torch_dtype
-from hybridtrain.fileio import apply_umask, open_safetensors
+from hybridtrain.fileio import apply_umask, open_safetensors, read_json
 
 from hybridtrain.distributed.materialize import SafetensorsReader
 from .config import NemotronHConfig
@@ -35,8 +35,8 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-# tensors in Hub checkpoints that hybridtrain does not build (multi-token prediction heads),
-# skipped on load as transformers does
+# multi-token prediction tensors: built when config.json asks for MTP layers
+# (`num_nextn_predict_layers`), else skipped on load as transformers does
 IGNORED_ON_LOAD = re.compile(r"^mtp\.")
 _EXPERT_HUB = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _EXPERT_OURS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
@@ -144,11 +144,11 @@ def checkpoint_files(local_dir: str | os.PathLike) -> list[str]:
     index = os.path.join(local_dir, INDEX_FILE)
     single = os.path.join(local_dir, SINGLE_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+        index_json = read_json(index)
+        if not isinstance(index_json, dict) or not isinstance(index_json.get("weight_map"), dict):
+            raise ValueError(f"{index}: not a safetensors index (no 'weight_map' object); copy "
+                             "or download it again")
+        weight_map = index_json["weight_map"]
         files = sorted(set(weight_map.values()))
         missing = [fn for fn in files if not os.path.isfile(os.path.join(local_dir, fn))]
         if missing:
@@ -242,9 +242,9 @@ def load_pretrained(
         for path in files:
             with open_safetensors(path, device=str(device)) as f:
                 for k in f.keys():
-                    if IGNORED_ON_LOAD.match(k):
-                        continue
                     ours, expert = hub_name_to_ours(k)
+                    if ours not in state:  # (check_tensors let only IGNORED_ON_LOAD through)
+                        continue
                     target = state[ours]
                     if expert is not None:
                         target = target[expert]

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hybridtrain.fileio import read_json
 from hybridtrain.models.nemotron_h.config import NemotronHConfig
 
 MODEL_TYPE = "nemotron_h_vlm"
@@ -117,5 +118,4 @@ class NemotronVLMConfig:
         path = os.path.join(local_dir, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{local_dir}: no config.json (expected a saved vision-language model)")
-        with open(path) as f:
-            return cls.from_dict(json.load(f), source=path)
+        return cls.from_dict(read_json(path), source=path)
