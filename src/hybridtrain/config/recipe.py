@@ -315,6 +315,10 @@ class PeftSection(RecipeSection):
                                         "'*.q_proj')")
     exclude_modules: list[str] = key([], "glob patterns of module names never adapted")
     match_all_linear: bool = key(False, "adapt every linear layer (except lm_head/embeddings)")
+    base_quant: str | None = key(None, "the frozen base weights under the adapters: null (as "
+                                       "loaded) or nf4 (QLoRA: 4-bit NormalFloat with "
+                                       "double-quantised scales; needs torchao, the quant extra)",
+                                 choices=("nf4",))
 
     def problem(self) -> tuple[str, str] | None:
         if not self.match_all_linear and not self.target_modules:

@@ -48,12 +48,12 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
-from hybridtrain.distributed.context_parallel import shard_batches
+from hybridtrain.distributed.context_parallel import shard_batches, unshard_rows
 from hybridtrain.distributed.parallel_plan import Plan
 from hybridtrain.ops.aux_loss import AuxiliaryLoss
 from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.runfolder import TrainingStopped
-from hybridtrain.training.accuracy import answer_counts
+from hybridtrain.training.accuracy import prediction_counts
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.flops import Throughput
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
@@ -78,10 +78,12 @@ class TrainStep:
     the global count) and returns the detached fp32 sum over this rank's micro-batches, where
     ``loss_sum`` is ``model(input_ids, labels=labels, ...)``: the model's own forward with its
     summing training loss installed. ``eval_loss(model, batch)`` is that sum for one batch
-    without gradients (validation). Under FSDP2 the gradient reduction runs only after the last
-    micro-batch. ``pipeline``: a pipeline schedule step (``__call__`` and ``eval_loss`` of the
-    same signatures), which runs forward and backward of all micro-batches itself. Everything
-    runs under :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
+    without gradients (validation), ``eval_predictions(model, batch)`` its predicted tokens.
+    Under FSDP2 the gradient reduction runs only after the last micro-batch. ``pipeline``: a
+    pipeline schedule step (``__call__`` and ``eval_loss`` of the same signatures, and
+    ``eval_predictions(model, batch)``: the predicted tokens), which runs forward and backward
+    of all micro-batches itself. Everything runs under
+    :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
     """
 
     def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None,
@@ -118,12 +120,14 @@ class TrainStep:
         return total
 
     @torch.no_grad()
-    def eval_logits(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
-        """Logits of a validation batch (None on a rank that computes none)."""
+    def eval_predictions(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        """The predicted tokens ``[rows, L]`` (argmax of the logits) of a validation batch;
+        None on a rank that predicts none (an encoder's own ranks); a pipeline's on every pp
+        rank."""
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
-                return self.pipeline.eval_logits(model, batch)
-            return model(batch["input_ids"], **model_inputs(batch))
+                return self.pipeline.eval_predictions(model, batch)
+            return model(batch["input_ids"], **model_inputs(batch)).argmax(-1)
 
     @torch.no_grad()
     def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -199,9 +203,6 @@ class Trainer:
         self.throughput = throughput
         self.val_micro_batch_size = (self.settings.training.val_micro_batch_size
                                      or step_scheduler.micro_batch_size)
-        # (training.validate.validate_run refuses val_accuracy under pipeline parallelism)
-        assert not (self.settings.training.val_accuracy and self.train_step.pipeline), \
-            "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
         # the model's extra objectives (e.g. multi-token prediction), logged beside `loss`
@@ -343,6 +344,7 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
+            whole = batch
             if self.dims.cp > 1:
                 batch = shard_batches([batch], self.dims.cp_rank, self.dims.cp)[0]
                 n_real = n_real if self.dims.cp_rank == 0 else 0
@@ -350,9 +352,9 @@ class Trainer:
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
             if self.settings.training.val_accuracy:
-                logits = self.train_step.eval_logits(self.model, batch)
-                if logits is not None:
-                    acc += answer_counts(logits, batch).to(self.device)
+                counts = self._answer_counts(batch, whole)
+                if counts is not None:
+                    acc += counts.to(self.device)
         self.dims.all_reduce_dp_cp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
@@ -368,6 +370,20 @@ class Trainer:
         if self.evaluator is not None:  # answers generated for validation examples, scored
             rec.update(self.evaluator(self.model, self.sched.step))
         return rec
+
+    def _answer_counts(self, batch: dict, whole: dict) -> torch.Tensor | None:
+        """:func:`~hybridtrain.training.accuracy.answer_counts` of validation batch ``whole``
+        (``batch``: this rank's context-parallel slice of it) from this rank, None where it adds
+        nothing: under context parallelism the slices' predictions are joined into whole rows
+        (an answer may span slices) and counted on the first slice's rank."""
+        pred = self.train_step.eval_predictions(self.model, batch)
+        if pred is None:
+            return None
+        if self.dims.cp > 1:
+            pred = unshard_rows(pred, self.dims.group("cp"))[:, :whole["labels"].shape[1]]
+            if self.dims.cp_rank:
+                return None
+        return prediction_counts(pred, whole)
 
     def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
