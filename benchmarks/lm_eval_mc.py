@@ -1,15 +1,16 @@
 """lm-evaluation-harness log-likelihoods (a multiple-choice task's requests): hybridtrain's
 ``hybridtrain`` lm_eval model against lm_eval's own ``hf`` backend (transformers'
-NemotronHForCausalLM), the same requests in one process: the time of each, their ratio and the
-largest difference of the log-likelihoods.
+NemotronHForCausalLM), the same requests in one process, the backends' runs interleaved: the
+median time of each, their ratio, the device, the load average and the largest difference of
+the log-likelihoods.
 
     python benchmarks/lm_eval_mc.py                       # a tiny model built here, on the CPU
     python benchmarks/lm_eval_mc.py --model DIR --device cuda --docs 500
 
 The requests: ``--docs`` questions of ~``--context`` words, each with 4 answers of a few words
 (the shape of ARC or HellaSwag: one context, several short continuations). Both backends score
-them in batches of ``--batch-size`` (hybridtrain: requests packed into rows of
-``--max-batch-tokens``).
+them in batches: lm_eval's ``hf`` of ``--batch-size`` requests, hybridtrain of questions up to
+``--max-batch-tokens`` tokens, each question prefilled once for its 4 answers.
 """
 
 from __future__ import annotations
