@@ -288,11 +288,12 @@ def test_continuations_scored_from_one_prefill_match_the_forward():
     model = _model().eval()
     score = model_spec_for(model).find(Decoding).score_continuations
     prompts = [[5, 9, 2, 7, 1, 3], [4, 8, 6]]
-    answers = [(0, [11, 12, 13]), (0, [14]), (1, [15, 16])]
+    answers = [(0, [11, 12, 13]), (1, [15, 16]), (0, [14])]  # longest first
     ids = torch.tensor([prompts[0], [0] * 3 + prompts[1]])
     mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
     conts = torch.tensor([a + a[-1:] * (3 - len(a)) for _, a in answers])
-    logits = score(model, ids, mask, torch.tensor([p for p, _ in answers]), conts)
+    logits = score(model, ids, mask, torch.tensor([p for p, _ in answers]), conts,
+                   [len(a) for _, a in answers])
     assert logits.shape == (3, 3, model.config.vocab_size)
     for r, (p, a) in enumerate(answers):
         with torch.no_grad():

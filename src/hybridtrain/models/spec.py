@@ -358,10 +358,10 @@ class Decoding:
     ``hybridtrain generate --speculative`` refuses it). ``score_continuations``: several
     continuations of each prompt from one prefill of the prompt (its state copied per
     continuation), ``score_continuations(model, input_ids [b, L], attention_mask, rows [R],
-    continuations [R, n]) -> fp32 logits [R, n, V]`` whose ``[r, t]`` predicts
+    continuations [R, n], lengths) -> fp32 logits [R, n, V]`` whose ``[r, t]`` predicts
     ``continuations[r, t]`` after prompt ``rows[r]`` (left-padded where ``attention_mask`` is 0)
-    and ``continuations[r, :t]`` (right padding of a shorter row: any token; its logits mean
-    nothing); the lm-evaluation-harness model scores multiple-choice answers with it (None: it
+    and ``continuations[r, :t]``; ``lengths``: the tokens of each continuation (right-padded to
+    n), longest first (logits past a row's length mean nothing); the lm-evaluation-harness model scores multiple-choice answers with it (None: it
     runs each context again per answer)."""
 
     pipeline: bool = False

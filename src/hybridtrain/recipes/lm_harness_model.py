@@ -129,13 +129,15 @@ class HybridtrainLM(TemplateLM):
         out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
         for batch in _context_batches(contexts, rows, self.max_batch_tokens):
             ids, mask = left_pad([list(c) for c in batch], self.eot_token_id)
-            members = [(k, i) for k, c in enumerate(batch) for i in contexts[c]]
+            members = sorted(((k, i) for k, c in enumerate(batch) for i in contexts[c]),
+                             key=lambda m: -len(rows[m[1]][1]))  # longest continuation first
             conts = [rows[i][1] for _, i in members]
-            n = max(len(c) for c in conts)
+            n = len(conts[0])
             tokens = torch.tensor([c + c[-1:] * (n - len(c)) for c in conts], device=self.device)
             logits = self._continuations(
                 self.model, ids.to(self.device), mask.to(self.device),
-                torch.tensor([k for k, _ in members], device=self.device), tokens)
+                torch.tensor([k for k, _ in members], device=self.device), tokens,
+                [len(c) for c in conts])
             logp = logits.log_softmax(-1)
             picked = logp.gather(-1, tokens[..., None])[..., 0]
             greedy = logp.argmax(-1) == tokens

@@ -53,6 +53,13 @@ class NemotronHCache:
         return NemotronHCache(valid=self.valid.index_select(0, rows), position=self.position.clone(),
                               length=self.length, layers=layers, head_t=self.head_t)
 
+    def head(self, rows: int) -> "NemotronHCache":
+        """The first ``rows`` rows as views: a step on it updates them in this cache."""
+        layers = {name: MambaState(s.conv[:rows], s.ssm[:rows], s.step) if isinstance(s, MambaState)
+                  else KVCache(s.k[:rows], s.v[:rows]) for name, s in self.layers.items()}
+        return NemotronHCache(valid=self.valid[:rows], position=self.position, length=self.length,
+                              layers=layers, head_t=self.head_t)
+
     def mutable_tensors(self) -> list[torch.Tensor]:
         """What a step changes in place besides the key/value slots at ``position`` (those are
         rewritten by the next step at the same position): to snapshot and restore around the
