@@ -42,7 +42,7 @@ from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
 from hybridtrain.fileio import decode_utf8, given_path, json_loads, read_json, text_reader, input_file, output_file, write_error
 from hybridtrain.models.spec import Decoding, get_model_spec, model_spec_for
-from hybridtrain.peft.export import load_peft_adapter
+from hybridtrain.peft.export import adapter_base_quant, load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
 from hybridtrain.training.checkpoint_reader import load_checkpoint_model, read_checkpoint, step_folder
 from hybridtrain.training.evaluation import left_pad
@@ -145,7 +145,8 @@ def _open_model(model_dir: str, adapter_dir: str | None, dtype, device, flag: st
     spec.part(Decoding, "hybridtrain generate")  # the family generates text
     model = spec.model_cls.from_pretrained(hf_dir, dtype=dtype)
     if adapter_dir:
-        load_peft_adapter(model, adapter_dir)
+        # a QLoRA adapter runs on the base it was trained on: quantised the same way
+        load_peft_adapter(model, adapter_dir, base_quant=adapter_base_quant(adapter_dir))
     tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
         else hf_dir
     return Loaded(model.to(device).eval(), load_tokenizer(tok_dir), hf_dir, adapter_dir or hf_dir)

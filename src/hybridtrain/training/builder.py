@@ -46,7 +46,9 @@ from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
+from hybridtrain.peft.quant import packer, quantize_base
 from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.float8 import block_names, convert_to_float8
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.validate import validate_run
@@ -191,7 +193,7 @@ def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> 
         units += module_init_units(twin, meta.init_units(twin))
     t0 = time.perf_counter()
     materialize(model, device, read=read, read_names=source["names"], units=units,
-                seed=source["seed"])
+                seed=source["seed"], pack=packer(model))
     logger.info("materialised this rank's weights (%s) in %.1fs",
                 source["checkpoint"] or f"random init, seed {source['seed']}",
                 time.perf_counter() - t0)
@@ -369,9 +371,12 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     peft = None
     if cfg.peft is not None:
         peft = cfg.peft.to_dict()
-        apply_lora(model, **peft)
+        apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     if check_model is not None:
         check_model(model, peft)
+    if t.float8 is not None:  # before the layout (torchtitan's order)
+        convert_to_float8(model, t.float8, block_names(model, spec.pipeline.layers(model)),
+                          t.float8_filter, emulate=device.type != "cuda")
     if not on_meta:  # a model target that ignored the meta device: built in full already
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -384,8 +389,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
-    validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
-                 evaluation=evaluation)
+    dims = validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
+                        evaluation=evaluation)
+    if peft is not None and peft["base_quant"]:  # QLoRA: NF4 blocks that FSDP2 can split
+        quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
     if cfg.distributed.encoder_ranks:
         plan = spec.find(HeteroSupport).plan(
             model, cfg.distributed, world_size, device=device, autocast_dtype=autocast_dtype,
