@@ -361,8 +361,9 @@ class Decoding:
     continuations [R, n], lengths) -> fp32 logits [R, n, V]`` whose ``[r, t]`` predicts
     ``continuations[r, t]`` after prompt ``rows[r]`` (left-padded where ``attention_mask`` is 0)
     and ``continuations[r, :t]``; ``lengths``: the tokens of each continuation (right-padded to
-    n), longest first (logits past a row's length mean nothing); the lm-evaluation-harness model scores multiple-choice answers with it (None: it
-    runs each context again per answer)."""
+    n), longest first (logits past a row's length mean nothing); the lm-evaluation-harness
+    model scores multiple-choice answers with it (None: it runs each context again per
+    answer)."""
 
     pipeline: bool = False
     lockstep: bool = False

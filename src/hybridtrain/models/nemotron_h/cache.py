@@ -48,7 +48,8 @@ class NemotronHCache:
         """A new cache whose row ``i`` is a copy of this cache's row ``rows[i]`` (to continue one
         prompt several ways, each from its own copy of the prompt's state)."""
         layers = {name: MambaState(s.conv.index_select(0, rows), s.ssm.index_select(0, rows), s.step)
-                  if isinstance(s, MambaState) else KVCache(s.k.index_select(0, rows), s.v.index_select(0, rows))
+                  if isinstance(s, MambaState)
+                  else KVCache(s.k.index_select(0, rows), s.v.index_select(0, rows))
                   for name, s in self.layers.items()}
         return NemotronHCache(valid=self.valid.index_select(0, rows), position=self.position.clone(),
                               length=self.length, layers=layers, head_t=self.head_t)
