@@ -6,9 +6,9 @@ encodes); log-likelihoods of requests that share a context (a multiple-choice qu
 answers) come from one prefill of the context, each answer continuing a copy of its state (the
 family's ``Decoding.score_continuations``), others from packed prefills (several requests in one
 row, separated by ``cu_seqlens``: no padding computed); generation from the model's cached
-decoding (``generate``: Mamba states and a key/value cache). ``pretrained``: a Hugging Face folder, a run folder or a
-``step_N`` checkpoint (a distributed checkpoint without an export is read as it is);
-``adapter``: a PEFT adapter applied on top.
+decoding (``generate``: Mamba states and a key/value cache). ``pretrained``: a Hugging Face
+folder, a run folder or a ``step_N`` checkpoint (a distributed checkpoint without an export is
+read as it is); ``adapter``: a PEFT adapter applied on top.
 """
 
 from __future__ import annotations
