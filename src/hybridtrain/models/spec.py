@@ -359,11 +359,23 @@ class Decoding:
     greedy decoding of one prompt, ``speculative(model, input_ids [1, L], max_new_tokens,
     draft_tokens, eos_token_id) -> (ids [1, L + n], {"drafted", "accepted", "acceptance_rate"})``,
     token-identical to greedy ``generate`` (None: the family has no draft of its own;
-    ``hybridtrain generate --speculative`` refuses it)."""
+    ``hybridtrain generate --speculative`` refuses it). ``score_continuations``: several
+    continuations of each prompt from one prefill of the prompt (its state copied per
+    continuation), ``score_continuations(model, input_ids [b, L], attention_mask, rows [R],
+    continuations [R, n], lengths) -> fp32 logits [R, n, V]`` whose ``[r, t]`` predicts
+    ``continuations[r, t]`` after prompt ``rows[r]`` (left-padded where ``attention_mask`` is 0)
+    and ``continuations[r, :t]``; ``lengths``: the tokens of each continuation (right-padded to
+    n), longest first (logits past a row's length mean nothing); the lm-evaluation-harness
+    model scores multiple-choice answers with it (None: it runs each context again per
+    answer)."""
 
     pipeline: bool = False
     lockstep: bool = False
     speculative: Callable[..., tuple] | None = None
+    score_continuations: Callable[..., torch.Tensor] | None = None
+
+    def __post_init__(self):
+        _check(self, optional=("speculative", "score_continuations"))
 
 
 @dataclass(frozen=True)
