@@ -35,6 +35,10 @@ REFUSALS = [
     ("layer_type", 1, {"training": {"activation_checkpointing": ["conv"]}},
      "unknown layer type 'conv'"),
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),
+    ("float8_tp", 2, {"distributed": {"tp": 2}, "training": {"float8": "tensorwise"}},
+     "training.float8 is not available with tensor"),
+    ("float8_evaluation", 1, {"training": {"float8": "rowwise"}, "evaluation": {"num_examples": 2}},
+     "training.float8 with an evaluation section"),
 ]
 # the vision-language model with its encoder on its own ranks: the language model's side
 VLM_REFUSALS = [

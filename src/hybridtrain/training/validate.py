@@ -54,6 +54,7 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     if rules is not None:
         rules.check(model.config, dims, d, t, device_type)
     parse_ac_policy(t.activation_checkpointing, spec.find(LayerTypes))
+    _check_float8(cfg, dims)
     if base_quant:
         _check_base_quant(base_quant, dims)
     aux = spec.find(AuxiliaryLosses)
@@ -107,6 +108,24 @@ def _check_train_loop(cfg: RecipeConfig, dims: ParallelDims, schedule=None) -> N
                 f"{e} (the {local} rows of a step on each of the {dims.dp} data-parallel ranks); "
                 "give the pipeline more micro-batches per step: raise training.global_batch_size "
                 "or lower training.micro_batch_size (or distributed.pp_microbatch_size)") from None
+
+
+def _check_float8(cfg: RecipeConfig, dims: ParallelDims) -> None:
+    """``training.float8`` with what it is not tested with here."""
+    t = cfg.training
+    if t.float8 is None:
+        return
+    if cfg.peft is not None:
+        raise ValueError("training.float8 with a peft section: LoRA wraps the Linear layers "
+                         "float8 converts; set training.float8: null")
+    if cfg.evaluation is not None:
+        raise ValueError("training.float8 with an evaluation section: decoding runs under "
+                         "torch.inference_mode, where torchao 0.18's float8 layers fail under "
+                         "autocast; remove the evaluation section or set training.float8: null")
+    if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
+        raise ValueError("training.float8 is not available with tensor, context or pipeline "
+                         "parallelism yet (distributed.tp / cp / pp > 1); set training.float8: "
+                         "null or those degrees to 1")
 
 
 def _check_decoding(spec: ModelSpec, dims: ParallelDims) -> None:
