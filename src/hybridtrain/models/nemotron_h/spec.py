@@ -16,6 +16,7 @@ from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
 from .mtp_training import check_mtp_layout, setup_aux_losses, setup_expert_load
+from .continuations import score_continuations
 from .speculative import speculative_decode
 from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
 
@@ -104,7 +105,8 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
         BLOCK_TYPES,
-        Decoding(pipeline=True, lockstep=True, speculative=speculative_decode),
+        Decoding(pipeline=True, lockstep=True, speculative=speculative_decode,
+                 score_continuations=score_continuations),
         LayoutRules(check=check_layout),
         AuxiliaryLosses(setup=setup_aux_losses, check_layout=check_mtp_layout),
         ExpertRouting(setup=setup_expert_load),
