@@ -137,14 +137,15 @@ def _meta_nf4(nf4, w: torch.Tensor, sbs: int) -> torch.Tensor:
         torch.empty(w.numel() // 2, dtype=torch.uint8, **meta), torch.empty(16, dtype=w.dtype, **meta))
 
 
-QUANT_CHUNK = 2**17  # weights quantised at once by :func:`quantize_rows`
+QUANT_CHUNK = 2**15  # weights quantised at once (torchao's nearest-code search: 64 B each)
 
 
-def row_chunks(shape: tuple[int, ...], chunk: int = QUANT_CHUNK) -> Iterator[tuple[slice, ...]]:
+def row_chunks(shape: tuple[int, ...], chunk: int | None = None) -> Iterator[tuple[slice, ...]]:
     """Regions of a weight of ``shape`` (``[out, in]``, or stacked experts ``[E, out, in]``: one
     expert at a time) that tile it in order, each whole rows of at most ``chunk`` weights (at
     least one row) and a multiple of :data:`NF4_BLOCK` weights."""
     *experts, rows, cols = shape
+    chunk = chunk or QUANT_CHUNK
     grain = NF4_BLOCK // math.gcd(cols, NF4_BLOCK)  # rows per whole number of blocks
     step = max(grain, chunk // cols // grain * grain)
     for e in range(experts[0] if experts else 1):
