@@ -11,7 +11,8 @@ weight whose block count does not fit the scale blocks (:func:`scaler_block`, :f
 :func:`quantize_base` logs one summary line with the counts and why layers stay.
 
 On a model built on the meta device the NF4 parameters are meta too (nothing allocated);
-:func:`packer` then fills them while the checkpoint streams in, one bf16 tensor at a time.
+:func:`packer` then fills them while the checkpoint streams in, in row chunks of at most
+:data:`QUANT_CHUNK` weights (:func:`quantize_rows`: ``to_nf4``'s result, without its working set).
 Compute dequantises a weight per use (torchao's ``linear_nf4``; one expert at a time for experts).
 """
 
@@ -112,7 +113,8 @@ def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dic
             kept.append(f"{name} ({why})")
             continue
         w2 = w.detach().reshape(rows, w.shape[-1])
-        q = _meta_nf4(nf4, w2, sbs) if w2.is_meta else nf4.to_nf4(w2, NF4_BLOCK, sbs)
+        q = _meta_nf4(nf4, w2, sbs) if w2.is_meta else quantize_rows(
+            (w2[r] for r in row_chunks(w2.shape)), w2.numel(), w2.shape, sbs, w2.dtype, w2.device)
         setattr(mod, attr, nn.Parameter(q, requires_grad=False))
         done.append(name)
     leaves = Counter(n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1]
