@@ -15,7 +15,7 @@ TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.7.1
 KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging
 MAMBA_PIN ?= mamba-ssm==2.3.2.post1
-# QLoRA's NF4 base (peft.base_quant: nf4), the `quant` extra; it requires no torch of its own
+# QLoRA's NF4 base (peft.base_quant: nf4) and training.float8, the `quant` extra; it requires no torch of its own
 TORCHAO_PIN ?= torchao==0.18.0
 # The experiment trackers the suite runs offline (the wandb and mlflow extras; ~15 s to install)
 TRACKER_PINS ?= wandb==0.31.0 mlflow-skinny==3.18.0 sqlalchemy==2.1.9 alembic==1.20.1

@@ -1,21 +1,24 @@
 """lm-evaluation-harness log-likelihoods (a multiple-choice task's requests): hybridtrain's
 ``hybridtrain`` lm_eval model against lm_eval's own ``hf`` backend (transformers'
-NemotronHForCausalLM), the same requests in one process: the time of each, their ratio and the
-largest difference of the log-likelihoods.
+NemotronHForCausalLM), the same requests in one process, the backends' runs interleaved: the
+median time of each, their ratio, the device, the load average and the largest difference of
+the log-likelihoods.
 
     python benchmarks/lm_eval_mc.py                       # a tiny model built here, on the CPU
     python benchmarks/lm_eval_mc.py --model DIR --device cuda --docs 500
 
 The requests: ``--docs`` questions of ~``--context`` words, each with 4 answers of a few words
 (the shape of ARC or HellaSwag: one context, several short continuations). Both backends score
-them in batches of ``--batch-size`` (hybridtrain: requests packed into rows of
-``--max-batch-tokens``).
+them in batches: lm_eval's ``hf`` of ``--batch-size`` requests, hybridtrain of questions up to
+``--max-batch-tokens`` tokens, each question prefilled once for its 4 answers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
 import tempfile
 import time
 
@@ -52,6 +55,20 @@ def timed(lm, reqs) -> tuple[list, float]:
     return out, time.perf_counter() - t0
 
 
+def device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def load() -> str:
+    return "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: a tiny model built here)")
@@ -59,7 +76,10 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=100)
     p.add_argument("--context", type=int, default=60, help="words per question")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each backend, interleaved (so that a load on the machine "
+                        "slows both alike); the median is reported")
     args = p.parse_args()
 
     import transformers
@@ -76,14 +96,21 @@ def main() -> None:
         hf = HFLM(pretrained=model, device=args.device, dtype="float32",
                   batch_size=args.batch_size)
         timed(ours, reqs[:8]), timed(hf, reqs[:8])  # warm-up
-        a, t_ours = timed(ours, reqs)
-        b, t_hf = timed(hf, reqs)
+        print(f"before: {load()}")
+        t_ours, t_hf = [], []
+        for _ in range(args.repeats):
+            a, t = timed(ours, reqs)
+            t_ours.append(t)
+            b, t = timed(hf, reqs)
+            t_hf.append(t)
+    t_ours, t_hf = statistics.median(t_ours), statistics.median(t_hf)
     diff = max(abs(x[0] - y[0]) for x, y in zip(a, b))
     same_greedy = sum(x[1] == y[1] for x, y in zip(a, b))
-    print(f"{len(reqs)} loglikelihood requests ({args.docs} questions x 4 answers), "
-          f"{args.device}: hybridtrain {t_ours:.2f} s, lm_eval hf {t_hf:.2f} s, "
-          f"speed-up {t_hf / t_ours:.2f}x; max |log-likelihood difference| {diff:.2e}, "
-          f"is_greedy equal {same_greedy}/{len(reqs)}")
+    print(f"{len(reqs)} loglikelihood requests ({args.docs} questions x 4 answers) on "
+          f"{device_name(args.device)}, median of {args.repeats} interleaved runs: hybridtrain "
+          f"{t_ours:.2f} s, lm_eval hf (batch size {args.batch_size}) {t_hf:.2f} s, speed-up "
+          f"{t_hf / t_ours:.2f}x; max |log-likelihood difference| {diff:.2e}, is_greedy equal "
+          f"{same_greedy}/{len(reqs)}; after: {load()}")
 
 
 if __name__ == "__main__":

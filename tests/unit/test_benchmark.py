@@ -52,7 +52,7 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
     growth = on_disk["cost_growth"]["torch.float32"]
     assert [g["seq_len"] for g in growth] == [16, 64]
     assert res["output"] == str(tmp_path / "run" / "benchmark.json")
-    assert set(on_disk["kernel_paths"]) == {"ssd", "state_update", "conv", "loss", "attention"}
+    assert set(on_disk["kernel_paths"]) == {"ssd", "state_update", "conv", "loss", "attention", "experts"}
 
 
 def test_benchmark_compares_dtypes(tmp_path):

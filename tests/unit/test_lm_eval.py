@@ -98,3 +98,23 @@ def test_the_command_prints_lm_evals_table_and_writes_the_results(setup, tmp_pat
                  "--device", "cpu", "--limit", "4", "--output", str(out)]) == 0
     assert "tiny_mc" in capsys.readouterr().out and "acc" in out.read_text()
     assert json.loads(out.read_text())["results"]["tiny_mc"]["acc,none"] >= 0
+
+
+def test_shared_contexts_and_packed_rows_give_the_same_log_likelihoods(setup):
+    """Answers scored from one prefill of their question (contexts of different lengths in one
+    batch) and from packed rows (the path of requests longer than ``max_length``) agree."""
+    from hybridtrain.recipes.lm_harness_model import HybridtrainLM
+
+    model, _ = setup
+    lm = HybridtrainLM(str(model), device="cpu", max_batch_tokens=64)
+    rows = [(ctx, cont) for q, ctx in enumerate(([1, 5, 9, 2], [1, 7], [1, 3, 3, 8, 4, 6]))
+            for cont in ([10 + q], [20, 21 + q], [30, 31, 32])]
+    requests = [(None, ctx, cont) for ctx, cont in rows]
+    shared = lm._loglikelihood_tokens(requests)
+    assert lm._score_shared(rows) == shared
+    packed = lm._score(rows)
+    assert [x[0] for x in shared] == pytest.approx([x[0] for x in packed], abs=1e-5)
+    assert [x[1] for x in shared] == [x[1] for x in packed]
+    lm.max_length = 4  # the longest requests no longer fit: they go through packed rows
+    assert [x[0] for x in lm._loglikelihood_tokens(requests)] == pytest.approx(
+        [x[0] for x in lm._score(rows)], abs=1e-5)

@@ -278,3 +278,27 @@ def test_families_come_from_entry_points():
                        device_type="cpu")
     assert "warning: the model spec 'dense_test' gives no activation estimate" in format_plan(plan)
     assert not plan_memory(tiny_recipe(), 1, device_type="cpu").warnings
+
+
+def test_continuations_scored_from_one_prefill_match_the_forward():
+    """``Decoding.score_continuations``: answers of left-padded prompts of different lengths,
+    each from a copy of its prompt's state, give the logits of the whole sequence's forward."""
+    from hybridtrain.models.spec import Decoding
+
+    model = _model().eval()
+    score = model_spec_for(model).find(Decoding).score_continuations
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 8, 6]]
+    answers = [(0, [11, 12, 13]), (1, [15, 16]), (0, [14])]  # longest first
+    ids = torch.tensor([prompts[0], [0] * 3 + prompts[1]])
+    mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+    conts = torch.tensor([a + a[-1:] * (3 - len(a)) for _, a in answers])
+    logits = score(model, ids, mask, torch.tensor([p for p, _ in answers]), conts,
+                   [len(a) for _, a in answers])
+    assert logits.shape == (3, 3, model.config.vocab_size)
+    for r, (p, a) in enumerate(answers):
+        with torch.no_grad():
+            full = model(torch.tensor([prompts[p] + a[:-1]]))[0].float()
+        torch.testing.assert_close(logits[r, :len(a)], full[len(prompts[p]) - 1:], atol=1e-4,
+                                   rtol=1e-4)
+    with pytest.raises(ValueError, match="Decoding.score_continuations must be callable"):
+        Decoding(score_continuations="shared prefix")

@@ -190,3 +190,29 @@ def test_consecutive_skipped_updates_stop_the_policy_loop():
     with pytest.raises(TrainingDiverged, match="2 consecutive updates"):
         p.train(nan_adv, loss)
     assert p.step == 1
+
+
+MTP_MODEL = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed",
+                        "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}}
+
+
+def _mtp_weights(p) -> dict:
+    return {k: v for k, v in _weights(p).items() if k.startswith("mtp.")}
+
+
+def test_the_mtp_layers_train_beside_the_policy():
+    """``training.mtp: train``: the MTP layers learn the scored sequences' tokens ahead as in
+    finetuning (``mtp_loss`` normalised over the whole batch: any micro-batching and packing
+    give the same update) and the RL loss is unchanged; ``freeze`` leaves them as loaded."""
+    results = []
+    for mtp, mbs, packed in (("train", 6, False), ("train", 2, True), ("freeze", 6, False)):
+        p = Policy(policy_recipe(model=MTP_MODEL, training={"mtp": mtp}, rl={"sequence_packing": packed}))
+        before = _mtp_weights(p)
+        rec = p.train(rl_batch(3), NLLLoss(), micro_batch_size=mbs)
+        results.append((rec, before, _weights(p)))
+    (ref, before, w_ref), (other, _, w), (frozen, frozen_before, w_frozen) = results
+    assert 0 < ref["mtp_loss"] < 20 and other["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-5)
+    assert max(float((w[k] - w_ref[k]).abs().max()) for k in w) <= 1e-5
+    assert all(not torch.equal(w_ref[k], before[k]) for k in before if k.endswith("eh_proj.weight"))
+    assert frozen["loss"] == pytest.approx(ref["loss"], rel=1e-6) and "mtp_loss" not in frozen
+    assert all(torch.equal(w_frozen[k], frozen_before[k]) for k in frozen_before)

@@ -126,8 +126,18 @@ class TrainingSection(RecipeSection):
                                        "auto; auto -> CPU flags (avx512_bf16/amx_bf16), else a "
                                        "timed matmul probe; true/false override the detection "
                                        "(ops/backend.py)")
-    grouped_mm: bool = key(True, "CUDA bf16 MoE experts through torch grouped_mm; false -> a "
-                                 "loop over experts (ops/backend.py)")
+    grouped_mm: bool | str = key(
+        "auto", "CUDA bf16 MoE experts through torch grouped_mm: auto -> where torch has it (a "
+                "CUDA run without it, or not in bf16, warns); true -> a run that cannot use it "
+                "refuses; false -> a loop over experts (ops/backend.py)", choices=("auto",))
+    float8: str | None = key(
+        None, "train the blocks' Linear layers in float8 through torchao (extra "
+              "hybridtrain[quant]): tensorwise or rowwise scales; null -> off. Weights, "
+              "checkpoints and exports stay high-precision (training/float8.py)",
+        choices=("tensorwise", "rowwise"))
+    float8_filter: list[str] | None = key(
+        None, "regular expressions: Linear layers whose names match stay high-precision under "
+              "float8; null -> the first and last block")
     fused_loss: str = key("auto", "the linear cross-entropy's implementation: torch (chunked "
                                   "PyTorch loop), compiled (its chunk functions under "
                                   "torch.compile), liger (Liger-Kernel's fused Triton kernel, "

@@ -110,6 +110,7 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims,
         pipeline = PipelineTrainStep(
             stages, stage_ids, num_stages, dims.group("pp"), device,
             hidden_size=spec.pipeline.hidden_size(config), hidden_dtype=hidden_dtype,
+            carried_size=spec.pipeline.carried_size(model) if spec.pipeline.carried_size else 0,
             schedule=distributed.pp_schedule, microbatch_size=distributed.pp_microbatch_size,
             row_inputs=spec.pipeline.row_inputs and functools.partial(spec.pipeline.row_inputs,
                                                                       config),

@@ -68,7 +68,8 @@ class PipelineTrainStep:
 
     ``stages``: this rank's stage modules, each ``forward(x, position_ids=, labels=)`` returning
     the hidden states ``[rows, L, hidden_size]`` in ``hidden_dtype`` (or, on the last stage, the
-    fp32 CE *sum*); ``stage_ids``: their indices. ``row_inputs(micro_batch) -> {name: tensor}``:
+    fp32 CE *sum*), followed by ``carried_size`` further channels where the model's pipeline
+    split carries some (``PipelineSplit.carried_size``); ``stage_ids``: their indices. ``row_inputs(micro_batch) -> {name: tensor}``:
     further keyword inputs of every stage (used by the first), each with one entry per row, so
     that the schedule splits them into micro-batches with the rows (a model spec's
     ``pipeline_row_inputs``, e.g. a row's images). ``shape_group``: the ranks that agree on
@@ -76,7 +77,7 @@ class PipelineTrainStep:
     The trainer's ``TrainStep(pipeline=...)`` calls it under its autocast context:
     ``__call__(model, micro_batches, num_label_tokens)`` returns the CE sum of this data-parallel
     rank's batch (on every pp rank), ``eval_loss(model, batch)`` is the forward-only CE sum for
-    validation.
+    validation and ``eval_predictions(model, batch)`` its predicted tokens (accuracy).
     """
 
     MAX_CACHED_SCHEDULES = 16
@@ -95,6 +96,7 @@ class PipelineTrainStep:
         pad_multiple: int = 1,
         shape_group=None,
         row_inputs=None,
+        carried_size: int = 0,
     ):
         self.shape_group = shape_group  # the ranks that run one shape (None: all)
         self.spec = resolve_schedule(schedule)
@@ -105,6 +107,7 @@ class PipelineTrainStep:
         self.pp = dist.get_world_size(pp_group)
         self.device = torch.device(device)
         self.hidden_size = hidden_size
+        self.width = hidden_size + carried_size  # of the activations the stages exchange
         self.hidden_dtype = hidden_dtype
         self.microbatch_size = microbatch_size
         self.pad_multiple = max(1, int(pad_multiple))
@@ -139,7 +142,7 @@ class PipelineTrainStep:
         would run an extra forward/backward and leave gradients behind)."""
         meta = torch.device("meta")
         # activations carry gradients in both directions (requires_grad is part of the meta)
-        hidden = torch.empty(rows, length, self.hidden_size, dtype=self.hidden_dtype,
+        hidden = torch.empty(rows, length, self.width, dtype=self.hidden_dtype,
                              device=meta).requires_grad_(True)
         if sid == 0:
             inp = torch.empty(rows, length, dtype=torch.long, device=meta)
@@ -266,7 +269,7 @@ class PipelineTrainStep:
                 if s == 0:
                     x = batch["input_ids"][sl]
                 elif owner[s - 1] != me:
-                    x = torch.empty(rows, batch["input_ids"].shape[1], self.hidden_size,
+                    x = torch.empty(rows, batch["input_ids"].shape[1], self.width,
                                     dtype=self.hidden_dtype, device=self.device)
                     dist.recv(x, group=self.pp_group, group_src=owner[s - 1])
                 out = module[s](x, **kwargs)
@@ -285,3 +288,26 @@ class PipelineTrainStep:
         """Forward-only CE sum of one batch (validation); equal on every pp rank."""
         with torch.no_grad():
             return self._run([batch], 1.0, train=False)
+
+    @property
+    def last_rank(self) -> int:
+        """The pp rank of the last stage."""
+        return stage_rank(self.num_stages - 1, self.pp, self.spec.style)
+
+    @torch.no_grad()
+    def eval_predictions(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The predicted tokens ``[rows, L]`` (argmax of the last stage's logits) of one
+        validation batch, forward only (the stage walk of :meth:`forward_outputs`, without
+        labels); on every pp rank."""
+        rows, length = batch["input_ids"].shape
+        merged = merge_micro_batches([batch], self._global_length(length), self.row_inputs)
+        merged = self._eval_rows(merged)
+        del merged["labels"]  # the last stage then returns its logits
+        n_micro = merged["input_ids"].shape[0] // (self.microbatch_size or 1)
+        outs = self.forward_outputs(merged, n_micro)
+        if dist.get_rank(self.pp_group) == self.last_rank:
+            pred = torch.cat([o.argmax(-1) for o in outs])[:rows, :length].contiguous()
+        else:
+            pred = torch.empty(rows, length, dtype=torch.long, device=self.device)
+        dist.broadcast(pred, group=self.pp_group, group_src=self.last_rank)
+        return pred

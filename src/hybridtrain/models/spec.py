@@ -196,6 +196,9 @@ class PipelineSplit:
     * ``row_inputs(config, batch) -> {name: tensor}``: keyword inputs of the first stage besides
       ``input_ids`` / ``position_ids`` / ``labels`` (e.g. images), one entry per row of the
       collated ``batch`` (zero-padded), split into micro-batches with the rows (None: none).
+    * ``carried_size(model) -> int``: the further width the stages' training activations carry
+      after the hidden states, for the model as training set it up (e.g. inputs of the last
+      stage's extra objectives that only the first stage can compute; None: none).
     """
 
     layers: Callable[[nn.Module], list[str]]
@@ -203,9 +206,10 @@ class PipelineSplit:
     is_complete: Callable[[nn.Module], bool]
     hidden_size: Callable[[Any], int] = lambda config: config.hidden_size
     row_inputs: Callable[[Any, dict], dict] | None = None
+    carried_size: Callable[[nn.Module], int] | None = None
 
     def __post_init__(self):
-        _check(self, ("layers", "stage", "is_complete", "hidden_size"), ("row_inputs",))
+        _check(self, ("layers", "stage", "is_complete", "hidden_size"), ("row_inputs", "carried_size"))
 
 
 @dataclass(frozen=True)
@@ -355,11 +359,23 @@ class Decoding:
     greedy decoding of one prompt, ``speculative(model, input_ids [1, L], max_new_tokens,
     draft_tokens, eos_token_id) -> (ids [1, L + n], {"drafted", "accepted", "acceptance_rate"})``,
     token-identical to greedy ``generate`` (None: the family has no draft of its own;
-    ``hybridtrain generate --speculative`` refuses it)."""
+    ``hybridtrain generate --speculative`` refuses it). ``score_continuations``: several
+    continuations of each prompt from one prefill of the prompt (its state copied per
+    continuation), ``score_continuations(model, input_ids [b, L], attention_mask, rows [R],
+    continuations [R, n], lengths) -> fp32 logits [R, n, V]`` whose ``[r, t]`` predicts
+    ``continuations[r, t]`` after prompt ``rows[r]`` (left-padded where ``attention_mask`` is 0)
+    and ``continuations[r, :t]``; ``lengths``: the tokens of each continuation (right-padded to
+    n), longest first (logits past a row's length mean nothing); the lm-evaluation-harness
+    model scores multiple-choice answers with it (None: it runs each context again per
+    answer)."""
 
     pipeline: bool = False
     lockstep: bool = False
     speculative: Callable[..., tuple] | None = None
+    score_continuations: Callable[..., torch.Tensor] | None = None
+
+    def __post_init__(self):
+        _check(self, optional=("speculative", "score_continuations"))
 
 
 @dataclass(frozen=True)

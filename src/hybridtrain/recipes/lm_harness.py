@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
-                   help="tokens per packed log-likelihood forward")
+                   help="tokens per log-likelihood batch (questions and their answers, or packed rows)")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
     p.add_argument("--output", default=None, metavar="FILE", help="write the results as JSON")

@@ -2,11 +2,13 @@
 lm_eval's model registry when this module is imported (``hybridtrain lm-eval`` imports it).
 
 Tokenization is lm_eval's own (:class:`lm_eval.api.model.TemplateLM`, as its ``hf`` backend
-encodes); log-likelihoods come from packed prefills (several requests in one row, separated by
-``cu_seqlens``: no padding computed); generation from the model's cached decoding (``generate``:
-Mamba states and a key/value cache). ``pretrained``: a Hugging Face folder, a run folder or a
-``step_N`` checkpoint (a distributed checkpoint without an export is read as it is);
-``adapter``: a PEFT adapter applied on top.
+encodes); log-likelihoods of requests that share a context (a multiple-choice question's
+answers) come from one prefill of the context, each answer continuing a copy of its state (the
+family's ``Decoding.score_continuations``), others from packed prefills (several requests in one
+row, separated by ``cu_seqlens``: no padding computed); generation from the model's cached
+decoding (``generate``: Mamba states and a key/value cache). ``pretrained``: a Hugging Face
+folder, a run folder or a ``step_N`` checkpoint (a distributed checkpoint without an export is
+read as it is); ``adapter``: a PEFT adapter applied on top.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lm_eval.models.utils import _add_special_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from hybridtrain.models.spec import Decoding, model_spec_for
 from hybridtrain.recipes.generate import open_model
 from hybridtrain.training.evaluation import left_pad
 
@@ -39,6 +42,24 @@ def _pack(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def _context_batches(contexts: dict[tuple[int, ...], list[int]],
+                     rows: list[tuple[list[int], list[int]]], budget: int
+                     ) -> list[list[tuple[int, ...]]]:
+    """The distinct contexts, longest first, in batches whose padded context tokens plus
+    continuation tokens stay within ``budget`` (a larger context alone)."""
+    batches: list[list[tuple[int, ...]]] = []
+    cost = budget
+    for ctx in sorted(contexts, key=len, reverse=True):
+        extra = sum(len(rows[i][1]) for i in contexts[ctx])
+        if batches and cost + len(batches[-1][0]) + extra <= budget:
+            batches[-1].append(ctx)
+            cost += len(batches[-1][0]) + extra
+        else:
+            batches.append([ctx])
+            cost = len(ctx) + extra
+    return batches
+
+
 @register_model("hybridtrain")
 class HybridtrainLM(TemplateLM):
     """``lm_eval --model hybridtrain --model_args pretrained=DIR[,adapter=DIR,dtype=float32,
@@ -56,6 +77,8 @@ class HybridtrainLM(TemplateLM):
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_length = int(max_length)
+        decoding = model_spec_for(self.model).find(Decoding)
+        self._continuations = decoding and decoding.score_continuations
 
     # -- tokens (as lm_eval's hf backend) -------------------------------------------------------
     @property
@@ -95,9 +118,45 @@ class HybridtrainLM(TemplateLM):
                 out[i] = (float(picked.sum()), bool((logp.argmax(-1) == cont).all()))
         return out
 
+    @torch.inference_mode()
+    def _score_shared(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """:meth:`_score` for rows that share contexts (a multiple-choice question's answers),
+        through the family's ``Decoding.score_continuations``: each distinct context runs once,
+        its continuations from copies of its state; batches of contexts of similar length."""
+        contexts: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, _) in enumerate(rows):
+            contexts.setdefault(tuple(ctx), []).append(i)
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        for batch in _context_batches(contexts, rows, self.max_batch_tokens):
+            ids, mask = left_pad([list(c) for c in batch], self.eot_token_id)
+            members = sorted(((k, i) for k, c in enumerate(batch) for i in contexts[c]),
+                             key=lambda m: -len(rows[m[1]][1]))  # longest continuation first
+            conts = [rows[i][1] for _, i in members]
+            n = len(conts[0])
+            tokens = torch.tensor([c + c[-1:] * (n - len(c)) for c in conts], device=self.device)
+            logits = self._continuations(
+                self.model, ids.to(self.device), mask.to(self.device),
+                torch.tensor([k for k, _ in members], device=self.device), tokens,
+                [len(c) for c in conts])
+            logp = logits.log_softmax(-1)
+            picked = logp.gather(-1, tokens[..., None])[..., 0]
+            greedy = logp.argmax(-1) == tokens
+            for r, (_, i) in enumerate(members):
+                m = len(conts[r])
+                out[i] = (float(picked[r, :m].sum()), bool(greedy[r, :m].all()))
+        return out
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_: Any
                               ) -> list[tuple[float, bool]]:
-        results = self._score([(ctx, cont) for _, ctx, cont in requests])
+        rows = [(ctx, cont) for _, ctx, cont in requests]
+        shared = [i for i, (ctx, cont) in enumerate(rows)
+                  if self._continuations is not None and len(ctx) + len(cont) <= self.max_length + 1]
+        rest = sorted(set(range(len(rows))) - set(shared))
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        for idx, scored in ((shared, self._score_shared([rows[i] for i in shared]) if shared else []),
+                            (rest, self._score([rows[i] for i in rest]) if rest else [])):
+            for i, r in zip(idx, scored):
+                results[i] = r
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)

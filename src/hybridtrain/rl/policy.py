@@ -94,13 +94,18 @@ class Policy:
         self.built = b = build(cfg, info.device, info.is_main, info.world_size, data=False,
                                loss=self.head, tokenizer=True)
         self.model, self.optimizer, self.device = b.model, b.optimizer, b.device
-        if b.aux_loss is not None or (b.expert_load is not None and b.expert_load.rate):
+        # the model's extra objectives (e.g. its MTP layers, on the scored sequences' tokens)
+        # train beside the RL loss as in finetuning; not under pipeline parallelism
+        self.aux_loss = b.aux_loss
+        if b.aux_loss is not None and b.plan.pipeline is not None:
+            raise ValueError(
+                f"the policy's extra objectives ({', '.join(b.aux_loss.names)}) do not train under "
+                "pipeline parallelism in RL yet; set training.mtp: freeze (or drop) and "
+                "training.moe_aux_loss_coeff: 0, or use another layout")
+        if b.expert_load is not None and b.expert_load.rate:
             logger.warning(
-                "the policy trains on the RL losses only: the model's extra objectives (%s) and the "
-                "routers' bias update are not applied here, their layers and biases stay as "
-                "loaded (set training.mtp: freeze, training.moe_aux_loss_coeff: 0 and "
-                "training.moe_bias_update_rate: 0 to say so)",
-                ", ".join(b.aux_loss.names) if b.aux_loss is not None else "none")
+                "the policy trains without the routers' bias update: their biases stay as loaded "
+                "(set training.moe_bias_update_rate: 0 to say so)")
         self.tokenizer, self.dims = b.tokenizer, b.plan.dims
         self._run_length = (t.max_steps, t.global_batch_size)  # see set_run_length()
         self._lr_scheduler = None  # made on first use
@@ -219,6 +224,7 @@ class Policy:
         full, micro = self._shard(batch, micro_batch_size, getattr(loss_fn, "rows_per_group", 1))
         gvs, gvt = rb.global_counts(full)
         sums: dict[str, torch.Tensor] = {}
+        aux_counts = self._begin_aux([rb.model_rows(mb, self.packing, self.pad_multiple) for mb in micro])
 
         def finish(i: int, out: torch.Tensor) -> torch.Tensor:
             rows = micro[i]
@@ -243,6 +249,7 @@ class Policy:
                     sync(i == len(inputs) - 1)
                 finish(i, self._run_model(x)).backward()
         metrics = self._reduce_metrics(sums)
+        metrics.update(self._end_aux(aux_counts))
         grad_norm = float(self.built.plan.clip_grad_norm(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg.training.grad_clip))
         skipped = not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))
@@ -256,6 +263,24 @@ class Policy:
         self._count_skipped(skipped)
         return {**metrics, "grad_norm": grad_norm, "lr": lr, "num_valid_seqs": gvs,
                 "num_valid_tokens": gvt, "skipped": skipped}
+
+    def _begin_aux(self, whole_rows: list[dict]) -> torch.Tensor | None:
+        """The extra objectives' global normalisers (counted over whole rows: every cp rank
+        holds them) set for the update; None without such objectives."""
+        if self.aux_loss is None:
+            return None
+        counts = sum(self.aux_loss.counts(mb) for mb in whole_rows).to(self.device)
+        self.dims.all_reduce_dp(counts)
+        self.aux_loss.begin_step(counts)
+        return counts
+
+    def _end_aux(self, counts: torch.Tensor | None) -> dict[str, float | None]:
+        """The extra objectives' values of the update (e.g. ``mtp_loss``), every rank."""
+        if counts is None:
+            return {}
+        sums = self.dims.all_reduce_dp_cp(self.aux_loss.step_sums(self.device))
+        self.aux_loss.end_step()
+        return self.aux_loss.record(sums, counts)
 
     def _count_skipped(self, skipped: bool) -> None:
         """Counts an update into the streak of skipped ones; stops the run at the limit."""

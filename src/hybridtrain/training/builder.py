@@ -48,6 +48,7 @@ from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
 from hybridtrain.peft.quant import packer, quantize_base
 from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.float8 import block_names, convert_to_float8
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.validate import validate_run
@@ -373,6 +374,9 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     if check_model is not None:
         check_model(model, peft)
+    if t.float8 is not None:  # before the layout (torchtitan's order)
+        convert_to_float8(model, t.float8, block_names(model, spec.pipeline.layers(model)),
+                          t.float8_filter, emulate=device.type != "cuda")
     if not on_meta:  # a model target that ignored the meta device: built in full already
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())

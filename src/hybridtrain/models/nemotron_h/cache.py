@@ -44,6 +44,23 @@ class NemotronHCache:
     def max_length(self) -> int:
         return self.valid.shape[1]
 
+    def select(self, rows: torch.Tensor) -> "NemotronHCache":
+        """A new cache whose row ``i`` is a copy of this cache's row ``rows[i]`` (to continue one
+        prompt several ways, each from its own copy of the prompt's state)."""
+        layers = {name: MambaState(s.conv.index_select(0, rows), s.ssm.index_select(0, rows), s.step)
+                  if isinstance(s, MambaState)
+                  else KVCache(s.k.index_select(0, rows), s.v.index_select(0, rows))
+                  for name, s in self.layers.items()}
+        return NemotronHCache(valid=self.valid.index_select(0, rows), position=self.position.clone(),
+                              length=self.length, layers=layers, head_t=self.head_t)
+
+    def head(self, rows: int) -> "NemotronHCache":
+        """The first ``rows`` rows as views: a step on it updates them in this cache."""
+        layers = {name: MambaState(s.conv[:rows], s.ssm[:rows], s.step) if isinstance(s, MambaState)
+                  else KVCache(s.k[:rows], s.v[:rows]) for name, s in self.layers.items()}
+        return NemotronHCache(valid=self.valid[:rows], position=self.position, length=self.length,
+                              layers=layers, head_t=self.head_t)
+
     def mutable_tensors(self) -> list[torch.Tensor]:
         """What a step changes in place besides the key/value slots at ``position`` (those are
         rewritten by the next step at the same position): to snapshot and restore around the

@@ -133,12 +133,15 @@ def hub_slice(name: str, region: tuple[slice, ...],
     return read(name, region)
 
 
-def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
+def slice_reader(local_dir: str | os.PathLike, config_cls: type = NemotronHConfig,
+                 layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
+                 ) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
     """``read(name, region)``: a region of our tensor ``name`` read from the checkpoint in
     ``local_dir`` (only the bytes it needs; see :func:`hub_slice`: a tensor read whole to be
-    reordered is kept for the next regions of it, e.g. QLoRA's row chunks)."""
+    reordered is kept for the next regions of it, e.g. QLoRA's row chunks; ``config_cls`` /
+    ``layout_config`` as :func:`load_pretrained`'s)."""
     reader = SafetensorsReader(checkpoint_files(local_dir))
-    config = NemotronHConfig.from_pretrained(local_dir)
+    config = layout_config(config_cls.from_pretrained(local_dir))
     reordered: dict[str, torch.Tensor] = {}
     return lambda name, region: hub_slice(name, region, reader.read, config, reordered)
 

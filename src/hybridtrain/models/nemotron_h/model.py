@@ -36,7 +36,7 @@ from .config import NemotronHConfig
 from .context_parallel import CPSlice
 from .generation import generate
 from .hf_io import load_pretrained, save_pretrained
-from .mtp import MTPLayer, MultiTokenPredictor, depth_labels
+from .mtp import MTPLayer, MultiTokenPredictor, depth_labels, shift_left
 from .norms import RMSNorm
 
 
@@ -123,6 +123,9 @@ class NemotronHForCausalLM(nn.Module):
         # "moe_aux" (the routers' sequence-level balance loss)
         self.aux_loss = None
         self.aux_terms: tuple[str, ...] = ()
+        # a pipeline stage of a model whose MTP layers train: the stages hand on the MTP
+        # depths' input embeddings beside the hidden states (see `pipeline_stage`)
+        self.carries_mtp_inputs = False
         # the step's expert load (hybridtrain.ops.expert_load.ExpertLoad), set by training
         self.expert_load = None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # (registered last)
@@ -139,7 +142,13 @@ class NemotronHForCausalLM(nn.Module):
                        ) -> "NemotronHForCausalLM":
         """A model holding this one's layers ``layer_ids`` (the same module objects, so the same
         parameters and names), its embeddings when ``is_first``, ``norm_f`` + head + loss when
-        ``is_last``, and nothing else."""
+        ``is_last``, and nothing else.
+
+        When the MTP layers train, the stages' activations carry their depths' input embeddings
+        (the embedded tokens ahead, [B, L, depths * H]) after the hidden states: the first stage
+        computes them (it holds the embeddings), the ones between hand them on, the last stage
+        (with the MTP layers) reads them; their gradient flows back through the pipeline to the
+        embeddings, so no stage holds a second copy of that weight."""
         with torch.device("meta"):
             stage = type(self)(self.config, layer_ids=())
         bb = self.backbone
@@ -149,6 +158,7 @@ class NemotronHForCausalLM(nn.Module):
         stage.lm_head = self.lm_head if is_last else None
         stage.mtp = self.mtp if is_last else None
         stage.aux_loss, stage.aux_terms = self.aux_loss, self.aux_terms
+        stage.carries_mtp_inputs = "mtp" in self.aux_terms and not (is_first and is_last)
         stage.expert_load = self.expert_load
         stage.loss = self.loss
         stage.context_parallel = self.context_parallel
@@ -240,8 +250,11 @@ class NemotronHForCausalLM(nn.Module):
         return self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)[0]
 
     def _hidden_states(self, input_ids, position_ids, cu_seqlens, inputs_embeds
-                       ) -> tuple[torch.Tensor, SequenceInfo]:
+                       ) -> tuple[torch.Tensor, SequenceInfo, list[torch.Tensor] | None]:
+        """(hidden states, the forward's SequenceInfo, the MTP depths' input embeddings a
+        pipeline stage carries: see :meth:`pipeline_stage`; else None)."""
         bb = self.backbone
+        carried = None
         if inputs_embeds is not None:
             h = inputs_embeds
         elif bb.embeddings is not None:
@@ -250,8 +263,12 @@ class NemotronHForCausalLM(nn.Module):
             h = bb.embeddings(input_ids)
         else:  # a pipeline stage without the embeddings receives hidden states
             h = input_ids
+            if self.carries_mtp_inputs:
+                h, *carried = h.split(self.config.hidden_size, dim=-1)
         B, L = h.shape[:2]
         info = self.sequence_info(B, L, h.device, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        if self.carries_mtp_inputs and carried is None:  # the first stage
+            carried = self.mtp_embeddings(input_ids, info)
         sp = info.sp = self.sequence_parallel
         if sp is not None:  # blocks in and out: this rank's part of the rows
             info.length = L
@@ -260,7 +277,7 @@ class NemotronHForCausalLM(nn.Module):
             h = block(h, info)
         if bb.norm_f is not None:
             h = bb.norm_f(h, sp)
-        return (h if sp is None else sp.gather(h, L)), info
+        return (h if sp is None else sp.gather(h, L)), info, carried
 
     def forward(
         self,
@@ -270,17 +287,17 @@ class NemotronHForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h, info = self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)
+        h, info, carried = self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)
         if self.lm_head is None:  # a pipeline stage before the last
             self._count_expert_load()
-            return h
+            return h if carried is None else torch.cat([h, *(e.to(h.dtype) for e in carried)], dim=-1)
         if labels is None:
             return self.lm_head(h).float()
         loss = self.loss(h, self.lm_head, labels)
         if self.aux_loss is not None and self.aux_loss.active:
             terms = []
             if "mtp" in self.aux_terms:
-                terms += self.mtp_losses(h, input_ids, labels, info)
+                terms += self.mtp_losses(h, input_ids, labels, info, carried)
             if "moe_aux" in self.aux_terms:  # (summed over layers; read after the MTP layers ran)
                 terms.append(sum(r.last_seq_aux for r in self.moe_routers().values() if r.seq_aux_loss))
             loss = self.aux_loss.attach(loss, terms)
@@ -302,14 +319,32 @@ class NemotronHForCausalLM(nn.Module):
                                   if r.count_tokens})
 
     def mtp_losses(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                   info: SequenceInfo) -> list[torch.Tensor]:
+                   info: SequenceInfo, embeds: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Each MTP depth's loss (``self.loss``: a sum in training) over a batch whose main
-        hidden states are ``hidden``: depth k's targets are :func:`.mtp.depth_labels`."""
-        assert self.mtp is not None and self.backbone.embeddings is not None, \
-            "MTP training needs the embeddings and the MTP layers on this model (stage)"
-        outs = self.mtp.hidden_states(hidden, input_ids, self.backbone.embeddings, info)
-        return [self.loss(h, self.lm_head, depth_labels(labels, k + 1, info.seq_idx))
-                for k, h in enumerate(outs)]
+        hidden states are ``hidden``: depth k's targets are :func:`.mtp.depth_labels`.
+        ``embeds``: the depths' input embeddings (a pipeline's last stage receives them; None:
+        :meth:`mtp_embeddings` of ``input_ids``)."""
+        assert self.mtp is not None, "MTP training needs the MTP layers on this model (stage)"
+        if embeds is None:
+            embeds = self.mtp_embeddings(input_ids, info)
+        labels, seq_idx, cut = _whole_rows(labels, info)
+        outs = self.mtp.hidden_states(hidden, embeds, info)
+        return [self._ce_sum(h, depth_labels(labels, k + 1, seq_idx)[:, cut]) for k, h in enumerate(outs)]
+
+    def _ce_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy sum of ``labels`` through the head and ``self.loss``, also where
+        that loss gives per-token log-probs (an RL policy's head: 0 where a label is ignored)."""
+        out = self.loss(hidden, self.lm_head, labels)
+        return out if out.dim() == 0 else -out.float().sum()
+
+    def mtp_embeddings(self, input_ids: torch.Tensor, info: SequenceInfo) -> list[torch.Tensor]:
+        """The input embeddings [B, L, H] of each MTP depth: depth ``d`` (0-based) reads the
+        token ``d + 1`` ahead (under context parallelism on whole rows, so the last positions
+        of a slice read the next rank's tokens)."""
+        assert self.backbone.embeddings is not None, "the MTP inputs need the embeddings"
+        ids, _, cut = _whole_rows(input_ids, info)
+        return [self.backbone.embeddings(shift_left(ids, d + 1, 0)[:, cut])
+                for d in range(self.config.num_nextn_predict_layers)]
 
     # ------------------------------------------------------------------ generation
     def generation_cache_bytes(self, batch_size: int, max_length: int) -> int:
@@ -367,3 +402,12 @@ class NemotronHForCausalLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+
+def _whole_rows(x: torch.Tensor, info: SequenceInfo
+                ) -> tuple[torch.Tensor, torch.Tensor | None, slice]:
+    """(``x`` [B, n] over whole rows, the rows' document ids, this rank's positions of them):
+    under context parallelism the ranks' slices gathered, else ``x`` itself."""
+    if info.cp is None:
+        return x, info.seq_idx, slice(None)
+    part = info.cp
+    return gather_sequence(x, 1, part.cp), part.seq_idx, slice(part.offset, part.offset + x.shape[1])

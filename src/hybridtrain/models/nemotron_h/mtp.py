@@ -69,11 +69,16 @@ class MTPLayer(Block):
         return self.eh_proj(fused)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor | None = None, info=None) -> torch.Tensor:
+        """A depth's rows [B, L, H] in and out; under sequence parallelism (``info.sp``) its
+        layers run on this rank's part of the rows, as the main stack's."""
+        sp = info.sp if info is not None else None
         if self.eh_proj is not None:
             hidden = self.fuse(hidden, embeds)
+            hidden = hidden if sp is None else sp.shard(hidden)
         hidden = super().forward(hidden, info)
         if self.final_layernorm is not None:
-            hidden = self.final_layernorm(hidden.to(self.final_layernorm.weight.dtype))
+            hidden = self.final_layernorm(hidden.to(self.final_layernorm.weight.dtype), sp)
+            hidden = hidden if sp is None else sp.gather(hidden, info.length)
         return hidden
 
 
@@ -97,14 +102,14 @@ class MultiTokenPredictor(nn.Module):
             hidden = layer(hidden, embeds, info)
         return hidden
 
-    def hidden_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embeddings: nn.Module,
-                      info=None) -> list[torch.Tensor]:
+    def hidden_states(self, hidden: torch.Tensor, embeds: list[torch.Tensor], info=None
+                      ) -> list[torch.Tensor]:
         """Every depth's output [B, L, H] over a training row (``hidden``: the main model's final
-        hidden states): depth ``d`` reads ``input_ids`` shifted left by ``d + 1``."""
+        hidden states; ``embeds[d]``: depth ``d``'s input embeddings, of the tokens ``d + 1``
+        ahead)."""
         outs = []
         for d in range(self.depths):
-            embeds = embeddings(shift_left(input_ids, d + 1, 0))
-            hidden = self.run_depth(d, hidden, embeds, info)
+            hidden = self.run_depth(d, hidden, embeds[d], info)
             outs.append(hidden)
         return outs
 

@@ -98,17 +98,8 @@ def setup_aux_losses(model: nn.Module, training) -> AuxiliaryLoss | None:
 
 
 def check_mtp_layout(model: nn.Module, dims, distributed, training) -> None:
-    """The layouts under which the MTP layers or the sequence-level balance loss cannot train
-    yet (refused, never skipped)."""
-    sp = dims.tp > 1 and distributed.sequence_parallel
-    if model.mtp is not None and training.mtp == "train":
-        refused = [f"{n}={getattr(dims, n)}" for n in ("pp", "cp") if getattr(dims, n) > 1]
-        refused += ["tp with distributed.sequence_parallel"] if sp else []
-        if refused:
-            raise ValueError(
-                f"training.mtp=train: the multi-token prediction layers do not train under "
-                f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
-                "and tensor parallel); set training.mtp to freeze or drop, or use those layouts")
+    """The layouts under which the sequence-level balance loss cannot train yet (refused, never
+    skipped); the MTP layers train under every layout."""
     refused = [f"{n}={getattr(dims, n)}" for n in ("pp", "tp", "cp") if getattr(dims, n) > 1]
     if training.moe_aux_loss_coeff and refused:
         raise ValueError(

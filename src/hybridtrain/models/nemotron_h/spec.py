@@ -16,6 +16,7 @@ from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
 from .mtp_training import check_mtp_layout, setup_aux_losses, setup_expert_load
+from .continuations import score_continuations
 from .speculative import speculative_decode
 from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
 
@@ -33,6 +34,12 @@ def is_complete(model: nn.Module) -> bool:
 
 def pipeline_stage(model: nn.Module, layers: list[str], is_first: bool, is_last: bool) -> nn.Module:
     return model.pipeline_stage([int(k) for k in layers], is_first, is_last)
+
+
+def carried_size(model: nn.Module) -> int:
+    """The MTP depths' input embeddings, carried by the stages when those layers train (see
+    ``NemotronHForCausalLM.pipeline_stage``)."""
+    return model.config.hidden_size * model.config.num_nextn_predict_layers if "mtp" in model.aux_terms else 0
 
 
 def layer_flops(config: NemotronHConfig, seq_len: int) -> list[float]:
@@ -86,7 +93,8 @@ NEMOTRON_H = register_model_spec(ModelSpec(
     model_cls=NemotronHForCausalLM,
     config_cls=NemotronHConfig,
     parallelize_fn=parallelize_nemotron_h,
-    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete),
+    pipeline=PipelineSplit(layers=pipeline_layers, stage=pipeline_stage, is_complete=is_complete,
+                           carried_size=carried_size),
     flops=FlopsCount(layer=layer_flops, head=head_flops, batch=batch_flops),
     hf=HFAdapter(save=save_hf_checkpoint, hub_tensors=hub_tensors, hub_layout=hub_layout,
                  state_format=state_format),
@@ -97,7 +105,8 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
         BLOCK_TYPES,
-        Decoding(pipeline=True, lockstep=True, speculative=speculative_decode),
+        Decoding(pipeline=True, lockstep=True, speculative=speculative_decode,
+                 score_continuations=score_continuations),
         LayoutRules(check=check_layout),
         AuxiliaryLosses(setup=setup_aux_losses, check_layout=check_mtp_layout),
         ExpertRouting(setup=setup_expert_load),

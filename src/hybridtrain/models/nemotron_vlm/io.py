@@ -4,7 +4,7 @@ reader."""
 
 from __future__ import annotations
 
-from hybridtrain.models.nemotron_h.hf_io import load_pretrained, save_hf_checkpoint
+from hybridtrain.models.nemotron_h.hf_io import load_pretrained, save_hf_checkpoint, slice_reader
 
 from .config import NemotronVLMConfig
 
@@ -13,6 +13,13 @@ def load_vlm(cls, local_dir, dtype=None, device=None):
     """The Nemotron-H reader with the vision-language config (the language model's rows)."""
     return load_pretrained(cls, local_dir, dtype=dtype, device=device, config_cls=NemotronVLMConfig,
                            layout_config=lambda config: config.text_config)
+
+
+def vlm_slice_reader(local_dir):
+    """The Nemotron-H slice reader (a meta-device model's weights read after its layout) with
+    the vision-language config."""
+    return slice_reader(local_dir, config_cls=NemotronVLMConfig,
+                        layout_config=lambda config: config.text_config)
 
 
 def save_vlm(state_dict, config: NemotronVLMConfig, out_dir, max_shard_size="5GB", dtype=None,
