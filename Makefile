@@ -38,17 +38,20 @@ COMPILE = $(BIN)/python -c "import compileall, re, sysconfig; \
 
 setup: $(VENV)/.installed
 
-# The test suite's own packages: those kernels, and the model family the tests install from
-# outside the source tree (tests/families/hybridtrain_dense, found through its entry point).
+# The test suite's own packages: those kernels, and the model family and the dataset the tests
+# install from outside the source tree (tests/families/hybridtrain_dense and hybridtrain_lines,
+# found through their entry points).
 test-deps: $(VENV)/.test-deps
 
-$(VENV)/.test-deps: $(VENV)/.installed Makefile tests/families/hybridtrain_dense/pyproject.toml
+$(VENV)/.test-deps: $(VENV)/.installed Makefile tests/families/hybridtrain_dense/pyproject.toml \
+		tests/families/hybridtrain_lines/pyproject.toml
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "$(TRITON_PIN)"
 	$(BIN)/python -m pip install -q $(KERNEL_PINS) $(TRACKER_PINS) $(LM_EVAL_PIN) "$(TORCHAO_PIN)" "$(TORCH_PIN)"
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('mamba_ssm') is None)" || \
 	  MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(BIN)/python -m pip install -q --no-deps \
 	    --no-build-isolation "$(MAMBA_PIN)"
 	$(BIN)/python -m pip install -q --no-deps -e tests/families/hybridtrain_dense
+	$(BIN)/python -m pip install -q --no-deps -e tests/families/hybridtrain_lines
 	touch $@
 
 $(VENV)/.installed: pyproject.toml

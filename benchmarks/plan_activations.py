@@ -59,7 +59,7 @@ def measure(name: str, batch: int, seq_len: int) -> dict:
     from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
     from hybridtrain.models.spec import set_train_loss
     from hybridtrain.ops.loss import LinearCrossEntropy
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
     from tests.helpers import memory as mem
 
     torch.set_num_threads(1)

@@ -142,7 +142,7 @@ def test_no_rank_holds_more_than_fsdp_needs(checkpoints, measured):
     caches (ops/backend.py, plan's ``cpu_gemm_kernels``), which both runs fill, so the big run
     holds no more of them than the tiny one (measured 2026-11-28: 0.56-0.57x on a floor of
     0.51x; with torch's default of 1024 kernels per cache, 0.78-0.80x)."""
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     tiny, big, size = checkpoints
     layout, steps = LAYOUTS["fsdp2x4"]

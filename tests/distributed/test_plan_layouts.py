@@ -30,7 +30,7 @@ def _worker(rank, world):
 
 @pytest.mark.distributed
 def test_plan_matches_real_allocation_per_rank():
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     res = run_distributed(_worker, 2)
     for i, (layout, sections) in enumerate(LAYOUTS):
@@ -50,7 +50,7 @@ def _tp_fsdp_worker(rank, world):
 
 @pytest.mark.distributed
 def test_plan_matches_real_allocation_tp2_fsdp2():
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     res = run_distributed(_tp_fsdp_worker, 4)
     plan = plan_memory(pu.recipe({"tp": 2}, False), 4, device_type="cpu")
@@ -65,7 +65,7 @@ ACTIVATION_LAYOUTS = {"pp2-1f1b": {"pp": 2, "schedule": "1f1b"},
 
 
 def _activations_worker(rank, world, layout):
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     b, trainer = build_long_rows(layout, world)
     planned = plan_memory(long_rows_recipe(layout), world, device_type="cpu").ranks[rank]

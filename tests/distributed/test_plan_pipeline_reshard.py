@@ -58,7 +58,7 @@ def _worker(rank, world):
 
 @pytest.mark.distributed
 def test_plan_fsdp_buffers_under_pp_follow_the_reshard_policy():
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     res = run_distributed(_worker, 4)
     plans = {p: plan_memory(pu.recipe({"pp": 2, "ep": 2, "reshard": p}, False), 4, device_type="cpu")

@@ -28,7 +28,7 @@ def _worker(rank, world, layout):
 
 
 def _check(layout, world, res):
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     for name, sections in SECTIONS.items():
         plan = plan_memory(pu.recipe(layout, False, model=DENSE, **sections), world,

@@ -32,7 +32,7 @@ def _dataset(tmp: str) -> dict:
 
 
 def _worker(rank, world, tmp, layout):
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     mem.count_every_block()
     b, trainer = vlm.build(tmp, layout, world, dataset=_dataset(tmp),
@@ -44,7 +44,7 @@ def _worker(rank, world, tmp, layout):
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"pp": 2}], ids=["fsdp2", "pp2"])
 def test_vlm_plan_matches_real_allocation_per_rank(tmp_path, monkeypatch, layout):
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     if not glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")

@@ -237,7 +237,7 @@ def step_peak(b, trainer, step: int = 0) -> int:
 
 def activations_at_peak(b, trainer, planned) -> int:
     """What a training step's peak holds above the rank's gradients and buffers as ``planned``
-    (the plan's :class:`~hybridtrain.recipes.memory_plan.RankMemory` of the rank; they equal the run's:
+    (the plan's :class:`~hybridtrain.training.memory_plan.RankMemory` of the rank; they equal the run's:
     tests/distributed/test_plan_layouts.py): the activations, as the plan means them. The first
     step (no optimizer state yet; all gradients counted though fewer exist at the peak)."""
     return step_peak(b, trainer) - planned.grads - sum(planned.buffers.values())

@@ -225,6 +225,10 @@ def test_registration_checks_the_model_contract():
     def save_without_tensors(state_dict, config, out_dir, dtype=None):
         pass
 
+    no_context = type("NoContext", (), {"model_type": "dense_test", "hidden_size": 8,
+                                        "vocab_size": 8, "to_dict": config.to_dict,
+                                        "from_dict": config.__dict__["from_dict"]})
+
     bare = type("Bare", (nn.Module,), {"forward": model.forward,
                                        "save_pretrained": model.save_pretrained,
                                        "from_pretrained": model.from_pretrained})
@@ -232,6 +236,7 @@ def test_registration_checks_the_model_contract():
         (dict(config_cls=NoSource), "NoSource.from_dict must take .* it lacks source"),
         (dict(config_cls=OtherType), "OtherType must have the class attribute model_type = "
                                      "'dense_test'"),
+        (dict(config_cls=no_context), "NoContext has no field or property context_length"),
         (dict(model_cls=bare, parts=()), "Bare must declare the class attribute name_or_path"),
         (dict(model_cls=OldSave), "OldSave.save_pretrained must take .* it lacks dtype, "
                                   "state_dict"),
@@ -266,7 +271,7 @@ def test_families_come_from_entry_points():
 
     from hybridtrain.models.spec import ENTRY_POINT_GROUP
     from hybridtrain.recipes.plan import format_plan
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
     from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
     from tests.helpers.recipes import tiny_recipe
 
@@ -278,6 +283,29 @@ def test_families_come_from_entry_points():
                        device_type="cpu")
     assert "warning: the model spec 'dense_test' gives no activation estimate" in format_plan(plan)
     assert not plan_memory(tiny_recipe(), 1, device_type="cpu").warnings
+
+
+def test_the_loss_slot_takes_only_a_declared_train_loss():
+    """The model's loss slot is a declared part of the contract (TrainLoss): what does not
+    keep it is refused naming it, by set_train_loss and by the built-model check."""
+    from hybridtrain.models.spec import TrainLoss, set_train_loss
+    from hybridtrain.ops.loss import LinearCrossEntropy
+    from hybridtrain.rl.head import PolicyHead
+    from tests.helpers.families import dense_spec
+
+    spec = dense_spec()
+    model = spec.model_cls(spec.config_cls())
+    assert isinstance(model.loss, TrainLoss) and isinstance(PolicyHead(), TrainLoss)
+    with pytest.raises(ValueError, match="set_train_loss takes a TrainLoss module"):
+        set_train_loss(model, nn.CrossEntropyLoss())
+    head = PolicyHead()
+    set_train_loss(model, head)
+    assert model.loss is head
+    spec.check_model(model)
+    set_train_loss(model, LinearCrossEntropy(reduction="sum"))
+    del model.loss.recompute
+    with pytest.raises(ValueError, match="no loss module with a recompute flag"):
+        spec.check_model(model)
 
 
 def test_continuations_scored_from_one_prefill_match_the_forward():

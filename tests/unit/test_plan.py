@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridtrain import cli
-from hybridtrain.recipes.memory_plan import meta_model, plan_memory
+from hybridtrain.training.memory_plan import meta_model, plan_memory
 from hybridtrain.recipes.plan import parse_memory
 from tests.helpers import parity as pu
 from tests.helpers.memory import assert_close_10pct, held_at_optimizer_step, planned_bytes
@@ -131,7 +131,7 @@ def test_plan_and_run_checkpoint_the_same_blocks_by_type():
     chosen = [int(k) for k, b in model.backbone.layers.items()
               if hasattr(b, "_checkpoint_wrapped_module")]
     act = spec.part(MemoryPlanSupport, "plan").activation_bytes(model.config, 1, 8, torch.float32)
-    category = [layer["category"] for layer in act["layers"]]
+    category = [layer.category for layer in act.layers]
     assert {category[i] for i in chosen} == {"mamba", "moe"}
     assert chosen == [i for i, c in enumerate(category) if c in ("mamba", "moe")]
 
@@ -218,7 +218,7 @@ def test_cpu_offload_moves_states_to_the_host(nano_dir):
 
 def test_shard_arithmetic_follows_torch_chunk_and_the_rank_layout():
     from hybridtrain.distributed.parallel_dims import ParallelDims
-    from hybridtrain.recipes.memory_plan import _chunk, _coords
+    from hybridtrain.training.memory_plan import _chunk, _coords
 
     for n in range(0, 12):
         for parts in range(1, 5):
@@ -351,7 +351,7 @@ def test_shipped_real_model_recipes_plan_within_the_headroom(nano_dir):
     plans within the headroom rule: at most 90 % of the device memory."""
     from hybridtrain.config import load_config
     from hybridtrain.config.loader import parse_overrides
-    from hybridtrain.recipes.memory_plan import HEADROOM
+    from hybridtrain.training.memory_plan import HEADROOM
 
     runs = _shipped_real_model_runs()
     assert {r[0] for r in runs} >= {"nemotron3_nano_squad", "nemotron3_nano_lora_chat",

@@ -187,7 +187,7 @@ def test_quantize_rows_is_to_nf4_bit_for_bit(shape, scaler_block, chunk):
 def test_plan_counts_the_nf4_base():
     """Parameters (NF4 codes and scales, the unquantised rest, fp32 adapters), gradients and
     AdamW state at a real optimizer step equal the plan's within 10 %."""
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
     from tests.helpers import parity as pu
     from tests.helpers.memory import assert_close_10pct, held_at_optimizer_step, planned_bytes
 
@@ -213,7 +213,7 @@ def test_nemotron3_nano_qlora_plans_for_one_24gb_card(monkeypatch):
 
     from hybridtrain.config import load_config
     from hybridtrain.config.loader import parse_overrides
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.setenv("NEMOTRON3_NANO_DIR", str(root / "examples/configs/nemotron3_nano_30b_a3b"))
@@ -227,7 +227,7 @@ def test_nemotron3_nano_qlora_plans_for_one_24gb_card(monkeypatch):
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}])
 def test_layouts_that_split_an_nf4_base_are_refused(layout):
     """Plan and run refuse alike (training/validate.py), naming the key and the fix."""
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
     from tests.helpers import parity as pu
 
     peft = {"dim": 4, "alpha": 8, "match_all_linear": True, "base_quant": "nf4"}

@@ -62,7 +62,7 @@ DENSE_REFUSALS = [
 
 def _refusals(recipe, world):
     """(plan's refusal, the run's refusal) of ``recipe`` on ``world`` ranks."""
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
     from hybridtrain.training.builder import build
 
     out = []
@@ -105,7 +105,7 @@ def test_plan_and_run_refuse_the_same_with_an_encoder_on_its_own_ranks(tmp_path,
 def test_a_valid_layout_passes_both():
     """The checks refuse nothing the run takes: pp 2 x ep 2 with LoRA plans, and validates."""
     from hybridtrain.models.spec import model_spec_for
-    from hybridtrain.recipes.memory_plan import meta_model, plan_memory
+    from hybridtrain.training.memory_plan import meta_model, plan_memory
     from hybridtrain.config.sections import recipe_config
     from hybridtrain.training.validate import validate_run
 

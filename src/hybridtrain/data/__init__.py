@@ -11,9 +11,10 @@ Builders a YAML ``_target_`` can call (signatures in each module's docstring):
 - ``hybridtrain.data.build_preference_dataset`` / ``write_synthetic_preferences`` (preference.py)
 - ``hybridtrain.data.build_vision_chat_dataset`` (images + chat)     (vision_chat.py, images.py)
 - ``hybridtrain.data.write_synthetic_shapes`` / ``shapes_texts``    (synthetic_shapes.py)
+- ``hybridtrain.data.registered_dataset`` (a dataset from outside, by its entry point)  (registry.py)
 
-The batch every collator returns (keys, ``IGNORE_INDEX``, label convention, token counts) is
-described in ``hybridtrain.data.batch``. The names below are imported on first use.
+What a dataset, an example and a batch are is written in ``hybridtrain.data.contract``; the
+batch's keys, ``IGNORE_INDEX``, the label convention and token counts in ``hybridtrain.data.batch``. The names below are imported on first use.
 """
 
 import importlib
@@ -24,6 +25,8 @@ _EXPORTS = {
     "IGNORE_INDEX": "batch",
     "ChatDataset": "chat", "build_chat_dataset": "chat",
     "PackedCollator": "collate", "PaddingCollator": "collate", "build_collator": "collate",
+    "TokenDataset": "contract", "check_dataset": "contract",
+    "registered_dataset": "registry",
     "TokenizedDataset": "dataset", "default_cache_dir": "dataset",
     "AnswerMismatchError": "io", "ChatFormatError": "io", "DataError": "io",
     "EmptyDatasetError": "io", "EncodingError": "io", "MalformedJSONError": "io",

@@ -4,7 +4,7 @@
 
     IGNORE_INDEX = -100                  # a label that is not trained on
     MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens", "pixel_values", "image_grid")
-    Batch                                # the keys, as a TypedDict
+    Batch                                # the keys, as a TypedDict (hybridtrain.data.contract)
     model_inputs(batch) -> dict          # the keyword arguments of the model's forward
     count_label_tokens(batch) -> int     # labels that are not IGNORE_INDEX
     count_tokens(batch) -> int           # tokens that are not padding
@@ -18,12 +18,10 @@ when that token is trained on, else ``IGNORE_INDEX``), and the last token of eve
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any
 
+from hybridtrain.data.contract import Batch
 from hybridtrain.ops.labels import IGNORE_INDEX
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 __all__ = ["IGNORE_INDEX", "MODEL_INPUT_KEYS", "Batch", "model_inputs", "count_label_tokens",
            "count_tokens"]
@@ -31,21 +29,6 @@ __all__ = ["IGNORE_INDEX", "MODEL_INPUT_KEYS", "Batch", "model_inputs", "count_l
 # Batch keys the model's forward takes besides ``input_ids``; the others (labels, attention_mask,
 # counts) stay with the trainer.
 MODEL_INPUT_KEYS = ("position_ids", "cu_seqlens", "pixel_values", "image_grid")
-
-
-class Batch(TypedDict, total=False):
-    """A collated batch (``input_ids`` and ``labels`` always; the rest when the collator has them)."""
-
-    input_ids: Tensor          # [B, L] token ids
-    labels: Tensor             # [B, L] shifted targets, IGNORE_INDEX where not trained on
-    position_ids: Tensor       # [B, L] positions, restarting at 0 for each packed document
-    cu_seqlens: Tensor         # packed: [S + 1] int32 segment starts over the B * L tokens
-    max_seqlen: int            # packed: the longest segment
-    attention_mask: Tensor     # [B, L] 1 on tokens, 0 on padding
-    num_label_tokens: Tensor   # scalar: labels that are not IGNORE_INDEX
-    num_tokens: Tensor         # scalar: tokens that are not padding
-    pixel_values: Tensor       # images: [patches, C * p * p], every image's patches in order
-    image_grid: Tensor         # images: [images, 2] patch rows, patch columns of each image
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

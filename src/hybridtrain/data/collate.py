@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from .batch import IGNORE_INDEX
+from .contract import CollatesItself, TokenDataset
 from .packing import PackedDataset
 
 
@@ -103,14 +104,17 @@ class PackedCollator:
         }
 
 
-def build_collator(dataset, pad_to_multiple_of: int = 1, pad_token_id: int | None = None):
-    """The dataset's own ``collator()`` when it has one, ``PackedCollator`` for a
-    ``PackedDataset``, else a ``PaddingCollator``."""
-    if hasattr(dataset, "collator"):
+def build_collator(dataset: TokenDataset, pad_to_multiple_of: int = 1,
+                   pad_token_id: int | None = None):
+    """The dataset's own ``collator()`` when it has one (:class:`CollatesItself`),
+    ``PackedCollator`` for a ``PackedDataset``, else a ``PaddingCollator`` with the dataset's
+    ``pad_token_id`` (or the one given)."""
+    if isinstance(dataset, CollatesItself):
         return dataset.collator()
     if isinstance(dataset, PackedDataset):
         return PackedCollator()
-    pad = pad_token_id if pad_token_id is not None else getattr(dataset, "pad_token_id", None)
-    if pad is None:
-        raise ValueError("build_collator needs pad_token_id (the dataset does not carry one)")
+    if pad_token_id is None and not isinstance(dataset, TokenDataset):
+        raise ValueError("build_collator needs pad_token_id (the dataset does not carry one: "
+                         "hybridtrain.data.contract.TokenDataset)")
+    pad = pad_token_id if pad_token_id is not None else dataset.pad_token_id
     return PaddingCollator(pad, pad_to_multiple_of=pad_to_multiple_of)

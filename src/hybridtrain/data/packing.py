@@ -37,6 +37,7 @@ import torch
 from hybridtrain.config.keys import recipe_key
 
 from .batch import IGNORE_INDEX
+from .contract import KnowsLengths, PacksItself, TokenDataset
 
 _PACK = recipe_key("pack_size")
 
@@ -181,18 +182,19 @@ def _unpadded(example) -> tuple[list[int], list[int]]:
 class PackedDataset(torch.utils.data.Dataset):
     """Rows of packed documents over a source dataset (built lazily per row)."""
 
-    def __init__(self, dataset, pack_size: int, pad_token_id: int | None = None,
+    def __init__(self, dataset: TokenDataset, pack_size: int, pad_token_id: int | None = None,
                  pad_to_multiple_of: int = 1):
         _check(pack_size, pad_to_multiple_of)
         if pad_token_id is None:
-            pad_token_id = getattr(dataset, "pad_token_id", None)
-        if pad_token_id is None:
-            raise ValueError("pack_dataset needs pad_token_id (the dataset does not carry one)")
+            if not isinstance(dataset, TokenDataset):
+                raise ValueError("pack_dataset needs pad_token_id (the dataset does not carry "
+                                 "one: hybridtrain.data.contract.TokenDataset)")
+            pad_token_id = dataset.pad_token_id
         self.dataset = dataset
         self.pack_size = pack_size
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
-        self._native = hasattr(dataset, "lengths") and hasattr(dataset, "get_unpadded")
+        self._native = isinstance(dataset, KnowsLengths)
         if self._native:
             lengths = [int(x) for x in dataset.lengths]
         else:
@@ -219,11 +221,12 @@ class PackedDataset(torch.utils.data.Dataset):
         return sum(self.lengths) / max(1, len(self.bins) * self.pack_size)
 
 
-def pack_dataset(dataset, pack_size: int, pad_token_id: int | None = None,
-                 pad_to_multiple_of: int = 1) -> PackedDataset:
+def pack_dataset(dataset: TokenDataset, pack_size: int, pad_token_id: int | None = None,
+                 pad_to_multiple_of: int = 1) -> TokenDataset:
     """``PackedDataset(dataset, pack_size, pad_token_id, pad_to_multiple_of)``, or the
-    dataset's own ``pack(pack_size, pad_to_multiple_of)`` when it has one (rows that carry more
-    than tokens, e.g. images)."""
-    if hasattr(dataset, "pack"):
+    dataset's own ``pack(pack_size, pad_to_multiple_of)`` when it has one
+    (:class:`~hybridtrain.data.contract.PacksItself`: rows that carry more than tokens, e.g.
+    images)."""
+    if isinstance(dataset, PacksItself):
         return dataset.pack(pack_size, pad_to_multiple_of)
     return PackedDataset(dataset, pack_size, pad_token_id, pad_to_multiple_of)

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import Dataset, Subset
 
+from .contract import HoldsImages
+
 
 def _base(dataset) -> tuple[object, Callable[[int], int]]:
     """(the vision dataset under an optional ``Subset``, index map into it)."""
@@ -31,7 +33,7 @@ def _base(dataset) -> tuple[object, Callable[[int], int]]:
 
 
 def _check(base) -> None:
-    if not (hasattr(base, "item") and hasattr(base, "image_list")):
+    if not isinstance(base, HoldsImages):
         raise ValueError(f"{type(base).__name__} holds no images: a model whose encoder runs on "
                          "its own ranks trains on a vision dataset (build_vision_chat_dataset)")
 

@@ -114,6 +114,12 @@ class HeteroPlan:
     device: torch.device = torch.device("cpu")
     autocast_dtype: torch.dtype | None = None
 
+    @property
+    def sharded(self) -> bool:
+        """False: the step is always a pipeline, which syncs the gradients itself
+        (:class:`~hybridtrain.distributed.parallel_plan.Plan`)."""
+        return False
+
     def clip_grad_norm(self, parameters, max_norm: float | None, norm_type: float = 2.0):
         """Global L2 norm over all modules; clips this rank's gradients by it."""
         assert norm_type == 2.0, "the heterogeneous layout clips by the L2 norm"

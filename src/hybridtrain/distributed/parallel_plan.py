@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from hybridtrain.config.sections import DistributedSection, PackingSection, TrainingSection
 from hybridtrain.distributed.fsdp import fsdp_param_dtype
@@ -25,7 +28,32 @@ from hybridtrain.distributed.utils import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParallelPlan", "parallelize", "pipeline_split_seq_len"]
+__all__ = ["Plan", "ParallelPlan", "parallelize", "pipeline_split_seq_len", "recipe_seq_len"]
+
+
+class Plan(Protocol):
+    """What every layout's plan answers (:class:`ParallelPlan`, and
+    :class:`~hybridtrain.distributed.hetero.HeteroPlan` for an encoder on its own ranks):
+    ``model``, ``stages``, ``dims``, ``pipeline``, ``device`` and ``autocast_dtype`` as
+    :class:`ParallelPlan` says; ``data_view(dataset, batch_sampler, collate) -> (dataset,
+    batch_sampler, collate)``: what this rank reads of each batch (None: the whole batch);
+    ``sharded``: ``model`` is one FSDP2 module that a step without pipeline tells, per
+    micro-batch, whether to reduce its gradients (``set_requires_gradient_sync``: only after the
+    last); ``clip_grad_norm(parameters, max_norm)``: the global gradient norm, clipping by it."""
+
+    model: nn.Module
+    stages: list
+    dims: Any
+    pipeline: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    data_view: Callable | None
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def clip_grad_norm(self, parameters, max_norm: float | None,
+                       norm_type: float = 2.0) -> torch.Tensor: ...
 
 
 @dataclass
@@ -40,6 +68,7 @@ class ParallelPlan:
     * ``pipeline``: the schedule step under PP, else None.
     * ``device`` / ``autocast_dtype``: where this rank computes, and the autocast dtype of its
       forward and backward (None: the parameters' dtype).
+    * ``data_view``: None (every rank of a layout reads its data-parallel share of each batch).
     """
 
     model: nn.Module
@@ -48,6 +77,13 @@ class ParallelPlan:
     pipeline: PipelineTrainStep | None = None
     device: torch.device = torch.device("cpu")
     autocast_dtype: torch.dtype | None = None
+    data_view: Callable | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """``model`` is one FSDP2 module (data parallelism without pipeline stages; under
+        pipeline parallelism the pipeline step syncs the sharded stages itself)."""
+        return self.pipeline is None and self.dims.fsdp_enabled
 
     @classmethod
     def single(cls, model: nn.Module, device: torch.device | str = "cpu",
@@ -60,6 +96,16 @@ class ParallelPlan:
         """Global gradient norm (all meshes, all pipeline stages); clips when ``max_norm``."""
         pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
         return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
+
+
+def recipe_seq_len(cfg) -> int:
+    """The row length of a recipe's batches (``cfg``: a ``RecipeConfig``): the packed length,
+    else the dataset's ``seq_length``, else 2048 (what ``benchmark`` and ``plan`` assume)."""
+    if cfg.packing.enabled:
+        return int(cfg.packing.pack_size)
+    if cfg.dataset is not None and cfg.dataset.get("seq_length"):
+        return int(cfg.dataset["seq_length"])
+    return 2048
 
 
 def pipeline_split_seq_len(packing: PackingSection) -> int:
@@ -115,5 +161,9 @@ def parallelize(spec, model: nn.Module, dims: ParallelDims,
             row_inputs=spec.pipeline.row_inputs and functools.partial(spec.pipeline.row_inputs,
                                                                       config),
             shape_group=dims.ranks_group)
-    return ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline, device=device,
+    plan = ParallelPlan(model=model, stages=stages, dims=dims, pipeline=pipeline, device=device,
                         autocast_dtype=autocast_dtype)
+    assert plan.sharded == isinstance(model, FSDPModule) or pipeline is not None, \
+        f"{spec.name}: parallelize_fn must apply FSDP2 to the model's root exactly when " \
+        "dims.fsdp_enabled"
+    return plan

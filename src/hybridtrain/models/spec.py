@@ -25,7 +25,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable, ClassVar, Protocol, TypeVar
+from typing import Any, Callable, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ModelSpec", "PipelineSplit", "FlopsCount", "HFAdapter", "PeftSupport", "MetaInit",
            "MemoryPlanSupport", "HeteroSupport", "LayerTypes", "Decoding", "LayoutRules", "PART_TYPES",
-           "CausalLM", "ModelConfig", "Decoder", "HFSave", "ENTRY_POINT_GROUP",
+           "CausalLM", "TrainLoss", "ModelConfig", "ActivationBytes", "LayerActivations",
+           "EncoderActivations",
+           "Decoder", "HFSave", "ENTRY_POINT_GROUP",
            "register_model_spec", "get_model_spec", "model_spec_for", "registered_model_class",
            "set_train_loss"]
 
@@ -48,6 +50,8 @@ class ModelConfig(Protocol):
     * ``hidden_size`` / ``vocab_size`` (fields or properties): the width of the hidden states
       (the compute dtype ``auto`` is chosen by it on CPU) and of the vocabulary (the
       tokenizer must fit in it; synthetic data draws from it).
+    * ``context_length`` (a field or property): the longest sequence (prompt plus generated
+      tokens) the model takes, or None for no limit (``hybridtrain generate`` refuses longer).
     * ``to_dict()``: the ``config.json`` content; ``from_dict(d, source=...)``: the config of
       a ``config.json`` (``source``: the file, named in its errors).
     """
@@ -55,11 +59,33 @@ class ModelConfig(Protocol):
     model_type: ClassVar[str]
     hidden_size: int
     vocab_size: int
+    context_length: int | None
 
     def to_dict(self) -> dict[str, Any]: ...
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = ...) -> "ModelConfig": ...
+
+
+@runtime_checkable
+class TrainLoss(Protocol):
+    """The model's loss slot (``CausalLM.loss``), a declared part of the contract: the model
+    calls it at the end of its forward with ``labels``, where the layout has gathered the
+    head's weight (FSDP2 unshards it for the root's forward; the last pipeline stage holds it).
+    The trainer fills the slot (:func:`set_train_loss`): the summing
+    :class:`~hybridtrain.ops.loss.LinearCrossEntropy` for training, RL's
+    :class:`~hybridtrain.rl.head.PolicyHead` for log-probs (docs/architecture.md, "Why the loss
+    is a slot on the model").
+
+    * ``forward(hidden [B, L, H], head, labels [B, L])``: the fused or chunked head and loss
+      (never the ``[B, L, vocab]`` logits): a scalar sum, or per-token values;
+    * ``recompute``: back-propagate through it twice (zero-bubble pipeline schedules set it).
+    """
+
+    recompute: bool
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Module,
+                 labels: torch.Tensor) -> torch.Tensor: ...
 
 
 class CausalLM(Protocol):
@@ -73,9 +99,10 @@ class CausalLM(Protocol):
     * ``lm_head``: the output projection (an ``nn.Linear``; None on a pipeline stage before
       the last), registered last: its parameters come last in ``parameters()`` (LoRA never
       adapts it; ``plan`` counts it as the last stage's).
-    * ``loss``: an ``ops.loss.LinearCrossEntropy`` (generic code installs its own with
-      :func:`set_train_loss` and sets ``loss.recompute`` for zero-bubble pipelines); it may be a
-      property whose setter stores it in a sub-model.
+    * ``loss``: a :class:`TrainLoss` module (the family builds an
+      ``ops.loss.LinearCrossEntropy``; the trainer installs its own with :func:`set_train_loss`
+      and sets ``loss.recompute`` for zero-bubble pipelines); it may be a property of a model
+      that holds it in a sub-model.
     * the decoder layers sit in an ``nn.ModuleDict`` keyed by their global index (``"0"``,
       ``"1"``, ...; a pipeline stage keeps the keys of the layers it holds), the names
       ``PipelineSplit.layers`` returns.
@@ -90,7 +117,7 @@ class CausalLM(Protocol):
 
     config: ModelConfig
     lm_head: nn.Module | None
-    loss: nn.Module
+    loss: TrainLoss
     name_or_path: ClassVar[str | None]
     checkpoint_dtype: ClassVar[torch.dtype | None]
 
@@ -289,27 +316,64 @@ class MetaInit:
 
 
 @dataclass(frozen=True)
+class LayerActivations:
+    """What one block keeps of a micro-batch for its backward: ``saved`` without activation
+    checkpointing, ``checkpointed`` with it (its input), and ``backward``: what its backward
+    works with at once besides. ``type``: its layer type (``LayerTypes``), ``category``: the
+    name the plan sums it under."""
+
+    type: str
+    category: str
+    saved: float
+    checkpointed: float
+    backward: float = 0.0
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """One micro-batch's activation estimate (``MemoryPlanSupport.activation_bytes``):
+    ``layers``, one per block in order; ``loss``: what the final norm and the loss keep until
+    their backward on the last stage; ``loss_backward``: what the loss works with while it
+    runs."""
+
+    layers: tuple[LayerActivations, ...]
+    loss: float
+    loss_backward: float = 0.0
+
+
+@dataclass(frozen=True)
+class EncoderActivations:
+    """What the first stage's input encoders (e.g. a vision encoder) keep of one micro-batch
+    (``MemoryPlanSupport.encoder_activation_bytes``): ``kept``, bytes kept for backward by the
+    category the plan sums them under; ``backward``: what one encoder block's backward works
+    with (its recompute when checkpointed); ``inputs``: the encoders' inputs in the batch."""
+
+    kept: dict[str, float] = dataclasses.field(default_factory=dict)
+    backward: float = 0.0
+    inputs: float = 0.0
+
+
+@dataclass(frozen=True)
 class MemoryPlanSupport:
     """What ``hybridtrain plan`` estimates beyond parameters.
     ``activation_bytes(config, micro_batch, seq_len, dtype, loss_chunk_size, head_grad) ->
-    {"layers": [{"type", "category", "saved", "checkpointed", "backward"}, ...], "head": {name:
-    bytes}, "head_backward": bytes}``: what one micro-batch keeps for backward per layer (with
-    and without checkpointing) and in the loss, and what one layer's backward and the loss
-    work with at once besides ("backward" keys optional); ``tp_plan(model, tp) -> {submodule path: style}``:
+    ActivationBytes``: what one micro-batch keeps for backward per layer (with and without
+    checkpointing) and in the loss, and what one layer's backward and the loss work with at
+    once besides (``head_grad``: whether the output head trains); ``tp_plan(model, tp) -> {submodule path: style}``:
     how the spec's ``parallelize_fn`` splits a (stage) model over ``tp`` ranks (None: no
     tensor parallelism); ``fsdp_units(model) -> (units, expert_units)``: the FSDP2 units
     ``parallelize_fn`` gives ``distributed.fsdp.apply_fsdp`` (it asks this function too; a
     unit is a module or a list of modules, the root holds the rest; None: no FSDP2 estimate);
-    ``encoder_activation_bytes(model, micro_batch, seq_len, dtype, recipe) -> {category:
-    bytes, "backward": bytes}``: what the first stage's input encoders (e.g. a vision encoder
-    on the micro-batch's images) of (stage) ``model`` keep per micro-batch beyond the layers,
-    given the recipe (its data and training sections), and what one encoder block's backward
-    works with (its recompute when checkpointed; None: no encoder)."""
+    ``encoder_activation_bytes(model, micro_batch, seq_len, dtype, recipe) ->
+    EncoderActivations``: what the first stage's input encoders (e.g. a vision encoder on the
+    micro-batch's images) of (stage) ``model`` keep per micro-batch beyond the layers, given
+    the recipe (its data and training sections), what one encoder block's backward works with,
+    and their inputs (None: no encoder)."""
 
-    activation_bytes: Callable[..., dict] | None = None
+    activation_bytes: Callable[..., ActivationBytes] | None = None
     tp_plan: Callable[[nn.Module, int], dict] | None = None
     fsdp_units: Callable[[nn.Module], tuple[list, list]] | None = None
-    encoder_activation_bytes: Callable[..., dict] | None = None
+    encoder_activation_bytes: Callable[..., EncoderActivations] | None = None
 
     def __post_init__(self):
         _check(self, (), ("activation_bytes", "tp_plan", "fsdp_units", "encoder_activation_bytes"))
@@ -499,7 +563,7 @@ class ModelSpec:
         for name in ("to_dict", "from_dict"):
             if not callable(getattr(config, name, None)):
                 raise ValueError(f"{c} has no {name} (ModelConfig in models/spec.py)")
-        for name in ("hidden_size", "vocab_size"):
+        for name in ("hidden_size", "vocab_size", "context_length"):
             if not (hasattr(config, name) or name in getattr(config, "__dataclass_fields__", {})):
                 raise ValueError(f"{c} has no field or property {name} (ModelConfig in "
                                  "models/spec.py)")
@@ -540,8 +604,9 @@ class ModelSpec:
         if head_names and names[-len(head_names):] != head_names:
             raise ValueError(f"{m}: the lm_head's parameters must come last in parameters() "
                              f"(register lm_head last); the last is {names[-1]!r}")
-        if not isinstance(model.loss, nn.Module):
-            raise ValueError(f"{m} has no loss module (CausalLM in models/spec.py)")
+        if not (isinstance(model.loss, nn.Module) and isinstance(model.loss, TrainLoss)):
+            raise ValueError(f"{m} has no loss module with a recompute flag (TrainLoss, "
+                             "CausalLM.loss in models/spec.py)")
         layers = self.pipeline.layers(model)
         if layers != [str(i) for i in range(len(layers))]:
             raise ValueError(f"{m}: its layers must sit in an nn.ModuleDict keyed by their global "
@@ -639,9 +704,13 @@ def registered_model_class(dotted: str) -> type[nn.Module]:
                               "registered model spec"))
 
 
-def set_train_loss(model: nn.Module, loss: nn.Module) -> None:
-    """Install the loss ``model.forward(labels=...)`` returns (the contract's ``loss``) in the
-    place of ``model.loss``, wherever the model holds it (e.g. in a sub-model)."""
+def set_train_loss(model: nn.Module, loss: TrainLoss) -> None:
+    """Install the loss ``model.forward(labels=...)`` returns (the contract's
+    :class:`TrainLoss`) in the place of ``model.loss``, wherever the model holds it (e.g. in a
+    sub-model)."""
+    if not (isinstance(loss, nn.Module) and isinstance(loss, TrainLoss)):
+        raise ValueError(f"set_train_loss takes a TrainLoss module (models/spec.py: forward("
+                         f"hidden, head, labels) and a recompute flag), got {type(loss).__name__}")
     old = model.loss
     holders = [(mod, name) for mod in model.modules() for name, child in mod.named_children()
                if child is old]

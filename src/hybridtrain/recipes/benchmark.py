@@ -39,7 +39,7 @@ from hybridtrain.distributed.init import process_group
 from hybridtrain.fileio import atomic_write
 from hybridtrain.ops.backend import configure_backend, kernel_paths, kernel_paths_line
 from hybridtrain.runfolder import run_folder_path
-from hybridtrain.distributed.parallel_plan import ParallelPlan
+from hybridtrain.distributed.parallel_plan import ParallelPlan, recipe_seq_len
 from hybridtrain.training.builder import Built, build
 from hybridtrain.training.flops import Throughput, measure_matmul_peak, peak_tflops
 from hybridtrain.models.spec import Decoding
@@ -228,14 +228,6 @@ def run(cfg: Any, args: Any = None) -> dict[str, Any]:
         return _run(cfg, opts, info.device, info.is_main, info.world_size)
 
 
-def _default_seq_len(cfg) -> int:
-    if cfg.packing.enabled:
-        return int(cfg.packing.pack_size)
-    if cfg.dataset is not None and cfg.dataset.get("seq_length"):
-        return int(cfg.dataset["seq_length"])
-    return 2048
-
-
 def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) -> dict[str, Any]:
     t = cfg.training
     base_mem = _rss_bytes() if device.type != "cuda" else 0
@@ -269,7 +261,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
 
     vocab = b.model_config.vocab_size
     dp = b.plan.dims.dp
-    seq_len = opts["seq_len"] or _default_seq_len(cfg)
+    seq_len = opts["seq_len"] or recipe_seq_len(cfg)
     tokens_per_step = opts["tokens_per_step"] or max(1, t.global_batch_size // dp) * seq_len
 
     def synthetic(L):

@@ -28,7 +28,7 @@ from hybridtrain.fileio import read_json
 from hybridtrain.recipes.generate import open_model
 from hybridtrain.runfolder import run_folder_path
 from hybridtrain.training.builder import (
-    build, build_checkpointer, check_input_paths, instantiate_with, make_evaluator,
+    build, build_checkpointer, build_dataset, check_input_paths, make_evaluator,
     resolve_device,
 )
 from hybridtrain.training.checkpoint_reader import read_checkpoint
@@ -74,8 +74,9 @@ def _run_laid_out(cfg: RecipeConfig, checkpoint: str | None) -> dict[str, Any] |
         checkpointer = build_checkpointer(b, out_dir)
         path, state = read_checkpoint(checkpoint or out_dir, lambda step: (
             step, checkpointer.load(_check_step(step), b.model)))
-        val_ds = main_process_first(lambda: instantiate_with(
-            cfg.validation_dataset, tokenizer=b.tokenizer, default_split="validation"), info.is_main)
+        val_ds = main_process_first(lambda: build_dataset(
+            cfg.validation_dataset, "validation_dataset", tokenizer=b.tokenizer,
+            default_split="validation"), info.is_main)
         step = state.get("step")
         rec = {"checkpoint": path, "step": step, **make_evaluator(b, section, val_ds)(b.model, step)}
         if info.is_main:
@@ -102,7 +103,7 @@ def run(cfg: Any, checkpoint: str | None = None) -> dict[str, Any] | None:
 
     (model, tokenizer, _, source), step = read_checkpoint(ckpt, read)
     dtype = resolve_dtype(cfg.training.dtype, device, model.config.hidden_size, cfg.training.cpu_bf16)
-    val_ds = instantiate_with(cfg.validation_dataset, tokenizer=tokenizer)
+    val_ds = build_dataset(cfg.validation_dataset, "validation_dataset", tokenizer=tokenizer)
     section = cfg.evaluation if cfg.evaluation is not None else EvaluationSection()
     evaluator = evaluator_from_config(section, val_ds, tokenizer, out_dir, autocast_dtype=autocast_dtype(dtype))
     rec = {"checkpoint": source, "step": step, **evaluator(model, step)}

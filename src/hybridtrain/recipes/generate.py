@@ -13,7 +13,7 @@ template). ``--chat`` renders each text prompt as one user turn with the tokeniz
 and its generation prompt. Greedy unless ``--temperature`` (> 0) or ``--top-k``/``--top-p`` is
 given; ``--temperature 0`` is greedy whatever else is given. Out-of-range settings are refused
 naming the flag, and so is a ``--max-new-tokens`` past the model's context
-(``max_position_embeddings``) or whose decoding cache would not fit in the memory available
+(its config's ``context_length``: ``max_position_embeddings`` for Nemotron-H) or whose decoding cache would not fit in the memory available
 (computed before anything is allocated). Writes one JSON object per prompt (``prompt``,
 ``completion``, ``new_tokens``, ``tokens_per_s`` of its batch) to stdout or ``--output``.
 ``--speculative mtp``: greedy self-speculative decoding, the model's multi-token prediction
@@ -264,18 +264,18 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 def check_generation_length(model, batch_size: int, prompt_length: int, max_new_tokens: int,
                             device: torch.device, memory_fraction: float = 0.9) -> None:
     """Refuse (ValueError naming ``--max-new-tokens`` and the numbers) a generation past the
-    model's context (``config.max_position_embeddings``) or whose decoding cache (the model's
+    model's context (``config.context_length``) or whose decoding cache (the model's
     ``generation_cache_bytes``) and output ids would take more than ``memory_fraction`` of the
     memory available, before anything is allocated."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     model_spec_for(model).part(Decoding, "hybridtrain generate")  # generate, its cache's bytes
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = model.config.context_length
     if context and prompt_length + max_new_tokens > context:
         raise ValueError(
             f"--max-new-tokens {max_new_tokens}: the longest prompt ({prompt_length} tokens) plus "
             f"{max_new_tokens} new tokens exceeds the model's context of {context} tokens "
-            f"(max_position_embeddings); use --max-new-tokens {max(context - prompt_length, 0)} "
+            f"(its config's context_length); use --max-new-tokens {max(context - prompt_length, 0)} "
             "or less")
 
     def need(n: int) -> int:

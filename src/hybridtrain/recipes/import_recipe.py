@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from hybridtrain.fileio import atomic_write
+
 __all__ = ["Converted", "convert", "render", "run"]
 
 _REFERENCE = "the recipe reference (python -m hybridtrain.config.reference)"
@@ -195,7 +197,7 @@ def _model_dir(name: str | None, override: str | None) -> tuple[str, str | None]
 
 def _model_target(model_dir: str) -> str:
     """``module.Class.from_pretrained`` of the registered model family of ``model_dir``."""
-    from hybridtrain.models.spec import get_model_spec
+    from hybridtrain.models.spec import get_model_spec  # torch and the families: only when a model is named
 
     path = os.path.join(os.path.expanduser(model_dir), "config.json")
     with open(path) as f:
@@ -526,7 +528,6 @@ def run(argv: list[str]) -> int:
     conv = convert(recipe, args.model_dir)
     text = render(conv, os.path.basename(args.source))
     if args.output:
-        from hybridtrain.fileio import atomic_write
 
         atomic_write(args.output, text)
     else:

@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hybridtrain.fileio import atomic_write
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtrain lm-eval", description=__doc__.split("\n\n")[0])
@@ -65,7 +67,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         num_fewshot=args.num_fewshot, limit=args.limit)
     print(make_table(results))
     if args.output:
-        from hybridtrain.fileio import atomic_write
 
         atomic_write(args.output, json.dumps({k: results[k] for k in ("results", "configs")
                                               if k in results}, indent=2, default=str) + "\n")

@@ -1,12 +1,12 @@
-"""``hybridtrain plan``: print the memory plan of a recipe's layout (:mod:`.memory_plan`) and,
-when it is over the headroom rule of ``--device-memory``, changes that lower it (each planned
-again).
+"""``hybridtrain plan``: print the memory plan of a recipe's layout
+(:mod:`hybridtrain.training.memory_plan`) and, when it is over the headroom rule of
+``--device-memory``, changes that lower it (each planned again).
 
     hybridtrain plan -c RECIPE.yaml --nproc-per-node 8 [--device-memory 80GB] [--json]
 
 With ``--device-memory`` the plan applies the headroom rule
-(:data:`~.memory_plan.HEADROOM`): a plan over it (or over the device) exits with status 1 and
-lists the changes.
+(:data:`~hybridtrain.training.memory_plan.HEADROOM`): a plan over it (or over the device) exits
+with status 1 and lists the changes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from hybridtrain.config import build_config
 from hybridtrain.config.sections import RecipeConfig, recipe_config
-from hybridtrain.recipes.memory_plan import HEADROOM, GiB, MemoryPlan, plan_memory
+from hybridtrain.training.memory_plan import HEADROOM, GiB, MemoryPlan, plan_memory
 
 __all__ = ["advise", "format_plan", "parse_memory", "run"]
 

@@ -243,10 +243,9 @@ class Policy:
             with autocast_context(self.autocast_dtype, self.device):
                 self.pipeline.train(inputs, finish)
         else:
-            sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2: once
             for i, x in enumerate(inputs):
-                if sync is not None:
-                    sync(i == len(inputs) - 1)
+                if self.built.plan.sharded:  # FSDP2: reduce the gradients once per step
+                    self.model.set_requires_gradient_sync(i == len(inputs) - 1)
                 finish(i, self._run_model(x)).backward()
         metrics = self._reduce_metrics(sums)
         metrics.update(self._end_aux(aux_counts))

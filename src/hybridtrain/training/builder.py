@@ -31,11 +31,13 @@ from hybridtrain.config import ConfigNode, instantiate, resolve_target
 from hybridtrain.config.dist_env import gemm_kernel_cache_defaults
 from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.data import build_collator, load_tokenizer, pack_dataset
+from hybridtrain.data.contract import check_dataset
 from hybridtrain.data.io import DataError
-from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.materialize import InitUnit, materialize, module_init_units
-from hybridtrain.distributed.parallel_plan import ParallelPlan, parallelize, pipeline_split_seq_len
+from hybridtrain.distributed.parallel_plan import (
+    ParallelPlan, Plan, parallelize, pipeline_split_seq_len,
+)
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
     AuxiliaryLosses, ExpertRouting, HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
@@ -87,6 +89,25 @@ def instantiate_with(node, *, to_var_kw: bool = True, **offered):
     var_kw = to_var_kw and any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw = {k: v for k, v in offered.items() if (k in params or var_kw) and k not in node}
     return instantiate(node, **kw)
+
+
+def build_dataset(node: ConfigNode | None, section: str, **offered):
+    """The dataset a recipe section builds (``instantiate_with(node, **offered)``), checked
+    against the data contract (:func:`hybridtrain.data.contract.check_dataset`); ``None`` for
+    no section."""
+    if node is None:
+        return None
+    return check_dataset(instantiate_with(node, **offered),
+                         f"{section} ({node.where('_target_')}: {node.get('_target_')})")
+
+
+def build_on_meta(model_node: ConfigNode) -> nn.Module:
+    """The model of a recipe's model section built on the meta device (the target gets
+    ``device="meta"`` when it takes it): the one meta-device build, of the run (materialised
+    after its layout) and of ``hybridtrain plan`` (never materialised). A target that ignores
+    the meta device returns a model with real tensors."""
+    with torch.device("meta"):
+        return instantiate_with(model_node, to_var_kw=False, device="meta")
 
 
 def _build_tokenizer(cfg: RecipeConfig, is_main: bool):
@@ -207,11 +228,11 @@ def _build_data(cfg: RecipeConfig, tokenizer, is_main: bool, device: torch.devic
     # rank 0 first: it writes files and fills the datasets cache the others then read
     # default_split: which files of a directory holding several splits each section reads
     train_ds = main_process_first(
-        lambda: instantiate_with(cfg.dataset, tokenizer=tokenizer, default_split="train"),
+        lambda: build_dataset(cfg.dataset, "dataset", tokenizer=tokenizer, default_split="train"),
         is_main)
     val_ds = main_process_first(
-        lambda: instantiate_with(cfg.validation_dataset, tokenizer=tokenizer,
-                                  default_split="validation"), is_main)
+        lambda: build_dataset(cfg.validation_dataset, "validation_dataset", tokenizer=tokenizer,
+                              default_split="validation"), is_main)
     if cfg.packing.enabled:
         if cfg.packing.split_across_pack:
             raise ValueError("packing.split_across_pack is not supported; set it to false")
@@ -293,7 +314,7 @@ class Built:
     dtype: torch.dtype  # compute dtype; parameters and optimizer state stay as built (fp32)
     save_dtype: torch.dtype  # dtype of the HF export
     peft: dict | None
-    plan: ParallelPlan | HeteroPlan  # model, stages, coordinates, device, autocast dtype
+    plan: Plan  # model, stages, coordinates, device, autocast dtype
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     data: TrainData | None = None  # None when built with data=False
@@ -342,8 +363,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     torch.manual_seed(t.seed)
-    with torch.device("meta"):  # built on the meta device, materialised after the layout
-        model = instantiate_with(cfg.model, to_var_kw=False, device="meta")
+    model = build_on_meta(cfg.model)  # materialised after the layout
     on_meta = all(p.is_meta for p in model.parameters())
     if not on_meta and any(p.is_meta for p in model.parameters()):
         # a target that built only part of itself on the meta device: build it in full
@@ -401,7 +421,7 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     else:
         plan = _parallelize(cfg, spec, model, world_size, device, autocast_dtype)
     model = plan.model
-    if train_data is not None and getattr(plan, "data_view", None) is not None:
+    if train_data is not None and plan.data_view is not None:
         train_data = dataclasses.replace(train_data, make_loader=functools.partial(
             train_data.make_loader, view=plan.data_view))
     if source is not None:  # FSDP2's CPU offload keeps the shards in host memory

@@ -40,6 +40,7 @@ from torch import nn
 
 from hybridtrain.config.recipe import EvaluationSection
 from hybridtrain.data.batch import IGNORE_INDEX
+from hybridtrain.data.contract import HasReferences, NamesRecords
 from hybridtrain.distributed.pipeline_decode import PipelineDecoder
 from hybridtrain.ops.sampling import GenerationConfig
 from hybridtrain.training.precision import autocast_context
@@ -156,14 +157,14 @@ class GenerationEvaluator:
         self.lockstep = dims is not None and dims.world_size > 1
         self.fillers = -(-n // world) - len(self.indices) if self.lockstep else 0
         self.pipeline = pipeline
-        self.references = dataset.reference_answers() if hasattr(dataset, "reference_answers") else None
+        self.references = dataset.reference_answers() if isinstance(dataset, HasReferences) else None
 
     def _example(self, i: int) -> tuple[list[int], list[int]]:
         item = self.dataset[i]
         return prompt_and_reference(item["input_ids"].tolist(), item["labels"].tolist())
 
     def _record_id(self, i: int) -> str:
-        return self.dataset.record_id(i) if hasattr(self.dataset, "record_id") else str(i)
+        return self.dataset.record_id(i) if isinstance(self.dataset, NamesRecords) else str(i)
 
     def _replies(self, model, prompts, refs, device):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

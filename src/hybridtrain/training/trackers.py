@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridtrain.fileio import atomic_write
+
 logger = logging.getLogger(__name__)
 
 # keys of validation.jsonl written by the generation evaluator (training/evaluation.py)
@@ -91,7 +93,6 @@ class Tracker:
             return f.read().strip() or None
 
     def store_run_id(self, run_id: str) -> None:
-        from hybridtrain.fileio import atomic_write
 
         atomic_write(self.id_path, run_id + "\n")
 

@@ -51,8 +51,7 @@ from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
 from hybridtrain.distributed.context_parallel import shard_batches, unshard_rows
-from hybridtrain.distributed.hetero import HeteroPlan
-from hybridtrain.distributed.parallel_plan import ParallelPlan
+from hybridtrain.distributed.parallel_plan import Plan
 from hybridtrain.ops.aux_loss import AuxiliaryLoss
 from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.runfolder import TrainingStopped
@@ -114,14 +113,18 @@ class TrainStep:
     :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
     """
 
-    def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None):
+    def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None,
+                 sharded: bool = False):
         self.autocast_dtype = autocast_dtype
         self.pipeline = pipeline
+        self.sharded = sharded
 
     @classmethod
-    def of(cls, plan: ParallelPlan) -> "TrainStep":
-        """The step of ``plan``: its autocast dtype, and its pipeline schedule step if any."""
-        return cls(autocast_dtype=plan.autocast_dtype, pipeline=plan.pipeline)
+    def of(cls, plan: Plan) -> "TrainStep":
+        """The step of ``plan``: its autocast dtype, its pipeline schedule step if any, and
+        whether its model is sharded (``Plan.sharded``)."""
+        return cls(autocast_dtype=plan.autocast_dtype, pipeline=plan.pipeline,
+                   sharded=plan.sharded)
 
     @staticmethod
     def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -133,10 +136,9 @@ class TrainStep:
             with autocast_context(self.autocast_dtype, micro_batches[0]["input_ids"].device):
                 return self.pipeline(model, micro_batches, num_label_tokens)
         total = None
-        sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: once per step
         for i, mb in enumerate(micro_batches):
-            if sync is not None:
-                sync(i == len(micro_batches) - 1)
+            if self.sharded:  # FSDP2: reduce the gradients once per step
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with autocast_context(self.autocast_dtype, mb["input_ids"].device):
                 ce = self.loss_sum(model, mb)
             (ce / num_label_tokens).backward()
@@ -198,7 +200,7 @@ class Trainer:
 
     def __init__(
         self,
-        plan: ParallelPlan | HeteroPlan,
+        plan: Plan,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler,
         step_scheduler: StepScheduler,

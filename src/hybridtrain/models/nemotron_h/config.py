@@ -160,6 +160,11 @@ class NemotronHConfig:
 
     # ------------------------------------------------------------------ derived sizes
     @property
+    def context_length(self) -> int:
+        """The longest sequence it takes (``ModelConfig``): ``max_position_embeddings``."""
+        return self.max_position_embeddings
+
+    @property
     def num_hidden_layers(self) -> int:
         return len(self.layers_block_type)
 

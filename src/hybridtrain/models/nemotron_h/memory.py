@@ -1,6 +1,6 @@
 """Activation memory of Nemotron-H per micro-batch: what each block keeps for backward and what
 its backward works with at once (the memory plan's model-specific part,
-``MemoryPlanSupport.activation_bytes``; see :mod:`hybridtrain.recipes.memory_plan`).
+``MemoryPlanSupport.activation_bytes``; see :mod:`hybridtrain.training.memory_plan`).
 
 An estimate, counted from the forward and backward code, with ``T = micro_batch * seq_len``
 tokens, ``e`` the activation dtype's bytes and fp32 where the model computes in fp32 (norm
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridtrain.models.spec import ActivationBytes, LayerActivations
 from hybridtrain.ops.backend import auto_chunk_size
 
 from .config import NemotronHConfig
@@ -110,24 +111,19 @@ _BACKWARD = {"linear_attention": _mamba_backward, "full_attention": _attention_b
 
 def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
                      dtype: torch.dtype, loss_chunk_size: int | str | None = "auto",
-                     head_grad: bool = True) -> dict:
-    """Bytes of one micro-batch of ``micro_batch`` rows of ``seq_len`` tokens.
-
-    Returns ``{"layers": [{"type", "category", "saved", "checkpointed", "backward"}, ...] (one
-    per block, in order; "saved": kept for backward without activation checkpointing,
-    "checkpointed": with it, "backward": what its backward works with at once besides),
-    "head": {"loss": kept per micro-batch by the final norm, the loss and the multi-token
-    prediction layers with their losses on the last stage},
-    "head_backward": what the loss works with while it runs}``. ``head_grad``: whether the LM
-    head trains (its fp32 gradient is accumulated in forward)."""
+                     head_grad: bool = True) -> ActivationBytes:
+    """Bytes of one micro-batch of ``micro_batch`` rows of ``seq_len`` tokens (the contract's
+    :class:`~hybridtrain.models.spec.ActivationBytes`; its ``loss``: what the final norm, the
+    loss and the multi-token prediction layers with their losses keep on the last stage).
+    ``head_grad``: whether the LM head trains (its fp32 gradient is accumulated in forward)."""
     T, e = micro_batch * seq_len, _bytes(dtype)
     block_in = T * config.hidden_size * e
     layers = []
     for t in config.layers_block_type:
         saved = block_in + T * _F32 + _MIXER[t](config, T, e)
-        layers.append({"type": t, "category": CATEGORY[t], "saved": float(saved),
-                       "checkpointed": float(block_in),
-                       "backward": float(3 * block_in + _BACKWARD[t](config, T, e))})
+        layers.append(LayerActivations(t, CATEGORY[t], saved=float(saved),
+                                       checkpointed=float(block_in),
+                                       backward=float(3 * block_in + _BACKWARD[t](config, T, e))))
     V, H = config.vocab_size, config.hidden_size
     chunk = auto_chunk_size(V) if loss_chunk_size == "auto" else loss_chunk_size
     chunk = T if chunk is None else min(int(chunk), T)
@@ -143,4 +139,4 @@ def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
     kept += config.num_nextn_predict_layers * (4 * block_in + 2 * block_in + 2 * T * _F32 + T * H * e)
     # one chunk's logits, fp32 exponentials (the fp32 logits' own buffer), low-precision copy
     working = chunk * V * (_F32 if e == _F32 else 2 * e + _F32)
-    return {"layers": layers, "head": {"loss": float(kept)}, "head_backward": float(working)}
+    return ActivationBytes(tuple(layers), loss=float(kept), loss_backward=float(working))

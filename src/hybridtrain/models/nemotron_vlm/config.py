@@ -78,6 +78,10 @@ class NemotronVLMConfig:
         return self.text_config.vocab_size
 
     @property
+    def context_length(self) -> int | None:
+        return self.text_config.context_length
+
+    @property
     def merge(self) -> int:
         """Patches per side merged into one token (2 for ratio 0.5)."""
         return round(1 / self.downsample_ratio)

@@ -1,5 +1,5 @@
 """Activation memory of the vision-language model per micro-batch (its spec's
-``MemoryPlanSupport``; see :mod:`hybridtrain.recipes.memory_plan`): the language model's layers and
+``MemoryPlanSupport``; see :mod:`hybridtrain.training.memory_plan`): the language model's layers and
 head as Nemotron-H estimates them (:mod:`hybridtrain.models.nemotron_h.memory`) and, on the
 first pipeline stage, the vision encoder and projector on the micro-batch's images.
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from hybridtrain.data.vision_chat import VisionChatDataset
 from hybridtrain.models.nemotron_h.memory import activation_bytes as lm_activation_bytes
+from hybridtrain.models.spec import ActivationBytes, EncoderActivations
 
 from .config import NemotronVLMConfig
 
@@ -38,7 +39,7 @@ _F32 = 4
 _MAX_PATCHES = inspect.signature(VisionChatDataset).parameters["max_patches"].default
 
 
-def activation_bytes(config: NemotronVLMConfig, *args, **kwargs) -> dict:
+def activation_bytes(config: NemotronVLMConfig, *args, **kwargs) -> ActivationBytes:
     """The language model's layers and head (Nemotron-H's estimate on ``text_config``)."""
     return lm_activation_bytes(config.text_config, *args, **kwargs)
 
@@ -75,18 +76,19 @@ def vision_activation_bytes(config: NemotronVLMConfig, images: int, patches: int
 
 
 def encoder_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int,
-                             dtype: torch.dtype, recipe) -> dict[str, float]:
+                             dtype: torch.dtype, recipe) -> EncoderActivations:
     """What the first stage's vision encoder and projector keep per micro-batch
     (``MemoryPlanSupport.encoder_activation_bytes``): the images :func:`images_per_micro_batch`
     bounds; blocks checkpointed as :func:`~hybridtrain.models.nemotron_vlm.spec.parallelize_vlm`
-    checkpoints them (all, when ``training.activation_checkpointing`` is on); "inputs": the
+    checkpoints them (all, when ``training.activation_checkpointing`` is on); ``inputs``: the
     micro-batch's pixels (fp32, as collated)."""
     if model.vision_model is None:
-        return {}
+        return EncoderActivations()
     images, patches = images_per_micro_batch(model.config, micro_batch, seq_len, recipe)
-    inputs = {"inputs": float(patches * model.config.vision_config.patch_dim * _F32)}
+    inputs = float(patches * model.config.vision_config.patch_dim * _F32)
     trains = any(p.requires_grad for p in model.vision_model.parameters())
     if not trains and not any(p.requires_grad for p in model.projector.parameters()):
-        return inputs
-    return {**vision_activation_bytes(model.config, images, patches, dtype, trains,
-                                      bool(recipe.training.activation_checkpointing)), **inputs}
+        return EncoderActivations(inputs=inputs)
+    est = vision_activation_bytes(model.config, images, patches, dtype, trains,
+                                  bool(recipe.training.activation_checkpointing))
+    return EncoderActivations({"vision": est["vision"]}, est["backward"], inputs)

@@ -76,6 +76,11 @@ class NemotronVLMForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ training hooks
     @property
+    def lm_head(self) -> nn.Module | None:
+        """The output projection (``CausalLM.lm_head``; it lives in the language model)."""
+        return None if self.language_model is None else self.language_model.lm_head
+
+    @property
     def loss(self) -> nn.Module:
         """The loss the forward returns with ``labels`` (it lives in the language model)."""
         return self.language_model.loss

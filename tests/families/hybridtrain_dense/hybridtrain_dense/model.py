@@ -30,6 +30,11 @@ class DenseConfig:
     initializer_range: float = 0.02
     model_type: ClassVar[str] = "dense_test"
 
+    @property
+    def context_length(self) -> None:
+        """No limit (rotary positions)."""
+        return None
+
     def to_dict(self) -> dict:
         return {**asdict(self), "model_type": self.model_type}
 

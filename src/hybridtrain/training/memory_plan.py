@@ -45,6 +45,7 @@ buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted eith
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -53,9 +54,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridtrain.config import instantiate, resolve_target
+from hybridtrain.config import resolve_target
 from hybridtrain.config.dist_env import GEMM_KERNEL_BYTES, gemm_kernel_cache_entries
-from hybridtrain.config.sections import RecipeConfig, recipe_config
+from hybridtrain.config.sections import recipe_config
 from hybridtrain.distributed.activation_checkpoint import parse_ac_policy
 from hybridtrain.fileio import read_json
 from hybridtrain.distributed.fsdp import (
@@ -64,13 +65,12 @@ from hybridtrain.distributed.fsdp import (
 from hybridtrain.distributed.pipeline_layout import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
-from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
+from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len, recipe_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
-from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
+from hybridtrain.models.spec import ActivationBytes, LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types
 from hybridtrain.peft.quant import is_nf4, nf4_bytes, quantize_base
-from hybridtrain.recipes.benchmark import _default_seq_len
-from hybridtrain.training.builder import instantiate_with
+from hybridtrain.training.builder import build_on_meta
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
 from hybridtrain.training.validate import validate_run
 
@@ -186,12 +186,8 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     (the config from ``dir/config.json``; the parameters in ``dtype``, else the checkpoint's)."""
     target = resolve_target(model_node["_target_"], model_node.target_prefixes())
     owner = getattr(target, "__self__", None)
-    if isinstance(target, type) and issubclass(target, nn.Module):
-        spec = model_spec_for(target)
-        with torch.device("meta"):
-            return spec, instantiate(model_node)
     if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
-        return _meta_model_of_factory(model_node)
+        return _meta_model_of_target(model_node)
     spec = model_spec_for(owner)
     # from_pretrained(local_dir, dtype=None, device=None): the model contract (models/spec.py)
     bound = {k: v for k, v in model_node.to_dict().items() if not k.startswith("_")}
@@ -214,10 +210,10 @@ def meta_model(model_node) -> tuple[Any, nn.Module]:
     return spec, model
 
 
-def _meta_model_of_factory(model_node) -> tuple[Any, nn.Module]:
-    """(spec, model) of a model factory, built on the meta device as the run builds it."""
-    with torch.device("meta"):
-        model = instantiate_with(model_node, to_var_kw=False, device="meta")
+def _meta_model_of_target(model_node) -> tuple[Any, nn.Module]:
+    """(spec, model) of a model class or factory, built on the meta device as the run builds it
+    (:func:`~hybridtrain.training.builder.build_on_meta`)."""
+    model = build_on_meta(model_node)
     if not isinstance(model, nn.Module) or not all(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"{model_node.where('_target_')}: hybridtrain plan builds the model on the meta device "
@@ -278,10 +274,6 @@ def _compute_dtype(training, device_type: str) -> torch.dtype:
     if str(training.dtype).lower() == "auto":  # the GPU a plan is for: bf16 (CPU: fp32)
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     return parse_dtype(training.dtype, "training.dtype")
-
-
-def _seq_len(cfg: RecipeConfig) -> int:
-    return _default_seq_len(cfg)
 
 
 def _pipeline_parts(spec, model: nn.Module, dims, distributed, seq_len: int):
@@ -359,7 +351,8 @@ def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
     return next(m.num_experts for m in part.modules() if any(q is p for q in m.parameters(recurse=False)))
 
 
-def _layer_activations(act: dict, policy, names: list[str], positions: list[int], tp: int):
+def _layer_activations(act: ActivationBytes, policy, names: list[str], positions: list[int],
+                       tp: int):
     """({category: bytes one micro-batch keeps}, [what the micro-batch keeps up to each block
     plus that block's backward working set: its ``backward`` bytes and, checkpointed, its
     recomputed activations]): the backward runs the blocks last to first, each freeing what
@@ -367,16 +360,16 @@ def _layer_activations(act: dict, policy, names: list[str], positions: list[int]
     per_mb: dict[str, float] = {}
     kept, peaks = 0.0, []
     for i in positions:
-        layer = act["layers"][i]
-        ckpt = policy.selects(int(names[i]), layer["type"])
-        key = layer["category"]
-        per_mb[key] = per_mb.get(key, 0.0) + layer["checkpointed" if ckpt else "saved"] / tp
-        kept += layer["checkpointed" if ckpt else "saved"] / tp
-        peaks.append(kept + (layer["saved"] * ckpt + layer.get("backward", 0.0)) / tp)
+        layer = act.layers[i]
+        ckpt = policy.selects(int(names[i]), layer.type)
+        keeps = layer.checkpointed if ckpt else layer.saved
+        per_mb[layer.category] = per_mb.get(layer.category, 0.0) + keeps / tp
+        kept += keeps / tp
+        peaks.append(kept + (layer.saved * ckpt + layer.backward) / tp)
     return per_mb, peaks
 
 
-def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n_mb: int,
+def _pipeline_buffers(act: ActivationBytes | None, stage_ids: list[int], num_stages: int, n_mb: int,
                       batch: float, row_inputs: float = 0.0) -> dict[str, float]:
     """What a pipeline step holds besides the layers: {"batch": the step's inputs, every
     micro-batch's, merged on every rank (``batch``: one micro-batch's), "row_inputs": the copy
@@ -389,9 +382,9 @@ def _pipeline_buffers(act: dict | None, stage_ids: list[int], num_stages: int, n
     backward}. A stage sends and receives one block's input (the estimate's ``checkpointed``
     bytes of a block)."""
     inputs = {"batch": n_mb * batch, "row_inputs": n_mb * row_inputs}
-    if act is None or not act["layers"]:
+    if act is None or not act.layers:
         return inputs
-    hidden = act["layers"][0]["checkpointed"]
+    hidden = act.layers[0].checkpointed
     not_first = sum(s != 0 for s in stage_ids)
     not_last = sum(s != num_stages - 1 for s in stage_ids)
     return {**inputs, "receive": n_mb * hidden * (not_first + not_last),
@@ -424,12 +417,12 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline.layers(model)
-    seq_len = _seq_len(cfg)
+    seq_len = recipe_seq_len(cfg)
     sched, per_rank, parts = _pipeline_parts(spec, model, dims, d,
                                              pipeline_split_seq_len(cfg.packing))
     # one micro-batch's activations, per layer (a context-parallel rank holds 1/cp of the rows)
     rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
-    head_trains = list(model.parameters())[-1].requires_grad  # the output head, built last
+    head_trains = model.lm_head.weight.requires_grad  # the output head (CausalLM.lm_head)
     activation_bytes = _memory_part(spec).activation_bytes
     act = activation_bytes(model.config, rows, -(-seq_len // dims.cp), compute,
                            t.loss_chunk_size, head_trains) if activation_bytes else None
@@ -439,19 +432,20 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     # one micro-batch's inputs: token ids, labels and positions (int64), the encoders' inputs
     batch = rows * -(-seq_len // dims.cp) * 3 * 8
     encoder_inputs = 0.0 if encoder_bytes is None else encoder_bytes(
-        model, rows, -(-seq_len // dims.cp), compute, cfg).get("inputs", 0.0)
+        model, rows, -(-seq_len // dims.cp), compute, cfg).inputs
     batch += encoder_inputs
     row_inputs = encoder_inputs if spec.pipeline.row_inputs is not None else 0.0
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
-    fsdp = {"gather_dtype": fsdp_param_dtype(d, autocast),
-            "reshard": resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
-            "reduce_bytes": _elsize(resolve_dtype(d.fsdp_reduce_dtype,
-                                                  "distributed.fsdp_reduce_dtype") or compute)}
+    fsdp = FsdpPolicy(
+        gather_dtype=fsdp_param_dtype(d, autocast),
+        reshard=resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
+        reduce_bytes=_elsize(resolve_dtype(d.fsdp_reduce_dtype,
+                                           "distributed.fsdp_reduce_dtype") or compute))
     # under pp the peak depends on the reshard policy: plan the other one's buffers too
     other = None
     if dims.pp_enabled and dims.fsdp_enabled:
-        other = "default" if fsdp["reshard"] else "always"
+        other = "default" if fsdp.reshard else "always"
         other_peak = 0.0
     ranks = []
     for rank in range(world_size):
@@ -463,19 +457,16 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp)
                          if act is not None else ({}, []))
         if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
-            enc = dict(encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg))
-            enc_working = enc.pop("backward", 0.0)
-            enc.pop("inputs", None)
-            enc_kept = sum(enc.values())
-            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc_working]
-            for k, v in enc.items():
+            enc = encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg)
+            enc_kept = sum(enc.kept.values())
+            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc.backward]
+            for k, v in enc.kept.items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
         head = 0.0
         if act is not None and is_last:  # the loss: kept per micro-batch until its backward
-            for k, v in act["head"].items():
-                per_mb[k] = per_mb.get(k, 0.0) + v
-                head += v
-            peaks.append(sum(per_mb.values()) + act.get("head_backward", 0.0))
+            per_mb["loss"] = per_mb.get("loss", 0.0) + act.loss
+            head = act.loss
+            peaks.append(sum(per_mb.values()) + act.loss_backward)
         pipe = (_pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch, row_inputs)
                 if sched else {})
         if pipe.get("outputs"):  # a stage's output, kept for its backward
@@ -491,24 +482,16 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         if working:
             per_mb["backward"] = working
         states = _states(part, experts, dims, c, tp_dims)
-
-        def buffers(**policy):
-            b = _buffers(part, spec, dims, experts, tp_dims, autocast, **policy)
-            b.update({f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v})
-            if gemm_kernels:
-                b["cpu_gemm_kernels"] = gemm_kernels
-            if dims.pp_enabled and dims.fsdp_enabled:
-                # the stage's unsharded gradients exist until the last micro-batch's backward
-                # reduces them, the sharded ones (the gradients above) only after: count the
-                # larger once
-                b["fsdp_unsharded_grads"] = max(0.0, b["fsdp_unsharded_grads"] - states[1])
-            return b
-
+        owned = _Owned(part, spec, dims, experts, tp_dims, autocast, grads=states[1])
+        extra = {f"pipeline_{k}": v for k, v in pipe.items() if k != "outputs" and v}
+        if gemm_kernels:
+            extra["cpu_gemm_kernels"] = gemm_kernels
         ranks.append(RankMemory(rank, stage_ids, *states, per_mb, flight, activations,
-                                buffers(**fsdp), dims.fsdp_enabled and d.cpu_offload))
+                                _rank_buffers(owned, fsdp, extra),
+                                dims.fsdp_enabled and d.cpu_offload))
         if other is not None:
             r = ranks[-1]
-            alt = buffers(**{**fsdp, "reshard": not fsdp["reshard"]})
+            alt = _rank_buffers(owned, dataclasses.replace(fsdp, reshard=not fsdp.reshard), extra)
             other_peak = max(other_peak, r.total - sum(r.buffers.values()) + sum(alt.values()))
     all_params = _unique(model)
     return MemoryPlan(
@@ -552,9 +535,48 @@ def _units(part: nn.Module, spec) -> list[list[nn.Parameter]]:
     return [u for u in out if u]
 
 
-def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard, reduce_bytes):
+@dataclass(frozen=True)
+class FsdpPolicy:
+    """How FSDP2 gathers and reduces (the recipe's ``distributed`` section): the dtype it
+    gathers parameters in (None: theirs), whether units reshard after forward, and the bytes of
+    one element of the dtype it reduces gradients in."""
+
+    gather_dtype: torch.dtype | None
+    reshard: bool
+    reduce_bytes: int
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """What one rank holds, for its buffers: its (stage) model ``part`` and the layout's facts
+    about its parameters; ``grads``: its sharded gradients' bytes."""
+
+    part: nn.Module
+    spec: Any
+    dims: Any
+    experts: set[int]
+    tp_dims: dict[int, int]
+    autocast: torch.dtype | None
+    grads: float
+
+
+def _rank_buffers(owned: _Owned, fsdp: FsdpPolicy, extra: dict[str, float]) -> dict[str, float]:
+    """A rank's transient buffers under ``fsdp`` (:func:`_buffers`) plus ``extra`` (pipeline
+    buffers, CPU GEMM kernels)."""
+    b = _buffers(owned.part, owned.spec, owned.dims, owned.experts, owned.tp_dims,
+                 owned.autocast, fsdp)
+    b.update(extra)
+    if owned.dims.pp_enabled and owned.dims.fsdp_enabled:
+        # the stage's unsharded gradients exist until the last micro-batch's backward reduces
+        # them, the sharded ones (the gradients counted) only after: count the larger once
+        b["fsdp_unsharded_grads"] = max(0.0, b["fsdp_unsharded_grads"] - owned.grads)
+    return b
+
+
+def _buffers(part, spec, dims, experts, tp_dims, autocast, fsdp: FsdpPolicy):
     """Transient buffers: FSDP all-gathers and unsharded gradients, or autocast weight copies
     (of rank 0's tp shards)."""
+    gather_dtype, reshard, reduce_bytes = fsdp.gather_dtype, fsdp.reshard, fsdp.reduce_bytes
     def tp_numel(p):
         return p.numel() if id(p) not in tp_dims else p.numel() // p.shape[tp_dims[id(p)]] * _chunk(
             p.shape[tp_dims[id(p)]], dims.tp, 0)
