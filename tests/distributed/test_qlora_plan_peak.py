@@ -22,7 +22,7 @@ PEFT = {"dim": 4, "alpha": 8, "match_all_linear": True, "base_quant": "nf4"}
 
 def _worker(rank, world):
     from hybridtrain.peft.quant import is_nf4
-    from hybridtrain.recipes.memory_plan import plan_memory
+    from hybridtrain.training.memory_plan import plan_memory
 
     b, trainer = mem.build_long_rows({}, 1, pack_size=512, peft=PEFT, model=MODEL)
     assert any(is_nf4(p) for p in b.model.parameters())
@@ -55,7 +55,7 @@ def _dequantise(rank, world):
     from torch import nn
 
     from hybridtrain.peft.quant import quantize_rows, row_chunks
-    from hybridtrain.recipes.memory_plan import _nf4_dequantised
+    from hybridtrain.training.memory_plan import _nf4_dequantised
 
     mem.count_every_block()
     out = []
