@@ -158,6 +158,32 @@ def test_meta_nf4_is_what_to_nf4_makes_on_meta():
     assert (got.block_size, got.n_blocks, got.scaler_block_size) == (64, 192, 32)
 
 
+@pytest.mark.parametrize("shape,scaler_block,chunk", [
+    ((192, 200), 8, 1000),  # rows of 200: chunks of 8 rows (whole 64-weight blocks)
+    ((4, 40, 96), 16, 512),  # stacked experts: one expert at a time, chunks of 2 rows
+    ((512, 384), 256, 2**17),
+])
+def test_quantize_rows_is_to_nf4_bit_for_bit(shape, scaler_block, chunk):
+    """Quantising a weight in row chunks (NF4 codes per chunk, the double quantisation's
+    tensor-wide mean at the end) makes the NF4 tensor ``to_nf4`` makes of the whole."""
+    from torchao.quantization import to_nf4
+
+    from hybridtrain.peft.quant import quantize_rows, row_chunks
+
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    flat = (w.numel() // shape[-1], shape[-1])
+    regions = list(row_chunks(shape, chunk))
+    assert len(regions) > 1 and all(w[r].numel() % 64 == 0 for r in regions)
+    got = quantize_rows((w[r] for r in regions), w.numel(), flat, scaler_block, torch.bfloat16,
+                        torch.device("cpu"))
+    want = to_nf4(w.reshape(flat), 64, scaler_block)
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert (got.block_size, got.n_blocks, got.scaler_block_size) == (64, w.numel() // 64, scaler_block)
+    for a in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+        x, y = getattr(got, a), getattr(want, a)
+        assert x.dtype == y.dtype and torch.equal(x, y), a
+
+
 def test_plan_counts_the_nf4_base():
     """Parameters (NF4 codes and scales, the unquantised rest, fp32 adapters), gradients and
     AdamW state at a real optimizer step equal the plan's within 10 %."""

@@ -207,10 +207,9 @@ def materialize(model: nn.Module, device: torch.device | str, *,
     names them; packed parameters through ``pack`` (see the module docstring). Every parameter
     and buffer must be covered (AssertionError otherwise)."""
     model.to_empty(device=device)
-    targets = model.state_dict(keep_vars=True)
-    owners = _owners(model)
+    pending = model.state_dict(keep_vars=True)  # popped as filled: a replaced packed tensor
+    owners = _owners(model)  # (its empty placeholder) is freed at once, not at the end
     assert pack is not None or not owners, "packed parameters need a pack function"
-    pending = dict(targets)
     read_names = set(read_names)
 
     def fill(name: str, t: torch.Tensor, source: Callable[[Region], torch.Tensor]) -> None:
@@ -222,11 +221,8 @@ def materialize(model: nn.Module, device: torch.device | str, *,
             local.copy_(source(local_region(t)))
 
     if read is not None:
-        for name, t in targets.items():
-            if name not in read_names:
-                continue
-            fill(name, t, lambda region, name=name: read(name, region))
-            del pending[name]
+        for name in [n for n in pending if n in read_names]:
+            fill(name, pending.pop(name), lambda region, name=name: read(name, region))
     for unit in units:
         need = [n for n in unit.names if n in pending]
         if not need:

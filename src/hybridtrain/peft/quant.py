@@ -11,22 +11,25 @@ weight whose block count does not fit the scale blocks (:func:`scaler_block`, :f
 :func:`quantize_base` logs one summary line with the counts and why layers stay.
 
 On a model built on the meta device the NF4 parameters are meta too (nothing allocated);
-:func:`packer` then fills them while the checkpoint streams in, one bf16 tensor at a time.
+:func:`packer` then fills them while the checkpoint streams in, in row chunks of at most
+:data:`QUANT_CHUNK` weights (:func:`quantize_rows`: ``to_nf4``'s result, without its working set).
 Compute dequantises a weight per use (torchao's ``linear_nf4``; one expert at a time for experts).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 __all__ = ["BASE_QUANT_CHOICES", "NF4_BLOCK", "require_torchao", "scaler_block", "is_nf4",
-           "quantize_base", "packer", "base_quant_of", "dense_shapes", "dense", "dequantized", "nf4_bytes"]
+           "quantize_base", "row_chunks", "quantize_rows", "packer", "base_quant_of", "dense_shapes", "dense", "dequantized", "nf4_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,8 @@ def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dic
             kept.append(f"{name} ({why})")
             continue
         w2 = w.detach().reshape(rows, w.shape[-1])
-        q = _meta_nf4(nf4, w2, sbs) if w2.is_meta else nf4.to_nf4(w2, NF4_BLOCK, sbs)
+        q = _meta_nf4(nf4, w2, sbs) if w2.is_meta else quantize_rows(
+            (w2[r] for r in row_chunks(w2.shape)), w2.numel(), w2.shape, sbs, w2.dtype, w2.device)
         setattr(mod, attr, nn.Parameter(q, requires_grad=False))
         done.append(name)
     leaves = Counter(n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1]
@@ -135,22 +139,80 @@ def _meta_nf4(nf4, w: torch.Tensor, sbs: int) -> torch.Tensor:
         torch.empty(w.numel() // 2, dtype=torch.uint8, **meta), torch.empty(16, dtype=w.dtype, **meta))
 
 
+QUANT_CHUNK = 2**15  # weights quantised at once (torchao's nearest-code search: 64 B each)
+
+
+def row_chunks(shape: tuple[int, ...], chunk: int | None = None) -> Iterator[tuple[slice, ...]]:
+    """Regions of a weight of ``shape`` (``[out, in]``, or stacked experts ``[E, out, in]``: one
+    expert at a time) that tile it in order, each whole rows of at most ``chunk`` weights (at
+    least one row) and a multiple of :data:`NF4_BLOCK` weights."""
+    *experts, rows, cols = shape
+    chunk = chunk or QUANT_CHUNK
+    grain = NF4_BLOCK // math.gcd(cols, NF4_BLOCK)  # rows per whole number of blocks
+    step = max(grain, chunk // cols // grain * grain)
+    for e in range(experts[0] if experts else 1):
+        lead = (slice(e, e + 1),) if experts else ()
+        for r in range(0, rows, step):
+            yield (*lead, slice(r, min(r + step, rows)), slice(0, cols))
+
+
+@torch.no_grad()
+def quantize_rows(chunks: Iterable[torch.Tensor], numel: int, shape: tuple[int, int],
+                  scaler_block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``to_nf4`` of the weight whose flattened row-major parts ``chunks`` yields in order
+    (each a multiple of :data:`NF4_BLOCK` weights), equal to it bit for bit, holding one chunk
+    at a time besides the result: NF4's codes depend on each 64-weight block's absmax only, and
+    its double quantisation on the tensor-wide mean of those absmaxes, computed once from all of
+    them at the end (torchao's own ``double_quantize_scalers`` over the absmaxes as blocks of 1:
+    the absmax of one non-negative value is that value). ``to_nf4`` itself holds ~5 bytes per
+    weight of the whole tensor and a 64 MiB nearest-code search (1M weights x 16 codes, twice)."""
+    nf4 = require_torchao()
+    NF4 = nf4.NF4Tensor
+    table = _codebook(dtype, device).clone()  # each NF4 tensor owns its table, as to_nf4's do
+    codes = torch.empty(numel // 2, dtype=torch.uint8, device=device)
+    absmax = torch.empty(numel // NF4_BLOCK, dtype=dtype, device=device)
+    at = 0
+    for part in chunks:
+        part = part.to(device=device, dtype=dtype).reshape(-1)
+        n = part.numel()
+        assert n % NF4_BLOCK == 0 and at + n <= numel, (n, at, numel)
+        absmax[at // NF4_BLOCK:(at + n) // NF4_BLOCK] = nf4.get_block_absmax(part, NF4_BLOCK)
+        codes[at // 2:(at + n) // 2] = NF4.convert_to_norm_float_weight(part, n // NF4_BLOCK,
+                                                                        NF4_BLOCK, table)
+        at += n
+        del part
+    assert at == numel, (at, numel)
+    scalers, factor, mean = NF4.double_quantize_scalers(absmax, 1, scaler_block_size)
+    del absmax
+    blocks = numel // NF4_BLOCK
+    meta = nf4.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, device, False)
+    return nf4.nf4_constructor(meta, NF4_BLOCK, blocks, scaler_block_size, scalers, factor, mean,
+                               codes, table)
+
+
+@functools.cache
+def _codebook(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torchao's 16 NF4 code values in ``dtype`` on ``device`` (those of a two-block tensor)."""
+    return require_torchao().to_nf4(torch.arange(2 * NF4_BLOCK, dtype=dtype, device=device),
+                                    NF4_BLOCK, 2).nf4
+
+
 def packer(model: nn.Module):
     """``pack(name, param, source)`` for :func:`~hybridtrain.distributed.materialize.materialize`:
-    an NF4 parameter's new local tensor, quantised from its whole source tensor (``source(region)``
-    reads it in the unquantised shape, e.g. stacked experts ``[E, out, in]``). The whole tensor
-    is quantised first, so every layout holds the same codes; then this rank's rows are kept."""
+    an NF4 parameter's new local tensor, quantised from its whole source tensor read in bounded
+    row chunks (:func:`row_chunks`, :func:`quantize_rows`; ``source(region)`` reads it in the
+    unquantised shape, e.g. stacked experts ``[E, out, in]``: one expert at a time). The whole
+    tensor is quantised first, so every layout holds the same codes; then this rank's rows are
+    kept."""
     shapes = {name: (experts, *getattr(mod, attr).shape) for name, mod, attr, experts in _base_weights(model)}
 
     @torch.no_grad()
     def pack(name: str, param: torch.Tensor, source) -> torch.Tensor:
         experts, rows, cols = shapes[name]
         logical = (experts, rows // experts, cols) if experts else (rows, cols)
-        full = source(tuple(slice(0, n) for n in logical))
         local = getattr(param, "_local_tensor", param)
-        full = full.to(device=local.device, dtype=param.dtype).reshape(rows, cols).contiguous()
-        q = require_torchao().to_nf4(full, local.block_size, local.scaler_block_size)
-        del full
+        q = quantize_rows((source(region) for region in row_chunks(logical)), rows * cols,
+                          (rows, cols), local.scaler_block_size, param.dtype, local.device)
         if local is param:
             return q
         from hybridtrain.distributed.materialize import local_region

@@ -335,13 +335,16 @@ def _bytes(p: torch.Tensor, numel: int, elsize: int | None = None) -> float:
     return float(numel * (elsize or p.element_size()))
 
 
-def _nf4_dequantised(part: nn.Module, experts: set[int], autocast) -> float:
+def _nf4_dequantised(part: nn.Module, experts: set[int]) -> float:
     """An NF4 base's compute copy: each weight is dequantised where it is used (one expert of a
-    stacked tensor at a time) and dropped after; the largest such copy, in forward or backward."""
-    el = _elsize(autocast) if autocast is not None else 4
+    stacked tensor at a time) and dropped after; the largest such working set, in forward or
+    backward: torchao's ``get_original_weight`` holds both 4-bit halves of the codes as int64
+    (8 bytes per weight), their code values, the scaled values and the interleaved result (3 x
+    the weight's dtype; glibc's peak of a 1M-weight one, 2026-12-06, torchao 0.18: 14 bytes per
+    weight in bf16, 20 in fp32)."""
     sizes = [p.numel() // (_stacked_experts(part, p) if id(p) in experts else 1)
-             for _, p in _unique(part) if is_nf4(p)]
-    return float(max(sizes, default=0) * el)
+             * (8 + 3 * p.element_size()) for _, p in _unique(part) if is_nf4(p)]
+    return float(max(sizes, default=0))
 
 
 def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
@@ -611,5 +614,5 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, fsdp: FsdpPolicy):
         out = {"autocast_weight_copies": float(copies * _elsize(autocast))}
     else:
         out = {}
-    nf4 = _nf4_dequantised(part, experts, autocast)
+    nf4 = _nf4_dequantised(part, experts)
     return {**out, "nf4_dequantised_weight": nf4} if nf4 else out

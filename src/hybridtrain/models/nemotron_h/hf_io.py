@@ -109,19 +109,27 @@ def hub_tensors(state_dict: Mapping[str, torch.Tensor], config: NemotronHConfig 
 
 def hub_slice(name: str, region: tuple[slice, ...],
               read: Callable[[str, tuple[slice, ...]], torch.Tensor],
-              config: NemotronHConfig | None = None) -> torch.Tensor:
+              config: NemotronHConfig | None = None,
+              reordered: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """``region`` of our tensor ``name`` assembled from Hub tensors, ``read(hub_name, region)``
     reading a region of one Hub tensor: a stacked experts slice reads only its experts' tensors,
     one at a time. Tensors whose rows are ordered differently here (:func:`hub_layout`, given
-    ``config``) are read whole, reordered, then cut: one Hub tensor at a time."""
+    ``config``) are read whole, reordered, then cut: one Hub tensor at a time, the last one
+    kept in ``reordered`` (when given) for the next regions of the same tensor."""
     m = _EXPERT_OURS.match(name)
     if m:
         first, stop = region[0].start, region[0].stop
         return torch.stack([read(f"{m.group(1)}.{j}.{m.group(2)}.weight", region[1:])
                             for j in range(first, stop)])
     if config is not None and config.n_groups > 1 and _MAMBA_ROWS.search(name):
-        whole = read(name, (slice(None),))
-        return hub_layout(name, whole, config, to_hub=False)[region]
+        if reordered is None or name not in reordered:
+            if reordered is not None:
+                reordered.clear()
+            whole = hub_layout(name, read(name, (slice(None),)), config, to_hub=False)
+            if reordered is None:
+                return whole[region]
+            reordered[name] = whole
+        return reordered[name][region]
     return read(name, region)
 
 
@@ -129,11 +137,13 @@ def slice_reader(local_dir: str | os.PathLike, config_cls: type = NemotronHConfi
                  layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
                  ) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
     """``read(name, region)``: a region of our tensor ``name`` read from the checkpoint in
-    ``local_dir`` (only the bytes it needs; see :func:`hub_slice`; ``config_cls`` /
+    ``local_dir`` (only the bytes it needs; see :func:`hub_slice`: a tensor read whole to be
+    reordered is kept for the next regions of it, e.g. QLoRA's row chunks; ``config_cls`` /
     ``layout_config`` as :func:`load_pretrained`'s)."""
     reader = SafetensorsReader(checkpoint_files(local_dir))
     config = layout_config(config_cls.from_pretrained(local_dir))
-    return lambda name, region: hub_slice(name, region, reader.read, config)
+    reordered: dict[str, torch.Tensor] = {}
+    return lambda name, region: hub_slice(name, region, reader.read, config, reordered)
 
 
 def expected_hub_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
