@@ -12,7 +12,8 @@ pytest.importorskip("torchao", reason="peft.base_quant: nf4 needs torchao (the '
 
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config  # noqa: E402
 from hybridtrain.peft.lora import apply_lora, lora_state_dict, merge_lora, merged_state_dict  # noqa: E402
-from hybridtrain.peft.quant import dense_shapes, dequantized, is_nf4, scaler_block, splits  # noqa: E402
+from hybridtrain.peft.lora import dense_shapes, dequantized  # noqa: E402
+from hybridtrain.peft.quant import is_nf4, scaler_block, splits  # noqa: E402
 
 
 def qlora_config(**kw):

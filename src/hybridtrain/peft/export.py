@@ -37,11 +37,12 @@ from hybridtrain.fileio import (apply_umask, open_safetensors, read_json)
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
-from .quant import base_quant_of, dense, dense_shapes
 from .lora import (
-    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, num_experts, apply_lora, expert_types, has_lora,
-    load_lora_state_dict, lora_modules, lora_settings, merge_lora, merge_weight,
+    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, apply_lora, base_quant_of, dense_shapes,
+    expert_types, has_lora, load_lora_state_dict, lora_modules, lora_settings, merge_lora,
+    merge_weight, num_experts,
 )
+from .quant import dense
 
 __all__ = [
     "ADAPTER_CONFIG",

@@ -46,7 +46,7 @@ from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
 from hybridtrain.models.spec import PeftSupport, model_spec_for
-from hybridtrain.peft.quant import dense, dense_shapes, dequantized, quantize_base
+from hybridtrain.peft.quant import dense, is_nf4, quantize_weights
 
 __all__ = [
     "LoRALinear",
@@ -61,6 +61,11 @@ __all__ = [
     "lora_settings",
     "merge_lora",
     "merged_state_dict",
+    "quantize_base",
+    "base_weight_shapes",
+    "base_quant_of",
+    "dense_shapes",
+    "dequantized",
 ]
 
 logger = logging.getLogger(__name__)
@@ -595,3 +600,53 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
     leftover = [k for k in sd if is_lora_param(k)]
     assert not leftover, leftover
     return sd
+
+
+# -- QLoRA: the frozen base weights LoRA could adapt, stored in NF4 (peft/quant.py) --
+
+def base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int | None]]:
+    """(name, owning module, attribute, experts) of every frozen base weight LoRA could adapt
+    (every linear layer but ``lm_head``, every stacked-experts module: experts, None for a
+    linear layer), adapted or not."""
+    for name, mod in model.named_modules():
+        pre = f"{state_dict_name(name)}." if name else ""
+        if isinstance(mod, LoRAExperts):
+            for proj in ("up_proj", "down_proj"):
+                yield pre + proj, mod, proj, mod.num_experts
+        elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
+            yield pre + "weight", mod, "weight", None
+
+
+def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dict[str, list[str]]:
+    """Store every frozen linear and experts weight LoRA could adapt (adapted or not) in NF4
+    (:func:`hybridtrain.peft.quant.quantize_weights`)."""
+    frozen_experts(model)  # experts without adapters compute from NF4 too
+    return quantize_weights(base_weights(model), method, shards)
+
+
+def base_weight_shapes(model: nn.Module) -> dict[str, tuple[int | None, int, int]]:
+    """{name: (experts or None, rows, cols)} of every base weight :func:`quantize_base` may store
+    in NF4 (for :func:`hybridtrain.peft.quant.packer`)."""
+    return {name: (experts, *getattr(mod, attr).shape) for name, mod, attr, experts in base_weights(model)}
+
+
+def base_quant_of(model: nn.Module) -> str | None:
+    """``"nf4"`` when ``model`` holds an NF4 base weight, else None."""
+    return "nf4" if dense_shapes(model) else None
+
+
+def dense_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """{name: unquantised shape} of ``model``'s NF4 base weights (stacked experts ``[E, out, in]``)."""
+    out = {}
+    for name, mod, attr, experts in base_weights(model):
+        w = getattr(mod, attr)
+        if is_nf4(w):
+            out[name] = torch.Size((experts, w.shape[0] // experts, w.shape[1]) if experts else w.shape)
+    return out
+
+
+def dequantized(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` (the model's names, whole tensors) with every NF4 base weight dequantised
+    (:func:`dense`)."""
+    shapes = dense_shapes(model)
+    return {n: dense(t, shapes[n]) if n in shapes else t for n, t in state_dict.items()}

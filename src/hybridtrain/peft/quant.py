@@ -1,6 +1,6 @@
 """QLoRA's frozen 4-bit base: the weights under the LoRA adapters stored as torchao's NF4.
 
-``quantize_base(model)`` (``peft.base_quant: nf4``; after :func:`~hybridtrain.peft.lora.apply_lora`)
+``quantize_base(model)`` (:mod:`hybridtrain.peft.lora`; ``peft.base_quant: nf4``, after ``apply_lora``)
 turns every frozen weight LoRA could adapt into an ``NF4Tensor`` parameter (``requires_grad=False``,
 same name): 4-bit NormalFloat codes in blocks of 64 with double-quantised (int8) block scales.
 Which weights: every linear layer but ``lm_head`` and every stacked-experts module (the spec's
@@ -8,7 +8,7 @@ Which weights: every linear layer but ``lm_head`` and every stacked-experts modu
 adapters where LoRA left them out) as ``[E * out, in]``, each expert a row block of its own.
 Everything else (router, norms, conv, embeddings, ``lm_head``) stays as loaded, and so does a
 weight whose block count does not fit the scale blocks (:func:`scaler_block`, :func:`splits`);
-:func:`quantize_base` logs one summary line with the counts and why layers stay.
+:func:`quantize_weights` logs one summary line with the counts and why layers stay.
 
 On a model built on the meta device the NF4 parameters are meta too (nothing allocated);
 :func:`packer` then fills them while the checkpoint streams in, in row chunks of at most
@@ -28,8 +28,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from hybridtrain.distributed.materialize import local_region
+
 __all__ = ["BASE_QUANT_CHOICES", "NF4_BLOCK", "require_torchao", "scaler_block", "is_nf4",
-           "quantize_base", "row_chunks", "quantize_rows", "packer", "base_quant_of", "dense_shapes", "dense", "dequantized", "nf4_bytes"]
+           "quantize_weights", "row_chunks", "quantize_rows", "packer", "dense", "nf4_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,34 +74,16 @@ def splits(numel: int, rows: int, sbs: int, shards: int) -> bool:
     return rows % shards == 0 and (numel // NF4_BLOCK) % (sbs * shards) == 0
 
 
-def _base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, int | None]]:
-    """(name, owning module, attribute, experts) of every frozen base weight LoRA could adapt
-    (every linear layer but ``lm_head``, every stacked-experts module: experts, None for a
-    linear layer), adapted or not."""
-    from hybridtrain.distributed.activation_checkpoint import state_dict_name
-    from hybridtrain.peft.lora import EXCLUDED_LINEARS, LoRAExperts
-
-    for name, mod in model.named_modules():
-        pre = f"{state_dict_name(name)}." if name else ""
-        if isinstance(mod, LoRAExperts):
-            for proj in ("up_proj", "down_proj"):
-                yield pre + proj, mod, proj, mod.num_experts
-        elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
-            yield pre + "weight", mod, "weight", None
-
-
-def quantize_base(model: nn.Module, method: str = "nf4", shards: int = 1) -> dict[str, list[str]]:
-    """Store every frozen linear and experts weight LoRA could adapt (adapted or not) in NF4 (in place, meta
-    device included); ``shards``: the FSDP shard degree the weights will be split over (rows).
-    Returns ``{"nf4": names, "kept": ["name (why)", ...]}``."""
+def quantize_weights(weights: Iterable[tuple[str, nn.Module, str, int | None]], method: str = "nf4",
+                     shards: int = 1) -> dict[str, list[str]]:
+    """Store each frozen weight ``(name, owning module, attribute, experts or None)`` in NF4 where
+    its blocks allow (in place, meta device included); ``shards``: the FSDP shard degree the
+    weights will be split over (rows). Returns ``{"nf4": names, "kept": ["name (why)", ...]}``."""
     if method not in BASE_QUANT_CHOICES:
         raise ValueError(f"peft.base_quant must be null or one of {BASE_QUANT_CHOICES}, got {method!r}")
     nf4 = require_torchao()
-    from hybridtrain.peft.lora import frozen_experts
-
-    frozen_experts(model)  # experts without adapters compute from NF4 too
     done, kept = [], []
-    for name, mod, attr, experts in _base_weights(model):
+    for name, mod, attr, experts in weights:
         w = getattr(mod, attr)
         if is_nf4(w):
             continue
@@ -197,14 +181,13 @@ def _codebook(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
                                     NF4_BLOCK, 2).nf4
 
 
-def packer(model: nn.Module):
+def packer(shapes: dict[str, tuple[int | None, int, int]]):
     """``pack(name, param, source)`` for :func:`~hybridtrain.distributed.materialize.materialize`:
     an NF4 parameter's new local tensor, quantised from its whole source tensor read in bounded
     row chunks (:func:`row_chunks`, :func:`quantize_rows`; ``source(region)`` reads it in the
     unquantised shape, e.g. stacked experts ``[E, out, in]``: one expert at a time). The whole
     tensor is quantised first, so every layout holds the same codes; then this rank's rows are
-    kept."""
-    shapes = {name: (experts, *getattr(mod, attr).shape) for name, mod, attr, experts in _base_weights(model)}
+    kept. ``shapes``: {name: (experts or None, rows, cols)} of the NF4 weights."""
 
     @torch.no_grad()
     def pack(name: str, param: torch.Tensor, source) -> torch.Tensor:
@@ -215,8 +198,6 @@ def packer(model: nn.Module):
                           (rows, cols), local.scaler_block_size, param.dtype, local.device)
         if local is param:
             return q
-        from hybridtrain.distributed.materialize import local_region
-
         mine = local_region(param)[0]
         size = mine.stop - mine.start
         return q if size == rows else q.split(size)[mine.start // size]
@@ -224,31 +205,9 @@ def packer(model: nn.Module):
     return pack
 
 
-def base_quant_of(model: nn.Module) -> str | None:
-    """``"nf4"`` when ``model`` holds an NF4 base weight, else None."""
-    return "nf4" if dense_shapes(model) else None
-
-
-def dense_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """{name: unquantised shape} of ``model``'s NF4 base weights (stacked experts ``[E, out, in]``)."""
-    out = {}
-    for name, mod, attr, experts in _base_weights(model):
-        w = getattr(mod, attr)
-        if is_nf4(w):
-            out[name] = torch.Size((experts, w.shape[0] // experts, w.shape[1]) if experts else w.shape)
-    return out
-
-
 def dense(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The NF4 tensor ``t`` (whole, not a shard) dequantised to its dtype, in ``shape``."""
     return getattr(t, "_local_tensor", t).get_original_weight().reshape(shape)
-
-
-def dequantized(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state_dict`` (the model's names, whole tensors) with every NF4 base weight dequantised
-    (:func:`dense`)."""
-    shapes = dense_shapes(model)
-    return {n: dense(t, shapes[n]) if n in shapes else t for n, t in state_dict.items()}
 
 
 def nf4_bytes(numel: int, scaler_block_size: int = 256) -> float:

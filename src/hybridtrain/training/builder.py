@@ -47,8 +47,8 @@ from hybridtrain.ops.aux_loss import AuxiliaryLoss
 from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
-from hybridtrain.peft.lora import adapter_init_units, apply_lora
-from hybridtrain.peft.quant import packer, quantize_base
+from hybridtrain.peft.lora import adapter_init_units, apply_lora, base_weight_shapes, quantize_base
+from hybridtrain.peft.quant import packer
 from hybridtrain.training.checkpoint import Checkpointer
 from hybridtrain.training.float8 import block_names, convert_to_float8
 from hybridtrain.training.hf_export import default_export
@@ -214,7 +214,7 @@ def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> 
         units += module_init_units(twin, meta.init_units(twin))
     t0 = time.perf_counter()
     materialize(model, device, read=read, read_names=source["names"], units=units,
-                seed=source["seed"], pack=packer(model))
+                seed=source["seed"], pack=packer(base_weight_shapes(model)))
     logger.info("materialised this rank's weights (%s) in %.1fs",
                 source["checkpoint"] or f"random init, seed {source['seed']}",
                 time.perf_counter() - t0)

@@ -68,8 +68,8 @@ from hybridtrain.distributed.pipeline_layout import (
 from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len, recipe_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import ActivationBytes, LayerTypes, MemoryPlanSupport, model_spec_for
-from hybridtrain.peft.lora import apply_lora, expert_types
-from hybridtrain.peft.quant import is_nf4, nf4_bytes, quantize_base
+from hybridtrain.peft.lora import apply_lora, expert_types, quantize_base
+from hybridtrain.peft.quant import is_nf4, nf4_bytes
 from hybridtrain.training.builder import build_on_meta
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
 from hybridtrain.training.validate import validate_run
