@@ -95,3 +95,24 @@ class Attention(nn.Module):
         q = q.reshape(b, kv_heads, heads // kv_heads, self.head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=valid[:, None, None])
         return linear(self.o_proj, out.reshape(b, 1, heads * self.head_dim))
+
+    def verify(self, hidden_states: torch.Tensor, cache: KVCache, valid: torch.Tensor,
+               start: int) -> torch.Tensor:
+        """``T`` new tokens per row at once, hidden_states [b, T, H] (speculative verification),
+        written to the cache at ``start``..``start + T - 1``: each attends to the cached
+        positions ``valid`` [b, max_length] marks before ``start`` and to the new tokens up to
+        itself."""
+        q, k, v = self._qkv(hidden_states)
+        b, heads, T, _ = q.shape
+        cache.k[:, :, start:start + T] = k
+        cache.v[:, :, start:start + T] = v
+        kv_heads, L = cache.k.shape[1], cache.k.shape[2]
+        keys = torch.arange(L, device=q.device)
+        new = torch.arange(start, start + T, device=q.device)
+        mask = ((valid[:, None, :] & (keys < start)) | ((keys >= start) & (keys <= new[:, None])))  # [b, T, L]
+        g = heads // kv_heads
+        q = q.reshape(b, kv_heads, g * T, self.head_dim)  # a kv head's query heads, each its T tokens
+        mask = mask[:, None, None].expand(b, 1, g, T, L).reshape(b, 1, g * T, L)
+        out = torch.nn.functional.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask)
+        out = out.reshape(b, heads, T, self.head_dim).transpose(1, 2)
+        return linear(self.o_proj, out.reshape(b, T, heads * self.head_dim))

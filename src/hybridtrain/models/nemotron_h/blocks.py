@@ -102,3 +102,18 @@ class Block(nn.Module):
         else:
             y = self.mixer.step(x)
         return hidden_states + y
+
+    def verify(self, hidden_states: torch.Tensor, entry: object | None, valid: torch.Tensor,
+               start: int) -> tuple[torch.Tensor, list]:
+        """``T`` new tokens per row at once [b, T, H] at positions ``start``.. on the layer's cache
+        ``entry`` (speculative verification: one forward instead of ``T`` steps); returns the
+        output and, for a Mamba layer, its (conv, ssm) state after each token (else [])."""
+        x = norm(self.norm, hidden_states)
+        states = []
+        if self.block_type == "linear_attention":
+            y, states = self.mixer.verify(x, entry)
+        elif self.block_type == "full_attention":
+            y = self.mixer.verify(x, entry, valid, start)
+        else:
+            y = self.mixer.step(x)
+        return hidden_states + y, states

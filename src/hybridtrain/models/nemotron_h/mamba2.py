@@ -183,12 +183,29 @@ class Mamba2Mixer(nn.Module):
     def step(self, hidden_states: torch.Tensor, state: MambaState) -> torch.Tensor:
         """One token per row, hidden_states [b, 1, H] -> [b, 1, H]; ``state`` is updated in
         place (no shape changes: a captured CUDA graph replays it)."""
+        y = self._recur(linear(self.in_proj, hidden_states[:, 0]), state, hidden_states)
+        return linear(self.out_proj, y)[:, None]
+
+    def verify(self, hidden_states: torch.Tensor, state: MambaState
+               ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``T`` new tokens per row at once, hidden_states [b, T, H] -> [b, T, H] (speculative
+        verification): the projections over all ``T``, the conv and SSM recurrence token after
+        token from ``state`` (updated in place, as ``T`` steps would); returns also the (conv,
+        ssm) state after each token, to roll back to."""
+        zxbcdt = linear(self.in_proj, hidden_states)
+        ys, states = [], []
+        for i in range(hidden_states.shape[1]):
+            ys.append(self._recur(zxbcdt[:, i], state, hidden_states))
+            states.append((state.conv.clone(), state.ssm.clone()))
+        return linear(self.out_proj, torch.stack(ys, dim=1)), states
+
+    def _recur(self, zxbcdt: torch.Tensor, state: MambaState, hidden_states: torch.Tensor) -> torch.Tensor:
+        """One token between the projections: in_proj's output [b, D] -> out_proj's input [b,
+        inner] in ``hidden_states``' dtype, ``state`` updated in place."""
         if state.step is not None and backend.cpu_decode_forms(hidden_states):
             # the fused fp32 CPU form, its constants made at prefill (bit-identical to the below)
-            y = mamba_step.mixer_step_fp32(linear(self.in_proj, hidden_states[:, 0]), state.conv, state.ssm,
-                                          state.step)
-            return linear(self.out_proj, y)[:, None]
-        z, xBC, dt = self.project_output(linear(self.in_proj, hidden_states[:, 0]))
+            return mamba_step.mixer_step_fp32(zxbcdt, state.conv, state.ssm, state.step)
+        z, xBC, dt = self.project_output(zxbcdt)
         xBC = kernels.conv_step(xBC, state.conv, local_tensor(self.conv1d.weight).squeeze(1),
                                 local_tensor(self.conv1d.bias))
         x, B, C = self.split_conv_output(xBC)
@@ -197,7 +214,7 @@ class Mamba2Mixer(nn.Module):
             D=local_tensor(self.D), dt_bias=local_tensor(self.dt_bias), dt_limit=self.dt_limit,
         )
         y = self.norm(y.reshape(z.shape), z)
-        return linear(self.out_proj, y.to(hidden_states.dtype))[:, None]
+        return y.to(hidden_states.dtype)
 
     def _fused_step_constants(self, x: torch.Tensor) -> mamba_step.StepConstants | None:
         """The parameters for :func:`mamba_step.mixer_step_fp32` where ``ops.backend`` chooses the

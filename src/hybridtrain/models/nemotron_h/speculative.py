@@ -11,9 +11,14 @@ model, whose cache holds positions ``0..n-1`` and whose final hidden states ``h_
    token (as vLLM drafts ``k`` tokens from Nemotron-H's one MTP depth), for ``d_2..d_k``. Its
    cache then rolls back to position ``n-1``: the positions it ran ahead on are redone next
    round with the main model's hidden states.
-2. **Verify.** The main model runs once over ``[x_n, d_1..d_k]``, layer by layer; within a
-   layer each token takes the layer's decoding step (the same operations as plain decoding, so
-   every logit is bit-identical to plain decoding's: the greedy output is the same tokens).
+2. **Verify.** The main model runs one forward over ``[x_n, d_1..d_k]``
+   (:meth:`.blocks.Block.verify`): each attention layer attends with the key/value cache and
+   the ``k + 1`` new keys (causal among them), each Mamba layer projects the ``k + 1`` tokens at
+   once and runs its recurrence over them from the cached conv/SSM state (keeping the state
+   after each token), MLP and MoE take the ``k + 1`` tokens as one batch. The same operations
+   as plain decoding on more rows: the logits agree with plain decoding's to float rounding
+   (a matrix product over ``k + 1`` rows may sum in another order than over one), and the
+   accepted tokens are the main model's greedy tokens under these logits.
 3. **Accept.** The longest prefix of drafts equal to the main model's greedy tokens, plus the
    main model's next token. The key/value caches roll back by marking the rejected positions
    invalid and moving the position back (they are rewritten later); each Mamba layer's conv
@@ -66,23 +71,17 @@ def _restore(cache: NemotronHCache, saved: dict, position: int) -> None:
 
 def _run_tokens(layers, cache: NemotronHCache, h: torch.Tensor, keep_states: bool
                 ) -> tuple[torch.Tensor, list[dict]]:
-    """``h`` [1, T, H] (positions ``cache.length``..) through ``layers`` (name -> block), layer
-    by layer, each token one decoding step; returns the outputs [1, T, H] and, with
-    ``keep_states``, each token's Mamba states after it (for the rollback)."""
+    """``h`` [1, T, H] (positions ``cache.length``..) through ``layers`` (name -> block), one
+    forward over the ``T`` tokens per layer (:meth:`.blocks.Block.verify`); returns the outputs
+    [1, T, H] and, with ``keep_states``, each token's Mamba states after it (for the rollback)."""
     start, T = cache.length, h.shape[1]
     states: list[dict] = [{} for _ in range(T)]
-    position = torch.empty_like(cache.position)
     for name, block in layers.items():
-        entry = cache.layers.get(name)
-        outs = []
-        for i in range(T):
-            position.fill_(start + i)
-            cache.valid[:, :start + i + 1] = True
-            cache.valid[:, start + i + 1:] = False
-            outs.append(block.step(h[:, i:i + 1], entry, cache.valid, position))
-            if keep_states and isinstance(entry, MambaState):
-                states[i][name] = (entry.conv.clone(), entry.ssm.clone())
-        h = torch.cat(outs, dim=1)
+        h, per_token = block.verify(h, cache.layers.get(name), cache.valid, start)
+        if keep_states:
+            for i, state in enumerate(per_token):
+                states[i][name] = state
+    cache.valid[:, start:start + T] = True
     cache.position.fill_(start + T)
     cache.length = start + T
     return h, states
