@@ -94,3 +94,34 @@ def test_generate_cli_speculative_prints_the_greedy_completion_and_its_acceptanc
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--speculative", "mtp",
                  "--temperature", "0.7"]) == 2
     assert "--speculative decodes greedily" in capsys.readouterr().err
+
+
+def test_one_pass_verify_gives_the_full_forwards_logits_and_states():
+    """The verify forward over T new tokens from the prompt's cache: the logits of the model's
+    forward over prompt + tokens (to fp32 rounding), and per token the Mamba states and the
+    key/value cache a prefill of the prompt up to that token leaves."""
+    from hybridtrain.models.nemotron_h.cache import KVCache
+    from hybridtrain.models.nemotron_h.decode_ops import norm
+    from hybridtrain.models.nemotron_h.generation import _step_logits, prefill_hidden
+    from hybridtrain.models.nemotron_h.speculative import _run_tokens
+
+    model = _model("mixed", "*E")
+    ids = torch.randint(3, 256, (1, 14), generator=torch.Generator().manual_seed(4))
+    L, T = 9, 5
+    with torch.no_grad():
+        full = model(ids)[0, L - 1:].float()
+        _, cache = prefill_hidden(model, ids[:, :L], None, 16)
+        bb = model.backbone
+        h, states = _run_tokens(bb.layers, cache, bb.embeddings(ids[:, L:]), keep_states=True)
+        logits = _step_logits(model, cache, norm(bb.norm_f, h[0]))
+        assert torch.allclose(logits, full[1:], atol=1e-4, rtol=0)
+        for i in (0, T - 1):
+            _, ref = prefill_hidden(model, ids[:, :L + i + 1], None, 16)
+            for name, entry in ref.layers.items():
+                if isinstance(entry, KVCache):
+                    n = L + i + 1
+                    assert torch.allclose(cache.layers[name].k[:, :, :n], entry.k[:, :, :n], atol=1e-5)
+                else:
+                    conv, ssm = states[i][name]
+                    assert torch.allclose(conv, entry.conv, atol=1e-5)
+                    assert torch.allclose(ssm, entry.ssm, atol=1e-4)
