@@ -125,3 +125,39 @@ def test_one_pass_verify_gives_the_full_forwards_logits_and_states():
                     conv, ssm = states[i][name]
                     assert torch.allclose(conv, entry.conv, atol=1e-5)
                     assert torch.allclose(ssm, entry.ssm, atol=1e-4)
+
+
+def _first_two(p, q, n, gen):
+    """Speculative sampling's first two output tokens for ``n`` rounds of two drafts from ``q``."""
+    from hybridtrain.models.nemotron_h.speculative import speculative_accept
+
+    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in range(2)], 1)
+    accepted, nxt = speculative_accept(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, gen)
+    first = torch.where(accepted > 0, drafts[:, 0], nxt)
+    second = torch.where(accepted > 1, drafts[:, 1], nxt)[accepted > 0]
+    return first, second
+
+
+def test_speculative_sampling_keeps_the_main_models_distribution():
+    """Whatever the draft's q, each output token is distributed as the main model's p (the
+    frequencies over many rounds, tiny vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    V = 6
+    p = torch.softmax(3 * torch.randn(3, V, generator=gen), -1)
+    q = torch.softmax(3 * torch.randn(2, V, generator=gen), -1)
+    first, second = _first_two(p, q, 40000, gen)
+    for tokens, want in ((first, p[0]), (second, p[1])):
+        freq = torch.bincount(tokens, minlength=V).float() / len(tokens)
+        assert (freq - want).abs().sum() / 2 < 0.015, (freq, want)
+    # the draft distribution itself is far from p (else the test would not tell)
+    assert (q[0] - p[0]).abs().sum() / 2 > 0.2
+
+
+def test_sampled_speculative_decoding_is_seeded_and_greedy_at_low_temperature():
+    model = _model("mixed", "M-")
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(5))
+    runs = [speculative_generate(model, ids, 10, 2, temperature=1.0, seed=s)[0] for s in (1, 1, 2)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    cold, stats = speculative_generate(model, ids, 10, 2, temperature=1e-4, seed=3)
+    assert torch.equal(cold, model.generate(ids, max_new_tokens=10, do_sample=False))
+    assert stats.rounds > 0

@@ -24,7 +24,8 @@ model, whose cache holds positions ``0..n-1`` and whose final hidden states ``h_
    invalid and moving the position back (they are rewritten later); each Mamba layer's conv
    window and SSM state go back to the copies kept after the last accepted token.
 
-Batch size 1 (each prompt decodes on its own), greedy only.
+Batch size 1 (each prompt decodes on its own); greedy, or sampled at a temperature with
+speculative sampling's acceptance (:func:`speculative_accept`).
 """
 
 from __future__ import annotations
@@ -119,27 +120,71 @@ class MTPDraft:
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
         """Catch up over the committed positions (``hidden`` [1, T, H]: the main model's at the
-        positions not seen yet, ``tokens`` [1, T]: the token after each), then ``k`` drafts; the
-        cache keeps only the caught-up positions."""
+        positions not seen yet, ``tokens`` [1, T]: the token after each), then ``k`` greedy
+        drafts; the cache keeps only the caught-up positions."""
+        return self._propose(hidden, tokens, k, lambda logits: (int(select_tokens(logits, False)[0]), None))[0]
+
+    def sample(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int, temperature: float,
+               generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        """:meth:`draft` with ``k`` drafts drawn from the draft's softmax at ``temperature``;
+        returns also those distributions q [k, V]."""
+        def pick(logits):
+            q = (logits.float() / temperature).softmax(-1)
+            return int(torch.multinomial(q, 1, generator=generator)[0, 0]), q[0]
+
+        drafts, qs = self._propose(hidden, tokens, k, pick)
+        return drafts, torch.stack(qs)
+
+    def _propose(self, hidden, tokens, k, pick) -> tuple[list[int], list]:
         m = self._run(hidden, tokens)
         keep, saved = self.cache.length, _snapshot(self.cache)
-        drafts = []
+        drafts, qs = [], []
         for i in range(k):
-            drafts.append(int(select_tokens(_step_logits(self.model, self.cache, m[:, 0]), False)[0]))
+            token, q = pick(_step_logits(self.model, self.cache, m[:, 0]))
+            drafts.append(token)
+            qs.append(q)
             if i < k - 1:
-                m = self._run(m, torch.tensor([[drafts[-1]]], device=tokens.device))
+                m = self._run(m, torch.tensor([[token]], device=tokens.device))
         _restore(self.cache, saved, keep)
-        return drafts
+        return drafts, qs
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's acceptance (Leviathan et al. 2023; Chen et al. 2023) of ``k``
+    drafts per row: ``p`` [b, k + 1, V] the main model's probabilities at the drafts' positions
+    and one after, ``q`` [b, k, V] the draft's, ``drafts`` [b, k] drawn from ``q``. Draft ``i`` is
+    kept with probability min(1, p/q) while all before it were; at the first rejection the next
+    token is drawn from normalize(max(0, p - q)) there, else (all kept) from ``p`` after the
+    last. Returns the accepted counts [b] and the next tokens [b]: every kept token and the next
+    one are distributed as sampling from ``p`` token by token."""
+    b, k = drafts.shape
+    rows = torch.arange(b, device=p.device)[:, None]
+    cols = torch.arange(k, device=p.device)
+    pd, qd = p[rows, cols, drafts], q[rows, cols, drafts]  # [b, k]
+    u = torch.rand(b, k, generator=generator, device=p.device)
+    ok = u * qd < pd  # u < p/q without dividing (q(d) > 0: d was drawn from q)
+    accepted = ok.int().cumprod(-1).sum(-1)  # [b]
+    at = accepted.clamp(max=k - 1)
+    residual = (p[rows[:, 0], at, :] - q[rows[:, 0], at, :]).clamp(min=0)
+    dist = torch.where((accepted < k)[:, None], residual, p[:, k])
+    # a residual of all zeros (p == q to rounding) has no rejection to resample: draw from p
+    dist = torch.where(dist.sum(-1, keepdim=True) > 0, dist, p[rows[:, 0], accepted])
+    return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()
 def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int = 3,
-                         eos_token_id: int | list[int] | None = None, drafter=MTPDraft
+                         eos_token_id: int | list[int] | None = None, drafter=MTPDraft,
+                         temperature: float | None = None, seed: int | None = None
                          ) -> tuple[torch.Tensor, SpeculativeStats]:
     """Greedy decoding of one prompt [1, L] drafted by the MTP layers; returns the prompt and
     the new tokens [1, L + n] (as ``generate`` with ``do_sample=False``) and the statistics.
     ``drafter(model, input_ids, prompt_hidden, max_length)``: the draft model (an object with
-    :meth:`MTPDraft.draft`'s signature)."""
+    :meth:`MTPDraft.draft`'s signature, and :meth:`MTPDraft.sample`'s when sampling).
+    ``temperature`` > 0: speculative sampling instead (:func:`speculative_accept`), the tokens
+    distributed as ``generate(do_sample=True, temperature=...)``'s (not the same draws), drawn
+    from a generator seeded with ``seed`` (None: torch's global one)."""
     if model.mtp is None:
         raise ValueError("--speculative mtp: the model has no multi-token prediction layers "
                          "(config.json's num_nextn_predict_layers is 0)")
@@ -147,6 +192,10 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, dr
         raise ValueError(f"speculative decoding takes one prompt [1, L]; got shape {tuple(input_ids.shape)}")
     if draft_tokens < 1:
         raise ValueError(f"--draft-tokens must be >= 1, got {draft_tokens}")
+    sampling = temperature is not None and temperature > 0
+    gen = None
+    if sampling and seed is not None:
+        gen = torch.Generator(device=input_ids.device).manual_seed(seed)
     stats = SpeculativeStats()
     if max_new_tokens == 0:
         return input_ids, stats
@@ -158,28 +207,37 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, dr
         max_length = L + max_new_tokens + draft_tokens + 1
         hidden, cache = prefill_hidden(model, input_ids, None, max_length)
         cache.head_t = _transposed_head(model, hidden, max_new_tokens)  # as plain decoding chooses
-        out = [int(select_tokens(_head(model, hidden), False)[0])]
+        out = [int(select_tokens(_head(model, hidden), sampling, temperature or 1.0, generator=gen)[0])]
         drafter = drafter(model, input_ids, hidden, max_length)
         pending_h = hidden[:, -1:]  # the main hidden states the draft has not read, and
         pending_t = [out[0]]  # the token after each
         bb = model.backbone
         while len(out) < max_new_tokens and out[-1] not in eos:
             k = min(draft_tokens, max_new_tokens - len(out))
-            drafts = drafter.draft(pending_h, torch.tensor([pending_t], device=input_ids.device), k)
+            committed = torch.tensor([pending_t], device=input_ids.device)
+            if sampling:
+                drafts, q = drafter.sample(pending_h, committed, k, temperature, gen)
+            else:
+                drafts = drafter.draft(pending_h, committed, k)
             # verify: the newest token and the drafts through the main model, once
             start = cache.length
             tokens = torch.tensor([[out[-1]] + drafts], device=input_ids.device)
             h, states = _run_tokens(bb.layers, cache, bb.embeddings(tokens), keep_states=True)
-            h = torch.cat([norm(bb.norm_f, h[:, i:i + 1]) for i in range(h.shape[1])], dim=1)
-            greedy = [int(select_tokens(_step_logits(model, cache, h[:, i]), False)[0])
-                      for i in range(h.shape[1])]
-            a = 0
-            while a < k and drafts[a] == greedy[a] and drafts[a] not in eos:
-                a += 1
+            logits = _step_logits(model, cache, norm(bb.norm_f, h[0]))  # [k + 1, V]
+            if sampling:
+                accepted, nxt = speculative_accept((logits / temperature).softmax(-1)[None], q[None],
+                                                   torch.tensor([drafts], device=logits.device), gen)
+                a = int(accepted[0])
+                new = drafts[:a] + [int(nxt[0])]  # (an accepted eos ends the output below)
+            else:
+                greedy = select_tokens(logits, False).tolist()
+                a = 0
+                while a < k and drafts[a] == greedy[a] and drafts[a] not in eos:
+                    a += 1
+                new = drafts[:a] + [greedy[a]]
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += a
-            new = drafts[:a] + [greedy[a]]
             _restore(cache, states[a], start + a + 1)  # keep [x_n, d_1..d_a]
             pending_h, pending_t = h[:, :a + 1], new
             for t in new:
