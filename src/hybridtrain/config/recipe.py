@@ -552,6 +552,11 @@ class GRPOSection(RecipeSection):
                                       "split evenly; after the first the policy is off the "
                                       "sampling one: ratio and clipping at work)",
                                    range=AT_LEAST_1, unit="steps")
+    speculative: str | None = key(None, "rollouts by the model's self-speculative sampling "
+                                        "(drafted by its MTP layers, the same distribution, one "
+                                        "prompt at a time): null | mtp", choices=("mtp",))
+    draft_tokens: int = key(3, "tokens drafted per speculative round (with speculative)",
+                            range=AT_LEAST_1, unit="tokens")
     task: dict = key({}, "the verifiable task: a _target_ mapping building a task object "
                          "(prompts(n, rng), reward(prompt, completion)); {} -> "
                          "hybridtrain.rl.tasks.CountingTask")

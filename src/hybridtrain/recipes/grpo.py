@@ -57,6 +57,7 @@ from hybridtrain.config import instantiate
 from hybridtrain.config.sections import recipe_config
 from hybridtrain.data.preference import response_batch
 from hybridtrain.distributed.init import process_group
+from hybridtrain.models.spec import Decoding, model_spec_for
 from hybridtrain.recipes.rl_run import fmt, mean_of, rl_run
 from hybridtrain.rl.losses import ClippedPGLoss
 from hybridtrain.rl.tasks import CountingTask, check_task, method_name, score, task_prompts
@@ -95,14 +96,16 @@ def rollout_batch(prompt_ids: list[list[int]], completions: torch.Tensor | list[
 
 
 def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: int, step: int,
-                    dims=None, max_new_tokens: int = 8, temperature: float = 1.0
-                    ) -> tuple[dict, dict[str, torch.Tensor]]:
+                    dims=None, max_new_tokens: int = 8, temperature: float = 1.0,
+                    speculative=None, draft_tokens: int = 3) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(batch, scores)`` of the step's prompts, the same on every rank: this data-parallel
     rank (``dims``: ``dp``, ``dp_rank``, ``dp_group``; None: one process) samples and scores its
     contiguous share of the prompt groups with ``engine.generate``, and the shares are gathered
     (see the module docstring). ``scores``: ``reward`` [P·G] (``task.reward``), and
     ``accuracy`` [P·G] when the task has an ``accuracy(prompt, completion)`` (e.g. the exact
-    answers of a task whose reward gives partial credit)."""
+    answers of a task whose reward gives partial credit). ``speculative``: the model family's
+    ``Decoding.speculative`` to sample each row with (``draft_tokens`` drafts per round; the
+    same distribution as ``engine.generate``'s, other draws), None: ``engine.generate``."""
     P = len(prompts)
     dp, rank = (dims.dp, dims.dp_rank) if dims is not None else (1, 0)
     if P % dp:
@@ -112,11 +115,18 @@ def sample_rollouts(engine, tok, task, prompts: list[str], group: int, *, seed: 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     prompt_ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
     rows = [prompt_ids[j] for j in range(lo, hi) for _ in range(group)]
-    ids, mask = left_pad(rows, pad, max(map(len, prompt_ids)))  # the same shape on every rank
-    out = engine.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=True,
-                          temperature=temperature, eos_token_id=tok.eos_token_id,
-                          seed=[rollout_seed(seed, step, i) for i in range(lo * group, hi * group)])
-    _, comps = rollout_batch(rows, out[:, ids.shape[1]:], tok.eos_token_id, pad)
+    seeds = [rollout_seed(seed, step, i) for i in range(lo * group, hi * group)]
+    if speculative is None:
+        ids, mask = left_pad(rows, pad, max(map(len, prompt_ids)))  # the same shape on every rank
+        out = engine.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=True,
+                              temperature=temperature, eos_token_id=tok.eos_token_id, seed=seeds)
+        out = out[:, ids.shape[1]:]
+    else:
+        device = next(engine.parameters()).device
+        out = [speculative(engine, torch.tensor([r], device=device), max_new_tokens, draft_tokens,
+                           tok.eos_token_id, temperature=temperature, seed=s)[0][0, len(r):].tolist()
+               for r, s in zip(rows, seeds)]
+    _, comps = rollout_batch(rows, out, tok.eos_token_id, pad)
     fns = {"reward": task.reward}
     if callable(getattr(task, "accuracy", None)):
         fns["accuracy"] = task.accuracy
@@ -164,6 +174,13 @@ def run(cfg: Any) -> dict[str, Any]:
             raise ValueError(f"the recipe has no tokenizer section ({cfg.source_file}); GRPO "
                              "turns task prompts into tokens and completions back into text")
         engine = instantiate(cfg.model).to(r.policy.device).eval()
+        speculative = None
+        if g.speculative:
+            speculative = model_spec_for(engine).part(Decoding, "grpo.speculative").speculative
+            if speculative is None:
+                raise ValueError(f"grpo.speculative={g.speculative!r} ({cfg.source_file}): the model "
+                                 f"family {model_spec_for(engine).name!r} has no speculative decoding; "
+                                 "set it to null")
         loss_fn = ClippedPGLoss(
             ratio_clip_min=g.ratio_clip_min, ratio_clip_max=g.ratio_clip_max,
             ratio_clip_c=g.ratio_clip_c, reference_policy_kl_penalty=g.reference_policy_kl_penalty,
@@ -185,7 +202,8 @@ def run(cfg: Any) -> dict[str, Any]:
             engine.load_state_dict(r.policy.state_dict_full())
             batch, scores = sample_rollouts(
                 engine, tok, task, prompts, G, seed=t.seed, step=step, dims=r.policy.dims,
-                max_new_tokens=g.max_new_tokens, temperature=g.temperature)
+                max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                speculative=speculative, draft_tokens=g.draft_tokens)
             rewards = scores["reward"]
             adv = group_advantages(rewards, G, g.normalize_rewards)
             note = first_nonfinite(task, rewards, adv, prompts, G, step)

@@ -251,9 +251,11 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, dr
 
 
 def speculative_decode(model, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int,
-                       eos_token_id=None) -> tuple[torch.Tensor, dict]:
+                       eos_token_id=None, temperature: float | None = None, seed: int | None = None
+                       ) -> tuple[torch.Tensor, dict]:
     """The spec's ``Decoding.speculative``: :func:`speculative_generate` with its statistics as
     a dict."""
-    ids, stats = speculative_generate(model, input_ids, max_new_tokens, draft_tokens, eos_token_id)
+    ids, stats = speculative_generate(model, input_ids, max_new_tokens, draft_tokens, eos_token_id,
+                                      temperature=temperature, seed=seed)
     return ids, {"drafted": stats.drafted, "accepted": stats.accepted,
                  "acceptance_rate": stats.acceptance_rate}
