@@ -162,3 +162,30 @@ def test_sampled_speculative_decoding_is_seeded_and_greedy_at_low_temperature():
     cold, stats = speculative_generate(model, ids, 10, 2, temperature=1e-4, seed=3)
     assert torch.equal(cold, model.generate(ids, max_new_tokens=10, do_sample=False))
     assert stats.rounds > 0
+
+
+def test_grpo_rollouts_with_speculative_sampling_are_seeded_per_sample():
+    """``grpo.speculative: mtp``: each rollout sampled on its own with its sample's seed (the
+    same rollouts again for the same step, other ones for another step)."""
+    import random
+
+    from hybridtrain.models.nemotron_h.speculative import speculative_decode
+    from hybridtrain.recipes.grpo import sample_rollouts
+    from hybridtrain.rl.tasks import CountingTask
+
+    class Bytes:
+        pad_token_id, eos_token_id = 0, None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(text.encode())}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
+
+    model, task = _model("mixed", "*E"), CountingTask()
+    prompts = task.prompts(2, random.Random(0))
+    runs = [sample_rollouts(model, Bytes(), task, prompts, 2, seed=5, step=s, max_new_tokens=4,
+                            speculative=speculative_decode, draft_tokens=2)[0] for s in (1, 1, 2)]
+    assert torch.equal(runs[0]["input_ids"], runs[1]["input_ids"])
+    assert not torch.equal(runs[0]["input_ids"], runs[2]["input_ids"])
+    assert runs[0]["token_mask"].sum(-1).tolist() == [4] * 4
