@@ -7,16 +7,24 @@ from __future__ import annotations
 from hybridtrain.models.nemotron_h.hf_io import load_pretrained, save_hf_checkpoint
 
 from .config import NemotronVLMConfig
+from .omni import is_omni_dir, load_omni, save_omni
 
 
 def load_vlm(cls, local_dir, dtype=None, device=None):
-    """The Nemotron-H reader with the vision-language config (the language model's rows)."""
+    """The Nemotron-H reader with the vision-language config (the language model's rows); a
+    transformers ``nemotron_h_omni`` folder through :func:`.omni.load_omni`."""
+    if is_omni_dir(local_dir):
+        return load_omni(cls, local_dir, dtype=dtype, device=device)
     return load_pretrained(cls, local_dir, dtype=dtype, device=device, config_cls=NemotronVLMConfig,
                            layout_config=lambda config: config.text_config)
 
 
 def save_vlm(state_dict, config: NemotronVLMConfig, out_dir, max_shard_size="5GB", dtype=None,
              tensors=None) -> None:
-    """safetensors + config.json (see ``hf_io.save_hf_checkpoint``; ``tensors``: streamed)."""
+    """safetensors + config.json (see ``hf_io.save_hf_checkpoint``; ``tensors``: streamed); a
+    model read from a ``nemotron_h_omni`` folder is written in that layout."""
+    if config.hf_omni_config is not None:
+        return save_omni(state_dict, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+                         tensors=tensors)
     save_hf_checkpoint(state_dict, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
                        tensors=tensors, layout_config=config.text_config)

@@ -1,0 +1,200 @@
+"""transformers' ``nemotron_h_omni`` checkpoints (``NemotronH_Omni_Reasoning_V3``: the RADIO
+vision encoder, a pixel-shuffle + MLP projector, the Nemotron-H language model) read into
+:class:`NemotronVLMForConditionalGeneration` and written back in the same layout.
+
+The folder's ``config.json`` becomes a :class:`NemotronVLMConfig` (legacy field names of the
+released checkpoints included: ``llm_config``, ``vit_hidden_size``, ``img_context_token_id``...)
+that keeps the original dict, which an export writes back unchanged. Tensor names: the language
+model's are ours under ``language_model.``; the ViT's and the projector's map by :data:`_TO_HUB`
+(RADIO's fused ``qkv`` is ours). The video patch projection and RADIO's summary indices are
+carried as frozen buffers. An audio encoder (``audio_config`` / ``sound_config``) is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from hybridtrain.distributed.materialize import SafetensorsReader
+from hybridtrain.fileio import open_safetensors, read_json
+from hybridtrain.models.nemotron_h.config import NemotronHConfig
+from hybridtrain.models.nemotron_h.hf_io import (
+    _ST_DTYPES, IGNORED_ON_LOAD, check_tensors, checkpoint_files, hub_layout, hub_name_to_ours,
+    hub_slice, hub_tensors, parse_dtype, read_checkpoint_header, save_hf_checkpoint)
+
+from .config import OMNI_MODEL_TYPE, NemotronVLMConfig, VisionConfig
+
+# released checkpoints' names -> transformers' (as NemotronH_Omni_Reasoning_V3_Config maps them)
+LEGACY_FIELDS = {"img_context_token_id": "image_token_id", "llm_config": "text_config",
+                 "vit_hidden_size": "vision_hidden_size", "sound_config": "audio_config",
+                 "video_context_token_id": "video_token_id",
+                 "sound_context_token_id": "audio_token_id"}
+_RADIO = "vision_model.radio_model."
+_BLOCK = _RADIO + r"model.blocks.\1."
+# our name -> the checkpoint's (first match); the language model's names are the same
+_TO_HUB = [
+    (r"^vision_model\.blocks\.(\d+)\.(fc[12])\.", _BLOCK + r"mlp.\2."),
+    (r"^vision_model\.blocks\.(\d+)\.layer_scale([12])$", _BLOCK + r"layer_scale\2.lambda1"),
+    (r"^vision_model\.blocks\.", _RADIO + "model.blocks."),
+    (r"^vision_model\.patch_embed\.", _RADIO + "model.patch_generator.embedder."),
+    (r"^vision_model\.pos_embed$", _RADIO + "model.patch_generator.pos_embed"),
+    (r"^vision_model\.cls_token$", _RADIO + "model.patch_generator.cls_token.token"),
+    (r"^vision_model\.video_patch_projection$",
+     _RADIO + "model.patch_generator.video_embedder.weight"),
+    (r"^vision_model\.summary_idxs$", _RADIO + "summary_idxs"),
+    (r"^vision_model\.norm\.", "vision_projector.vision_final_layernorm."),
+    (r"^projector\.norm\.", "mlp1.0."),
+    (r"^projector\.fc1\.", "mlp1.1."),
+    (r"^projector\.fc2\.", "mlp1.3."),
+]
+_POS_EMBED = "vision_model.pos_embed"  # [G*G, D] here, [1, G*G, D] in the checkpoint
+
+
+def is_omni_dir(local_dir: str | os.PathLike) -> bool:
+    path = os.path.join(local_dir, "config.json")
+    return os.path.isfile(path) and read_json(path).get("model_type") == OMNI_MODEL_TYPE
+
+
+def hub_name(ours: str) -> str:
+    """Our tensor name -> the ``nemotron_h_omni`` checkpoint's."""
+    for pattern, repl in _TO_HUB:
+        if re.match(pattern, ours):
+            return re.sub(pattern, repl, ours)
+    return ours
+
+
+def _to_hub(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0) if name == _POS_EMBED else t
+
+
+# ------------------------------------------------------------------------------ config
+def _refuse(cond: bool, source: str, what: str) -> None:
+    if cond:
+        raise ValueError(f"{source}: {what}")
+
+
+def _vision_config(v: Mapping[str, Any], final_norm: bool, source: str) -> VisionConfig:
+    """RADIO's config (model type ``radio``) as ours (``final_norm``: transformers builds a
+    LayerNorm after the ViT when the language model has MTP layers)."""
+    where = f"{source} vision_config"
+    _refuse(v.get("model_type", "radio") != "radio", where,
+            f"model_type {v.get('model_type')!r}: only a RADIO encoder ('radio') is supported")
+    _refuse(bool(v.get("use_swiglu_ffn")), where, "use_swiglu_ffn is not supported")
+    _refuse(v.get("hidden_act", "gelu") != "gelu", where,
+            f"hidden_act {v.get('hidden_act')!r}: only 'gelu' is supported")
+    _refuse(not v.get("qkv_bias", True), where, "qkv_bias false is not supported")
+    hidden, patch = v.get("hidden_size", 1280), v.get("patch_size", 16)
+    video = v.get("video_temporal_patch_size")
+    channels = v.get("num_channels", 3)
+    return VisionConfig(
+        hidden_size=hidden, num_hidden_layers=v.get("num_hidden_layers", 32),
+        num_attention_heads=v.get("num_attention_heads", 16),
+        intermediate_size=int(hidden * v.get("mlp_ratio", 4.0)), patch_size=patch,
+        num_channels=channels, pos_grid=v.get("max_img_size", 2048) // patch,
+        class_token_len=v.get("num_cls_tokens", 3) + v.get("num_registers", 7),
+        layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+        initializer_range=v.get("initializer_range", 0.02), patch_bias=False, layer_scale=True,
+        final_norm=final_norm, pos_interpolation="crop",
+        video_patch_dim=video * channels * patch * patch if video else 0,
+        summary_tokens=len(v.get("summary_idxs") or [0, 1]))
+
+
+def config_from_omni(d: Mapping[str, Any], source: str = "config") -> NemotronVLMConfig:
+    """A ``nemotron_h_omni`` config.json dict -> our config (the dict kept for export)."""
+    fields = dict(d)
+    for old, new in LEGACY_FIELDS.items():
+        if old in fields and fields.get(new) is None:
+            fields[new] = fields[old]
+    audio = fields.get("audio_config")
+    _refuse(audio is not None, source,
+            "this checkpoint has an audio encoder (`audio_config` / `sound_config`); "
+            "hybridtrain trains its vision-language part only and would not carry the audio "
+            "tower through an export. Use a checkpoint without `audio_config`")
+    text = NemotronHConfig.from_dict(fields.get("text_config") or {}, source=f"{source} text_config")
+    num_mtp = (fields.get("text_config") or {}).get("num_nextn_predict_layers", 0) or 0
+    vision = _vision_config(fields.get("vision_config") or {}, num_mtp > 0, source)
+    vh = fields.get("vision_hidden_size", vision.hidden_size)
+    _refuse(vh != vision.hidden_size, source,
+            f"vision_hidden_size {vh} differs from vision_config.hidden_size {vision.hidden_size}")
+    ratio = fields.get("downsample_ratio", 0.5)
+    _refuse(ratio != 0.5, source, f"downsample_ratio {ratio}: only 0.5 is supported")
+    _refuse(fields.get("image_token_id") is None, source,
+            "no image_token_id (or img_context_token_id)")
+    return NemotronVLMConfig(
+        text_config=text, vision_config=vision,
+        projector_hidden_size=fields.get("projector_hidden_size", 4096),
+        image_token_id=fields["image_token_id"], projector_norm_eps=1e-5,
+        hf_omni_config={k: v for k, v in d.items() if k not in ("dtype", "torch_dtype")})
+
+
+# ------------------------------------------------------------------------------ tensors
+def hub_items(state_dict: Mapping[str, torch.Tensor], config: NemotronVLMConfig
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict -> (checkpoint name, tensor): experts per expert, Mamba rows in the Hub's
+    order, the ViT and projector renamed."""
+    for name, t in hub_tensors(state_dict, config.text_config):
+        yield hub_name(name), _to_hub(name, t)
+
+
+def load_omni(cls, local_dir, dtype=None, device=None):
+    """``cls(config)`` filled from a ``nemotron_h_omni`` folder (every tensor checked first)."""
+    local_dir = os.fspath(local_dir)
+    config = NemotronVLMConfig.from_pretrained(local_dir)
+    files = checkpoint_files(local_dir)
+    found = read_checkpoint_header(files)
+    with torch.device("meta"):
+        model = cls(config)
+    state = model.state_dict(keep_vars=True)
+    expected = {n: tuple(t.shape) for n, t in hub_items(state, config)}
+    check_tensors(expected, found, local_dir)
+    counts = Counter(found[n][1] for n in found if found[n][1] in _ST_DTYPES)
+    stored = _ST_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model.to(dtype=parse_dtype(dtype) or stored)
+    model.checkpoint_dtype, model.name_or_path = stored, local_dir
+    if device.type == "meta":
+        return model.eval()
+    model.to_empty(device=device)
+    state = model.state_dict(keep_vars=True)
+    ours = {hub_name(n): n for n in state}
+    with torch.no_grad():
+        for path in files:
+            with open_safetensors(path, device=str(device)) as f:
+                for k in f.keys():
+                    if IGNORED_ON_LOAD.match(k):
+                        continue
+                    name, expert = hub_name_to_ours(ours.get(k, k))
+                    target = state[name] if expert is None else state[name][expert]
+                    t = hub_layout(name, f.get_tensor(k), config.text_config, to_hub=False)
+                    target.copy_(t.view(target.shape))
+    return model.eval()
+
+
+def save_omni(state_dict: Mapping[str, torch.Tensor], config: NemotronVLMConfig, out_dir, *,
+              max_shard_size="5GB", dtype=None,
+              tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    """safetensors + config.json in the ``nemotron_h_omni`` layout transformers loads."""
+    renamed = {hub_name(n): _to_hub(n, t) for n, t in state_dict.items()}
+    stream = None if tensors is None else ((hub_name(n), _to_hub(n, t)) for n, t in tensors)
+    save_hf_checkpoint(renamed, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+                       tensors=stream, layout_config=config.text_config)
+
+
+def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
+    """``read(name, region)``: a region of our tensor ``name`` from a saved vision-language
+    model in either layout (ours or ``nemotron_h_omni``)."""
+    reader = SafetensorsReader(checkpoint_files(local_dir))
+    config = NemotronVLMConfig.from_pretrained(local_dir)
+    omni = config.hf_omni_config is not None
+
+    def read(name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        if omni and name == _POS_EMBED:
+            return reader.read(hub_name(name), (slice(None),))[0][region]
+        src = (lambda n, r: reader.read(hub_name(n), r)) if omni else reader.read
+        return hub_slice(name, region, src, config.text_config)
+    return read

@@ -1,0 +1,66 @@
+"""A tiny random ``nemotron_h_omni`` checkpoint written by transformers itself (the suite's
+parity reference and ``examples/vlm_omni_tiny.yaml``'s model)::
+
+    python -m hybridtrain.models.nemotron_vlm.tiny_omni OUT_DIR [--seed 0]
+
+RADIO ViT (width 32, 2 blocks, 4-pixel patches, 2 class tokens + 3 registers, a 8x8 position
+grid), projector width 48, the tiny 'mixed' Nemotron-H (``M*-EM*E``, vocab 320); the image
+placeholder is token 4 (``<image>`` of ``examples/vlm_omni_tiny.yaml``'s tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+
+import torch
+
+from hybridtrain.models.nemotron_h import tiny_config
+
+
+def tiny_omni_hf_config(image_token_id: int = 4, vocab_size: int = 320, mtp: bool = False,
+                        **vision: int):
+    """transformers' ``NemotronH_Omni_Reasoning_V3_Config`` of the tiny model (``mtp``: one
+    MTP layer, so transformers builds the norm after the ViT)."""
+    import transformers
+    if not hasattr(transformers, "NemotronH_Omni_Reasoning_V3_Config"):
+        raise ValueError(f"transformers {transformers.__version__} has no nemotron_h_omni "
+                         "model; install transformers>=5.25")
+    text = tiny_config("mixed", vocab_size=vocab_size).to_hf_dict()
+    if mtp:
+        text["num_nextn_predict_layers"] = 1
+    v = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
+             max_img_size=32, num_cls_tokens=2, num_registers=3, video_temporal_patch_size=2)
+    v.update(vision)
+    return transformers.NemotronH_Omni_Reasoning_V3_Config(
+        text_config=text, vision_config=v, projector_hidden_size=48,
+        vision_hidden_size=v["hidden_size"], image_token_id=image_token_id)
+
+
+def write_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, **config) -> str:
+    """Write the tiny model (random weights of ``seed``; layer scales and norms perturbed so
+    that every tensor matters) with transformers' ``save_pretrained``; returns ``out_dir``."""
+    import transformers
+    torch.manual_seed(seed)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = transformers.NemotronH_Omni_Reasoning_V3(tiny_omni_hf_config(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lambda1" in name or "norm" in name or "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(os.fspath(out_dir))
+    return os.fspath(out_dir)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(write_tiny_omni(args.out_dir, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
