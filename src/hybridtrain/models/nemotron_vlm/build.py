@@ -30,7 +30,7 @@ def tiny_vlm_config(image_token_id: int = 255, text: Mapping | NemotronHConfig |
 def build_vlm(config: NemotronVLMConfig | Mapping | None = None, *,
               language_model_dir: str | None = None, local_dir: str | None = None,
               dtype: str | None = None, freeze: Sequence[str] = (),
-              **config_fields: Any) -> NemotronVLMForConditionalGeneration:
+              device: str | None = None, **config_fields: Any) -> NemotronVLMForConditionalGeneration:
     """The model of a recipe.
 
     * ``local_dir``: a saved vision-language model (safetensors + config.json);
@@ -38,12 +38,15 @@ def build_vlm(config: NemotronVLMConfig | Mapping | None = None, *,
       the language model loads from that Nemotron-H Hugging Face folder (its config replaces
       ``text_config``), the vision encoder and projector start at random.
 
+    ``device``: where ``local_dir``'s model is put (``meta``: checked, not read; the trainer
+    fills each rank's shards from the folder).
+
     ``freeze``: module groups not trained: any of ``vision``, ``projector``, ``language``
     (stage 1 alignment: ``[vision, language]``; stage 2: ``[vision]``).
     """
     if local_dir is not None:
         return NemotronVLMForConditionalGeneration.from_pretrained(local_dir, dtype=dtype,
-                                                                   freeze=freeze)
+                                                                   device=device, freeze=freeze)
     fields = dict(config.__dict__ if isinstance(config, NemotronVLMConfig) else (config or {}))
     fields.update(config_fields)
     lm = None

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import os
+import shutil
 
 import torch
 
@@ -39,19 +40,33 @@ def tiny_omni_hf_config(image_token_id: int = 4, vocab_size: int = 320, mtp: boo
         vision_hidden_size=v["hidden_size"], image_token_id=image_token_id)
 
 
-def write_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, **config) -> str:
+def write_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = True,
+                    **config) -> str:
     """Write the tiny model (random weights of ``seed``; layer scales and norms perturbed so
-    that every tensor matters) with transformers' ``save_pretrained``; returns ``out_dir``."""
+    that every tensor matters) with transformers' ``save_pretrained``; returns ``out_dir``.
+    Written next to ``out_dir`` and renamed into place, so that ranks writing it at once do not
+    mix files; ``overwrite=False`` keeps a folder already there."""
     import transformers
+    out_dir = os.fspath(out_dir)
+    if not overwrite and os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
     torch.manual_seed(seed)
-    with contextlib.redirect_stderr(io.StringIO()):
+    # on the CPU even where the caller builds models on the meta device
+    with contextlib.redirect_stderr(io.StringIO()), torch.device("cpu"):
         model = transformers.NemotronH_Omni_Reasoning_V3(tiny_omni_hf_config(**config))
-    with torch.no_grad():
+    with torch.no_grad(), torch.device("cpu"):
         for name, p in model.named_parameters():
             if "lambda1" in name or "norm" in name or "layer_norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(os.fspath(out_dir))
-    return os.fspath(out_dir)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another process put it there first (same seed, same files)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
 
 
 def main(argv=None) -> None:
