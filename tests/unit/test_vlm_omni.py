@@ -136,6 +136,26 @@ def test_export_loads_back_into_transformers(omni_dir, tmp_path):
         assert torch.equal(x, y), n
 
 
+def test_audio_encoder_carried_frozen_to_the_export(tmp_path):
+    """A checkpoint with an audio encoder: its tensors ride along, unchanged, into an export
+    transformers loads with every tensor; the vision-language logits still match."""
+    path = write_tiny_omni(tmp_path / "audio", seed=4, audio=True)
+    ours, ref = build_vlm(local_dir=path), hf_omni(path)
+    carried = {n for n, _ in ours.named_buffers() if ".carried." in n}
+    assert carried and not any(".carried." in n for n, _ in ours.named_parameters())
+    pixels, grids = processed([SIZES[2]])
+    ids, _ = batch(grids, [1])
+    with torch.no_grad():
+        a = ours(ids, pixel_values=pixels, image_grid=grids)
+        b = ref(input_ids=ids, pixel_values=pixels, image_grid_hw=grids, use_cache=False).logits
+    assert (a - b).abs().max().item() <= 1e-4
+    ours.save_pretrained(tmp_path / "out")
+    back = hf_omni(tmp_path / "out")
+    for (n, x), (_, y) in zip(ref.state_dict().items(), back.state_dict().items()):
+        if n.startswith(("audio_tower.", "embed_audio.")):
+            assert torch.equal(x, y), n
+
+
 def test_legacy_field_names_and_audio_refusal(omni_dir, tmp_path):
     from hybridtrain.models.nemotron_vlm.config import NemotronVLMConfig
     d = json.loads(open(f"{omni_dir}/config.json").read())
@@ -145,5 +165,5 @@ def test_legacy_field_names_and_audio_refusal(omni_dir, tmp_path):
     legacy["vit_hidden_size"] = legacy.pop("vision_hidden_size")
     cfg = NemotronVLMConfig.from_dict(legacy)
     assert cfg.image_token_id == IMAGE and cfg.text_config.vocab_size == 320
-    with pytest.raises(ValueError, match="audio_config"):
+    with pytest.raises(ValueError, match="load the folder"):
         NemotronVLMConfig.from_dict({**d, "sound_config": {"hidden_size": 8}})

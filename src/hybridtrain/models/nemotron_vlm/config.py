@@ -45,6 +45,9 @@ class VisionConfig:
     pos_interpolation: str = "resize"
     video_patch_dim: int = 0
     summary_tokens: int = 0
+    # tensors of the checkpoint no module here uses (an audio encoder), carried frozen to the
+    # export: {checkpoint name: [shape, dtype name]}
+    carried: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.pos_interpolation not in ("resize", "crop"):
@@ -143,4 +146,8 @@ class NemotronVLMConfig:
         path = os.path.join(local_dir, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{local_dir}: no config.json (expected a saved vision-language model)")
-        return cls.from_dict(read_json(path), source=path)
+        d = read_json(path)
+        if d.get("model_type") == OMNI_MODEL_TYPE:
+            from .omni import config_from_omni
+            return config_from_omni(d, path, local_dir=local_dir)
+        return cls.from_dict(d, source=path)

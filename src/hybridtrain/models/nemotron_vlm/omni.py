@@ -7,7 +7,8 @@ released checkpoints included: ``llm_config``, ``vit_hidden_size``, ``img_contex
 that keeps the original dict, which an export writes back unchanged. Tensor names: the language
 model's are ours under ``language_model.``; the ViT's and the projector's map by :data:`_TO_HUB`
 (RADIO's fused ``qkv`` is ours). The video patch projection and RADIO's summary indices are
-carried as frozen buffers. An audio encoder (``audio_config`` / ``sound_config``) is refused.
+carried as frozen buffers, and so is an audio encoder (``audio_config`` / ``sound_config``):
+loaded, never run or trained, written back unchanged (in the export's dtype).
 """
 
 from __future__ import annotations
@@ -47,12 +48,17 @@ _TO_HUB = [
     (r"^vision_model\.video_patch_projection$",
      _RADIO + "model.patch_generator.video_embedder.weight"),
     (r"^vision_model\.summary_idxs$", _RADIO + "summary_idxs"),
+    (r"^vision_model\.carried\.", ""),
     (r"^vision_model\.norm\.", "vision_projector.vision_final_layernorm."),
     (r"^projector\.norm\.", "mlp1.0."),
     (r"^projector\.fc1\.", "mlp1.1."),
     (r"^projector\.fc2\.", "mlp1.3."),
 ]
-_POS_EMBED = "vision_model.pos_embed"  # [G*G, D] here, [1, G*G, D] in the checkpoint
+_POS_EMBED = "vision_model.pos_embed"
+# the audio encoder and its projection (names as released, and as transformers names them)
+AUDIO = re.compile(r"^(sound_encoder|sound_projection|audio_tower|embed_audio)\.")
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                "I64": "int64", "I32": "int32", "BOOL": "bool"}  # [G*G, D] here, [1, G*G, D] in the checkpoint
 
 
 def is_omni_dir(local_dir: str | os.PathLike) -> bool:
@@ -104,20 +110,31 @@ def _vision_config(v: Mapping[str, Any], final_norm: bool, source: str) -> Visio
         summary_tokens=len(v.get("summary_idxs") or [0, 1]))
 
 
-def config_from_omni(d: Mapping[str, Any], source: str = "config") -> NemotronVLMConfig:
-    """A ``nemotron_h_omni`` config.json dict -> our config (the dict kept for export)."""
+def carried_tensors(local_dir: str | os.PathLike) -> dict:
+    """{name: [shape, dtype]} of the audio encoder's tensors in ``local_dir``'s checkpoint."""
+    found = read_checkpoint_header(checkpoint_files(local_dir))
+    return {n: [list(shape), _DTYPE_NAMES[dt]] for n, (shape, dt, _) in found.items()
+            if AUDIO.match(n)}
+
+
+def config_from_omni(d: Mapping[str, Any], source: str = "config",
+                     local_dir: str | os.PathLike | None = None) -> NemotronVLMConfig:
+    """A ``nemotron_h_omni`` config.json dict -> our config (the dict kept for export). An
+    audio encoder is carried frozen when the checkpoint folder (``local_dir``) is given."""
     fields = dict(d)
     for old, new in LEGACY_FIELDS.items():
         if old in fields and fields.get(new) is None:
             fields[new] = fields[old]
     audio = fields.get("audio_config")
-    _refuse(audio is not None, source,
-            "this checkpoint has an audio encoder (`audio_config` / `sound_config`); "
-            "hybridtrain trains its vision-language part only and would not carry the audio "
-            "tower through an export. Use a checkpoint without `audio_config`")
+    _refuse(audio is not None and local_dir is None, source,
+            "this config has an audio encoder (`audio_config` / `sound_config`), which "
+            "hybridtrain carries frozen from the checkpoint's tensors: load the folder "
+            "(build_vlm(local_dir=...) / model.local_dir), not its config alone")
     text = NemotronHConfig.from_dict(fields.get("text_config") or {}, source=f"{source} text_config")
     num_mtp = (fields.get("text_config") or {}).get("num_nextn_predict_layers", 0) or 0
     vision = _vision_config(fields.get("vision_config") or {}, num_mtp > 0, source)
+    if audio is not None:
+        vision.carried = carried_tensors(local_dir)
     vh = fields.get("vision_hidden_size", vision.hidden_size)
     _refuse(vh != vision.hidden_size, source,
             f"vision_hidden_size {vh} differs from vision_config.hidden_size {vision.hidden_size}")

@@ -22,9 +22,10 @@ from hybridtrain.models.nemotron_h import tiny_config
 
 
 def tiny_omni_hf_config(image_token_id: int = 4, vocab_size: int = 320, mtp: bool = False,
-                        **vision: int):
+                        audio: bool = False, **vision: int):
     """transformers' ``NemotronH_Omni_Reasoning_V3_Config`` of the tiny model (``mtp``: one
-    MTP layer, so transformers builds the norm after the ViT)."""
+    MTP layer, so transformers builds the norm after the ViT; ``audio``: a one-layer Parakeet
+    audio encoder, token 7 its placeholder)."""
     import transformers
     if not hasattr(transformers, "NemotronH_Omni_Reasoning_V3_Config"):
         raise ValueError(f"transformers {transformers.__version__} has no nemotron_h_omni "
@@ -35,9 +36,13 @@ def tiny_omni_hf_config(image_token_id: int = 4, vocab_size: int = 320, mtp: boo
     v = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
              max_img_size=32, num_cls_tokens=2, num_registers=3, video_temporal_patch_size=2)
     v.update(vision)
+    sound = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                 subsampling_conv_channels=8, num_mel_bins=16, projection_hidden_size=24,
+                 projection_bias=False) if audio else None
     return transformers.NemotronH_Omni_Reasoning_V3_Config(
-        text_config=text, vision_config=v, projector_hidden_size=48,
-        vision_hidden_size=v["hidden_size"], image_token_id=image_token_id)
+        text_config=text, vision_config=v, audio_config=sound, projector_hidden_size=48,
+        vision_hidden_size=v["hidden_size"], image_token_id=image_token_id,
+        audio_token_id=7 if audio else None)
 
 
 def write_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = True,

@@ -117,6 +117,8 @@ class RadioViT(nn.Module):
         if config.summary_tokens:
             self.register_buffer("summary_idxs",
                                  torch.arange(config.summary_tokens, dtype=torch.long))
+        if config.carried:
+            self.carried = CarriedTensors(config.carried)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -173,6 +175,23 @@ class RadioViT(nn.Module):
         for s in cu[:-1].tolist():
             keep[s:s + C] = False
         return x[keep]
+
+
+class CarriedTensors(nn.Module):
+    """Frozen buffers named as a checkpoint's tensors (``{"a.b.w": [shape, dtype]}`` ->
+    ``self.a.b.w``), saved with the model and never used: the parts of a checkpoint it does not
+    model (an audio encoder) go through training into the export unchanged."""
+
+    def __init__(self, tensors: dict):
+        super().__init__()
+        for name, (shape, dtype) in sorted(tensors.items()):
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            owner.register_buffer(leaf, torch.zeros(shape, dtype=getattr(torch, dtype)))
 
 
 def pixel_shuffle(x: torch.Tensor, image_grid: torch.Tensor, merge: int = 2) -> torch.Tensor:
