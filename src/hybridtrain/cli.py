@@ -258,6 +258,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
     sub.add_parser("merge", add_help=False,
                    help="merge a LoRA adapter into its base model "
                         "(see 'hybridtrain merge --help')")
+    sub.add_parser("lm-eval", add_help=False,
+                   help="score a model on lm-evaluation-harness tasks "
+                        "(see 'hybridtrain lm-eval --help')")
+    sub.add_parser("import-recipe", add_help=False,
+                   help="a NeMo Automodel fine-tuning recipe as a hybridtrain recipe "
+                        "(see 'hybridtrain import-recipe --help')")
     return parser, known
 
 
@@ -323,6 +329,11 @@ def _main(argv: list[str]) -> int:
     try:
         if argv and argv[0] == "generate":
             return _load_entry("hybridtrain.recipes.generate", "run", "generate")(argv[1:])
+        if argv and argv[0] == "lm-eval":
+            return _load_entry("hybridtrain.recipes.lm_harness", "run", "lm-eval")(argv[1:])
+        if argv and argv[0] == "import-recipe":
+            return _load_entry("hybridtrain.recipes.import_recipe", "run",
+                               "import-recipe")(argv[1:])
         if argv and argv[0] == "merge":
             merge = _load_entry("hybridtrain.recipes.merge", "run", "merge")
             result = merge(argv[1:])

@@ -22,6 +22,17 @@ def tiny_model(seed: int = 0, kind: str = "mixed"):
     return NemotronHForCausalLM(tiny_config(kind, **TINY_MIXED))
 
 
+def tiny_base(path) -> None:
+    """A tiny 'mixed' Nemotron-H base model folder: weights, config and a byte-level BPE
+    tokenizer (ChatML template) built from the synthetic SQuAD world's texts."""
+    from hybridtrain.data import build_bpe_tokenizer, synthetic_texts
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
+
+    build_bpe_tokenizer(synthetic_texts(200, seed=0), out_dir=path, vocab_size=512)
+    torch.manual_seed(0)
+    NemotronHForCausalLM(tiny_config("mixed", vocab_size=512)).save_pretrained(path)
+
+
 def perturbed_model(cfg, seed: int = 0, scale: float = 0.05):
     """Reference init plus noise on every parameter and buffer (norm weights, D, biases,
     e_score_correction_bias all away from their trivial init values)."""

@@ -6,18 +6,10 @@ import os
 from pathlib import Path
 
 import torch
+from tests.helpers.models import tiny_base
 from tests.helpers.recipes import run_overrides
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "chat_lora_tiny.yaml"
-
-
-def _make_base(path: Path) -> None:
-    from hybridtrain.data import build_bpe_tokenizer, synthetic_texts
-    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
-
-    build_bpe_tokenizer(synthetic_texts(200, seed=0), out_dir=path, vocab_size=512)
-    torch.manual_seed(0)
-    NemotronHForCausalLM(tiny_config("mixed", vocab_size=512)).save_pretrained(path)
 
 
 def _overrides(out: Path, max_steps: int, resume: str = "null") -> list[str]:
@@ -42,7 +34,7 @@ def test_chat_lora_tiny(tmp_path, monkeypatch):
     from hybridtrain.peft import load_peft_adapter
 
     base = tmp_path / "base"
-    _make_base(base)
+    tiny_base(base)
     monkeypatch.setenv("HYBRIDTRAIN_TINY_BASE", str(base))
     out = tmp_path / "run"
     assert main(["finetune", "-c", str(RECIPE), *_overrides(out, 2)]) == 0

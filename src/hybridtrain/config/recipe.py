@@ -362,7 +362,7 @@ class DistributedSection(RecipeSection):
 
 @dataclass
 class MetricsSection(RecipeSection):
-    """``metrics:``: jsonl / progress bar / TensorBoard / plot."""
+    """``metrics:``: jsonl / progress bar / TensorBoard / plot / W&B / MLflow."""
 
     section: ClassVar[str] = "metrics"
     jsonl: bool = key(True, "write <checkpoint.dir>/training.jsonl and validation.jsonl")
@@ -372,6 +372,23 @@ class MetricsSection(RecipeSection):
     plot: bool = key(True, "write <checkpoint.dir>/loss.png at the end (needs the plot extra)")
     peak_tflops: float | None = key(None, "per-device peak for MFU; null -> detect from device "
                                           "name", range=ABOVE_0, unit="TFLOP/s")
+    wandb: bool = key(False, "log to Weights & Biases from rank 0 (needs the wandb extra; offline "
+                             "through WANDB_MODE=offline; files under WANDB_DIR, else "
+                             "<checkpoint.dir>)")
+    mlflow: bool = key(False, "log to MLflow from rank 0 (needs the mlflow extra): the recipe as "
+                              "params, metrics per step, the HF export or adapter as an artifact")
+    project: str | None = key(None, "W&B project and MLflow experiment; null -> WANDB_PROJECT / "
+                                    "MLFLOW_EXPERIMENT_NAME, else 'hybridtrain'")
+    run_name: str | None = key(None, "the trackers' run name; null -> WANDB_NAME / the "
+                                     "tracker's own")
+    tags: list[str] = key([], "tags of the tracker runs (W&B tags; MLflow tags with an empty "
+                              "value)")
+    mlflow_tracking_uri: str | None = key(None, "MLflow store or server; null -> "
+                                                "MLFLOW_TRACKING_URI, else "
+                                                "sqlite:///<checkpoint.dir>/mlflow.db")
+    tracker_on_error: str = key("warn", "a tracker that cannot start: warn (the run goes on "
+                                        "without it) or raise (the run stops before its first "
+                                        "step)", choices=("warn", "raise"))
 
 
 @dataclass

@@ -35,7 +35,7 @@ from hybridtrain.training.builder import (
     build, build_checkpointer, build_lr_scheduler, make_trainer,
 )
 from hybridtrain.training.checkpoint import Checkpointer, check_resumable, nothing_left
-from hybridtrain.training.metrics import MetricsLogger
+from hybridtrain.training.metrics import metrics_logger
 from hybridtrain.training.preemption import stopping_at_once
 from hybridtrain.training.step_scheduler import StepScheduler
 from hybridtrain.training.trainer import Trainer
@@ -126,10 +126,7 @@ def _start(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: i
 
     # checkpoints, metrics, resume
     checkpointer = build_checkpointer(b, out_dir)
-    metrics = MetricsLogger(out_dir, is_main=is_main, tensorboard=cfg.metrics.tensorboard,
-                            tensorboard_dir=cfg.metrics.tensorboard_dir,
-                            progress=cfg.metrics.progress_bar, jsonl=cfg.metrics.jsonl,
-                            plot=cfg.metrics.plot)
+    metrics = metrics_logger(cfg, out_dir, is_main)
     trainer = make_trainer(b, sched, lr_scheduler, checkpointer, metrics, started=t_start)
     if resume is not None:
         done = t.max_steps is None and nothing_left(resume, sched.max_steps, t.num_epochs)

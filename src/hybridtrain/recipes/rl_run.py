@@ -37,7 +37,7 @@ from hybridtrain.rl import Policy
 from hybridtrain.runfolder import NothingToDo, RunLock, run_folder_path
 from hybridtrain.training.builder import check_input_paths
 from hybridtrain.training.checkpoint import nothing_left
-from hybridtrain.training.metrics import MetricsLogger, read_jsonl
+from hybridtrain.training.metrics import metrics_logger, read_jsonl
 from hybridtrain.training.preemption import Preempted, RunStop, stopping_at_once
 from hybridtrain.training.trainer import TrainingDiverged
 
@@ -124,11 +124,8 @@ class RLRun:
                     time.perf_counter() - t0)
         self.is_main = self.policy.built.is_main
         self._clear = clear
-        m = cfg.metrics
-        self.metrics = MetricsLogger(self.out_dir, is_main=self.is_main, tensorboard=m.tensorboard,
-                                     tensorboard_dir=m.tensorboard_dir, progress=m.progress_bar,
-                                     jsonl=m.jsonl, plot=m.plot, plot_extra=plot_extra,
-                                     loss_label=loss_label)
+        self.metrics = metrics_logger(cfg, self.out_dir, self.is_main, plot_extra=plot_extra,
+                                      loss_label=loss_label)
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         self.step = 0  # the recipe's steps done (the last logged one)
@@ -240,7 +237,7 @@ class RLRun:
         if self.stop.received:
             logger.warning("%s received after the last step: the run finished", ", ".join(
                 sorted({signal.Signals(x).name for x in self.stop.received})))
-        plot = self.metrics.close()
+        plot = self.metrics.close(export_dir=ckpt if self.cfg.checkpoint.save_hf_at_end else None)
         losses = [r["loss"] for r in self.history if math.isfinite(r.get("loss", math.nan))]
         summary = {"steps": len(self.history), "first_loss": losses[0] if losses else None,
                    "last_loss": losses[-1] if losses else None, "checkpoint": ckpt,

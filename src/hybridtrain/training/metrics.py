@@ -1,5 +1,6 @@
-"""Run metrics: ``training.jsonl`` / ``validation.jsonl``, optional TensorBoard, a tqdm progress
-bar and ``loss.png``. Only the main rank writes; other ranks get a logger that does nothing."""
+"""Run metrics: ``training.jsonl`` / ``validation.jsonl``, optional TensorBoard, Weights & Biases
+and MLflow (training/trackers.py), a tqdm progress bar and ``loss.png``. Only the main rank
+writes; other ranks get a logger that does nothing."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import yaml
 
 from hybridtrain.fileio import append_text, atomic_write
 from hybridtrain.fileio import read_jsonl as fileio_read_jsonl
 from hybridtrain.fileio import text_reader
+from hybridtrain.training.trackers import (
+    GuardedTracker, TrackerSettings, make_trackers, numbers, split_val_record, tracker_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ class MetricsLogger:
         plot: bool = True,
         plot_extra: Sequence[str] = (),
         loss_label: str = "loss (token-weighted cross-entropy)",
+        trackers: Sequence[GuardedTracker] = (),
     ):
         self.out_dir = out_dir
         self.is_main = is_main
@@ -95,6 +101,7 @@ class MetricsLogger:
         self.plot = plot
         self.plot_extra = tuple(plot_extra)
         self.loss_label = loss_label
+        self.trackers = tuple(trackers) if is_main else ()
         self._tb = None
         self._bar = None
         self._redirect = None
@@ -118,6 +125,8 @@ class MetricsLogger:
                                "TensorBoard logging is off")
             else:
                 self._tb = SummaryWriter(self.tensorboard_dir, purge_step=start_step + 1)
+        for tracker in self.trackers:
+            tracker.start(resumed=start_step > 0)
         if self.show_progress:
             from tqdm.auto import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -142,14 +151,20 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{tb_prefix}/{k}", v, record["step"])
         return record
 
+    def _track(self, values: dict[str, float], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.call("log", values, step)
+
     def log_train(self, record: dict[str, Any]) -> None:
         if self.is_main:
-            self._write(self.train_path, "train", record)
+            record = self._write(self.train_path, "train", record)
+            self._track(numbers(record), record["step"])
 
     def log_val(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
         record = self._write(self.val_path, "val", record)
+        self._track(split_val_record(record), record["step"])
         msg = f"step {record['step']}: " + ", ".join(
             f"{k} {_short(record[k])}" for k in _VAL_LINE_KEYS if record.get(k) is not None)
         if self._bar is not None:
@@ -168,10 +183,15 @@ class MetricsLogger:
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(step - self._bar.n)
 
-    def close(self, plot: bool | None = None) -> str | None:
-        """Closes the bar and TensorBoard; writes ``loss.png``; returns its path (or None)."""
+    def close(self, plot: bool | None = None, export_dir: str | None = None) -> str | None:
+        """Closes the bar, TensorBoard and the trackers (handing them the finished run's
+        ``export_dir`` first); writes ``loss.png``; returns its path (or None)."""
         if not self.is_main:
             return None
+        for tracker in self.trackers:
+            if export_dir is not None:
+                tracker.call("log_export", export_dir)
+            tracker.finish()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -184,6 +204,20 @@ class MetricsLogger:
         if not (self.plot if plot is None else plot):
             return None
         return plot_losses(self.out_dir, self.plot_extra, self.loss_label)
+
+
+def metrics_logger(cfg: Any, out_dir: str, is_main: bool, **options: Any) -> MetricsLogger:
+    """The :class:`MetricsLogger` of a loaded recipe's ``metrics`` section (``options``: the
+    recipe's own plot panels and loss label)."""
+    m = cfg.metrics
+    names = tracker_names(m) if is_main else []
+    trackers = make_trackers(names, out_dir, TrackerSettings(
+        project=m.project, run_name=m.run_name, tags=tuple(m.tags),
+        mlflow_tracking_uri=m.mlflow_tracking_uri, on_error=m.tracker_on_error,
+        config=yaml.safe_load(cfg.to_yaml()) if names else {}))
+    return MetricsLogger(out_dir, is_main=is_main, tensorboard=m.tensorboard,
+                         tensorboard_dir=m.tensorboard_dir, progress=m.progress_bar,
+                         jsonl=m.jsonl, plot=m.plot, trackers=trackers, **options)
 
 
 def plot_losses(out_dir: str, extra: Sequence[str] = (),

@@ -470,7 +470,7 @@ class Trainer:
         if self.stop.received:
             logger.warning("%s received after the last step: the run finished",
                            ", ".join(sorted({signal.Signals(x).name for x in self.stop.received})))
-        plot = self.metrics.close() if self.metrics is not None else None
+        plot = self.metrics.close(export_dir=export_dir) if self.metrics is not None else None
         losses = [r["loss"] for r in self.history if math.isfinite(r["loss"])]
         return {
             "steps": sched.step,
