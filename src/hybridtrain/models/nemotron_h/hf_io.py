@@ -206,10 +206,12 @@ def load_pretrained(
     device: torch.device | str | None = None,
     config_cls: type = NemotronHConfig,
     layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
+    rename: Callable[[str], str] = lambda name: name,
 ) -> ModelT:
     """``cls(config_cls.from_pretrained(local_dir))`` filled from the checkpoint tensor by tensor
     (``layout_config(config)``: the Nemotron-H config whose Mamba rows :func:`hub_layout`
-    reorders; a model holding a Nemotron-H inside gives its language config)."""
+    reorders; a model holding a Nemotron-H inside gives its language config; ``rename``: a
+    Hub name -> the checkpoint's, for a layout that names some tensors otherwise)."""
     local_dir = os.fspath(local_dir)
     if not os.path.isdir(local_dir):
         raise ValueError(f"{local_dir}: not a directory (from_pretrained takes a local checkpoint directory)")
@@ -220,7 +222,9 @@ def load_pretrained(
     with torch.device("meta"):
         model = cls(config)
     state = model.state_dict(keep_vars=True)
-    check_tensors(expected_hub_shapes(state), found, local_dir)
+    shapes = expected_hub_shapes(state)
+    check_tensors({rename(n): shape for n, shape in shapes.items()}, found, local_dir)
+    hub = {rename(n): n for n in shapes}  # the checkpoint's name -> the Hub's
 
     # as stored: the most common floating dtype of the checkpoint
     counts = Counter(found[n][1] for n in found if not IGNORED_ON_LOAD.match(n) and found[n][1] in _ST_DTYPES)
@@ -244,7 +248,7 @@ def load_pretrained(
                 for k in f.keys():
                     if IGNORED_ON_LOAD.match(k):
                         continue
-                    ours, expert = hub_name_to_ours(k)
+                    ours, expert = hub_name_to_ours(hub.get(k, k))
                     target = state[ours]
                     if expert is not None:
                         target = target[expert]

@@ -7,16 +7,15 @@ from __future__ import annotations
 from hybridtrain.models.nemotron_h.hf_io import load_pretrained, save_hf_checkpoint
 
 from .config import NemotronVLMConfig
-from .omni import is_omni_dir, load_omni, save_omni
+from .omni import hub_name, is_omni_dir, save_omni
 
 
 def load_vlm(cls, local_dir, dtype=None, device=None):
     """The Nemotron-H reader with the vision-language config (the language model's rows); a
-    transformers ``nemotron_h_omni`` folder through :func:`.omni.load_omni`."""
-    if is_omni_dir(local_dir):
-        return load_omni(cls, local_dir, dtype=dtype, device=device)
+    transformers ``nemotron_h_omni`` folder with its tensor names (:func:`.omni.hub_name`)."""
+    rename = hub_name if is_omni_dir(local_dir) else (lambda name: name)
     return load_pretrained(cls, local_dir, dtype=dtype, device=device, config_cls=NemotronVLMConfig,
-                           layout_config=lambda config: config.text_config)
+                           layout_config=lambda config: config.text_config, rename=rename)
 
 
 def save_vlm(state_dict, config: NemotronVLMConfig, out_dir, max_shard_size="5GB", dtype=None,

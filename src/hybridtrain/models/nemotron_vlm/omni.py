@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from hybridtrain.distributed.materialize import SafetensorsReader
-from hybridtrain.fileio import open_safetensors, read_json
+from hybridtrain.fileio import read_json
 from hybridtrain.models.nemotron_h.config import NemotronHConfig
 from hybridtrain.models.nemotron_h.hf_io import (
-    _ST_DTYPES, IGNORED_ON_LOAD, check_tensors, checkpoint_files, hub_layout, hub_name_to_ours,
-    hub_slice, hub_tensors, parse_dtype, read_checkpoint_header, save_hf_checkpoint)
+    checkpoint_files, hub_slice, read_checkpoint_header, save_hf_checkpoint)
 
 from .config import OMNI_MODEL_TYPE, NemotronVLMConfig, VisionConfig
 
@@ -72,10 +70,6 @@ def hub_name(ours: str) -> str:
         if re.match(pattern, ours):
             return re.sub(pattern, repl, ours)
     return ours
-
-
-def _to_hub(name: str, t: torch.Tensor) -> torch.Tensor:
-    return t.unsqueeze(0) if name == _POS_EMBED else t
 
 
 # ------------------------------------------------------------------------------ config
@@ -150,54 +144,12 @@ def config_from_omni(d: Mapping[str, Any], source: str = "config",
 
 
 # ------------------------------------------------------------------------------ tensors
-def hub_items(state_dict: Mapping[str, torch.Tensor], config: NemotronVLMConfig
-              ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our state dict -> (checkpoint name, tensor): experts per expert, Mamba rows in the Hub's
-    order, the ViT and projector renamed."""
-    for name, t in hub_tensors(state_dict, config.text_config):
-        yield hub_name(name), _to_hub(name, t)
-
-
-def load_omni(cls, local_dir, dtype=None, device=None):
-    """``cls(config)`` filled from a ``nemotron_h_omni`` folder (every tensor checked first)."""
-    local_dir = os.fspath(local_dir)
-    config = NemotronVLMConfig.from_pretrained(local_dir)
-    files = checkpoint_files(local_dir)
-    found = read_checkpoint_header(files)
-    with torch.device("meta"):
-        model = cls(config)
-    state = model.state_dict(keep_vars=True)
-    expected = {n: tuple(t.shape) for n, t in hub_items(state, config)}
-    check_tensors(expected, found, local_dir)
-    counts = Counter(found[n][1] for n in found if found[n][1] in _ST_DTYPES)
-    stored = _ST_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    model.to(dtype=parse_dtype(dtype) or stored)
-    model.checkpoint_dtype, model.name_or_path = stored, local_dir
-    if device.type == "meta":
-        return model.eval()
-    model.to_empty(device=device)
-    state = model.state_dict(keep_vars=True)
-    ours = {hub_name(n): n for n in state}
-    with torch.no_grad():
-        for path in files:
-            with open_safetensors(path, device=str(device)) as f:
-                for k in f.keys():
-                    if IGNORED_ON_LOAD.match(k):
-                        continue
-                    name, expert = hub_name_to_ours(ours.get(k, k))
-                    target = state[name] if expert is None else state[name][expert]
-                    t = hub_layout(name, f.get_tensor(k), config.text_config, to_hub=False)
-                    target.copy_(t.view(target.shape))
-    return model.eval()
-
-
 def save_omni(state_dict: Mapping[str, torch.Tensor], config: NemotronVLMConfig, out_dir, *,
               max_shard_size="5GB", dtype=None,
               tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """safetensors + config.json in the ``nemotron_h_omni`` layout transformers loads."""
-    renamed = {hub_name(n): _to_hub(n, t) for n, t in state_dict.items()}
-    stream = None if tensors is None else ((hub_name(n), _to_hub(n, t)) for n, t in tensors)
+    renamed = {hub_name(n): t for n, t in state_dict.items()}
+    stream = None if tensors is None else ((hub_name(n), t) for n, t in tensors)
     save_hf_checkpoint(renamed, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
                        tensors=stream, layout_config=config.text_config)
 
@@ -209,9 +161,5 @@ def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ..
     config = NemotronVLMConfig.from_pretrained(local_dir)
     omni = config.hf_omni_config is not None
 
-    def read(name: str, region: tuple[slice, ...]) -> torch.Tensor:
-        if omni and name == _POS_EMBED:
-            return reader.read(hub_name(name), (slice(None),))[0][region]
-        src = (lambda n, r: reader.read(hub_name(n), r)) if omni else reader.read
-        return hub_slice(name, region, src, config.text_config)
-    return read
+    src = (lambda n, r: reader.read(hub_name(n), r)) if omni else reader.read
+    return lambda name, region: hub_slice(name, region, src, config.text_config)

@@ -104,7 +104,9 @@ class RadioViT(nn.Module):
         self.config = config
         D = config.hidden_size
         self.patch_embed = nn.Linear(config.patch_dim, D, bias=config.patch_bias)
-        self.pos_embed = nn.Parameter(torch.empty(config.pos_grid * config.pos_grid, D))
+        n_pos = config.pos_grid * config.pos_grid  # RADIO's own shape [1, n, D] under crop
+        shape = (1, n_pos, D) if config.pos_interpolation == "crop" else (n_pos, D)
+        self.pos_embed = nn.Parameter(torch.empty(shape))
         self.cls_token = nn.Parameter(torch.empty(config.class_token_len, D))
         self.blocks = nn.ModuleDict({str(i): VisionBlock(config)
                                      for i in range(config.num_hidden_layers)})
@@ -148,7 +150,7 @@ class RadioViT(nn.Module):
         crop = self.config.pos_interpolation == "crop"
         size = (max(h, w),) * 2 if crop else (h, w)
         if size == (g, g) and (h, w) == size:
-            return self.pos_embed
+            return self.pos_embed.view(g * g, -1)
         grid = self.pos_embed.view(1, g, g, -1).permute(0, 3, 1, 2)
         grid = F.interpolate(grid.float(), size=size, mode="bilinear", align_corners=False)
         grid = grid[..., :h, :w]
