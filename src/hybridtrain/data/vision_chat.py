@@ -7,8 +7,8 @@
         tokenizer,             # tokenizer object or local directory; must hold image_token
         image_root=None,       # relative image paths are resolved here (default: the file's folder)
         image_token="<image>", # the placeholder token, one token of the tokenizer
-        image_start=None, image_end=None,  # tokens around each image's run (Nemotron Omni:
-                               # "<img>", "</img>", as its processor writes them)
+        image_start=None, image_end=None,  # tokens around each image's run (e.g.
+                               # "<img>", "</img>", as a model's processor writes them)
         patch_size=16, min_patches=4, max_patches=1024, merge=2,
         mean=DEFAULT_MEAN, std=DEFAULT_STD,
         seq_length=None,       # longer samples are dropped (an image is never cut)
