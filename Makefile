@@ -15,6 +15,8 @@ TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.7.1
 KERNEL_PINS ?= liger-kernel==0.8.5 einops==0.8.2 packaging
 MAMBA_PIN ?= mamba-ssm==2.3.2.post1
+# QLoRA's NF4 base (peft.base_quant: nf4) and training.float8, the `quant` extra; it requires no torch of its own
+TORCHAO_PIN ?= torchao==0.18.0
 # The experiment trackers the suite runs offline (the wandb and mlflow extras; ~15 s to install)
 TRACKER_PINS ?= wandb==0.31.0 mlflow-skinny==3.18.0 sqlalchemy==2.1.9 alembic==1.20.1
 # lm-evaluation-harness (the lm_eval extra; ~40 packages with scikit-learn, nltk, sacrebleu:
@@ -42,7 +44,7 @@ test-deps: $(VENV)/.test-deps
 
 $(VENV)/.test-deps: $(VENV)/.installed Makefile tests/families/hybridtrain_dense/pyproject.toml
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "$(TRITON_PIN)"
-	$(BIN)/python -m pip install -q $(KERNEL_PINS) $(TRACKER_PINS) $(LM_EVAL_PIN) "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q $(KERNEL_PINS) $(TRACKER_PINS) $(LM_EVAL_PIN) "$(TORCHAO_PIN)" "$(TORCH_PIN)"
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('mamba_ssm') is None)" || \
 	  MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(BIN)/python -m pip install -q --no-deps \
 	    --no-build-isolation "$(MAMBA_PIN)"

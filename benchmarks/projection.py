@@ -18,6 +18,15 @@ What changes against the eager PyTorch step, and how each part is priced:
   case), or also every intermediate once (``fused, intermediates kept``: inductor keeps what
   backward needs); the two bound the prediction.
 * GEMMs (grouped expert GEMMs: the same FLOPs) and the fused AdamW as traced.
+* **what the trace leaves out**, priced apart: gradient clipping (the norm reads every fp32
+  gradient, the scale reads and writes it: 12 bytes per parameter); the host gaps (each read of
+  a device value the step still makes drains the GPU's queue: :data:`HOST_SYNC_MS` each,
+  assumed); the SSD and attention at least at published kernel figures
+  (:data:`SSD_PUBLISHED_MS`, :data:`FLASH_TFLOPS`), the lower figure in the ``fused`` bound and
+  the higher in ``kept``.
+* **float8** (``training.float8``): the GEMMs of the Linear layers it converts
+  (``hybridtrain.training.float8.plan_float8`` on the model at its real sizes) at twice the
+  bf16 rate, plus the casts to float8 (amax and cast of each operand, every step).
 
 Calibration: the H100 ran the traced step's GEMMs at ``gemm`` x their modelled time, AdamW at
 ``optimizer`` x, and the non-GEMM work outside the loss, scan and optimizer at ``elementwise`` x
@@ -35,7 +44,13 @@ from benchmarks import anatomy
 
 MEASURED_FILE = Path(__file__).resolve().parent / "results" / "h100-nano8-step-2026-11-26.json"
 TRITON_GEMM_FRACTION = 0.5  # mamba_ssm's tl.dot work against cuBLAS's rate (assumed, not measured)
-GOAL_TFLOPS = 280.0
+GOAL_TFLOPS = 350.0
+HOST_SYNC_MS = 0.5  # GPU idle per device read in a step: queue drained, relaunch lead (assumed)
+# mamba_ssm's SSD, forward + backward, ms per Mamba layer per 8192 tokens at 64 heads x 64
+# (a reading of published figures on 2026-12-05: 6-12 ms for nano8's 4 layers; not measured)
+SSD_PUBLISHED_MS = (1.5, 3.0)
+FLASH_TFLOPS = (350.0, 250.0)  # FA2-class causal attention on an H100, forward+backward (published)
+FLOAT8_SPEEDUP = 2.0  # float8 GEMMs against bf16 on an H100 (the dense peak ratio)
 ELEMENTWISE = ("casts", "norms/activations", "MoE routing/permutation", "other")
 UNFUSED = {"aten::sort", "aten::argsort", "aten::topk", "aten::cumsum", "aten::embedding",
            "aten::embedding_dense_backward", "aten::nonzero", "aten::multinomial"}
@@ -135,8 +150,58 @@ def liger_loss_ms(kw: dict, tokens: int, hw: anatomy.Hardware, cal: Calibration)
     return ms, gemm * 1e3
 
 
+def meta_model(kw: dict):
+    """The model of ``kw`` (``small_moe_config`` arguments) at its real sizes, on the meta device."""
+    import torch
+
+    from hybridtrain.models.nemotron_h import NemotronHForCausalLM, small_moe_config
+
+    with torch.device("meta"):
+        return NemotronHForCausalLM(small_moe_config(**kw))
+
+
+def clipping_ms(n_params: int, hw: anatomy.Hardware) -> float:
+    """Gradient clipping over fp32 gradients: the norm reads each (4 B), the scale reads and
+    writes it (8 B)."""
+    return 12.0 * n_params / hw.bandwidth * 1e3
+
+
+def published_ssd_ms(kw: dict, tokens: int) -> tuple[float, float]:
+    """(low, high) ms of every Mamba layer's SSD at :data:`SSD_PUBLISHED_MS`, scaled by tokens
+    and heads x head dim."""
+    scale = (kw["hybrid_override_pattern"].count("M") * tokens / 8192
+             * kw["mamba_num_heads"] * kw["mamba_head_dim"] / (64 * 64))
+    return SSD_PUBLISHED_MS[0] * scale, SSD_PUBLISHED_MS[1] * scale
+
+
+def flash_attention_ms(kw: dict, seq: int, batch: int) -> tuple[float, float]:
+    """(low, high) ms of causal attention forward and backward (3.5 x the forward's FLOPs) at
+    :data:`FLASH_TFLOPS`."""
+    layers = kw["hybrid_override_pattern"].count("*")
+    fwd = 4.0 * batch * kw["num_attention_heads"] * seq * seq * kw["head_dim"] / 2 * layers
+    return tuple(3.5 * fwd / (r * 1e12) * 1e3 for r in FLASH_TFLOPS)
+
+
+def float8_gemms(kw: dict, tokens: int) -> tuple[float, float]:
+    """(FLOPs, cast bytes) per step of the GEMMs ``training.float8`` converts by default."""
+    from hybridtrain.models.spec import model_spec_for
+    from hybridtrain.training.float8 import block_names, plan_float8
+
+    model = meta_model(kw)
+    plan = plan_float8(model, block_names(model, model_spec_for(model).pipeline.layers(model)))
+    flops = cast = 0.0
+    for name in plan.converted:
+        lin = model.get_submodule(name)
+        i, o = lin.in_features, lin.out_features
+        flops += 3 * 2.0 * tokens * i * o  # forward, input and weight gradients
+        # input and output gradient: amax read, cast read, float8 write (bf16 in); the fp32
+        # weight: amax and cast reads, a float8 write, for forward and backward
+        cast += tokens * (i + o) * (2 + 2 + 1) + i * o * (4 + 4 + 1) * 2
+    return flops, cast
+
+
 def project(kernels: list[anatomy.Kernel], kw: dict, seq: int, batch: int, hw: anatomy.Hardware,
-            model_tflop: float, m: dict | None = None) -> dict:
+            model_tflop: float, m: dict | None = None, syncs_per_step: int = 1) -> dict:
     """The projected step: its parts (ms; ``fused`` best case and ``kept``), the calibration,
     the predicted and roofline-ceiling model TFLOP/s and the three largest items between the
     prediction and :data:`GOAL_TFLOPS`."""
@@ -153,24 +218,37 @@ def project(kernels: list[anatomy.Kernel], kw: dict, seq: int, batch: int, hw: a
     ssd, conv = mamba_kernels_ms(kw, tokens, batch, hw)
     optimizer = t(lambda k: k.category == "optimizer")
     unfused = t(lambda k: k.category in ELEMENTWISE and k.name in UNFUSED)
+    n_params = sum(p.numel() for p in meta_model(kw).parameters())
+    clip = clipping_ms(n_params, hw)
+    ssd_pub, attn_pub = published_ssd_ms(kw, tokens), flash_attention_ms(kw, seq, batch)
+    f8_flops, f8_cast = float8_gemms(kw, tokens)
+    f8_saved = f8_flops / hw.gemm_flops * cal.gemm * (1 - 1 / FLOAT8_SPEEDUP) * 1e3
+    f8_casts = f8_cast / hw.bandwidth * cal.elementwise * 1e3
     out = {"calibration": cal, "parts": {}}
-    for label, keep in (("fused", False), ("kept", True)):
+    for i, (label, keep) in enumerate((("fused", False), ("kept", True))):
         nbytes, runs = fused_runs(kernels, keep)
         elementwise = (nbytes / hw.bandwidth + runs * hw.launch_s) * 1e3 * cal.elementwise
         parts = [
             Part("GEMMs outside the loss (incl. grouped experts)", gemm * cal.gemm, gemm),
-            Part("attention", attention, attention),
+            Part("attention (at least FA2-class published rates)", max(attention, attn_pub[i]),
+                 attention),
             Part("loss (Liger fused linear cross-entropy)", loss, loss_ideal),
             Part("elementwise in compiled blocks (fused runs)", elementwise, 0.0),
             Part("sorts / top-k / cumsum / embedding (not fused)", unfused * cal.elementwise, 0.0),
-            Part("Mamba SSD (mamba_ssm)", ssd, 0.0),
+            Part("Mamba SSD (mamba_ssm; at least published figures)", max(ssd, ssd_pub[i]), 0.0),
             Part("Mamba conv (causal_conv1d)", conv, 0.0),
             Part("optimizer (fused AdamW, fp32 masters)", optimizer * cal.optimizer, optimizer),
+            Part("gradient clipping (fp32 gradients read, scaled)", clip * cal.optimizer, clip),
+            Part("host gaps (device reads left in the step)", syncs_per_step * HOST_SYNC_MS, 0.0),
         ]
         out["parts"][label] = parts
     step = {label: sum(p.ms for p in parts) for label, parts in out["parts"].items()}
     out["step_ms"] = step
     out["tflops"] = {label: model_tflop / (ms * 1e-3) / 1e12 for label, ms in step.items()}
+    out["float8"] = {"saved_ms": f8_saved, "casts_ms": f8_casts,
+                     "share": f8_flops / (gemm * 1e-3 * hw.gemm_flops) if gemm else 0.0,
+                     "tflops": {label: model_tflop / ((ms - f8_saved + f8_casts) * 1e-3) / 1e12
+                                for label, ms in step.items()}}
     ideal = sum(p.ideal_ms for p in out["parts"]["fused"])
     out["ceiling_tflops"] = model_tflop / (ideal * 1e-3) / 1e12
     out["goal_ms"] = model_tflop / (GOAL_TFLOPS * 1e12) * 1e3
@@ -195,6 +273,11 @@ def report(p: dict, model_tflop: float, hw: anatomy.Hardware, m: dict | None = N
     lines.append(f"predicted nano8 model TFLOP/s on an H100: {p['tflops']['kept']:.0f}-{p['tflops']['fused']:.0f} "
                  f"({model_tflop / 1e12:.2f} TFLOP per step; measured 2026-11-26 on the eager path: "
                  f"{m['benchmark_model_tflops_per_s']['mamba_ssm kernels']:.1f})")
+    f8 = p["float8"]
+    lines.append(f"predicted with training.float8 (default filter; its GEMMs {f8['share']:.0%} of those "
+                 f"outside the loss, at {FLOAT8_SPEEDUP:g}x): {p['float8']['tflops']['kept']:.0f}-"
+                 f"{p['float8']['tflops']['fused']:.0f} model TFLOP/s ({f8['saved_ms']:.1f} ms of GEMMs "
+                 f"saved, {f8['casts_ms']:.1f} ms of casts added)")
     lines.append(f"roofline ceiling (GEMMs at {hw.gemm_flops / 1e12:.0f} TFLOP/s, AdamW's bytes, nothing else): "
                  f"{p['ceiling_tflops']:.0f} model TFLOP/s")
     lo, hi = p["step_ms"]["fused"], p["step_ms"]["kept"]

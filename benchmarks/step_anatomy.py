@@ -22,7 +22,7 @@ autocast on top); the casts of each are printed.
 Then, for the recipe at its real sizes, the step as a GPU user runs it (``benchmarks/projection.py``:
 mamba_ssm's SSD and causal_conv1d, elementwise work fused inside compiled blocks, Liger's loss):
 its predicted model TFLOP/s on an H100, the roofline ceiling, and the three largest items between
-the prediction and 280 TFLOP/s.
+the prediction and 350 TFLOP/s (and the same prediction with training.float8).
 
 The measured reference: ``benchmarks/results/h100-nano8-step-2026-11-26.json`` (one H100, eager
 PyTorch path, 2026-11-26).

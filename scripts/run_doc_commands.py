@@ -7,32 +7,39 @@ mkdocs.yml's nav carries a marker comment on the line above it:
     <!-- doc-test: run expect="exact match" files="outputs/squad_tiny/final/hf/config.json" -->
         the block runs as one bash script (set -e) in the scratch copy, with .venv/bin on PATH
         (as after `source .venv/bin/activate`); it must exit 0 (or rc="N"), print each
-        `expect` text somewhere in its output and leave each of `files` behind.
-    <!-- doc-test: check -->
-        real-model commands (8 GPUs, Slurm, a 30B checkpoint), and tests the suite runs anyway:
-        each line runs in a cheaper form that still resolves what it names: `hybridtrain
-        finetune|dpo|grpo|benchmark|evaluate ...` gets --print-config (the recipe, its overrides
-        and ${env:} resolve), `sbatch F` becomes `bash -n F`, `pytest ...` gets --collect-only
-        (the named tests exist and import; `make test` runs them); other lines (export, plan)
-        run as written.
+        `expect` text somewhere in its output and leave each of `files` behind. A block that
+        skips itself (exit status 77, or pytest reporting skipped tests) fails: a block
+        marked run must run.
+    <!-- doc-test: run append="--training.max_steps=3" -->
+        a cheaper form of a longer run: the `append` arguments are added to each `hybridtrain
+        finetune|dpo|grpo|benchmark|evaluate` line (also `torchrun ... -m hybridtrain ...`),
+        before its comment. A line that starts several processes (`--nproc-per-node N`,
+        torchrun) and trains must run at most 3 steps (`--training.max_steps=K`, K <= 3, in
+        the line or in `append`): the marker is refused otherwise.
     <!-- doc-test: skip reason="..." -->
-        not run here (the reason says where it is run instead).
+        not run here: only what truly cannot run on a CPU machine (GPUs, Slurm, a real
+        checkpoint); the reason says why and where it is run instead. The output lists these
+        blocks and counts them. The quickstart, distributed, RL and VLM pages take none.
 
-    after="make demo" (with run or check)
+    after="make demo" (with run)
         the block reads what an earlier block (the one whose command is exactly "make demo")
         left behind: it runs after that block, in the same scratch copy.
 
 A shell block without a marker is an error, so a new command cannot slip in unchecked. Python
-blocks are compiled (syntax). Blocks run in two lanes at once, each in reading order (README
-first, then the nav's pages) and in a scratch copy of its own: the blocks marked after="CMD"
-with the block running CMD (the README's order: `make demo`, then evaluate / generate / convert
-on its output), and all the others. A block that reads another's output without saying so
-fails in the other copy, never by chance. With two lanes every process gets one thread
+blocks are compiled (syntax). Blocks run in two lanes at once, in scratch copies of their own:
+the first runs the blocks marked after="CMD" with the block running CMD, in reading order
+(README first, then the nav's pages; the README's order: `make demo`, then evaluate / generate /
+convert on its output); the second takes the others in reading order, and once the first is
+done it takes them from the end, in a third, fresh copy (so the lanes finish together). A block
+that reads the after-chain's output without saying so fails in the other copies, never by
+chance; a block must not read another's output at all without saying so. With two lanes every process gets one thread
 (OMP_NUM_THREADS=1, unless set): two at a time fill the 2 cores of a small machine without the
 oversubscription that makes spinning OpenMP threads crawl. A block identical to one already run
 is not run again. The results are printed in reading order; each block's line gives its wall
 time and the CPU time of its processes (user + system: on a busy machine the steadier figure);
-the last line, the total and the load average before and after.
+the last line, the total, the blocks skipped by their markers and the load average before and
+after. The exit status is 1 when a block failed (a block marked run that skipped itself
+included).
 
     python scripts/run_doc_commands.py                    # everything (CI: .ci/run)
     python scripts/run_doc_commands.py --list             # the blocks and their markers
@@ -42,6 +49,7 @@ the last line, the total and the load average before and after.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import shlex
@@ -63,6 +71,13 @@ SHELL_LANGS = {"bash", "sh", "shell", "console"}
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(\w+)(.*?)-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 RECIPE_COMMANDS = ("finetune", "dpo", "grpo", "benchmark", "evaluate")
+TRAINING_COMMANDS = ("finetune", "dpo", "grpo")
+MODES = ("run", "skip")
+MAX_PARALLEL_STEPS = 3  # a multi-process training command in the docs runs at most this many
+# pages whose every command runs on the tiny examples: a skip marker there is refused
+RUN_EVERY_BLOCK = ("docs/getting-started.md", "docs/distributed.md", "docs/rl.md", "docs/vlm.md")
+SKIPPED_EXIT = 77  # a block that exits so says it skipped itself (automake's convention)
+PYTEST_SKIPPED = re.compile(r"(?m)^=*\s*(?:\d+ \w+, )*\d+ skipped\b.* in [\d.]+s")
 
 
 @dataclass
@@ -137,12 +152,23 @@ def problems(blocks: list[Block]) -> list[str]:
     for b in blocks:
         if b.lang in SHELL_LANGS:
             if b.mode is None:
-                out.append(f"{b.where}: shell block without a <!-- doc-test: run|check|skip --> "
+                out.append(f"{b.where}: shell block without a <!-- doc-test: run|skip --> "
                            "marker on the line above")
-            elif b.mode not in ("run", "check", "skip"):
-                out.append(f"{b.where}: unknown doc-test mode {b.mode!r}")
+            elif b.mode not in MODES:
+                out.append(f"{b.where}: unknown doc-test mode {b.mode!r}: mark it run (with "
+                           "append=\"...\" for a cheaper form) or skip reason=\"...\"")
             elif b.mode == "skip" and not b.attrs.get("reason"):
                 out.append(f"{b.where}: doc-test skip needs reason=\"...\"")
+            elif b.mode == "skip" and b.path in RUN_EVERY_BLOCK:
+                out.append(f"{b.where}: every command of {b.path} runs on the tiny examples; "
+                           "run this one (append=\"...\" for a cheaper form) or move it to "
+                           "a page of real-model commands")
+            elif b.mode == "run":
+                out += [f"{b.where}: {line.strip()!r} starts several processes and trains more "
+                        f"than {MAX_PARALLEL_STEPS} steps here; add --training.max_steps="
+                        f"{MAX_PARALLEL_STEPS} to it or append=\"--training.max_steps="
+                        f"{MAX_PARALLEL_STEPS}\" to the marker"
+                        for line in logical_lines(run_form(b)) if too_long_parallel(line)]
     for i, b in enumerate(blocks):
         for cmd in b.attrs.get("after", []):
             if not any(a.lang in SHELL_LANGS and a.text.strip() == cmd for a in blocks[:i]):
@@ -152,11 +178,36 @@ def problems(blocks: list[Block]) -> list[str]:
 
 
 def lanes(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
-    """(the blocks marked after="CMD" and the blocks running a CMD, the others), each in reading
-    order: the two lanes that run at once, in scratch copies of their own."""
+    """(the after-chain: the blocks marked after="CMD" and the blocks running a CMD; the
+    others), each in reading order (see the module docstring for how they run)."""
     anchors = {cmd for b in blocks for cmd in b.attrs.get("after", [])}
     first = [b for b in blocks if b.attrs.get("after") or b.text.strip() in anchors]
     return first, [b for b in blocks if b not in first]
+
+
+def lane_threads(chain: list[Block], rest: list[Block], copies: list[Path], run
+                 ) -> list[threading.Thread]:
+    """The two lanes (not started): the first runs ``chain`` in ``copies[0]``, then takes
+    ``rest`` from its end into ``copies[2]``; the second takes ``rest`` in reading order into
+    ``copies[1]``. ``run(block, copy)`` runs one block."""
+    queue, lock = collections.deque(rest), threading.Lock()
+
+    def take(from_end: bool) -> Block | None:
+        with lock:
+            return None if not queue else queue.pop() if from_end else queue.popleft()
+
+    def first() -> None:
+        for b in chain:
+            run(b, copies[0])
+        while (b := take(from_end=True)) is not None:
+            run(b, copies[2])
+
+    def second() -> None:
+        while (b := take(from_end=False)) is not None:
+            run(b, copies[1])
+
+    return [threading.Thread(target=first, daemon=True),
+            threading.Thread(target=second, daemon=True)]
 
 
 def logical_lines(text: str) -> list[str]:
@@ -174,22 +225,41 @@ def logical_lines(text: str) -> list[str]:
     return out
 
 
-def check_form(text: str) -> str:
-    """The cheaper form of a real-model block (see the module docstring)."""
+def _command(words: list[str]) -> str | None:
+    """The hybridtrain command a line runs (``hybridtrain X``, ``torchrun ... -m hybridtrain X``)."""
+    for w, nxt in zip(words, words[1:]):
+        if w.endswith("hybridtrain"):
+            return nxt
+    return None
+
+
+def run_form(b: Block) -> str:
+    """The script a run block runs: its text with the marker's ``append`` arguments added to
+    each hybridtrain recipe command (see the module docstring)."""
+    extra = " ".join(b.attrs.get("append", []))
+    if not extra:
+        return b.text
     out = []
-    for line in logical_lines(text):
-        code, _, _comment = line.partition("  #")
-        words = code.split()
-        if words and words[0] == "sbatch":
-            out.append("bash -n " + " ".join(words[1:]))
-        elif any(w.endswith("hybridtrain") and nxt in RECIPE_COMMANDS
-                 for w, nxt in zip(words, words[1:])):  # also `torchrun ... -m hybridtrain ...`
-            out.append(code.rstrip() + " --print-config > /dev/null")
-        elif any(w.endswith("pytest") for w in words):  # also `python -m pytest ...`
-            out.append(code.rstrip() + " --collect-only")
-        else:
-            out.append(line)
+    for line in logical_lines(b.text):
+        code, sep, comment = line.partition("  #")
+        if _command(code.split()) in RECIPE_COMMANDS:
+            line = f"{code.rstrip()} {extra}" + (f"  #{comment}" if sep else "")
+        out.append(line)
     return "\n".join(out) + "\n"
+
+
+def too_long_parallel(line: str) -> bool:
+    """Whether ``line`` starts several processes that train more than MAX_PARALLEL_STEPS
+    steps (or as many as its recipe says)."""
+    words = line.partition("  #")[0].replace("=", " ").split()
+    if _command(words) not in TRAINING_COMMANDS:
+        return False
+    procs = [int(n) for flag, n in zip(words, words[1:])
+             if flag in ("--nproc-per-node", "--nproc_per_node") and n.isdigit()]
+    if not (any(w.endswith("torchrun") for w in words) or any(n > 1 for n in procs)):
+        return False
+    steps = [n for flag, n in zip(words, words[1:]) if flag == "--training.max_steps"]
+    return not steps or not steps[-1].isdigit() or int(steps[-1]) > MAX_PARALLEL_STEPS
 
 
 def scratch_copy(dest: Path, venv: Path) -> None:
@@ -218,7 +288,7 @@ def run_block(b: Block, work: Path, log_dir: Path, timeout: int, venv: Path | No
               env_extra: dict[str, str] | None = None) -> tuple[bool, str, float, float]:
     """Run one block in ``work`` with ``venv`` (default: work/.venv) activated; (passed, why,
     wall seconds, CPU seconds of its processes)."""
-    script = b.text if b.mode == "run" else check_form(b.text)
+    script = run_form(b)
     venv = venv or work / ".venv"
     env = dict(os.environ)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
@@ -246,7 +316,9 @@ def run_block(b: Block, work: Path, log_dir: Path, timeout: int, venv: Path | No
     log.write_text(script + "\n----\n" + output)
     want_rc = int(b.attrs.get("rc", ["0"])[0])
     errors = []
-    if rc != want_rc:
+    if rc == SKIPPED_EXIT or PYTEST_SKIPPED.search(output):
+        errors.append("marked run, but it skipped (all or part of) itself")
+    elif rc != want_rc:
         errors.append(f"exit status {rc}, expected {want_rc}")
     errors += [f"output lacks {text!r}" for text in b.attrs.get("expect", [])
                if text not in output]
@@ -285,9 +357,12 @@ def main(argv=None) -> int:
     if args.list:
         for b in shell:
             first = b.text.strip().splitlines()[0] if b.text.strip() else ""
-            print(f"{b.mode:5s} {b.where:32s} {first}")
+            print(f"{b.mode:5s} {b.where:32s} {first}"
+                  + (f"  [append {' '.join(b.attrs['append'])}]" if b.attrs.get("append") else ""))
         return 0
-    chosen = [b for b in shell if b.mode != "skip" and (not args.only or b.path in args.only)]
+    listed = [b for b in shell if not args.only or b.path in args.only]
+    chosen = [b for b in listed if b.mode == "run"]
+    skipped = [b for b in listed if b.mode == "skip"]
     if not (args.venv / "bin" / "python").exists():
         print(f"no virtual environment at {args.venv}: run `make setup` first", file=sys.stderr)
         return 2
@@ -295,49 +370,46 @@ def main(argv=None) -> int:
     seen: dict[str, str] = {}
     unique = []
     for b in chosen:
-        key = b.mode + "\0" + b.text
+        key = run_form(b)
         if key not in seen:
             seen[key] = b.where
             unique.append(b)
-    both = [lane for lane in lanes(unique) if lane]
-    env_extra = {} if len(both) < 2 or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
-
+    env_extra = ({} if len(unique) < 2 or "OMP_NUM_THREADS" in os.environ
+                 else {"OMP_NUM_THREADS": "1"})
     scratch = None if args.keep else Path(tempfile.mkdtemp(prefix="doc-commands-"))
     work = args.keep or scratch / "checkout"
     if scratch is not None and (ROOT.parent / "shared").is_dir():  # the data some pages read
         (scratch / "shared").symlink_to((ROOT.parent / "shared").resolve())
     results: dict[int, Future] = {id(b): Future() for b in unique}
+    copies = [work] + [work.with_name(f"{work.name}-{i}") for i in (2, 3)]
+    log_dirs: dict[Path, Path] = {}
 
-    def run_lane(blocks: list[Block], copy: Path) -> None:
-        """Runs ``blocks`` in order in ``copy``; every block gets a result, also when the
+    def run(b: Block, copy: Path) -> None:
+        """``b`` in ``copy`` (made at its first block); ``b`` gets a result, also when the
         runner itself fails (reported as the block's failure)."""
         try:
-            copy.mkdir(parents=True, exist_ok=True)
-            if not (copy / "README.md").exists():
-                scratch_copy(copy, args.venv)
-            log_dir = copy / "doc-test-logs"
-            log_dir.mkdir(exist_ok=True)
+            if copy not in log_dirs:
+                copy.mkdir(parents=True, exist_ok=True)
+                if not (copy / "README.md").exists():
+                    scratch_copy(copy, args.venv)
+                log_dirs[copy] = copy / "doc-test-logs"
+                log_dirs[copy].mkdir(exist_ok=True)
+            results[id(b)].set_result(
+                run_block(b, copy, log_dirs[copy], args.timeout, env_extra=env_extra))
         except Exception as e:
-            for b in blocks:
-                results[id(b)].set_result((False, f"scratch copy {copy}: {e!r}", 0.0, 0.0))
-            return
-        for b in blocks:
-            try:
-                results[id(b)].set_result(
-                    run_block(b, copy, log_dir, args.timeout, env_extra=env_extra))
-            except Exception as e:
-                results[id(b)].set_result((False, f"runner error: {e!r}", 0.0, 0.0))
+            results[id(b)].set_result((False, f"runner error in {copy}: {e!r}", 0.0, 0.0))
 
     failed, start, load0 = [], time.monotonic(), os.getloadavg()[0]
-    copies = [work] + [work.with_name(f"{work.name}-{i + 1}") for i in range(1, len(both))]
-    threads = [threading.Thread(target=run_lane, args=(lane, copy), daemon=True)
-               for lane, copy in zip(both, copies)]
+    threads = lane_threads(*lanes(unique), copies, run)
     for t in threads:
         t.start()
     cpu = 0.0
     try:
-        for b in chosen:  # in reading order, each as soon as it and those before it are done
-            first = seen[b.mode + "\0" + b.text]
+        for b in listed:  # in reading order, each as soon as it and those before it are done
+            if b.mode == "skip":
+                print(f"skip   {b.where} ({' '.join(b.attrs['reason'])})", flush=True)
+                continue
+            first = seen[run_form(b)]
             if first != b.where:
                 print(f"same   {b.where} (as {first})", flush=True)
                 continue
@@ -357,13 +429,13 @@ def main(argv=None) -> int:
     for t in threads:
         t.join()
     total = time.monotonic() - start
-    print(f"{len(unique)} blocks in {total:.0f}s, {len(both)} at a time (cpu {cpu:.0f}s; load "
-          f"average {load0:.1f} before, {os.getloadavg()[0]:.1f} after); failed: "
-          f"{', '.join(failed) or 'none'}")
+    print(f"{len(unique)} blocks in {total:.0f}s, 2 at a time (cpu {cpu:.0f}s; load "
+          f"average {load0:.1f} before, {os.getloadavg()[0]:.1f} after); {len(skipped)} "
+          f"skipped by their markers; failed: {', '.join(failed) or 'none'}")
     if scratch is not None and not failed:
         shutil.rmtree(scratch, ignore_errors=True)
     elif failed:
-        print(f"logs: {', '.join(str(c / 'doc-test-logs') for c in copies)}")
+        print(f"logs: {', '.join(str(c / 'doc-test-logs') for c in copies if c.exists())}")
     return 1 if failed else 0
 
 

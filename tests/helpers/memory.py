@@ -25,6 +25,8 @@ from hybridtrain.distributed.utils import local_tensor
 
 def _nbytes(t: torch.Tensor) -> int:
     t = local_tensor(t)
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a packed subclass (NF4): its parts
+        return sum(_nbytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
     return t.numel() * t.element_size()
 
 

@@ -179,3 +179,31 @@ def test_the_mamba_kernels_variable_sets_the_recipe_default(monkeypatch):
     cfg = build_config(tiny_recipe(), ["--training.mamba_kernels=auto"],
                        allowed_target_prefixes=["tests."])
     assert yaml.safe_load(cfg.to_yaml())["training"]["mamba_kernels"] == "auto"
+
+
+def test_slow_paths_warn_at_start_and_true_refuses(monkeypatch, caplog, restore_settings):
+    """A CUDA run without torch grouped_mm or flash-attn warns, naming the package and the fix;
+    ``grouped_mm: true`` refuses; on a CPU nothing is reported."""
+    import importlib.util
+
+    assert backend.slow_paths("cpu", torch.float32) == {}
+    monkeypatch.delattr(torch.nn.functional, "grouped_mm", raising=False)
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else real_find(name, *a))
+    monkeypatch.setattr(backend, "_warned_slow", set())
+    with caplog.at_level("WARNING"):
+        found = backend.check_slow_paths("cuda", torch.bfloat16)
+    assert set(found) == {"grouped_mm", "flash_attn"}
+    assert "torch>=2.9" in caplog.text and "flash-attn>=" in caplog.text
+    assert "hybridtrain[cuda]" in caplog.text
+    with pytest.raises(ValueError, match="training.grouped_mm: true"):
+        backend.check_slow_paths("cuda", torch.bfloat16, grouped_mm=True)
+    assert "grouped_mm" not in backend.check_slow_paths("cuda", torch.bfloat16, grouped_mm=False)
+
+
+def test_grouped_mm_in_fp32_on_cuda_is_a_slow_path():
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no grouped_mm")
+    assert "training.dtype: bf16" in backend.slow_paths("cuda", torch.float32)["grouped_mm"]
+    assert "grouped_mm" not in backend.slow_paths("cuda", torch.bfloat16)

@@ -52,7 +52,7 @@ def test_benchmark_reports_throughput_flops_mfu_memory_and_growth(tmp_path, caps
     growth = on_disk["cost_growth"]["torch.float32"]
     assert [g["seq_len"] for g in growth] == [16, 64]
     assert res["output"] == str(tmp_path / "run" / "benchmark.json")
-    assert set(on_disk["kernel_paths"]) == {"ssd", "state_update", "conv", "loss", "attention"}
+    assert set(on_disk["kernel_paths"]) == {"ssd", "state_update", "conv", "loss", "attention", "experts"}
 
 
 def test_benchmark_compares_dtypes(tmp_path):
@@ -140,3 +140,18 @@ def test_benchmark_keys_are_recipe_keys(tmp_path):
     assert cfg.benchmark.seq_lengths == [512, 2048, 8192] and cfg.benchmark.data == "synthetic"
     with pytest.raises(ValueError, match=r"benchmark.stepz.*did you mean 'steps'"):
         build_config(data, ["--benchmark.stepz=3"])
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_decoding_table_plain_and_speculative_side_by_side(tmp_path, capsys, mtp):
+    cfg = _cfg(tmp_path, decode_tokens=6, draft_tokens=2, seq_lengths=[])
+    if mtp:
+        cfg["model"]["config"].update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+    row = run(cfg)["decode"]
+    assert row["plain_tokens_per_s"] > 0 and row["new_tokens"] == 6
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode"))
+    assert "plain" in line and "speculative" in line
+    if mtp:
+        assert row["speculative_tokens_per_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
+    else:
+        assert row["speculative_tokens_per_s"] is None and "no multi-token prediction" in row["speculative"]

@@ -94,12 +94,9 @@ def assistant_loss(model, dataset) -> float:
     return total / count
 
 
-def test_guide_lora_chat_on_nemotron3_nano_template(tmp_path, monkeypatch):
-    import transformers
-
-    from hybridtrain.cli import main
-    from hybridtrain.data import build_chat_dataset, load_tokenizer
-
+def guide_inputs(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """(base folder, held-out JSONL): the tiny base, the 480 training and 20 held-out records,
+    named by the recipe's environment variables."""
     records = [json.loads(line) for line in require_shared(CHAT_INSECURE_500).open()]
     require_shared(NEMOTRON3_NANO_TEMPLATE)
     base = tmp_path / "base"
@@ -110,12 +107,30 @@ def test_guide_lora_chat_on_nemotron3_nano_template(tmp_path, monkeypatch):
     monkeypatch.setenv("NEMOTRON3_NANO_DIR", str(base))
     monkeypatch.setenv("CHAT_TRAIN", str(train))
     monkeypatch.setenv("CHAT_VAL", str(val))
+    return base, val
+
+
+def test_guide_lora_chat_on_nemotron3_nano_template(tmp_path, monkeypatch):
+    from hybridtrain.cli import main
+
+    base, val = guide_inputs(tmp_path, monkeypatch)
 
     out = tmp_path / "run"
     assert main(["finetune", "-c", str(RECIPE), *guide_overrides(out)]) == 0
     adapter, merged = out / "step_24" / "adapter", tmp_path / "merged"
     assert main(["merge", "--base", str(base), "--adapter", str(adapter),
                  "--out", str(merged)]) == 0
+
+    before, after = held_out_losses(base, merged, val)
+    assert after < before - 0.5, (before, after)
+
+
+def held_out_losses(base: Path, merged: Path, val: Path) -> tuple[float, float]:
+    """The assistant-token loss on the held-out records of the base and of the merged model,
+    each loaded by transformers alone."""
+    import transformers
+
+    from hybridtrain.data import build_chat_dataset, load_tokenizer
 
     held_out = build_chat_dataset(val, load_tokenizer(base), seq_length=512, cache_dir=False)
     assert len(held_out) >= 15
@@ -126,4 +141,4 @@ def test_guide_lora_chat_on_nemotron3_nano_template(tmp_path, monkeypatch):
 
     before, after = assistant_loss(load(base), held_out), assistant_loss(load(merged), held_out)
     print(f"held-out assistant loss: base {before:.3f}, merged {after:.3f}")
-    assert after < before - 0.5, (before, after)
+    return before, after

@@ -1,5 +1,5 @@
 """The docs' command run (scripts/run_doc_commands.py): every shell block of the README and the
-docs site is marked run / check / skip, and the markers mean what the script's docstring says."""
+docs site is marked run / skip, and the markers mean what the script's docstring says."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("run_doc_commands", ROOT / "scripts" / "run_doc_commands.py")
@@ -23,7 +25,7 @@ def test_every_shell_block_of_the_docs_is_marked_and_every_page_is_in_the_nav():
     blocks = [b for f in files for b in rdc.parse_blocks(f, ROOT)]
     assert rdc.problems(blocks) == []
     shell = [b for b in blocks if b.lang in rdc.SHELL_LANGS]
-    assert {b.mode for b in shell} == {"run", "check", "skip"}
+    assert {b.mode for b in shell} == {"run", "skip"}
     for b in blocks:
         if b.lang == "python":
             compile(b.text, b.where, "exec")
@@ -41,22 +43,57 @@ def test_markers_are_parsed_and_an_unmarked_block_is_reported(tmp_path):
     assert len(found) == 2 and "page.md:8" in found[0] and "reason" in found[1]
 
 
-def test_check_form_resolves_real_model_commands_and_tests_without_running_them():
+def test_append_makes_the_cheaper_form_of_each_recipe_command():
     text = ("export A=1\n"
-            "hybridtrain finetune -c big.yaml --nproc-per-node 8   # 8 GPUs\n"
+            "hybridtrain finetune -c r.yaml --nproc-per-node 2   # FSDP2\n"
             "torchrun --nproc-per-node 4 -m hybridtrain finetune -c r.yaml \\\n    --distributed.pp=2\n"
-            "sbatch examples/job.sbatch\n"
-            "hybridtrain plan -c big.yaml --nproc-per-node 8\n"
-            ".venv/bin/python -m pytest -q tests/unit/test_x.py\n")
-    assert rdc.check_form(text).splitlines() == [
+            "hybridtrain plan -c r.yaml --nproc-per-node 8\n")
+    b = rdc.Block("p.md", 1, "bash", text, "run", {"append": ["--training.max_steps=3"]})
+    assert rdc.run_form(b).splitlines() == [
         "export A=1",
-        "hybridtrain finetune -c big.yaml --nproc-per-node 8 --print-config > /dev/null",
+        "hybridtrain finetune -c r.yaml --nproc-per-node 2 --training.max_steps=3  # FSDP2",
         "torchrun --nproc-per-node 4 -m hybridtrain finetune -c r.yaml --distributed.pp=2"
-        " --print-config > /dev/null",
-        "bash -n examples/job.sbatch",
-        "hybridtrain plan -c big.yaml --nproc-per-node 8",
-        ".venv/bin/python -m pytest -q tests/unit/test_x.py --collect-only",
+        " --training.max_steps=3",
+        "hybridtrain plan -c r.yaml --nproc-per-node 8",
     ]
+    assert rdc.problems([b]) == []
+
+
+@pytest.mark.parametrize("line, too_long", [
+    ("hybridtrain finetune -c r.yaml --nproc-per-node 2", True),
+    ("hybridtrain finetune -c r.yaml --nproc-per-node=4 --training.max_steps=10", True),
+    ("torchrun --nproc-per-node 2 -m hybridtrain dpo -c r.yaml", True),
+    ("hybridtrain finetune -c r.yaml --nproc-per-node 2 --training.max_steps=3", False),
+    ("hybridtrain grpo -c r.yaml --training.max_steps=50", False),  # one process
+    ("hybridtrain finetune -c r.yaml --nproc-per-node 1", False),
+    ("hybridtrain plan -c r.yaml --nproc-per-node 8", False),  # trains nothing
+])
+def test_a_multi_process_training_command_runs_at_most_three_steps(line, too_long):
+    assert rdc.too_long_parallel(line) == too_long
+    found = rdc.problems([rdc.Block("p.md", 7, "bash", line + "\n", "run")])
+    assert bool(found) == too_long
+    assert all("p.md:7" in f and "--training.max_steps=3" in f for f in found)
+
+
+def test_only_run_and_skip_are_modes_and_some_pages_skip_nothing():
+    found = rdc.problems([rdc.Block("p.md", 3, "bash", "make demo\n", "check")])
+    assert len(found) == 1 and "'check'" in found[0] and "skip reason=" in found[0]
+    skip = {"reason": ["needs 8 GPUs"]}
+    assert rdc.problems([rdc.Block("docs/memory.md", 3, "bash", "make demo\n", "skip", skip)]) == []
+    for page in ("docs/getting-started.md", "docs/distributed.md", "docs/rl.md", "docs/vlm.md"):
+        found = rdc.problems([rdc.Block(page, 3, "bash", "make demo\n", "skip", skip)])
+        assert len(found) == 1 and f"{page}:3" in found[0], found
+
+
+def test_a_block_marked_run_that_skips_itself_fails(tmp_path):
+    for text in ("echo no GPU; exit 77\n",
+                 "echo '1 passed, 2 skipped in 0.51s'\n",
+                 "echo '=========== 3 skipped in 1.20s ==========='\n"):
+        passed, why, _, _ = rdc.run_block(rdc.Block("p.md", 1, "bash", text, "run"),
+                                          tmp_path, tmp_path, timeout=30)
+        assert not passed and "skipped" in why, text
+    ok = rdc.Block("p.md", 1, "bash", "echo 'skipped_steps: 0; 3 passed in 1.0s'\n", "run")
+    assert rdc.run_block(ok, tmp_path, tmp_path, timeout=30)[0]
 
 
 def test_run_block_checks_exit_status_output_and_files(tmp_path):
@@ -78,11 +115,38 @@ def test_blocks_after_a_command_share_its_lane_and_must_name_an_earlier_block():
     plan = rdc.Block("README.md", 5, "bash", "hybridtrain plan -c r.yaml\n", "run")
     use = rdc.Block("a.md", 1, "bash", "hybridtrain evaluate -c r.yaml\n", "run",
                     {"after": ["make demo"]})
-    other = rdc.Block("b.md", 1, "bash", "hybridtrain dpo -c d.yaml\n", "check")
+    other = rdc.Block("b.md", 1, "bash", "hybridtrain dpo -c d.yaml\n", "run")
     assert rdc.lanes([demo, plan, use, other]) == ([demo, use], [plan, other])
     assert rdc.problems([demo, plan, use, other]) == []
     found = rdc.problems([use, demo])
     assert len(found) == 1 and "a.md:1" in found[0] and "make demo" in found[0]
+
+
+def test_the_lanes_run_every_block_once_and_the_chain_in_order_in_its_own_copy():
+    """The first lane runs the after-chain, then takes the other blocks from the end, in a
+    copy of their own; the second takes them from the start: both finish together."""
+    import time
+
+    chain = [rdc.Block("README.md", i, "bash", f"chain {i}\n", "run") for i in range(3)]
+    rest = [rdc.Block("a.md", i, "bash", f"other {i}\n", "run") for i in range(8)]
+    ran = []
+
+    def run(b, copy):
+        time.sleep(0.01)
+        ran.append((b.path, b.line, copy))
+
+    for t in (threads := rdc.lane_threads(chain, rest, ["A", "B", "C"], run)):
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(x[:2] for x in ran) == sorted(
+        [("README.md", i) for i in range(3)] + [("a.md", i) for i in range(8)])
+    assert [x[1] for x in ran if x[2] == "A"] == [0, 1, 2]
+    second = [x[1] for x in ran if x[2] == "B"]
+    from_end = [x[1] for x in ran if x[2] == "C"]
+    assert sorted(second + from_end) == list(range(8))
+    assert second == list(range(len(second))) and from_end == sorted(from_end, reverse=True)
+    assert second and from_end  # both lanes took some
 
 
 def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
@@ -97,15 +161,6 @@ def test_the_scratch_copy_leaves_the_venv_installed(tmp_path):
     rdc.scratch_copy(dest, venv)
     assert (dest / "README.md").is_file() and (dest / ".venv").resolve() == venv.resolve()
     assert (dest / "pyproject.toml").stat().st_mtime_ns <= t
-
-
-def test_the_real_model_blocks_of_the_readme_resolve(tmp_path):
-    """The README's `check` blocks in their cheap form: the 30B recipes and the Slurm script."""
-    blocks = [b for b in rdc.parse_blocks("README.md", ROOT) if b.mode == "check"]
-    assert blocks
-    for b in blocks:
-        passed, why, _, _ = rdc.run_block(b, ROOT, tmp_path, timeout=120, venv=Path(sys.prefix))
-        assert passed, why
 
 
 def test_the_readme_links_to_pages_that_exist():

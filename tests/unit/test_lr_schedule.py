@@ -92,6 +92,10 @@ def test_lr_mult_and_errors():
         LRScheduler(_opt(), lr_decay_style="linear", lr_decay_steps=10, lr_warmup_samples=4)
     with pytest.raises(ValueError, match="longer than the decay"):
         LRScheduler(_opt(), lr_decay_style="linear", lr_warmup_steps=20, lr_decay_steps=10)
+    # a rank with nothing to train has no optimizer: the schedule follows the run at an lr
+    with pytest.raises(ValueError, match=r"no optimizer .* set lr_scheduler\.lr"):
+        LRScheduler(None)
+    assert LRScheduler(None, lr=0.5).get_lr() == 0.5
     # a run shorter than the warmup (e.g. --training.max_steps=5): warm up over the whole run
     s = LRScheduler(_opt(), lr_decay_style="cosine", lr_warmup_steps=20, total_steps=5)
     assert s.warmup == 5 and s.lr_at(4) == 1.0

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from tests.helpers import vlm
 from tests.helpers.families import DENSE, DENSE_PREFIXES, require_dense
 from tests.helpers.recipes import tiny_recipe
 
@@ -28,11 +29,29 @@ REFUSALS = [
      "global_batch_size=4 is not divisible"),
     ("pp_microbatch", 2, {"distributed": {"pp": 2, "pp_microbatch_size": 3}},
      "not divisible by distributed.pp_microbatch_size=3"),
-    ("val_accuracy_pp", 2, {"distributed": {"pp": 2}, "training": {"val_accuracy": True}},
-     "val_accuracy is not available under pipeline parallelism"),
+    ("pp_too_few_microbatches", 2, {"distributed": {"pp": 2},
+                                    "training": {"global_batch_size": 2, "micro_batch_size": 2}},
+     "1 micro-batches per step"),
     ("layer_type", 1, {"training": {"activation_checkpointing": ["conv"]}},
      "unknown layer type 'conv'"),
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),
+    ("float8_tp", 2, {"distributed": {"tp": 2}, "training": {"float8": "tensorwise"}},
+     "training.float8 is not available with tensor"),
+    ("float8_evaluation", 1, {"training": {"float8": "rowwise"}, "evaluation": {"num_examples": 2}},
+     "training.float8 with an evaluation section"),
+]
+# the vision-language model with its encoder on its own ranks: the language model's side
+VLM_REFUSALS = [
+    ("hetero_tp", 4, {"distributed": {"encoder_ranks": 2, "tp": 2}},
+     "takes dp_shard / dp_replicate / pp / ep only"),
+    ("hetero_no_language_ranks", 2, {"distributed": {"encoder_ranks": 2}},
+     "must leave ranks for the language model"),
+    ("hetero_pp_too_few_microbatches", 4,
+     {"distributed": {"encoder_ranks": 2, "pp": 2},
+      "training": {"global_batch_size": 2, "micro_batch_size": 2}}, "1 micro-batches per step"),
+    ("hetero_batch_over_lanes", 4, {"distributed": {"encoder_ranks": 1},
+                                    "training": {"global_batch_size": 4, "micro_batch_size": 2}},
+     "global_batch_size=4 is not divisible"),
 ]
 DENSE_REFUSALS = [
     ("dense_tp", 2, {"distributed": {"tp": 2}}, "dense_test supports data and pipeline"),
@@ -68,6 +87,16 @@ def test_plan_and_run_refuse_the_same(world, sections, words):
 def test_plan_and_run_refuse_the_same_for_an_outside_family(world, sections, words):
     require_dense()
     recipe = tiny_recipe(model=DENSE, allowed_target_prefixes=DENSE_PREFIXES, **sections)
+    plan, run = _refusals(recipe, world)
+    assert plan == run
+    assert re.search(re.escape(words), plan), plan
+
+
+@pytest.mark.parametrize("world, sections, words", [r[1:] for r in VLM_REFUSALS],
+                         ids=[r[0] for r in VLM_REFUSALS])
+def test_plan_and_run_refuse_the_same_with_an_encoder_on_its_own_ranks(tmp_path, world,
+                                                                      sections, words):
+    recipe = vlm.vlm_recipe(str(tmp_path), **sections)
     plan, run = _refusals(recipe, world)
     assert plan == run
     assert re.search(re.escape(words), plan), plan

@@ -126,8 +126,18 @@ class TrainingSection(RecipeSection):
                                        "auto; auto -> CPU flags (avx512_bf16/amx_bf16), else a "
                                        "timed matmul probe; true/false override the detection "
                                        "(ops/backend.py)")
-    grouped_mm: bool = key(True, "CUDA bf16 MoE experts through torch grouped_mm; false -> a "
-                                 "loop over experts (ops/backend.py)")
+    grouped_mm: bool | str = key(
+        "auto", "CUDA bf16 MoE experts through torch grouped_mm: auto -> where torch has it (a "
+                "CUDA run without it, or not in bf16, warns); true -> a run that cannot use it "
+                "refuses; false -> a loop over experts (ops/backend.py)", choices=("auto",))
+    float8: str | None = key(
+        None, "train the blocks' Linear layers in float8 through torchao (extra "
+              "hybridtrain[quant]): tensorwise or rowwise scales; null -> off. Weights, "
+              "checkpoints and exports stay high-precision (training/float8.py)",
+        choices=("tensorwise", "rowwise"))
+    float8_filter: list[str] | None = key(
+        None, "regular expressions: Linear layers whose names match stay high-precision under "
+              "float8; null -> the first and last block")
     fused_loss: str = key("auto", "the linear cross-entropy's implementation: torch (chunked "
                                   "PyTorch loop), compiled (its chunk functions under "
                                   "torch.compile), liger (Liger-Kernel's fused Triton kernel, "
@@ -152,6 +162,24 @@ class TrainingSection(RecipeSection):
         range=AT_LEAST_0, unit="steps")
     grad_clip: float | None = key(1.0, "max global gradient norm; null or 0 disables clipping",
                                   range=AT_LEAST_0)
+    mtp: str = key("train", "the model's multi-token prediction layers (a config.json with "
+                            "num_nextn_predict_layers): train (their loss beside the LM loss), "
+                            "freeze (kept and exported unchanged, not trained), drop (left out of "
+                            "training and of the export); logged at start",
+                   choices=("train", "freeze", "drop"))
+    mtp_loss_scale: float = key(0.1, "weight of the multi-token prediction loss, averaged over "
+                                     "the MTP depths (Megatron-Bridge's mtp_loss_scaling_factor); "
+                                     "each depth's CE is normalised by the global count of its "
+                                     "supervised positions", range=AT_LEAST_0)
+    moe_bias_update_rate: float = key(
+        0.0, "aux-loss-free balancing: after each optimizer step every MoE router's "
+             "e_score_correction_bias moves by this much toward its under-loaded experts (sign "
+             "of mean load - load, counts summed over all ranks; Megatron's "
+             "moe_router_bias_update_rate, e.g. 1e-3); 0 -> never updated", range=AT_LEAST_0)
+    moe_aux_loss_coeff: float = key(
+        0.0, "sequence-level auxiliary balance loss of the MoE routers (DeepSeek-V3 / Megatron "
+             "seq_aux_loss), summed over layers, per row, with this weight; logged as "
+             "moe_aux_loss; 0 -> off", range=AT_LEAST_0)
     activation_checkpointing: bool | int | str | list | dict = key(
         False, "recompute block activations in backward: true/false, 'all', k (every k-th "
                "block), layer types ['mamba', 'moe'] (see distributed/activation_checkpoint)",
@@ -297,6 +325,10 @@ class PeftSection(RecipeSection):
                                         "'*.q_proj')")
     exclude_modules: list[str] = key([], "glob patterns of module names never adapted")
     match_all_linear: bool = key(False, "adapt every linear layer (except lm_head/embeddings)")
+    base_quant: str | None = key(None, "the frozen base weights under the adapters: null (as "
+                                       "loaded) or nf4 (QLoRA: 4-bit NormalFloat with "
+                                       "double-quantised scales; needs torchao, the quant extra)",
+                                 choices=("nf4",))
 
     def problem(self) -> tuple[str, str] | None:
         if not self.match_all_linear and not self.target_modules:
@@ -461,6 +493,12 @@ class BenchmarkSection(RecipeSection):
                                     "and report MFU against it")
     output: str | None = key(None, "results JSON file; null -> <checkpoint.dir>/benchmark.json",
                              path="file")
+    decode_tokens: int = key(0, "decoding table: greedy tokens/s of this many new tokens from a "
+                                "64-token synthetic prompt (batch 1, one process), plain and with "
+                                "the model's self-speculative decoding side by side; 0 -> no "
+                                "table", range=AT_LEAST_0, unit="tokens")
+    draft_tokens: int = key(3, "decoding table: tokens drafted per speculative step",
+                            range=AT_LEAST_1, unit="tokens")
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hybridtrain.data.batch import IGNORE_INDEX
 from hybridtrain.data.micro_batches import position_ids_from_cu_seqlens
 
-__all__ = ["ContextParallel", "shard_batch", "shard_batches", "gather_sequence", "halo_from_previous",
+__all__ = ["ContextParallel", "shard_batch", "shard_batches", "unshard_rows", "gather_sequence", "halo_from_previous",
            "pass_states"]
 
 _DROP = ("cu_seqlens", "max_seqlen", "num_tokens", "num_label_tokens")
@@ -107,6 +107,15 @@ def shard_batch(batch: Mapping[str, Any], rank: int, size: int, length: int | No
     out["num_tokens"] = out["attention_mask"].sum()
     out["num_label_tokens"] = (out["labels"] != IGNORE_INDEX).sum()
     return out
+
+
+def unshard_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """The whole rows ``[B, size * chunk]`` of every rank's slice ``x`` ``[B, chunk]`` (the
+    contiguous slices of :func:`shard_batch`) over the context-parallel ``group``."""
+    size = dist.get_world_size(group)
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    _all_gather(out, x.contiguous(), group)
+    return out.view(size, *x.shape).transpose(0, 1).reshape(x.shape[0], -1, *x.shape[2:])
 
 
 def shard_batches(batches: list[Mapping[str, Any]], rank: int, size: int) -> list[dict[str, Any]]:

@@ -29,14 +29,12 @@ from .bridge import BridgeLayout
 from .parallel_dims import ParallelDims
 from .utils import clip_grads_with_norm_, grad_norm
 
-__all__ = ["LaneDims", "HeteroPlan", "receiver_dims"]
+__all__ = ["LaneDims", "HeteroPlan", "receiver_degrees", "receiver_dims"]
 
 
-def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type: str = "cpu"
-                  ) -> tuple[ParallelDims, BridgeLayout]:
-    """(the degrees of the ``distributed`` section over ranks ``encoder_ranks..world_size-1``,
-    the bridge from ranks ``0..encoder_ranks-1`` to the first pipeline stage of each of its
-    data lanes, in lane order). Collective when more than one rank."""
+def receiver_degrees(distributed, encoder_ranks: int, world_size: int) -> ParallelDims:
+    """The degrees of the ``distributed`` section over ranks ``encoder_ranks..world_size-1``
+    (no mesh built: the recipe's validation reads them); ValueError naming the key."""
     E = encoder_ranks
     if not 0 < E < world_size:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
@@ -54,6 +52,16 @@ def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type:
     except ValueError as e:
         raise ValueError(f"distributed.encoder_ranks={E} leaves {world_size - E} ranks for the "
                          f"language model's own layout: {e}") from None
+    return dims
+
+
+def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type: str = "cpu"
+                  ) -> tuple[ParallelDims, BridgeLayout]:
+    """(:func:`receiver_degrees`, the bridge from ranks ``0..encoder_ranks-1`` to the first
+    pipeline stage of each of the receiving side's data lanes, in lane order). Collective when
+    more than one rank."""
+    E = encoder_ranks
+    dims = receiver_degrees(distributed, E, world_size)
     if world_size - E > 1:
         dims.build_mesh(device_type, first_rank=E)
     # ranks are laid out pp-slowest (tp = cp = 1): lane i's first stage is rank E + i

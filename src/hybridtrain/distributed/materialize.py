@@ -16,6 +16,11 @@ Sources, by parameter name (the model's state-dict names):
   tensors (one unit at a time) and keeps its slices.
 
 A rank's extra memory while materialising is one slice (reading) or one unit (initialising).
+
+Packed parameters (a tensor subclass holding its own storage format, e.g. QLoRA's NF4 base
+weights) are allocated packed by ``to_empty`` and rebuilt by ``pack(name, param, source) ->
+local``, where ``source(region)`` reads (or slices the initialised) source tensor: the new local
+tensor replaces the parameter on its module (a DTensor keeps its mesh and placements).
 """
 
 from __future__ import annotations
@@ -170,25 +175,57 @@ class SafetensorsReader:
         return t
 
 
+def _is_packed(t: torch.Tensor) -> bool:
+    return type(local_tensor(t.detach())) is not torch.Tensor
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """id(parameter) -> (module, attribute) of every packed parameter of ``model``."""
+    return {id(p): (mod, n) for mod in model.modules()
+            for n, p in mod.named_parameters(recurse=False) if _is_packed(p)}
+
+
+def _replace(owner: tuple[nn.Module, str], t: torch.Tensor, local: torch.Tensor) -> None:
+    mod, attr = owner
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        local = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape,
+                                   stride=t.stride(), run_check=False)
+    setattr(mod, attr, nn.Parameter(local, requires_grad=False))
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str, *,
                 read: Callable[[str, Region], torch.Tensor] | None = None,
                 read_names: Iterable[str] = (), units: Iterable[InitUnit] = (),
-                seed: int = 0) -> None:
+                seed: int = 0,
+                pack: Callable[[str, torch.Tensor, Callable[[Region], torch.Tensor]], torch.Tensor]
+                | None = None) -> None:
     """Allocate ``model``'s tensors (this rank's shards only) on ``device`` and fill each one:
     the names in ``read_names`` through ``read``, the others from the first of ``units`` that
-    names them. Every parameter and buffer must be covered (AssertionError otherwise)."""
+    names them; packed parameters through ``pack`` (see the module docstring). Every parameter
+    and buffer must be covered (AssertionError otherwise)."""
     model.to_empty(device=device)
     targets = model.state_dict(keep_vars=True)
+    owners = _owners(model)
+    assert pack is not None or not owners, "packed parameters need a pack function"
     pending = dict(targets)
     read_names = set(read_names)
+
+    def fill(name: str, t: torch.Tensor, source: Callable[[Region], torch.Tensor]) -> None:
+        if id(t) in owners:
+            _replace(owners[id(t)], t, pack(name, t, source))
+            return
+        local = local_tensor(t.detach())
+        if local.numel():
+            local.copy_(source(local_region(t)))
+
     if read is not None:
         for name, t in targets.items():
             if name not in read_names:
                 continue
-            local = local_tensor(t.detach())
-            if local.numel():
-                local.copy_(read(name, local_region(t)))
+            fill(name, t, lambda region, name=name: read(name, region))
             del pending[name]
     for unit in units:
         need = [n for n in unit.names if n in pending]
@@ -198,9 +235,6 @@ def materialize(model: nn.Module, device: torch.device | str, *,
             torch.manual_seed(unit_seed(seed, unit.key))
             full = unit.make()
         for n in need:
-            t = pending.pop(n)
-            local = local_tensor(t.detach())
-            if local.numel():
-                local.copy_(full[n][local_region(t)])
+            fill(n, pending.pop(n), lambda region, n=n: full[n][region])
         del full
     assert not pending, f"no source for {sorted(pending)[:8]}"

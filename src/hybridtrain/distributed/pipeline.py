@@ -76,7 +76,7 @@ class PipelineTrainStep:
     The trainer's ``TrainStep(pipeline=...)`` calls it under its autocast context:
     ``__call__(model, micro_batches, num_label_tokens)`` returns the CE sum of this data-parallel
     rank's batch (on every pp rank), ``eval_loss(model, batch)`` is the forward-only CE sum for
-    validation.
+    validation and ``eval_predictions(model, batch)`` its predicted tokens (accuracy).
     """
 
     MAX_CACHED_SCHEDULES = 16
@@ -285,3 +285,26 @@ class PipelineTrainStep:
         """Forward-only CE sum of one batch (validation); equal on every pp rank."""
         with torch.no_grad():
             return self._run([batch], 1.0, train=False)
+
+    @property
+    def last_rank(self) -> int:
+        """The pp rank of the last stage."""
+        return stage_rank(self.num_stages - 1, self.pp, self.spec.style)
+
+    @torch.no_grad()
+    def eval_predictions(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The predicted tokens ``[rows, L]`` (argmax of the last stage's logits) of one
+        validation batch, forward only (the stage walk of :meth:`forward_outputs`, without
+        labels); on every pp rank."""
+        rows, length = batch["input_ids"].shape
+        merged = merge_micro_batches([batch], self._global_length(length), self.row_inputs)
+        merged = self._eval_rows(merged)
+        del merged["labels"]  # the last stage then returns its logits
+        n_micro = merged["input_ids"].shape[0] // (self.microbatch_size or 1)
+        outs = self.forward_outputs(merged, n_micro)
+        if dist.get_rank(self.pp_group) == self.last_rank:
+            pred = torch.cat([o.argmax(-1) for o in outs])[:rows, :length].contiguous()
+        else:
+            pred = torch.empty(rows, length, dtype=torch.long, device=self.device)
+        dist.broadcast(pred, group=self.pp_group, group_src=self.last_rank)
+        return pred

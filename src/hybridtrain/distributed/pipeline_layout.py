@@ -28,6 +28,7 @@ __all__ = [
     "ScheduleSpec",
     "resolve_schedule",
     "build_schedule",
+    "check_microbatches",
     "StagePosition",
     "micro_batches_in_flight",
     "stage_ids_for_rank",
@@ -161,6 +162,14 @@ def micro_batches_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_ran
     if stage is not None:
         return float(_most_held(order[pp_rank], stage))
     return _most_held(order[pp_rank]) / stages_per_rank
+
+
+def check_microbatches(spec: ScheduleSpec, num_stages: int, pp: int, n_microbatches: int) -> None:
+    """ValueError (:func:`build_schedule`'s) when the schedule ``spec`` over ``num_stages``
+    stages on ``pp`` ranks does not take ``n_microbatches`` per step; builds no stage."""
+    stages = [StagePosition(s, num_stages, 0, pp)
+              for s in stage_ids_for_rank(0, pp, num_stages // pp, spec.style)]
+    build_schedule(spec, stages, n_microbatches, loss_fn=_no_loss)
 
 
 def _no_loss(output, target):  # pragma: no cover - a schedule read for its order only

@@ -351,10 +351,15 @@ class Decoding:
     ``hybridtrain generate``, the ``evaluation`` section and GRPO's rollouts call.
     ``pipeline``: it also decodes through pipeline stages (its ``generate`` takes a
     ``PipelineDecoder``); ``lockstep``: ranks whose model holds collectives (tensor, expert or
-    context parallel) can decode together (``lockstep_group``)."""
+    context parallel) can decode together (``lockstep_group``). ``speculative``: self-speculative
+    greedy decoding of one prompt, ``speculative(model, input_ids [1, L], max_new_tokens,
+    draft_tokens, eos_token_id) -> (ids [1, L + n], {"drafted", "accepted", "acceptance_rate"})``,
+    token-identical to greedy ``generate`` (None: the family has no draft of its own;
+    ``hybridtrain generate --speculative`` refuses it)."""
 
     pipeline: bool = False
     lockstep: bool = False
+    speculative: Callable[..., tuple] | None = None
 
 
 @dataclass(frozen=True)
@@ -371,8 +376,37 @@ class LayoutRules:
         _check(self, ("check",))
 
 
+@dataclass(frozen=True)
+class AuxiliaryLosses:
+    """The model trains objectives beside its language-model loss with layers of its own (e.g.
+    multi-token prediction). ``setup(model, training)``: applies the recipe's ``training``
+    choice for them to the (meta-device) model in place, logs it, and returns the
+    :class:`~hybridtrain.ops.aux_loss.AuxiliaryLoss` the trainer drives (None: nothing to
+    train). ``check_layout(model, dims, distributed, training)``: ValueError for a layout under
+    which those objectives cannot train (``training.validate.validate_run`` calls it)."""
+
+    setup: Callable[[nn.Module, Any], Any]
+    check_layout: Callable[[nn.Module, Any, Any, Any], None]
+
+    def __post_init__(self):
+        _check(self, ("setup", "check_layout"))
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """The model has mixture-of-experts layers whose routers training watches and balances:
+    ``setup(model, training) -> ExpertLoad | None`` (:class:`~hybridtrain.ops.expert_load.
+    ExpertLoad`: the step's token counts per expert, the load metrics, the bias update at
+    ``training.moe_bias_update_rate``; None: the model has no MoE layer)."""
+
+    setup: Callable[[nn.Module, Any], Any]
+
+    def __post_init__(self):
+        _check(self, ("setup",))
+
+
 PART_TYPES = (PeftSupport, MetaInit, MemoryPlanSupport, HeteroSupport, LayerTypes, Decoding,
-              LayoutRules)
+              LayoutRules, AuxiliaryLosses, ExpertRouting)
 P = TypeVar("P")
 
 

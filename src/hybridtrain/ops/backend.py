@@ -100,15 +100,15 @@ def settings() -> BackendSettings:
 
 
 def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_allocator: str = "auto",
-                      grouped_mm: bool = True, fused_loss: str = "auto",
+                      grouped_mm: bool | str = "auto", fused_loss: str = "auto",
                       mamba_kernels: bool | str = "auto") -> BackendSettings:
     """Tunes this process for training on ``device`` with compute ``dtype`` (the resolved
     ``training.dtype``); ``cpu_allocator`` / ``grouped_mm`` / ``fused_loss`` / ``mamba_kernels``:
     the ``training.`` keys of those names. The allocator setting is process-wide and not undone.
     Returns the settings in effect."""
     global _settings
-    if not isinstance(grouped_mm, bool):
-        raise ValueError(f"training.grouped_mm: {grouped_mm!r} is not true or false")
+    if grouped_mm not in (True, False, "auto"):
+        raise ValueError(f"training.grouped_mm: {grouped_mm!r} is not one of auto, true, false")
     if mamba_kernels not in (True, False, "auto"):
         raise ValueError(f"training.mamba_kernels: {mamba_kernels!r} is not one of auto, true, false")
     device = torch.device(device)
@@ -117,8 +117,9 @@ def configure_backend(device: torch.device | str, dtype: torch.dtype, *, cpu_all
                          f"{device.type}), or TRITON_INTERPRET=1 in the environment to run the Triton "
                          "kernels on the CPU (slow: for checking them); set it to auto or false")
     lowp_cpu = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    check_slow_paths(device, dtype, grouped_mm)
     _settings = BackendSettings(gemm_row_multiple=CPU_LOWP_ROW_MULTIPLE if lowp_cpu else 1,
-                                grouped_mm=grouped_mm,
+                                grouped_mm=grouped_mm is not False,
                                 cpu_allocator=configure_cpu_allocator(cpu_allocator, device),
                                 fused_loss=resolve_fused_loss(fused_loss, device),
                                 mamba_kernels=mamba_kernels,
@@ -138,6 +139,56 @@ def using(new: BackendSettings):
         yield new
     finally:
         _settings = old
+
+
+# -- no silent slow path --------------------------------------------------------------------------
+FLASH_ATTN_FLOOR = "2.7"  # the cuda extra's floor (flash_attn_varlen_func with these arguments)
+
+
+def slow_paths(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
+    """The slow forms a CUDA run on ``device`` in ``dtype`` would fall back to, each {setting:
+    what happens and the fix}; empty elsewhere (on a CPU these forms are the expected ones)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    found = {}
+    if not hasattr(F, "grouped_mm"):
+        found["grouped_mm"] = (
+            f"torch {torch.__version__} has no torch.nn.functional.grouped_mm: MoE experts run as a "
+            "loop over experts (a host sync per MoE layer) and, in compiled blocks, every expert "
+            "over every row, masked (about num_experts / top_k times the expert FLOPs); install "
+            "torch>=2.9 (pip install 'hybridtrain[cuda]')")
+    elif dtype != torch.bfloat16:
+        found["grouped_mm"] = (
+            f"training.dtype {dtype}: torch grouped_mm runs bf16 only, so MoE experts run as a loop "
+            "over experts (eager) or every expert over every row, masked (compiled blocks); set "
+            "training.dtype: bf16")
+    if importlib.util.find_spec("flash_attn") is None:
+        found["flash_attn"] = (
+            "flash-attn is not installed: attention over packed rows runs one "
+            "scaled_dot_product_attention per document (eager; the document boundaries read on the "
+            "host per layer) and flex_attention in compiled blocks; install "
+            f"flash-attn>={FLASH_ATTN_FLOOR} (pip install 'hybridtrain[cuda]')")
+    return found
+
+
+def check_slow_paths(device: torch.device | str, dtype: torch.dtype,
+                     grouped_mm: bool | str = "auto") -> dict[str, str]:
+    """Warns once per process for each of :func:`slow_paths`, naming the package and the fix;
+    ``training.grouped_mm: true`` refuses where it cannot run (``false``: the loop is chosen)."""
+    found = slow_paths(device, dtype)
+    if grouped_mm is False:
+        found.pop("grouped_mm", None)
+    if grouped_mm is True and "grouped_mm" in found:
+        raise ValueError(f"training.grouped_mm: true, but {found['grouped_mm']}; or set it to auto "
+                         "to accept the fallback")
+    for key, why in found.items():
+        if key not in _warned_slow:
+            _warned_slow.add(key)
+            log.warning("slow path: %s", why)
+    return found
+
+
+_warned_slow: set[str] = set()
 
 
 def disable_grouped_mm(reason: str) -> None:
@@ -346,6 +397,7 @@ def kernel_paths(device: torch.device | str | None = None) -> dict[str, str]:
         paths.update(fn(device))
     paths["loss"] = _loss_path()
     paths["attention"] = _attention_path(device)
+    paths["experts"] = _experts_path(device)
     return paths
 
 
@@ -361,6 +413,12 @@ def _loss_path() -> str:
     if impl == "compiled":
         return "PyTorch chunked loss, chunk functions under torch.compile (hybridtrain.ops.loss)"
     return "PyTorch chunked loss (hybridtrain.ops.loss)"
+
+
+def _experts_path(device: torch.device) -> str:
+    if device.type == "cuda" and _settings.grouped_mm and hasattr(F, "grouped_mm"):
+        return "torch grouped_mm (bf16; else the loop over experts eager, masked dense compiled)"
+    return "a loop over experts (eager), every expert over every row, masked (compiled blocks)"
 
 
 def _attention_path(device: torch.device) -> str:

@@ -37,8 +37,9 @@ from hybridtrain.fileio import (apply_umask, open_safetensors, read_json)
 from hybridtrain.models.spec import PeftSupport, get_model_spec, model_spec_for
 
 from hybridtrain.distributed.full_tensors import global_layout, stream_full_tensors
+from .quant import base_quant_of, dense, dense_shapes
 from .lora import (
-    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, apply_lora, expert_types, has_lora,
+    EXCLUDED_LINEARS, LoRAExperts, adapter_pairs, num_experts, apply_lora, expert_types, has_lora,
     load_lora_state_dict, lora_modules, lora_settings, merge_lora, merge_weight,
 )
 
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_QUANT_FILE = "base_quant.json"  # QLoRA: the quantisation of the base the adapter was trained on
 PEFT_PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _HUB_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(up_proj|down_proj)$")
@@ -80,7 +82,7 @@ def _hub_modules(model: nn.Module) -> list[str]:
     for name, mod in model.named_modules():
         name = state_dict_name(name)
         if isinstance(mod, expert_types(model)):
-            out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(mod.up_proj.shape[0])]
+            out += [f"{name}.{j}.{p}" for p in ("up_proj", "down_proj") for j in range(num_experts(mod))]
         elif isinstance(mod, nn.Linear) and name.split(".")[-1] not in EXCLUDED_LINEARS:
             out.append(name)
     return out
@@ -90,7 +92,7 @@ def _adapted_hub_modules(model: nn.Module) -> list[str]:
     out = []
     for name, mod in lora_modules(model):
         if isinstance(mod, LoRAExperts):
-            out += [f"{name}.{j}.{p}" for p in mod.lora_projs for j in range(mod.up_proj.shape[0])]
+            out += [f"{name}.{j}.{p}" for p in mod.lora_projs for j in range(mod.num_experts)]
         else:
             out.append(name)
     return out
@@ -116,7 +118,7 @@ def _adapter_meta(model: nn.Module) -> dict:
     """What the adapter config needs from this rank's part of the model."""
     return {"settings": lora_settings(model) if has_lora(model) else None,
             "adapted": _adapted_hub_modules(model), "candidates": _hub_modules(model),
-            "stack_prefixes": _stack_prefixes(model)}
+            "stack_prefixes": _stack_prefixes(model), "base_quant": base_quant_of(model)}
 
 
 def _peft_part(model: nn.Module) -> PeftSupport:
@@ -141,7 +143,8 @@ def _combine_meta(metas: list[dict]) -> dict:
     assert all({k: o[k] for k in s} == s for o in settings), settings
     return {"settings": s, "adapted": list(dict.fromkeys(n for m in metas for n in m["adapted"])),
             "candidates": list(dict.fromkeys(n for m in metas for n in m["candidates"])),
-            "stack_prefixes": metas[0]["stack_prefixes"]}
+            "stack_prefixes": metas[0]["stack_prefixes"],
+            "base_quant": next((m["base_quant"] for m in metas if m.get("base_quant")), None)}
 
 
 def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None, meta: dict | None = None) -> dict:
@@ -232,6 +235,9 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(cfg, f, indent=2)
             f.write("\n")
+        if meta.get("base_quant"):  # beside PEFT's files (PEFT ignores it): merge reads it
+            with open(os.path.join(tmp, BASE_QUANT_FILE), "w") as f:
+                json.dump({"base_quant": meta["base_quant"]}, f)
 
     _write_dir(os.fspath(out_dir), write)
     _note_peft_compat(model, meta["adapted"])
@@ -297,6 +303,7 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     slices and pipeline stages alike)."""
     spec = model_spec_for(model)
     layout = global_layout(model)
+    shapes = dense_shapes(model)  # a QLoRA base: written dequantised
     pairs = adapter_pairs(list(layout))
     metas = [_adapter_meta(model)]
     if get_world_size() > 1:
@@ -305,11 +312,16 @@ def save_merged_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
     settings = _combine_meta(metas)["settings"]
     scale = settings["alpha"] / settings["dim"]
     adapters = {n for ab in pairs.values() for n in ab}
-    items = [(n, (n, *pairs[n]), lambda w, a, b: merge_weight(w, a, b, scale)) if n in pairs
-             else (n, (n,), lambda t: t) for n in layout if n not in adapters]
+
+    def unpacked(n):
+        return (lambda t: dense(t, shapes[n])) if n in shapes else (lambda t: t)
+
+    items = [(n, (n, *pairs[n]), lambda w, a, b, u=unpacked(n): merge_weight(u(w), a, b, scale))
+             if n in pairs else (n, (n,), unpacked(n)) for n in layout if n not in adapters]
     stream = stream_full_tensors(model, layout, items)
     if get_rank() == 0:
-        plain = {n: layout[n] for n, _, _ in items}
+        plain = {n: layout[n].new_empty(shapes[n]) if n in shapes else layout[n]
+                 for n, _, _ in items}
         spec.hf.save(plain, model.config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
                      tensors=stream)
         if tokenizer is not None:
@@ -375,7 +387,8 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
     names = sorted({k.rsplit(".", 1)[0] for k in linear})
     for (mod, proj, ab), per in sorted(experts.items()):
         try:
-            n = model.get_submodule(mod).up_proj.shape[0]
+            sub = model.get_submodule(mod)
+            n = num_experts(sub)
         except AttributeError:
             raise ValueError(f"{where}: adapter for {mod}.*.{proj}, but the model has no experts module {mod}") \
                 from None
@@ -387,9 +400,11 @@ def _to_ours(tensors: Mapping[str, torch.Tensor], model: nn.Module, where: str):
     return sd, sorted(set(names))
 
 
-def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
+def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike,
+                      base_quant: str | None = None) -> list[str]:
     """Load a PEFT LoRA adapter into ``model``: adds the adapters (if the model has none yet;
-    their dtype is the file's) and copies the weights. Returns the adapted names."""
+    their dtype is the file's; ``base_quant``: the base under them quantised, as
+    ``peft.base_quant``) and copies the weights. Returns the adapted names."""
     adapter_dir = os.fspath(adapter_dir)
     cfg, tensors = _read_adapter(adapter_dir)
     where = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
@@ -406,7 +421,8 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[
     else:
         dtype = next(iter(tensors.values())).dtype
         try:
-            apply_lora(model, dim=r, alpha=alpha, dropout=dropout, target_modules=names, dtype=dtype)
+            apply_lora(model, dim=r, alpha=alpha, dropout=dropout, target_modules=names, dtype=dtype,
+                       base_quant=base_quant)
         except ValueError as e:
             raise ValueError(f"{where}: the adapter's modules do not fit this model: {e}") from None
     try:
@@ -414,6 +430,12 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return names
+
+
+def adapter_base_quant(adapter_dir: str | os.PathLike) -> str | None:
+    """The ``peft.base_quant`` an adapter was trained on (its ``base_quant.json``), or None."""
+    path = os.path.join(os.fspath(adapter_dir), BASE_QUANT_FILE)
+    return read_json(path)["base_quant"] if os.path.isfile(path) else None
 
 
 def _model_class(hf_dir: str) -> type[nn.Module]:
@@ -471,7 +493,11 @@ def merge_adapter_into_hf(base_dir: str | os.PathLike, adapter_dir: str | os.Pat
         logger.warning("%s records no base_model_name_or_path: cannot check that %s is its base",
                        os.path.join(adapter_dir, ADAPTER_CONFIG), base_dir)
     model = _model_class(base_dir).from_pretrained(base_dir, dtype=dtype)
-    names = load_peft_adapter(model, adapter_dir)
+    quant = adapter_base_quant(adapter_dir)
+    names = load_peft_adapter(model, adapter_dir, base_quant=quant)
+    if quant:
+        logger.info("%s was trained on a %s base: the base is quantised and dequantised again "
+                    "before the adapters are folded in", adapter_dir, quant)
     merge_lora(model)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     for src in (base_dir, adapter_dir):  # adapter's tokenizer files win

@@ -46,6 +46,7 @@ from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.distributed.tensor_parallel import grads_in_own_placements
 from hybridtrain.ops import backend
 from hybridtrain.models.spec import PeftSupport, model_spec_for
+from hybridtrain.peft.quant import dense, dense_shapes, dequantized, quantize_base
 
 __all__ = [
     "LoRALinear",
@@ -184,7 +185,8 @@ class LoRAExperts(nn.Module):
                  projs: Sequence[str] = EXPERT_PROJS, dtype: torch.dtype | None = None):
         _adopt(self, base)
         self.base_cls = type(base)
-        assert set(projs) <= set(EXPERT_PROJS) and projs, projs
+        self.num_experts = base.up_proj.shape[0]  # the stacked tensors may become [E * out, in] (NF4)
+        assert set(projs) <= set(EXPERT_PROJS), projs  # none: a frozen (e.g. NF4) base only
         self.lora_projs = tuple(p for p in EXPERT_PROJS if p in projs)
         self.lora_dim, self.lora_alpha, self.lora_dropout_p = dim, alpha, float(dropout)
         self.scale = alpha / dim
@@ -216,7 +218,9 @@ class LoRAExperts(nn.Module):
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         up, down = local_tensor(self.up_proj), local_tensor(self.down_proj)  # this rank's experts
         up_ab, down_ab = self._ab("up_proj", local=True), self._ab("down_proj", local=True)
-        if (backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
+        if up.dim() == 2 or down.dim() == 2:  # NF4 [E * out, in]: dequantised one expert at a time
+            up, down = _per_expert(up, counts.numel()), _per_expert(down, counts.numel())
+        elif (backend.settings().grouped_mm and sorted_x.is_cuda and sorted_x.dtype == torch.bfloat16
                 and hasattr(F, "grouped_mm")):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
@@ -264,6 +268,33 @@ class LoRAExperts(nn.Module):
 
 
 LORA_TYPES = (LoRALinear, LoRAExperts)
+
+
+def num_experts(mod: nn.Module) -> int:
+    """The experts of a stacked-experts module (a :class:`LoRAExperts`' stacked tensors may be
+    packed as ``[E * out, in]``)."""
+    return mod.num_experts if isinstance(mod, LoRAExperts) else mod.up_proj.shape[0]
+
+
+def frozen_experts(model: nn.Module) -> None:
+    """Wrap every experts module LoRA did not adapt in a :class:`LoRAExperts` without adapters
+    (the same settings as the model's adapters), which computes with packed (NF4) weights."""
+    s = lora_settings(model)
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, expert_types(model)) and not isinstance(mod, LoRAExperts):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child,
+                    LoRAExperts(mod, s["dim"], s["alpha"], s["dropout"], projs=()))
+
+
+def _per_expert(w: torch.Tensor, n: int):
+    """Stacked expert weights indexable per expert: ``[E, out, in]`` as is, a quantised
+    ``[E * out, in]`` as its ``E`` row blocks (views of the packed data: each expert is
+    dequantised only when it has rows to compute)."""
+    if w.dim() == 3:
+        return w
+    with torch.inference_mode(False):  # NF4's split outputs are views, which inference mode refuses
+        return w.split(w.shape[0] // n)
 
 
 # ---------------------------------------------------------------------------------- selection
@@ -318,7 +349,7 @@ def select_targets(model: nn.Module, target_modules=None, exclude_modules=None,
                    match_all_linear: bool = False) -> list[str]:
     """The candidate names (see module docstring) that the patterns select, in model order."""
     cands = _candidates(model)
-    n_exp = {n: m.up_proj.shape[0] for n, m in model.named_modules()
+    n_exp = {n: num_experts(m) for n, m in model.named_modules()
              if isinstance(m, expert_types(model))}
     targets = _as_list(target_modules, "target_modules")
     excludes = _as_list(exclude_modules, "exclude_modules")
@@ -366,12 +397,14 @@ def apply_lora(
     match_all_linear: bool = False,
     method: str = "lora",
     dtype: torch.dtype | None = None,
+    base_quant: str | None = None,
 ) -> list[str]:
     """Add LoRA adapters to ``model`` in place and freeze everything else.
 
     Accepts the ``peft:`` recipe section as keyword arguments (``apply_lora(model, **cfg.peft)``).
     ``dtype``: adapter dtype (default: the base weight's, fp32 for a bf16/fp16 base). Returns the adapted names (module
-    names; ``<experts>.up_proj`` / ``<experts>.down_proj`` for MoE experts).
+    names; ``<experts>.up_proj`` / ``<experts>.down_proj`` for MoE experts). ``base_quant``:
+    ``"nf4"`` stores the targets' frozen base weights in 4-bit NF4 (QLoRA, :mod:`.quant`).
     """
     if str(method).lower() != "lora":
         raise ValueError(f"peft.method: only 'lora' is supported, got {method!r}")
@@ -404,6 +437,8 @@ def apply_lora(
     logger.info("LoRA r=%d alpha=%s: %d linear layers and %d expert projections adapted; trainable "
                 "parameters %s of %s (%.3f%%)", dim, alpha, len(names) - n_exp, n_exp,
                 f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1))
+    if base_quant is not None:
+        quantize_base(model, base_quant)
     return names
 
 
@@ -504,13 +539,18 @@ def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (``W += s * B @ A``, computed in fp32) and put the
     plain modules back; all parameters require grad again. Returns the model (changed in place)."""
+    shapes = dense_shapes(model)  # an NF4 base (QLoRA): dequantised, then merged
     for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, LORA_TYPES)]:
-        if isinstance(mod, LoRAExperts):
-            for p in mod.lora_projs:
-                w = getattr(mod, p)
-                w.copy_((w.float() + mod.delta_weight(p)).to(w.dtype))
-        else:
-            mod.weight.copy_((mod.weight.float() + mod.delta_weight()).to(mod.weight.dtype))
+        pre = f"{state_dict_name(name)}." if name else ""
+        for attr in (EXPERT_PROJS if isinstance(mod, LoRAExperts) else ("weight",)):
+            w = getattr(mod, attr)
+            if pre + attr in shapes:
+                w = nn.Parameter(dense(w, shapes[pre + attr]))
+                setattr(mod, attr, w)
+            if attr in EXPERT_PROJS and attr not in mod.lora_projs:
+                continue
+            delta = mod.delta_weight(attr) if attr in EXPERT_PROJS else mod.delta_weight()
+            w.copy_((w.float() + delta).to(w.dtype))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, mod.to_plain())
     for p in model.parameters():
@@ -543,8 +583,8 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
                       ) -> dict[str, torch.Tensor]:
     """A plain (adapter-free) state dict with the adapters folded in, from a LoRA model's full
     state dict (default ``model.state_dict()``; pass the gathered full state dict under FSDP).
-    The model itself is not changed."""
-    sd = dict(model.state_dict() if state_dict is None else state_dict)
+    The model itself is not changed; an NF4 base (QLoRA) is dequantised first."""
+    sd = dequantized(model, dict(model.state_dict() if state_dict is None else state_dict))
     for name, mod in lora_modules(model):
         pre = f"{name}." if name else ""
         projs = mod.lora_projs if isinstance(mod, LoRAExperts) else (None,)

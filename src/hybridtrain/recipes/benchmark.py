@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ from hybridtrain.runfolder import run_folder_path
 from hybridtrain.distributed.parallel_plan import ParallelPlan
 from hybridtrain.training.builder import Built, build
 from hybridtrain.training.flops import Throughput, measure_matmul_peak, peak_tflops
-from hybridtrain.training.precision import autocast_dtype, resolve_dtype
+from hybridtrain.models.spec import Decoding
+from hybridtrain.training.precision import autocast_context, autocast_dtype, resolve_dtype
 from hybridtrain.training.preemption import deferred_signals
 from hybridtrain.training.settings import trainer_settings
 from hybridtrain.training.step_scheduler import StepScheduler
@@ -153,14 +155,22 @@ def _measure(b: Built, plan: ParallelPlan, base_mem: int, name: str, dataset, ma
                           seed=t.seed, shuffle=False, drop_last=False)
     trainer = Trainer(plan, b.optimizer, None, sched, TrainData(dataset, make_loader),
                       trainer_settings(t, {"save_hf_at_end": False, "enabled": False}),
-                      throughput=Throughput(b.flops_fn, peak))
+                      throughput=Throughput(b.flops_fn, peak), aux_loss=b.aux_loss,
+                      expert_load=b.expert_load)
     batches = sched.train_batches(lambda s: make_loader(dataset, s), len(dataset), b.plan.dims.dp_rank)
     for _ in range(warmup):
         trainer.train_one_step(next(batches))
     records = []
     with PeakMemory(b.device) as mem:
+        # the steps as a run queues them (the host runs ahead, no wait per step), timed as a
+        # whole to the end of the device's work
+        t0 = time.perf_counter()
         for _ in range(steps):
-            records.append(trainer.train_one_step(next(batches)))
+            records.append(trainer.step(next(batches)))
+        trainer.settle()
+        if b.device.type == "cuda":
+            torch.cuda.synchronize(b.device)
+        time_s = time.perf_counter() - t0
     if n_prof:
         from torch.profiler import ProfilerActivity, profile
 
@@ -174,10 +184,9 @@ def _measure(b: Built, plan: ParallelPlan, base_mem: int, name: str, dataset, ma
         prof.export_chrome_trace(trace)
         logger.info("profiler trace: %s", trace)
         top = top_operators(prof, b.device, n_prof)
-    time_s = sum(r["step_time_s"] for r in records)
     tokens = sum(r["num_tokens"] for r in records)
     world = b.plan.dims.world_size
-    tflops = [r["tflops_per_device"] for r in records]
+    tflops = [r["tflops_per_device"] for r in records]  # x the step's own time: its TFLOP
     tflops_dev = (sum(t * r["step_time_s"] for t, r in zip(tflops, records)) / time_s
                   if None not in tflops else None)
     base = base_mem if b.device.type != "cuda" else 0
@@ -303,6 +312,7 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
             r.update(dtype=str(dt), data="synthetic", seq_len=L, peak_tflops=peak)
             results["runs"].append(r)
             _print_run(r, is_main)
+    results["decode"] = _decode_table(b, opts, device, is_main)
     results["cost_growth"] = _growth(results["runs"])
     results["dtype_ratios"] = _dtype_ratios(results["runs"])
     if is_main:
@@ -315,6 +325,56 @@ def _run(cfg, opts: dict, device: torch.device, is_main: bool, world_size: int) 
         print(f"benchmark results: {path}", flush=True)
         results["output"] = path
     return results
+
+
+DECODE_PROMPT = 64  # tokens of the decoding table's synthetic prompt
+
+
+def _decode_table(b: Built, opts: dict, device: torch.device, is_main: bool) -> dict | None:
+    """``benchmark.decode_tokens``: greedy decoding of one synthetic prompt, plain and with the
+    family's self-speculative decoding (the spec's ``Decoding.speculative``), each timed after a
+    warm-up run; printed side by side."""
+    n, k = opts["decode_tokens"], opts["draft_tokens"]
+    if not n:
+        return None
+    if b.plan.dims.world_size > 1:
+        raise ValueError("benchmark.decode_tokens: the decoding table runs in one process; set it "
+                         "to 0 under a parallel layout")
+    model = b.model
+    prompt = torch.randint(0, b.model_config.vocab_size, (1, DECODE_PROMPT),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    decoding = b.spec.find(Decoding)
+    speculative = decoding.speculative if decoding is not None else None
+
+    def timed(fn):
+        fn()  # warm-up
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+
+    with autocast_context(b.plan.autocast_dtype, device):
+        plain, dt_plain = timed(lambda: model.generate(prompt, max_new_tokens=n, do_sample=False))
+        row = {"new_tokens": n, "prompt_tokens": DECODE_PROMPT, "draft_tokens": k,
+               "plain_tokens_per_s": n / dt_plain, "speculative_tokens_per_s": None,
+               "acceptance_rate": None, "speculative": None}
+        try:
+            if speculative is None:
+                raise ValueError(f"the model family {b.spec.name!r} has no speculative decoding")
+            (ids, stats), dt = timed(lambda: speculative(model, prompt, n, k, None))
+            assert torch.equal(ids, plain), "speculative decoding changed the greedy tokens"
+            row.update(speculative_tokens_per_s=n / dt, acceptance_rate=stats["acceptance_rate"],
+                       speculative="mtp")
+        except ValueError as e:
+            row["speculative"] = f"n/a: {e}"
+    if is_main:
+        ratio = (row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
+                 if row["speculative_tokens_per_s"] else None)
+        print(f"decode (batch 1, {DECODE_PROMPT}-token prompt, {n} new tokens): "
+              f"plain {row['plain_tokens_per_s']:.1f} tokens/s | speculative "
+              + (f"mtp k={k} {row['speculative_tokens_per_s']:.1f} tokens/s (x{ratio:.2f}), "
+                 f"acceptance {_fmt(row['acceptance_rate'], '.2f')}"
+                 if ratio is not None else row["speculative"]), flush=True)
+    return row
 
 
 def _fmt(x, spec):

@@ -3,6 +3,7 @@
     hybridtrain generate --model DIR [--adapter DIR] (--prompt TEXT | --prompts FILE.jsonl)
         [--chat] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--batch-size B] [--output OUT.jsonl] [--dtype D] [--device D]
+        [--speculative mtp [--draft-tokens K]]
 
 ``--model``: a Hugging Face folder, or a run folder / ``step_N`` checkpoint (its export:
 ``merged_hf/``, ``hf/``, or ``adapter/`` on the base recorded in the adapter; a step without an
@@ -15,6 +16,10 @@ naming the flag, and so is a ``--max-new-tokens`` past the model's context
 (``max_position_embeddings``) or whose decoding cache would not fit in the memory available
 (computed before anything is allocated). Writes one JSON object per prompt (``prompt``,
 ``completion``, ``new_tokens``, ``tokens_per_s`` of its batch) to stdout or ``--output``.
+``--speculative mtp``: greedy self-speculative decoding, the model's multi-token prediction
+layers drafting ``--draft-tokens`` tokens per step and the model verifying them in one pass
+(the same tokens as plain greedy decoding; one prompt at a time); each record adds
+``drafted``, ``accepted`` and ``acceptance_rate``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from hybridtrain.data import load_tokenizer
 from hybridtrain.data.templates import apply_template
 from hybridtrain.fileio import decode_utf8, given_path, json_loads, read_json, text_reader, input_file, output_file, write_error
 from hybridtrain.models.spec import Decoding, get_model_spec, model_spec_for
-from hybridtrain.peft.export import load_peft_adapter
+from hybridtrain.peft.export import adapter_base_quant, load_peft_adapter
 from hybridtrain.runfolder import latest_checkpoint
 from hybridtrain.training.checkpoint_reader import load_checkpoint_model, read_checkpoint, step_folder
 from hybridtrain.training.evaluation import left_pad
@@ -140,7 +145,8 @@ def _open_model(model_dir: str, adapter_dir: str | None, dtype, device, flag: st
     spec.part(Decoding, "hybridtrain generate")  # the family generates text
     model = spec.model_cls.from_pretrained(hf_dir, dtype=dtype)
     if adapter_dir:
-        load_peft_adapter(model, adapter_dir)
+        # a QLoRA adapter runs on the base it was trained on: quantised the same way
+        load_peft_adapter(model, adapter_dir, base_quant=adapter_base_quant(adapter_dir))
     tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
         else hf_dir
     return Loaded(model.to(device).eval(), load_tokenizer(tok_dir), hf_dir, adapter_dir or hf_dir)
@@ -314,6 +320,30 @@ def complete(model, tokenizer, prompts: list[list[int]], *, batch_size: int = 8,
     return out
 
 
+def complete_speculative(model, tokenizer, prompts: list[list[int]], *, draft_tokens: int,
+                         max_new_tokens: int, stop_ids=None) -> list[dict]:
+    """As :func:`complete` (greedy), each prompt decoded on its own by the model family's
+    self-speculative decoding (the spec's ``Decoding.speculative``); each record adds
+    ``drafted``, ``accepted`` and ``acceptance_rate``."""
+    speculative = model_spec_for(model).part(Decoding, "--speculative").speculative
+    if speculative is None:
+        raise ValueError(f"--speculative: the model family {model_spec_for(model).name!r} has no "
+                         "speculative decoding (its spec's Decoding.speculative); drop the flag")
+    device = next(model.parameters()).device
+    stops, out = set(stop_ids or ()), []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        t0 = time.perf_counter()
+        seq, stats = speculative(model, ids, max_new_tokens, draft_tokens, list(stops) or None)
+        dt = time.perf_counter() - t0
+        row = seq[0, ids.shape[1]:].tolist()
+        cut = next((i for i, t in enumerate(row) if t in stops), None)
+        text_ids, n = (row, len(row)) if cut is None else (row[:cut], cut + 1)
+        out.append({"completion": tokenizer.decode(text_ids, skip_special_tokens=False), "new_tokens": n,
+                    "tokens_per_s": len(row) / dt if dt > 0 else None, **stats})
+    return out
+
+
 def _plain(doc: str) -> str:
     """Docstring text for a terminal: reStructuredText ````literals```` without their quotes."""
     return re.sub(r"``([^`]*)``", r"\1", doc)
@@ -340,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="default: as stored")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when available, else cpu")
+    p.add_argument("--speculative", default=None, choices=("mtp",),
+                   help="greedy self-speculative decoding drafted by the model's multi-token "
+                        "prediction layers")
+    p.add_argument("--draft-tokens", type=int, default=3,
+                   help="--speculative: tokens drafted per step (>= 1)")
     return p
 
 
@@ -352,6 +387,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = sampling_settings(args.temperature, args.top_k, args.top_p)
+    if args.speculative is not None:
+        if sampling.get("do_sample"):
+            raise ValueError("--speculative decodes greedily; drop --temperature / --top-k / --top-p")
+        if args.draft_tokens < 1:
+            raise ValueError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
     if args.adapter is not None and not os.path.isdir(args.adapter):
         raise ValueError(f"--adapter {args.adapter}: no such folder (a PEFT adapter folder with "
                          "adapter_config.json)")
@@ -367,9 +407,13 @@ def run(argv: Sequence[str] | None = None) -> int:
                              else f"{args.prompts} record {i + 1}") for i, r in enumerate(records)]
     check_generation_length(model, min(args.batch_size, len(prompts)),
                             max(len(p) for p in prompts), args.max_new_tokens, device)
-    results = complete(model, tok, prompts, batch_size=args.batch_size,
-                       stop_ids=stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records)),
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
+    stop_ids = stop_token_ids(tok, hf_dir, chat=args.chat or any("messages" in r for r in records))
+    if args.speculative is not None:
+        results = complete_speculative(model, tok, prompts, draft_tokens=args.draft_tokens,
+                                       max_new_tokens=args.max_new_tokens, stop_ids=stop_ids)
+    else:
+        results = complete(model, tok, prompts, batch_size=args.batch_size, stop_ids=stop_ids,
+                           max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
     lines = "".join(json.dumps({"prompt": rec.get("prompt", rec.get("messages")), **res},
                                ensure_ascii=False) + "\n" for rec, res in zip(records, results))
     if output is None:

@@ -68,6 +68,7 @@ from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import LayerTypes, MemoryPlanSupport, model_spec_for
 from hybridtrain.peft.lora import apply_lora, expert_types
+from hybridtrain.peft.quant import is_nf4, nf4_bytes, quantize_base
 from hybridtrain.recipes.benchmark import _default_seq_len
 from hybridtrain.training.builder import instantiate_with
 from hybridtrain.training.precision import autocast_dtype, parse_dtype
@@ -326,12 +327,33 @@ def _states(part: nn.Module, experts: set[int], dims, c: dict[str, int], tp_dims
     """(parameter, gradient, AdamW state) bytes of ``part`` on the rank at coordinates ``c``."""
     params = grads = opt = 0.0
     for _, p in _unique(part):
-        b = _local_numel(tuple(p.shape), id(p) in experts, dims, c, tp_dims.get(id(p))) * p.element_size()
+        b = _bytes(p, _local_numel(tuple(p.shape), id(p) in experts, dims, c, tp_dims.get(id(p))))
         params += b
         if p.requires_grad:
             grads += b
             opt += _ADAM_MOMENTS * b + _STEP_BYTES
     return params, grads, opt
+
+
+def _bytes(p: torch.Tensor, numel: int, elsize: int | None = None) -> float:
+    """Bytes ``numel`` elements of parameter ``p`` hold: an NF4 base weight's 4-bit codes and
+    scales (QLoRA), else ``elsize`` (default the parameter's) each."""
+    if is_nf4(p):
+        return nf4_bytes(numel, getattr(p, "_local_tensor", p).scaler_block_size)
+    return float(numel * (elsize or p.element_size()))
+
+
+def _nf4_dequantised(part: nn.Module, experts: set[int], autocast) -> float:
+    """An NF4 base's compute copy: each weight is dequantised where it is used (one expert of a
+    stacked tensor at a time) and dropped after; the largest such copy, in forward or backward."""
+    el = _elsize(autocast) if autocast is not None else 4
+    sizes = [p.numel() // (_stacked_experts(part, p) if id(p) in experts else 1)
+             for _, p in _unique(part) if is_nf4(p)]
+    return float(max(sizes, default=0) * el)
+
+
+def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
+    return next(m.num_experts for m in part.modules() if any(q is p for q in m.parameters(recurse=False)))
 
 
 def _layer_activations(act: dict, policy, names: list[str], positions: list[int], tp: int):
@@ -382,12 +404,15 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     if cfg.model is None:
         raise ValueError(f"the recipe has no model section ({cfg.source_file})")
     spec, model = meta_model(cfg.model)
+    peft = cfg.peft.to_dict() if cfg.peft is not None else {}
     if cfg.peft is not None:
-        apply_lora(model, **cfg.peft.to_dict())
+        apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     dims = validate_run(cfg, world_size, spec, model, device_type)
     if dims is None:
         raise ValueError(f"distributed.encoder_ranks={d.encoder_ranks}: hybridtrain plan does "
                          "not plan an encoder on its own ranks yet; plan with encoder_ranks: 0")
+    if peft.get("base_quant"):  # as the builder quantises (the same layers stay unquantised)
+        quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     gemm_kernels = 0.0
@@ -544,7 +569,7 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
             full = [(tp_numel(p) // (dims.ep if id(p) in experts else 1), p) for p in unit]
             el = [_elsize(gather_dtype) if gather_dtype is not None else p.element_size()
                   for _, p in full]
-            size = sum(n * e for (n, _), e in zip(full, el))
+            size = sum(_bytes(p, n, e) for (n, p), e in zip(full, el))  # NF4 gathers its codes
             # an experts unit on one rank (efsdp 1) always reshards after forward (fsdp.py), but
             # under pp by default stays gathered after its backward like the others
             one_rank = dims.ep > 1 and dims.efsdp * dims.dp_replicate == 1 and id(unit[0]) in experts
@@ -556,9 +581,12 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, gather_dtype, reshard
         gathered = sum(kept) + sum(sorted(sizes)[-2:])
         # under pp: the stage's accumulated gradients and one unit's new low-precision ones
         grads = accumulated + in_flight if dims.pp_enabled else max(grad_sizes, default=0)
-        return {"fsdp_gathered_params": float(gathered),
-                "fsdp_unsharded_grads": float(grads)}
-    if autocast is not None:
-        copies = sum(tp_numel(p) for _, p in _unique(part) if p.dim() >= 2 and p.dtype != autocast)
-        return {"autocast_weight_copies": float(copies * _elsize(autocast))}
-    return {}
+        out = {"fsdp_gathered_params": float(gathered), "fsdp_unsharded_grads": float(grads)}
+    elif autocast is not None:
+        copies = sum(tp_numel(p) for _, p in _unique(part)
+                     if p.dim() >= 2 and p.dtype != autocast and not is_nf4(p))
+        out = {"autocast_weight_copies": float(copies * _elsize(autocast))}
+    else:
+        out = {}
+    nf4 = _nf4_dequantised(part, experts, autocast)
+    return {**out, "nf4_dequantised_weight": nf4} if nf4 else out

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from hybridtrain.data.micro_batches import merge_micro_batches
 from hybridtrain.distributed.pipeline import PipelineTrainStep, _grads_in_param_layout
-from hybridtrain.distributed.pipeline_layout import stage_rank
 
 __all__ = ["PolicyPipeline"]
 
@@ -31,11 +30,6 @@ class PolicyPipeline(PipelineTrainStep):
         super().__init__(step.stages, step.stage_ids, step.num_stages, step.pp_group, step.device,
                          step.hidden_size, step.hidden_dtype, schedule=step.spec.name)
         self._finish: Callable | None = None
-
-    @property
-    def last_rank(self) -> int:
-        """The pp rank of the last stage."""
-        return stage_rank(self.num_stages - 1, self.pp, self.spec.style)
 
     @property
     def is_last(self) -> bool:

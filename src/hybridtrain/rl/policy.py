@@ -94,6 +94,13 @@ class Policy:
         self.built = b = build(cfg, info.device, info.is_main, info.world_size, data=False,
                                loss=self.head, tokenizer=True)
         self.model, self.optimizer, self.device = b.model, b.optimizer, b.device
+        if b.aux_loss is not None or (b.expert_load is not None and b.expert_load.rate):
+            logger.warning(
+                "the policy trains on the RL losses only: the model's extra objectives (%s) and the "
+                "routers' bias update are not applied here, their layers and biases stay as "
+                "loaded (set training.mtp: freeze, training.moe_aux_loss_coeff: 0 and "
+                "training.moe_bias_update_rate: 0 to say so)",
+                ", ".join(b.aux_loss.names) if b.aux_loss is not None else "none")
         self.tokenizer, self.dims = b.tokenizer, b.plan.dims
         self._run_length = (t.max_steps, t.global_batch_size)  # see set_run_length()
         self._lr_scheduler = None  # made on first use

@@ -12,8 +12,13 @@ def answer_counts(logits: torch.Tensor, batch: dict) -> torch.Tensor:
     """[correct answers, answers, correct tokens, label tokens] (float64) of ``batch``:
     documents are the packed segments of ``cu_seqlens`` (else one per row); a document
     without label tokens is not an answer."""
+    return prediction_counts(logits.argmax(-1), batch)
+
+
+def prediction_counts(predictions: torch.Tensor, batch: dict) -> torch.Tensor:
+    """:func:`answer_counts` of the predicted tokens ``[rows, L]`` (the logits' argmax)."""
     labels = batch["labels"].reshape(-1)
-    hit = (logits.argmax(-1).reshape(-1) == labels) & (labels != IGNORE_INDEX)
+    hit = (predictions.reshape(-1).to(labels.device) == labels) & (labels != IGNORE_INDEX)
     has = labels != IGNORE_INDEX
     B, L = batch["labels"].shape
     if batch.get("cu_seqlens") is not None:

@@ -38,13 +38,17 @@ from hybridtrain.distributed.materialize import InitUnit, materialize, module_in
 from hybridtrain.distributed.parallel_plan import ParallelPlan, parallelize, pipeline_split_seq_len
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
-    HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
+    AuxiliaryLosses, ExpertRouting, HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
 )
 from hybridtrain.ops.backend import configure_backend
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora
+from hybridtrain.peft.quant import packer, quantize_base
 from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.float8 import block_names, convert_to_float8
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.validate import validate_run
@@ -189,7 +193,7 @@ def _materialize(spec, model: nn.Module, device: torch.device, source: dict) -> 
         units += module_init_units(twin, meta.init_units(twin))
     t0 = time.perf_counter()
     materialize(model, device, read=read, read_names=source["names"], units=units,
-                seed=source["seed"])
+                seed=source["seed"], pack=packer(model))
     logger.info("materialised this rank's weights (%s) in %.1fs",
                 source["checkpoint"] or f"random init, seed {source['seed']}",
                 time.perf_counter() - t0)
@@ -293,6 +297,8 @@ class Built:
     optimizer: torch.optim.Optimizer | None  # None: nothing trainable on this rank
     flops_fn: Callable[[dict], float] | None
     data: TrainData | None = None  # None when built with data=False
+    aux_loss: AuxiliaryLoss | None = None  # the model's extra objectives (spec's AuxiliaryLosses)
+    expert_load: ExpertLoad | None = None  # its MoE routers' load (spec's ExpertRouting)
 
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
@@ -346,6 +352,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         model = instantiate_with(cfg.model)
     spec = model_spec_for(model)
     spec.check_model(model)
+    aux_part = spec.find(AuxiliaryLosses)  # e.g. training.mtp: train, freeze or drop the layers
+    aux_loss = aux_part.setup(model, t) if aux_part is not None else None
+    routing = spec.find(ExpertRouting)  # the routers' load each step, their bias update
+    expert_load = routing.setup(model, t) if routing is not None else None
     model_config = model.config
     compute_dtype = resolve_dtype(dtype or t.dtype, device, model_config.hidden_size, t.cpu_bf16)
     configure_backend(device, compute_dtype, cpu_allocator=t.cpu_allocator, grouped_mm=t.grouped_mm,
@@ -361,9 +371,12 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     peft = None
     if cfg.peft is not None:
         peft = cfg.peft.to_dict()
-        apply_lora(model, **peft)
+        apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     if check_model is not None:
         check_model(model, peft)
+    if t.float8 is not None:  # before the layout (torchtitan's order)
+        convert_to_float8(model, t.float8, block_names(model, spec.pipeline.layers(model)),
+                          t.float8_filter, emulate=device.type != "cuda")
     if not on_meta:  # a model target that ignored the meta device: built in full already
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -376,8 +389,10 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
     # training loss, parallel layout, optimizer
     set_train_loss(model, loss if loss is not None else
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
-    validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
-                 evaluation=evaluation)
+    dims = validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
+                        evaluation=evaluation)
+    if peft is not None and peft["base_quant"]:  # QLoRA: NF4 blocks that FSDP2 can split
+        quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
     if cfg.distributed.encoder_ranks:
         plan = spec.find(HeteroSupport).plan(
             model, cfg.distributed, world_size, device=device, autocast_dtype=autocast_dtype,
@@ -396,7 +411,8 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         model_config=model_config, spec=spec, num_params=n_params, dtype=compute_dtype,
         save_dtype=save_dtype, peft=peft, plan=plan,
         optimizer=_build_optimizer(cfg, model, device),
-        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data)
+        flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data,
+        aux_loss=aux_loss, expert_load=expert_load)
 
 
 def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
@@ -449,4 +465,5 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         trainer_settings(cfg.training, cfg.checkpoint), checkpointer=checkpointer,
         metrics=metrics, throughput=Throughput(b.flops_fn, _peak_tflops(cfg, b.device, b.dtype)),
         evaluator=make_evaluator(b) if cfg.evaluation is not None else None,
-        stop=RunStop.from_config(cfg, b.device, started))
+        stop=RunStop.from_config(cfg, b.device, started), aux_loss=b.aux_loss,
+        expert_load=b.expert_load)

@@ -103,6 +103,10 @@ class LRScheduler:
         total_samples: int | None = None,
     ):
         style = lr_decay_style
+        if optimizer is None and lr is None:
+            raise ValueError("lr_scheduler: this rank has no optimizer (nothing trainable on it, "
+                             "e.g. a frozen module on its own ranks) and no lr to follow; set "
+                             "lr_scheduler.lr (or the optimizer section's lr)")
         if style not in STYLES:
             raise ValueError(f"lr_scheduler.lr_decay_style={style!r} is not one of {STYLES}")
         if lr_wsd_decay_style not in DECAY_STYLES:
@@ -152,7 +156,6 @@ class LRScheduler:
         self.optimizer = optimizer
         self.style = style
         self.units = units
-        assert optimizer is not None or lr is not None, "LRScheduler without optimizer needs lr"
         self.base_lr = float(lr if lr is not None else optimizer.param_groups[0]["lr"])
         self.min_lr = float(min_lr)
         self.init_lr = float(init_lr)

@@ -172,12 +172,17 @@ class MetricsLogger:
         else:
             logger.info(msg)
 
-    def progress(self, step: int, loss: float | None, lr: float, tps: float | None) -> None:
+    def progress(self, step: int, loss: float | None, lr: float, tps: float | None,
+                 extra: dict[str, float | None] | None = None) -> None:
+        """The bar's line: ``loss``, ``extra`` losses (e.g. ``mtp_loss``), ``lr``, tokens/s."""
         if self._bar is None:
             return
         post = {"lr": f"{lr:.2e}"}
         if loss is not None:
             post["loss"] = f"{loss:.4f}"
+        for k, v in (extra or {}).items():
+            if v is not None:
+                post[k] = f"{v:.4f}"
         if tps is not None:
             post["tok/s"] = f"{tps:,.0f}"
         self._bar.set_postfix(post, refresh=False)

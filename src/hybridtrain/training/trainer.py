@@ -16,7 +16,9 @@ each validation record (answers generated and scored: ``training.evaluation``).
 
 A step whose loss or gradient norm is not finite is skipped: gradients are dropped, the optimizer
 and the LR scheduler do not move, ``skipped_steps`` grows, and training goes on. A global batch
-without any label token is skipped the same way (it has no loss).
+without any label token is skipped the same way (it has no loss). The skip is decided on the
+device and the loss, norm and skip are read back a step later, or at once at logging and
+checkpoint steps (:mod:`hybridtrain.training.device_step`): the host never waits for a step.
 
 A run that diverges stops: after ``max_consecutive_skipped_steps`` non-finite steps in a row
 :meth:`Trainer.fit` raises :class:`TrainingDiverged` (no export is written). While such a streak
@@ -48,12 +50,15 @@ import torch
 from torch import nn
 
 from hybridtrain.data.batch import IGNORE_INDEX, count_label_tokens, count_tokens, model_inputs
-from hybridtrain.distributed.context_parallel import shard_batches
+from hybridtrain.distributed.context_parallel import shard_batches, unshard_rows
 from hybridtrain.distributed.hetero import HeteroPlan
 from hybridtrain.distributed.parallel_plan import ParallelPlan
+from hybridtrain.ops.aux_loss import AuxiliaryLoss
+from hybridtrain.ops.expert_load import ExpertLoad
 from hybridtrain.runfolder import TrainingStopped
-from hybridtrain.training.accuracy import answer_counts
+from hybridtrain.training.accuracy import prediction_counts
 from hybridtrain.training.checkpoint import Checkpointer
+from hybridtrain.training.device_step import PendingStep, fused_step, supports_device_skip
 from hybridtrain.training.flops import Throughput
 from hybridtrain.training.metrics import MetricsLogger, peak_memory_gb
 from hybridtrain.training.precision import autocast_context
@@ -62,6 +67,30 @@ from hybridtrain.training.settings import TrainerSettings, trainer_settings
 from hybridtrain.training.step_scheduler import EvalBatchSampler, StepScheduler
 
 logger = logging.getLogger(__name__)
+
+
+class Window:
+    """Steps since a point in time: their count, tokens and FLOPs (see ``Trainer._window_rates``)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.steps, self.tokens, self.flops = None, 0, 0, 0.0
+
+    def begin(self, t: float) -> None:
+        if self.start is None:
+            self.start = t
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + tokens, self.flops + flops
+
+    def close(self, t: float) -> tuple[int, float, int, float]:
+        """(steps, seconds, tokens, FLOPs) up to ``t``; the next window starts at ``t``."""
+        out = (self.steps, t - self.start, self.tokens, self.flops)
+        self.reset()
+        self.start = t
+        return out
 
 
 class TrainingDiverged(TrainingStopped):
@@ -77,10 +106,12 @@ class TrainStep:
     the global count) and returns the detached fp32 sum over this rank's micro-batches, where
     ``loss_sum`` is ``model(input_ids, labels=labels, ...)``: the model's own forward with its
     summing training loss installed. ``eval_loss(model, batch)`` is that sum for one batch
-    without gradients (validation). Under FSDP2 the gradient reduction runs only after the last
-    micro-batch. ``pipeline``: a pipeline schedule step (``__call__`` and ``eval_loss`` of the
-    same signatures), which runs forward and backward of all micro-batches itself. Everything
-    runs under :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
+    without gradients (validation), ``eval_predictions(model, batch)`` its predicted tokens.
+    Under FSDP2 the gradient reduction runs only after the last micro-batch. ``pipeline``: a
+    pipeline schedule step (``__call__`` and ``eval_loss`` of the same signatures, and
+    ``eval_predictions(model, batch)``: the predicted tokens), which runs forward and backward
+    of all micro-batches itself. Everything runs under
+    :func:`~hybridtrain.training.precision.autocast_context` of ``autocast_dtype``.
     """
 
     def __init__(self, autocast_dtype: torch.dtype | None = None, pipeline: Any = None):
@@ -114,12 +145,14 @@ class TrainStep:
         return total
 
     @torch.no_grad()
-    def eval_logits(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
-        """Logits of a validation batch (None on a rank that computes none)."""
+    def eval_predictions(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        """The predicted tokens ``[rows, L]`` (argmax of the logits) of a validation batch;
+        None on a rank that predicts none (an encoder's own ranks); a pipeline's on every pp
+        rank."""
         with autocast_context(self.autocast_dtype, batch["input_ids"].device):
             if self.pipeline is not None:
-                return self.pipeline.eval_logits(model, batch)
-            return model(batch["input_ids"], **model_inputs(batch))
+                return self.pipeline.eval_predictions(model, batch)
+            return model(batch["input_ids"], **model_inputs(batch)).argmax(-1)
 
     @torch.no_grad()
     def eval_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -156,7 +189,11 @@ class Trainer:
     ``settings``: the recipe's loop values (:func:`~hybridtrain.training.settings.trainer_settings`;
     default: the recipe's defaults). ``checkpointer`` (None: no checkpoints), ``metrics`` (None: no
     files), ``throughput`` (None: no ``tflops_per_device`` / ``mfu``), ``evaluator(model,
-    step)`` (fields added to each validation record), ``stop`` (default: never stops early).
+    step)`` (fields added to each validation record), ``stop`` (default: never stops early),
+    ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
+    normalisers join the step's counts, their values the step's record), ``expert_load`` (the
+    MoE routers' load, :mod:`hybridtrain.ops.expert_load`: its metrics join the record, its
+    bias update follows each optimizer step).
     """
 
     def __init__(
@@ -173,6 +210,8 @@ class Trainer:
         throughput: Throughput | None = None,
         evaluator: Callable[[nn.Module, int], dict] | None = None,
         stop: RunStop | None = None,
+        aux_loss: AuxiliaryLoss | None = None,
+        expert_load: ExpertLoad | None = None,
     ):
         self.plan = plan
         self.model = plan.model
@@ -189,13 +228,19 @@ class Trainer:
         self.throughput = throughput
         self.val_micro_batch_size = (self.settings.training.val_micro_batch_size
                                      or step_scheduler.micro_batch_size)
-        # (training.validate.validate_run refuses val_accuracy under pipeline parallelism)
-        assert not (self.settings.training.val_accuracy and self.train_step.pipeline), \
-            "training.val_accuracy under pipeline parallelism"
         self.evaluator = evaluator
         self.stop = stop or RunStop()  # default: never stops early
+        # the model's extra objectives (e.g. multi-token prediction), logged beside `loss`
+        self.aux_loss = aux_loss
+        # the MoE routers' load per step (moe_max_load, ...) and their correction-bias update
+        self.expert_load = expert_load
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
+        self._diverged = False  # the streak reached max_consecutive_skipped_steps
+        self._pending: PendingStep | None = None  # the step queued but not yet read back
+        # on CUDA the host runs ahead: a logging step's rates are those of its window of steps
+        self._timed_by_window = self.device.type == "cuda"
+        self._window = Window()
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
 
@@ -204,73 +249,159 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def train_one_step(self, micro_batches: list[dict]) -> dict[str, Any]:
-        """Runs one global batch: forward/backward, clip, update (or skip). Returns its record."""
+        """Runs one global batch: forward/backward, clip, update (or skip). Returns its record,
+        settled (loss, grad norm and skip read back; on CUDA the step finished)."""
+        rec = self.step(micro_batches)
+        self.settle()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # this one-step API is timed by its callers
+        return rec
+
+    def step(self, micro_batches: list[dict]) -> dict[str, Any]:
+        """One global batch queued without waiting on the device (see :mod:`.device_step`):
+        the update is skipped on the device where the loss or norm is not finite, and the
+        record's ``loss`` / ``grad_norm`` / ``skipped_steps`` are filled in when the step is
+        settled (by the next step, or :meth:`settle`). Settling the previous step here is the
+        one read per step, of a flag the device finished a step ago."""
         t0 = time.perf_counter()
-        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
+        self._window.begin(t0)
         flops = self.throughput.flops(micro_batches) if self.throughput is not None else 0.0
         if self.dims.cp > 1:  # this rank's slice of every row; counts and sums over dp x cp
             micro_batches = shard_batches(micro_batches, self.dims.cp_rank, self.dims.cp)
             flops /= self.dims.cp
-        counts = torch.tensor(
-            [sum(count_label_tokens(mb) for mb in micro_batches),
-             sum(count_tokens(mb) for mb in micro_batches), flops],
-            dtype=torch.float64, device=self.device)
-        self.dims.all_reduce_dp_cp(counts)  # global batch: all data(-and-context)-parallel ranks
-        num_label_tokens, num_tokens, flops = int(counts[0]), int(counts[1]), float(counts[2])
-        lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
-              self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
+        # counted on the loader's host tensors, before they move: no device read
+        aux = self.aux_loss
+        num_label_tokens, num_tokens, flops, aux_counts = self._global_counts(micro_batches, flops)
+        micro_batches = [_to_device(mb, self.device) for mb in micro_batches]
+        aux_values = {} if aux is None else aux.record(torch.zeros(aux.num_terms), torch.zeros(aux.num_terms))
         self.model.train()
+        rec = {"step": self.sched.step + 1, "num_label_tokens": num_label_tokens,
+               "num_tokens": num_tokens}
+        on_device = self._skip_on_device
         if num_label_tokens == 0:
             logger.warning("step %d: the global batch has no label tokens; skipping it",
                            self.sched.step + 1)
-            loss = torch.tensor(float("nan"))
-            grad_norm = torch.tensor(float("nan"))
+            pending = PendingStep.of(rec, torch.full((2,), math.nan, dtype=torch.float64))
+            self.settle()
         else:
+            if aux is not None:
+                aux.begin_step(aux_counts)
+            if self.expert_load is not None:
+                self.expert_load.begin_step(self.device)
             ce = self.train_step(self.model, micro_batches, num_label_tokens)
             ce = ce.to(self.device, torch.float64).reshape(1)
-            loss = self.dims.all_reduce_dp_cp(ce)[0] / num_label_tokens
+            if aux is not None:
+                ce = torch.cat([ce, aux.step_sums(self.device)])
+                aux.end_step()
+            ce = self.dims.all_reduce_dp_cp(ce)
+            loss = ce[0] / num_label_tokens
+            if aux is not None:
+                aux_values = aux.record(ce[1:], aux_counts)
+            if self.expert_load is not None:
+                load_table = self._sum_expert_load(self.expert_load.end_step())
+                aux_values.update(self.expert_load.record(load_table))
             grad_norm = self.plan.clip_grad_norm(self._params(), self.settings.training.grad_clip)
-        loss_v, grad_norm_v = float(loss), float(grad_norm)
-        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_norm_v))
-        if skipped:
-            if num_label_tokens:
-                logger.warning("step %d: non-finite %s; skipping the update (lr stays %.3g)",
-                               self.sched.step + 1,
-                               "loss" if not math.isfinite(loss_v) else "gradient norm", lr)
-        else:
+            pending = PendingStep.of(rec, torch.stack([loss, grad_norm.to(loss)]))
+            self.settle()  # the previous step (its flag is a step old): the LR of this update
             if self.optimizer is not None:  # None: nothing trainable on this rank
-                self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(self.sched.global_batch_size)
+                if on_device:
+                    fused_step(self.optimizer, pending.nonfinite)
+                elif not pending.skipped:  # read now: this step waits on the device
+                    self.optimizer.step()
+            if self.expert_load is not None and not pending.skipped:  # (read: on_device is False)
+                self.expert_load.update_biases(load_table)
+        lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else
+              self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         epoch = self.sched.epoch
-        self.sched.advance(skipped=skipped)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.sched.advance()  # skipped_steps: counted when the step is settled
         dt = time.perf_counter() - t0
-        tps = num_tokens / dt if dt > 0 else None
         world = self.dims.world_size
+        tps = num_tokens / dt if dt > 0 else None
         tflops = mfu = None
         if self.throughput is not None and dt > 0:
             tflops, mfu = self.throughput.rates(flops, dt, world)
-        return {
-            "step": self.sched.step,
-            "loss": loss_v,
-            "grad_norm": grad_norm_v,
-            "lr": lr,
-            "num_label_tokens": num_label_tokens,
-            "num_tokens": num_tokens,
-            "tps": tps,
+        rec.update({
+            "lr": lr, "tps": tps,
             "tps_per_device": tps / world if tps is not None else None,
-            "tflops_per_device": tflops,
-            "mfu": mfu,
+            "tflops_per_device": tflops, "mfu": mfu,
             "mem_gb": peak_memory_gb(self.device),
             "consumed_samples": self.sched.consumed_samples,
-            "skipped_steps": self.sched.skipped_steps,
-            "epoch": epoch,
-            "step_time_s": dt,
-        }
+            "epoch": epoch, "step_time_s": dt, **aux_values,
+        })
+        self._pending = pending
+        self._window.add(num_tokens, flops)
+        if num_label_tokens == 0 or not on_device:
+            self.settle()  # known on the host already
+        return rec
+
+    def _global_counts(self, micro_batches: list[dict], flops: float
+                       ) -> tuple[int, int, float, torch.Tensor | None]:
+        """(label tokens, tokens, FLOPs, the extra objectives' counts or None) of the global
+        batch, from this rank's host tensors summed over the data(-and-context)-parallel ranks.
+        One process: no device involved; several: one all-reduce, read back (the count scales
+        this step's loss)."""
+        counts = [sum(count_label_tokens(mb) for mb in micro_batches),
+                  sum(count_tokens(mb) for mb in micro_batches), flops]
+        aux = (None if self.aux_loss is None
+               else sum(self.aux_loss.counts(mb) for mb in micro_batches).to(torch.float64))
+        if self.dims.dp * self.dims.cp == 1:
+            return int(counts[0]), int(counts[1]), float(counts[2]), aux
+        t = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        if aux is not None:  # its terms' normalisers, in the same all-reduce
+            t = torch.cat([t, aux.to(t)])
+        self.dims.all_reduce_dp_cp(t)  # global batch: all data(-and-context)-parallel ranks
+        n_label, n_tok, flops = t[:3].tolist()
+        return int(n_label), int(n_tok), float(flops), (t[3:] if aux is not None else None)
+
+    @property
+    def _skip_on_device(self) -> bool:
+        """Whether the update is skipped on the device flag (else the flag is read first): the
+        fused AdamW, and no extra objectives or expert-load updates (their records and the
+        routers' bias update read the step's values)."""
+        if self.aux_loss is not None or self.expert_load is not None:
+            return False
+        return self.optimizer is None or supports_device_skip(self.optimizer)
+
+    def settle(self) -> None:
+        """Reads back the queued step (if any): fills its record, counts a skip (the LR
+        schedule does not advance) or advances the LR schedule, and counts the non-finite
+        streak (:class:`TrainingDiverged` when it reaches the limit)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        rec = pending.read()
+        skipped = pending.skipped
+        if skipped:
+            self.sched.skipped_steps += 1
+            if rec["num_label_tokens"]:
+                logger.warning("step %d: non-finite %s; skipping the update (lr stays %.3g)",
+                               rec["step"], "loss" if not math.isfinite(rec["loss"])
+                               else "gradient norm", rec["lr"] if "lr" in rec else float("nan"))
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(self.sched.global_batch_size)
+        rec["skipped_steps"] = self.sched.skipped_steps
+        self._diverged = self._count_nonfinite(rec)
+        if self.metrics is not None:
+            self.metrics.progress(rec["step"], rec["loss"], rec.get("lr"), rec.get("tps"),
+                                  extra=self._progress_extra(rec))
+
+    def _sum_expert_load(self, table: torch.Tensor) -> torch.Tensor:
+        """The step's token counts per expert summed over the ranks holding other tokens
+        (data, expert, context parallel) and other layers (pipeline stages)."""
+        self.dims.all_reduce_dp_cp(table)
+        if self.dims.pp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(table, group=self.dims.group("pp"))
+        return table
+
+    def _progress_extra(self, rec: dict) -> dict[str, float | None]:
+        """The extra objectives' summary values for the progress line."""
+        if self.aux_loss is None:
+            return {}
+        return {n: rec.get(n) for n in self.aux_loss.summary_names}
 
     # -- validation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -293,6 +424,7 @@ class Trainer:
             if n_real < batch["labels"].shape[0]:  # filler rows (uneven split over ranks)
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][n_real:] = IGNORE_INDEX
+            whole = batch
             if self.dims.cp > 1:
                 batch = shard_batches([batch], self.dims.cp_rank, self.dims.cp)[0]
                 n_real = n_real if self.dims.cp_rank == 0 else 0
@@ -300,9 +432,9 @@ class Trainer:
             sums += torch.tensor([float(ce), count_label_tokens(batch), n_real],
                                  dtype=torch.float64, device=self.device)
             if self.settings.training.val_accuracy:
-                logits = self.train_step.eval_logits(self.model, batch)
-                if logits is not None:
-                    acc += answer_counts(logits, batch).to(self.device)
+                counts = self._answer_counts(batch, whole)
+                if counts is not None:
+                    acc += counts.to(self.device)
         self.dims.all_reduce_dp_cp(sums)
         self.model.train(was_training)
         val_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None
@@ -318,6 +450,20 @@ class Trainer:
         if self.evaluator is not None:  # answers generated for validation examples, scored
             rec.update(self.evaluator(self.model, self.sched.step))
         return rec
+
+    def _answer_counts(self, batch: dict, whole: dict) -> torch.Tensor | None:
+        """:func:`~hybridtrain.training.accuracy.answer_counts` of validation batch ``whole``
+        (``batch``: this rank's context-parallel slice of it) from this rank, None where it adds
+        nothing: under context parallelism the slices' predictions are joined into whole rows
+        (an answer may span slices) and counted on the first slice's rank."""
+        pred = self.train_step.eval_predictions(self.model, batch)
+        if pred is None:
+            return None
+        if self.dims.cp > 1:
+            pred = unshard_rows(pred, self.dims.group("cp"))[:, :whole["labels"].shape[1]]
+            if self.dims.cp_rank:
+                return None
+        return prediction_counts(pred, whole)
 
     def _accuracy(self, acc: torch.Tensor) -> dict[str, float | None]:
         """``answer_accuracy`` / ``token_accuracy`` of the summed counts (with ``val_accuracy``)."""
@@ -370,6 +516,27 @@ class Trainer:
         self.checkpointer.load(path, self.model, self.optimizer, self.lr_scheduler, self.sched)
 
     # -- divergence --------------------------------------------------------------------------
+    def _window_rates(self, rec: dict) -> None:
+        """A logging step's ``step_time_s`` and rates over the steps since the last logging step
+        (or validation, or save), timed to the end of the device's work (CUDA: the host does not
+        wait for a step, so one step's own time is the host's)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        steps, seconds, tokens, flops = self._window.close(time.perf_counter())
+        if seconds <= 0:
+            return
+        world = self.dims.world_size
+        rec.update(step_time_s=seconds / steps, tps=tokens / seconds,
+                   tps_per_device=tokens / seconds / world)
+        if self.throughput is not None:
+            rec["tflops_per_device"], rec["mfu"] = self.throughput.rates(flops, seconds, world)
+
+    def _streak_may_end_run(self) -> bool:
+        """Whether the queued step's flag may reach ``max_consecutive_skipped_steps`` (then it
+        is read at once, so that the run stops at that step)."""
+        limit = self.settings.training.max_consecutive_skipped_steps
+        return bool(limit) and self._nonfinite_streak + 1 >= limit
+
     def _count_nonfinite(self, rec: dict) -> bool:
         """Counts step ``rec`` into the non-finite streak; True when the streak hits the limit."""
         nonfinite = rec["num_label_tokens"] > 0 and not (
@@ -413,28 +580,33 @@ class Trainer:
         saving = self.checkpointer is not None and settings.checkpoint.enabled
         while not sched.done:
             micro_batches = next(batches)
-            rec = self.train_one_step(micro_batches)
+            rec = self.step(micro_batches)
             self.history.append(rec)
-            diverged = self._count_nonfinite(rec)
-            if self.metrics is not None:
-                if sched.is_log_step or diverged:
-                    self.metrics.log_train(rec)
-                self.metrics.progress(rec["step"], rec["loss"], rec["lr"], rec["tps"])
-            if diverged:
+            if sched.is_log_step or sched.is_ckpt_step or self._streak_may_end_run():
+                self.settle()  # read back at logging steps (and where the values decide)
+            if sched.is_log_step and self._timed_by_window:
+                self._window_rates(rec)
+            if self.metrics is not None and (sched.is_log_step or self._diverged):
+                self.metrics.log_train(rec)
+            if self._diverged:
                 self._stop_diverged()
             gc_every = settings.training.gc_every_steps
             if gc_every and sched.step % gc_every == 0:
                 gc.collect()
             if self.data.val is not None and sched.is_val_step:
                 self._validate_and_log()
+                self._window.reset()  # (not a training step's time)
             if saving and sched.is_ckpt_step and (self._nonfinite_streak == 0 or sched.done):
                 last_ckpt = self._save(final=sched.done)
+                self._window.reset()
             if sched.done:
                 break
             if saving and self.stop.needs_timed_save():
+                self.settle()
                 last_ckpt = self._save()  # training.max_time: how long a save takes
             reason = self.stop.requested()
             if reason is not None:
+                self.settle()
                 self._stop_early(reason, last_ckpt)
         return last_ckpt
 

@@ -29,6 +29,8 @@ PATTERN_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "
 TYPE_TO_PATTERN = {v: k for k, v in PATTERN_TO_TYPE.items()}
 LEGACY_TYPE_NAMES = {"mamba": "linear_attention", "attention": "full_attention"}
 LAYER_TYPES = tuple(TYPE_TO_PATTERN)
+# an MTP depth's layers when config.json names none (transformers' default)
+DEFAULT_MTP_LAYER_TYPES = ("full_attention", "moe")
 
 # legacy key -> current key (the legacy key wins only when the current one is absent)
 FIELD_ALIASES = {
@@ -124,7 +126,8 @@ class NemotronHConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
-    # multi-token prediction (not built by hybridtrain; its `mtp.*` tensors are ignored on load)
+    # multi-token prediction: `num_nextn_predict_layers` depths, each the layers of
+    # `mtp_layers_block_type` (Hub tensors `mtp.layers.{i}.*`, see mtp.py)
     num_nextn_predict_layers: int = 0
     mtp_layers_block_type: list[str] | None = None
     # norms, init, misc
@@ -141,6 +144,8 @@ class NemotronHConfig:
 
     def __post_init__(self) -> None:
         self.layers_block_type = _normalize_layer_types(list(self.layers_block_type), "layers_block_type")
+        if self.mtp_layers_block_type is None and self.num_nextn_predict_layers:
+            self.mtp_layers_block_type = list(DEFAULT_MTP_LAYER_TYPES)  # as transformers
         if self.mtp_layers_block_type is not None:
             self.mtp_layers_block_type = _normalize_layer_types(
                 list(self.mtp_layers_block_type), "mtp_layers_block_type"
@@ -161,6 +166,24 @@ class NemotronHConfig:
     @property
     def hybrid_override_pattern(self) -> str:
         return "".join(TYPE_TO_PATTERN[t] for t in self.layers_block_type)
+
+    @property
+    def mtp_hybrid_override_pattern(self) -> str | None:
+        if self.mtp_layers_block_type is None:
+            return None
+        return "".join(TYPE_TO_PATTERN[t] for t in self.mtp_layers_block_type)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Layers under ``mtp.layers``: every depth's pattern, depth after depth."""
+        if not self.num_nextn_predict_layers:
+            return 0
+        return self.num_nextn_predict_layers * len(self.mtp_layers_block_type)
+
+    @property
+    def all_layer_types(self) -> set[str]:
+        """The layer types of the main stack and of the MTP layers."""
+        return set(self.layers_block_type) | set(self.mtp_layers_block_type or ())
 
     @property
     def mamba_intermediate_size(self) -> int:
@@ -195,7 +218,13 @@ class NemotronHConfig:
         ):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, f"must be a positive integer, got {v!r}")
-        types = set(self.layers_block_type)
+        n_mtp = self.num_nextn_predict_layers
+        need(isinstance(n_mtp, int) and not isinstance(n_mtp, bool) and n_mtp >= 0,
+             "num_nextn_predict_layers", f"must be an integer >= 0, got {n_mtp!r}")
+        if n_mtp:
+            need(len(self.mtp_layers_block_type) > 0, "mtp_layers_block_type",
+                 "an MTP depth needs at least one layer")
+        types = self.all_layer_types if n_mtp else set(self.layers_block_type)
         if "full_attention" in types:
             need(
                 self.num_attention_heads % self.num_key_value_heads == 0,
@@ -280,8 +309,13 @@ class NemotronHConfig:
                 f"{source}: `num_hidden_layers` is {n_layers} but `{field_name}` describes {len(types)} layers"
             )
         mtp_pattern = d.pop("mtp_hybrid_override_pattern", None)
-        if mtp_pattern is not None and d.get("mtp_layers_block_type") is None:
-            d["mtp_layers_block_type"] = pattern_to_layer_types(mtp_pattern, "mtp_hybrid_override_pattern")
+        if mtp_pattern is not None:
+            from_pattern = pattern_to_layer_types(mtp_pattern, "mtp_hybrid_override_pattern")
+            listed = d.get("mtp_layers_block_type")
+            if listed is not None and _normalize_layer_types(list(listed), "mtp_layers_block_type") != from_pattern:
+                raise ValueError(f"{source}: `mtp_hybrid_override_pattern` ({mtp_pattern!r}) disagrees "
+                                 "with `mtp_layers_block_type`; keep one of them")
+            d["mtp_layers_block_type"] = from_pattern
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "layers_block_type"}
         kwargs = {k: v for k, v in d.items() if k in known}
         extra = {k: v for k, v in d.items() if k not in known and k not in _LAYOUT_KEYS and k not in _DROP_ON_WRITE}
@@ -321,6 +355,8 @@ class NemotronHConfig:
         out["num_hidden_layers"] = self.num_hidden_layers
         if self.mtp_layers_block_type is None:
             out.pop("mtp_layers_block_type")
+        else:  # the spelling vLLM and SGLang read, beside transformers' list
+            out["mtp_hybrid_override_pattern"] = self.mtp_hybrid_override_pattern
         out["architectures"] = ["NemotronHForCausalLM"]
         out["model_type"] = "nemotron_h"
         if dtype is not None:

@@ -107,6 +107,15 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     [b, V] (fp32) of the last position and the cache, with room for ``max_length`` tokens in all
     (default L). A pipeline stage takes and returns what it holds: hidden states [b, L, H] in
     without the embeddings, out without the head."""
+    h, cache = prefill_hidden(model, input_ids, attention_mask, max_length, inputs_embeds)
+    return _head(model, h), cache
+
+
+def prefill_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   max_length: int | None = None, inputs_embeds: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, NemotronHCache]:
+    """:func:`prefill` returning the final hidden states [b, L, H] of every prompt position
+    instead of the last position's logits."""
     h = _embed(model, input_ids) if inputs_embeds is None else inputs_embeds
     b, L = h.shape[:2]
     max_length = L if max_length is None else max_length
@@ -125,7 +134,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
 
     h = _run_layers(model, h, run_block, step=False)
     cache.head_t = _transposed_head(model, h, max_length - L)
-    return _head(model, h), cache
+    return h, cache
 
 
 def _step(model, cache: NemotronHCache, tokens: torch.Tensor) -> torch.Tensor:

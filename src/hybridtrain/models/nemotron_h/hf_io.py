@@ -35,8 +35,8 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-# tensors in Hub checkpoints that hybridtrain does not build (multi-token prediction heads),
-# skipped on load as transformers does
+# multi-token prediction tensors: built when config.json asks for MTP layers
+# (`num_nextn_predict_layers`), else skipped on load as transformers does
 IGNORED_ON_LOAD = re.compile(r"^mtp\.")
 _EXPERT_HUB = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _EXPERT_OURS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
@@ -125,12 +125,17 @@ def hub_slice(name: str, region: tuple[slice, ...],
     return read(name, region)
 
 
-def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
+def slice_reader(local_dir: str | os.PathLike, config_cls: type = NemotronHConfig,
+                 layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
+                 rename: Callable[[str], str] = lambda name: name,
+                 ) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
     """``read(name, region)``: a region of our tensor ``name`` read from the checkpoint in
-    ``local_dir`` (only the bytes it needs; see :func:`hub_slice`)."""
+    ``local_dir`` (only the bytes it needs; see :func:`hub_slice`; ``config_cls`` /
+    ``layout_config`` / ``rename`` as :func:`load_pretrained`'s)."""
     reader = SafetensorsReader(checkpoint_files(local_dir))
-    config = NemotronHConfig.from_pretrained(local_dir)
-    return lambda name, region: hub_slice(name, region, reader.read, config)
+    config = layout_config(config_cls.from_pretrained(local_dir))
+    return lambda name, region: hub_slice(name, region, lambda n, r: reader.read(rename(n), r),
+                                          config)
 
 
 def expected_hub_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -246,9 +251,9 @@ def load_pretrained(
         for path in files:
             with open_safetensors(path, device=str(device)) as f:
                 for k in f.keys():
-                    if IGNORED_ON_LOAD.match(k):
-                        continue
                     ours, expert = hub_name_to_ours(hub.get(k, k))
+                    if ours not in state:  # (check_tensors let only IGNORED_ON_LOAD through)
+                        continue
                     target = state[ours]
                     if expert is not None:
                         target = target[expert]

@@ -116,7 +116,8 @@ def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
     Returns ``{"layers": [{"type", "category", "saved", "checkpointed", "backward"}, ...] (one
     per block, in order; "saved": kept for backward without activation checkpointing,
     "checkpointed": with it, "backward": what its backward works with at once besides),
-    "head": {"loss": kept per micro-batch by the final norm and the loss on the last stage},
+    "head": {"loss": kept per micro-batch by the final norm, the loss and the multi-token
+    prediction layers with their losses on the last stage},
     "head_backward": what the loss works with while it runs}``. ``head_grad``: whether the LM
     head trains (its fp32 gradient is accumulated in forward)."""
     T, e = micro_batch * seq_len, _bytes(dtype)
@@ -133,6 +134,13 @@ def activation_bytes(config: NemotronHConfig, micro_batch: int, seq_len: int,
     kept = (block_in + T * _F32  # final norm
             + T * H * e + T * _F32  # the hidden-state gradient, log-sum-exp
             + (V * H * _F32 if head_grad else 0))
+    # the multi-token prediction depths run after the main loss on the same stage and keep, per
+    # depth, the fused input (embeddings, both norms, the 2H concat), each layer's activations
+    # (as without checkpointing: an upper bound), the final norm and their loss's hidden
+    # gradient and log-sum-exp
+    for t in (config.mtp_layers_block_type or ()) * config.num_nextn_predict_layers:
+        kept += block_in + T * _F32 + _MIXER[t](config, T, e)
+    kept += config.num_nextn_predict_layers * (4 * block_in + 2 * block_in + 2 * T * _F32 + T * H * e)
     # one chunk's logits, fp32 exponentials (the fp32 logits' own buffer), low-precision copy
     working = chunk * V * (_F32 if e == _F32 else 2 * e + _F32)
     return {"layers": layers, "head": {"loss": float(kept)}, "head_backward": float(working)}

@@ -23,44 +23,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hybridtrain.ops.loss import LinearCrossEntropy
-
 from hybridtrain.distributed.context_parallel import gather_sequence
+from hybridtrain.ops.loss import LinearCrossEntropy
 from hybridtrain.ops.sampling import GenerationConfig
-from .attention import Attention
+from .blocks import MIXERS, Block, SequenceInfo  # noqa: F401 (MIXERS, Block: this module's API)
 from .cache import cache_bytes
 from .config import NemotronHConfig
 from .context_parallel import CPSlice
 from .generation import generate
 from .hf_io import load_pretrained, save_pretrained
-from .mamba2 import Mamba2Mixer
-from .mlp import MLP
-from .moe import MoE
+from .mtp import MTPLayer, MultiTokenPredictor, depth_labels
 from .norms import RMSNorm
-from .numerics import matmul_dtype
-from .decode_ops import norm
-
-if TYPE_CHECKING:
-    from hybridtrain.distributed.tensor_parallel import SequenceParallel
-
-MIXERS = {"linear_attention": Mamba2Mixer, "full_attention": Attention, "mlp": MLP, "moe": MoE}
-
-
-@dataclass
-class SequenceInfo:
-    """Per-forward packing information, computed once and shared by all layers."""
-
-    seq_idx: torch.Tensor | None = None  # [B, L] int32 document id, None = one document per row
-    cp: CPSlice | None = None  # this rank's slice of a context-parallel sequence
-    # sequence parallelism: between the mixers, this rank's part of the rows' ``length`` tokens
-    sp: SequenceParallel | None = None
-    length: int = 0
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
@@ -104,74 +81,6 @@ def seq_idx_from_position_ids(position_ids: torch.Tensor, batch: int, length: in
     return (torch.cumsum(starts.view(-1), 0, dtype=torch.int32) - 1).view(batch, length)
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x))."""
-
-    def __init__(self, config: NemotronHConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.block_type = config.layers_block_type[layer_idx]
-        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        mixer_cls = MIXERS[self.block_type]
-        self.mixer = MLP(config) if mixer_cls is MLP else mixer_cls(config, layer_idx=layer_idx)
-
-    def reset_parameters(self) -> None:
-        self.norm.reset_parameters()
-        self.mixer.reset_parameters()
-
-    def forward(self, hidden_states: torch.Tensor, info: SequenceInfo | None = None) -> torch.Tensor:
-        sp = info.sp if info is not None else None
-        x = hidden_states.to(self.norm.weight.dtype)
-        if sp is None:
-            # a mixer whose one reader of h is a linear layer (Mamba's in_proj, the MLP's up_proj)
-            # gets h in that layer's compute dtype, written by the norm: no fp32 h for autocast to
-            # cast (attention's three projections would sum h's gradients in bf16; the MoE router
-            # reads h in fp32; sequence parallelism would reduce-scatter its gradient in bf16)
-            out_dtype = matmul_dtype(hidden_states) if isinstance(self.mixer, (Mamba2Mixer, MLP)) else None
-            return hidden_states + self._mix(self.norm(x, out_dtype=out_dtype), info)
-        h = self.norm(x, sp)
-        # the mixer takes whole rows (autograd keeps this rank's part of them); the residual
-        # stream keeps this rank's part
-        full = sp.gather(h, info.length)
-        with sp.keep_part(full, h):
-            out = self._mix(full, info)
-        return hidden_states + sp.shard(out)
-
-    def _mix(self, h: torch.Tensor, info: SequenceInfo | None) -> torch.Tensor:
-        if self.block_type in ("linear_attention", "full_attention") and info is not None:
-            return self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
-        return self.mixer(h)
-
-    # -- cached decoding (the loop is generation.py) ----------------------------------------------
-    def prefill(self, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
-                valid: torch.Tensor | None, max_length: int) -> tuple[torch.Tensor, object | None]:
-        """The block over a prompt [b, L, H] (``seq_idx``/``valid``: the left padding as its own
-        document, see :func:`.generation.prefill`); returns the output and the layer's cache entry
-        (a Mamba state or the key/value cache for ``max_length`` tokens; None for MLP and MoE)."""
-        x = norm(self.norm, hidden_states, step=False)
-        entry = None
-        if self.block_type == "linear_attention":
-            y, entry = self.mixer.prefill(x, seq_idx, valid)
-        elif self.block_type == "full_attention":
-            y, entry = self.mixer.prefill(x, seq_idx, max_length)
-        else:
-            y = self.mixer(x)
-        return hidden_states + y, entry
-
-    def step(self, hidden_states: torch.Tensor, entry: object | None, valid: torch.Tensor,
-             position: torch.Tensor) -> torch.Tensor:
-        """One decoding step [b, 1, H] on the layer's cache ``entry`` (``valid``/``position``: the
-        cache's valid positions and the step's position, device tensors)."""
-        x = norm(self.norm, hidden_states)
-        if self.block_type == "linear_attention":
-            y = self.mixer.step(x, entry)
-        elif self.block_type == "full_attention":
-            y = self.mixer.step(x, entry, valid, position)
-        else:
-            y = self.mixer.step(x)
-        return hidden_states + y
-
-
 class NemotronHModel(nn.Module):
     """``layer_ids``: the blocks to build (default all; a pipeline stage's shell builds none)."""
 
@@ -207,7 +116,16 @@ class NemotronHForCausalLM(nn.Module):
             raise ValueError(f"expected a NemotronHConfig, got {type(config).__name__}")
         self.config = config
         self.backbone = NemotronHModel(config, layer_ids)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # multi-token prediction layers (`mtp.layers.*`, see mtp.py)
+        self.mtp = MultiTokenPredictor(config) if config.num_nextn_predict_layers else None
+        # training's extra objectives (a hybridtrain.ops.aux_loss.AuxiliaryLoss, set by
+        # mtp_training): `aux_terms` names them in order, "mtp" (one term per depth) and
+        # "moe_aux" (the routers' sequence-level balance loss)
+        self.aux_loss = None
+        self.aux_terms: tuple[str, ...] = ()
+        # the step's expert load (hybridtrain.ops.expert_load.ExpertLoad), set by training
+        self.expert_load = None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # (registered last)
         self.loss = LinearCrossEntropy(reduction="mean")
         # set by parallelize under context parallelism: forward then takes this rank's slice
         # of every row (hybridtrain.distributed.context_parallel.shard_batch)
@@ -229,6 +147,9 @@ class NemotronHForCausalLM(nn.Module):
         stage.backbone.embeddings = bb.embeddings if is_first else None
         stage.backbone.norm_f = bb.norm_f if is_last else None
         stage.lm_head = self.lm_head if is_last else None
+        stage.mtp = self.mtp if is_last else None
+        stage.aux_loss, stage.aux_terms = self.aux_loss, self.aux_terms
+        stage.expert_load = self.expert_load
         stage.loss = self.loss
         stage.context_parallel = self.context_parallel
         stage.sequence_parallel = self.sequence_parallel
@@ -262,6 +183,8 @@ class NemotronHForCausalLM(nn.Module):
             units.append(("backbone.norm_f", RMSNorm.reset_parameters))
         if self.lm_head is not None:
             units.append(("lm_head", normal))
+        if self.mtp is not None:
+            units += [(f"mtp.layers.{k}", MTPLayer.reset_parameters) for k in self.mtp.layers]
         return units
 
     # ------------------------------------------------------------------ forward
@@ -314,6 +237,10 @@ class NemotronHForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, L, H] (after ``norm_f``), without the lm_head."""
+        return self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)[0]
+
+    def _hidden_states(self, input_ids, position_ids, cu_seqlens, inputs_embeds
+                       ) -> tuple[torch.Tensor, SequenceInfo]:
         bb = self.backbone
         if inputs_embeds is not None:
             h = inputs_embeds
@@ -333,7 +260,7 @@ class NemotronHForCausalLM(nn.Module):
             h = block(h, info)
         if bb.norm_f is not None:
             h = bb.norm_f(h, sp)
-        return h if sp is None else sp.gather(h, L)
+        return (h if sp is None else sp.gather(h, L)), info
 
     def forward(
         self,
@@ -343,13 +270,46 @@ class NemotronHForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.hidden_states(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                               inputs_embeds=inputs_embeds)
+        h, info = self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)
         if self.lm_head is None:  # a pipeline stage before the last
+            self._count_expert_load()
             return h
         if labels is None:
             return self.lm_head(h).float()
-        return self.loss(h, self.lm_head, labels)
+        loss = self.loss(h, self.lm_head, labels)
+        if self.aux_loss is not None and self.aux_loss.active:
+            terms = []
+            if "mtp" in self.aux_terms:
+                terms += self.mtp_losses(h, input_ids, labels, info)
+            if "moe_aux" in self.aux_terms:  # (summed over layers; read after the MTP layers ran)
+                terms.append(sum(r.last_seq_aux for r in self.moe_routers().values() if r.seq_aux_loss))
+            loss = self.aux_loss.attach(loss, terms)
+        self._count_expert_load()
+        return loss
+
+    def moe_routers(self) -> dict[str, nn.Module]:
+        """The routers of the MoE layers this (stage) model holds, by layer name
+        (``backbone.layers.{i}``, ``mtp.layers.{i}``)."""
+        stacks = [("backbone.layers", self.backbone.layers)]
+        if self.mtp is not None:
+            stacks.append(("mtp.layers", self.mtp.layers))
+        return {f"{prefix}.{k}": block.mixer.gate for prefix, stack in stacks
+                for k, block in stack.items() if block.block_type == "moe"}
+
+    def _count_expert_load(self) -> None:
+        if self.expert_load is not None and self.expert_load.active:
+            self.expert_load.add({n: r.tokens_per_expert for n, r in self.moe_routers().items()
+                                  if r.count_tokens})
+
+    def mtp_losses(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                   info: SequenceInfo) -> list[torch.Tensor]:
+        """Each MTP depth's loss (``self.loss``: a sum in training) over a batch whose main
+        hidden states are ``hidden``: depth k's targets are :func:`.mtp.depth_labels`."""
+        assert self.mtp is not None and self.backbone.embeddings is not None, \
+            "MTP training needs the embeddings and the MTP layers on this model (stage)"
+        outs = self.mtp.hidden_states(hidden, input_ids, self.backbone.embeddings, info)
+        return [self.loss(h, self.lm_head, depth_labels(labels, k + 1, info.seq_idx))
+                for k, h in enumerate(outs)]
 
     # ------------------------------------------------------------------ generation
     def generation_cache_bytes(self, batch_size: int, max_length: int) -> int:

@@ -33,6 +33,21 @@ from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
 from .numerics import fp32_region, matmul_dtype, mul_to
 
+def sequence_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """The sequence-level auxiliary balance loss (DeepSeek-V3's, Megatron's ``seq_aux_loss``),
+    summed over the ``rows`` rows of a forward: per row, ``sum_i f_i * P_i`` with ``f_i`` expert
+    i's token copies in the row times ``E / (k L)``,
+    and ``P_i`` the row's mean of the tokens' sigmoid scores normalised over the experts.
+    ``logits`` [rows L, E] fp32, ``topk_idx`` [rows L, k]."""
+    E, k = logits.shape[-1], topk_idx.shape[-1]
+    scores = logits.sigmoid().view(rows, -1, E)
+    L = scores.shape[1]
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # [rows, E]
+    counts = torch.zeros(rows, E, dtype=p.dtype, device=p.device)
+    counts.scatter_add_(1, topk_idx.view(rows, L * k), torch.ones(rows, L * k, dtype=p.dtype, device=p.device))
+    return (counts * (E / (k * L)) * p).sum()
+
+
 class TopkRouter(nn.Module):
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -46,6 +61,13 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         # updated by the load-balancing rule, never by gradients; always kept in fp32
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        # with `count_tokens`: the last forward's token copies per expert [E] int64 (training's
+        # expert load, hybridtrain.ops.expert_load); not part of the state
+        self.count_tokens = False
+        self.tokens_per_expert: torch.Tensor | None = None
+        # with `seq_aux_loss`: the last forward's sequence-level balance loss, summed over rows
+        self.seq_aux_loss = False
+        self.last_seq_aux: torch.Tensor | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -82,6 +104,10 @@ class TopkRouter(nn.Module):
                 expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(T, self.num_experts)
                 choice = choice.masked_fill(~expert_mask, float("-inf"))
             topk_idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            if self.count_tokens:  # overwritten, not summed: a recomputed forward counts once
+                flat = topk_idx.reshape(-1)
+                self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device
+                                                     ).index_add_(0, flat, torch.ones_like(flat))
         weights = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -292,7 +318,9 @@ class MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, topk_weights, topk_idx = self.route(x)
+        logits, topk_weights, topk_idx = self.route(x)
+        if self.gate.seq_aux_loss:
+            self.gate.last_seq_aux = sequence_balance_loss(logits, topk_idx, shape[0])
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         sorted_h, order, counts, h_cast = permute(h, topk_idx, self.experts.num_experts, matmul_dtype(h))
         y_sorted = self.token_dispatcher(self.experts, sorted_h, counts)

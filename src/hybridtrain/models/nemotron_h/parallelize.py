@@ -6,7 +6,8 @@ The pipeline split comes before, in :func:`hybridtrain.distributed.parallel_plan
 the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of 1 do nothing.
 FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit, on
 the expert mesh when ``ep > 1``, so a rank gathers one block's experts at a time), ``norm_f`` +
-``lm_head`` (one unit) and the (stage) model as root, holding nothing else.
+``lm_head`` (one unit), every MTP layer (as the blocks) and the (stage) model as root, holding
+nothing else. Expert parallelism and activation checkpointing cover the MTP layers as the blocks.
 
 Tensor parallelism (:func:`apply_tp`) splits every mixer by heads: attention's q/k/v by heads
 (k/v computed whole when there are fewer kv heads than ranks), o_proj by rows; the MLP and the
@@ -82,8 +83,11 @@ def tp_plan(model: nn.Module, tp: int) -> dict:
         plan["backbone.embeddings"] = "vocab_embedding"
     if model.lm_head is not None:
         plan["lm_head"] = "vocab_head"
-    for name, block in model.backbone.layers.items():
-        at = f"backbone.layers.{name}.mixer"
+    blocks = [(f"backbone.layers.{name}", block) for name, block in model.backbone.layers.items()]
+    if model.mtp is not None:  # the MTP layers' mixers split as the main stack's
+        blocks += [(f"mtp.layers.{name}", block) for name, block in model.mtp.layers.items()]
+    for prefix, block in blocks:
+        at = f"{prefix}.mixer"
         if block.block_type == "linear_attention":
             plan.update({f"{at}.in_proj": "column", f"{at}.out_proj": "row", f"{at}.conv1d": ("weight", "bias"),
                          at: ("dt_bias", "A_log", "D"), f"{at}.norm": ("weight",)})
@@ -107,7 +111,8 @@ def apply_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
         model.sequence_parallel = SequenceParallel(mesh)
     kv = config.num_key_value_heads
     if kv < tp:  # k/v whole on every rank; each takes the kv head of its query heads
-        for block in model.backbone.layers.values():
+        mtp = list(model.mtp.layers.values()) if model.mtp is not None else []
+        for block in list(model.backbone.layers.values()) + mtp:
             if block.block_type == "full_attention":
                 block.mixer.local_kv_heads = LocalSlice(mesh, dim=1, start=mesh.get_local_rank() * kv // tp,
                                                         length=1)
@@ -129,13 +134,15 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: Di
     if dims.cp > 1:
         model.context_parallel = ContextParallel(dims.group("cp"))
     layers = model.backbone.layers
-    moe_blocks = [b for b in layers.values() if b.block_type == "moe"]
+    stacks = [layers] + ([model.mtp.layers] if model.mtp is not None else [])
+    moe_blocks = [b for stack in stacks for b in stack.values() if b.block_type == "moe"]
     if dims.ep > 1:
         for block in moe_blocks:
             block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
                                                                  dims.mesh("ep"))
     if training.activation_checkpointing:
-        apply_activation_checkpointing(layers, training.activation_checkpointing, BLOCK_TYPES)
+        for stack in stacks:
+            apply_activation_checkpointing(stack, training.activation_checkpointing, BLOCK_TYPES)
     apply_compile(layers, training.compile, device)
     if dims.fsdp_enabled:
         units, expert_units = fsdp_units(model)
@@ -148,8 +155,9 @@ def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
     holding the rest: the embeddings, each block, and the final norm with the head as one unit
     (gathered when the norm runs: the loss reads the head's weight, so a rank does not hold the
     head through the whole step as the root would)."""
-    layers = model.backbone.layers
+    layers = list(model.backbone.layers.values())
     head = [m for m in (model.backbone.norm_f, model.lm_head) if m is not None]
-    units = [model.backbone.embeddings] + list(layers.values()) + [head or None]
-    experts = [b.mixer.experts for b in layers.values() if b.block_type == "moe"]
+    mtp = list(model.mtp.layers.values()) if model.mtp is not None else []
+    units = [model.backbone.embeddings] + layers + [head or None] + mtp
+    experts = [b.mixer.experts for b in layers + mtp if b.block_type == "moe"]
     return [u for u in units if u is not None], experts

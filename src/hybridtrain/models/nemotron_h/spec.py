@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridtrain.models.spec import (
-    Decoding, FlopsCount, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
+    AuxiliaryLosses, Decoding, ExpertRouting, FlopsCount, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec, PeftSupport, PipelineSplit,
     register_model_spec)
 
 from . import flops
@@ -15,6 +15,8 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
+from .mtp_training import check_mtp_layout, setup_aux_losses, setup_expert_load
+from .speculative import speculative_decode
 from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
 
 
@@ -95,7 +97,9 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         MemoryPlanSupport(activation_bytes=activation_bytes, tp_plan=tp_plan,
                           fsdp_units=fsdp_units),
         BLOCK_TYPES,
-        Decoding(pipeline=True, lockstep=True),
+        Decoding(pipeline=True, lockstep=True, speculative=speculative_decode),
         LayoutRules(check=check_layout),
+        AuxiliaryLosses(setup=setup_aux_losses, check_layout=check_mtp_layout),
+        ExpertRouting(setup=setup_expert_load),
     ),
 ))

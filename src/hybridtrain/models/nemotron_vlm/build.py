@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from hybridtrain.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM, tiny_config
 
 from hybridtrain.config.dtypes import to_torch_dtype
@@ -30,23 +32,22 @@ def tiny_vlm_config(image_token_id: int = 255, text: Mapping | NemotronHConfig |
 def build_vlm(config: NemotronVLMConfig | Mapping | None = None, *,
               language_model_dir: str | None = None, local_dir: str | None = None,
               dtype: str | None = None, freeze: Sequence[str] = (),
-              device: str | None = None, **config_fields: Any) -> NemotronVLMForConditionalGeneration:
+              device: torch.device | str | None = None,
+              **config_fields: Any) -> NemotronVLMForConditionalGeneration:
     """The model of a recipe.
 
-    * ``local_dir``: a saved vision-language model (safetensors + config.json);
+    * ``local_dir``: a saved vision-language model (safetensors + config.json), read onto
+      ``device`` (``meta``: checked, its weights read after the layout, as the builder does);
     * else ``config`` (a config or its fields) or ``config_fields``; with ``language_model_dir``
       the language model loads from that Nemotron-H Hugging Face folder (its config replaces
       ``text_config``), the vision encoder and projector start at random.
-
-    ``device``: where ``local_dir``'s model is put (``meta``: checked, not read; the trainer
-    fills each rank's shards from the folder).
 
     ``freeze``: module groups not trained: any of ``vision``, ``projector``, ``language``
     (stage 1 alignment: ``[vision, language]``; stage 2: ``[vision]``).
     """
     if local_dir is not None:
-        return NemotronVLMForConditionalGeneration.from_pretrained(local_dir, dtype=dtype,
-                                                                   device=device, freeze=freeze)
+        return NemotronVLMForConditionalGeneration.from_pretrained(
+            local_dir, dtype=dtype, device=device, freeze=freeze)
     fields = dict(config.__dict__ if isinstance(config, NemotronVLMConfig) else (config or {}))
     fields.update(config_fields)
     lm = None

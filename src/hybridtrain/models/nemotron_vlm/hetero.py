@@ -54,7 +54,7 @@ def rows_of_embeddings(input_ids: torch.Tensor, image_embeds: torch.Tensor, imag
 
 class HeteroVLMStep:
     """The trainer's step (``__call__(model, micro_batches, num_label_tokens)``,
-    ``eval_loss(model, batch)``, ``eval_logits``) on one rank of the heterogeneous layout;
+    ``eval_loss(model, batch)``, ``eval_predictions``) on one rank of the heterogeneous layout;
     ``lm_pipeline``: the language model's pipeline step (its plan's, under ``pp``);
     ``bytes_sent`` counts what this rank put on the bridge."""
 
@@ -171,15 +171,16 @@ class HeteroVLMStep:
         return self._forward(model, batch).float()
 
     @torch.no_grad()
-    def eval_logits(self, model, batch: dict) -> torch.Tensor | None:
-        """Logits of a validation batch on a language lane (None on encoder ranks)."""
+    def eval_predictions(self, model, batch: dict) -> torch.Tensor | None:
+        """The predicted tokens ``[rows, L]`` of a validation batch on a language lane (its
+        pipeline's under ``pp``), None on encoder ranks."""
         if self.is_encoder:
             self._serve(model, batch)
             return None
+        batch = self._lane_inputs(model, batch, False)[0]
         if self.lm_pipeline is not None:
-            raise ValueError("training.val_accuracy is not available under pipeline "
-                             "parallelism (distributed.pp > 1); set it to false")
-        return self._forward(model, self._lane_inputs(model, batch, False)[0], logits=True)
+            return self.lm_pipeline.eval_predictions(model, batch)
+        return self._forward(model, batch, logits=True).argmax(-1)
 
 
 def hetero_plan(model, distributed, world_size: int, *, parallelize=None,

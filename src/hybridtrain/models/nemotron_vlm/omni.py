@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from hybridtrain.distributed.materialize import SafetensorsReader
 from hybridtrain.fileio import read_json
 from hybridtrain.models.nemotron_h.config import NemotronHConfig
 from hybridtrain.models.nemotron_h.hf_io import (
-    checkpoint_files, hub_slice, read_checkpoint_header, save_hf_checkpoint)
+    checkpoint_files, read_checkpoint_header, save_hf_checkpoint)
 
 from .config import OMNI_MODEL_TYPE, NemotronVLMConfig, VisionConfig
 
@@ -152,14 +151,3 @@ def save_omni(state_dict: Mapping[str, torch.Tensor], config: NemotronVLMConfig,
     stream = None if tensors is None else ((hub_name(n), t) for n, t in tensors)
     save_hf_checkpoint(renamed, config, out_dir, max_shard_size=max_shard_size, dtype=dtype,
                        tensors=stream, layout_config=config.text_config)
-
-
-def slice_reader(local_dir: str | os.PathLike) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
-    """``read(name, region)``: a region of our tensor ``name`` from a saved vision-language
-    model in either layout (ours or ``nemotron_h_omni``)."""
-    reader = SafetensorsReader(checkpoint_files(local_dir))
-    config = NemotronVLMConfig.from_pretrained(local_dir)
-    omni = config.hf_omni_config is not None
-
-    src = (lambda n, r: reader.read(hub_name(n), r)) if omni else reader.read
-    return lambda name, region: hub_slice(name, region, src, config.text_config)

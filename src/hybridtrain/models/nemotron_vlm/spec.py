@@ -21,8 +21,7 @@ from hybridtrain.models.spec import (
 
 from .config import NemotronVLMConfig
 from .hetero import hetero_plan
-from .io import save_vlm
-from .omni import slice_reader
+from .io import save_vlm, vlm_slice_reader
 from .memory import activation_bytes, encoder_activation_bytes
 from .model import NemotronVLMForConditionalGeneration
 from .pipeline import images_by_row
@@ -138,7 +137,7 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
         PeftSupport(expert_modules=(Experts,)),
         HeteroSupport(plan=hetero_plan),
         MetaInit(init_units=NemotronVLMForConditionalGeneration.init_units,
-                 hf_slice_reader=slice_reader),
+                 hf_slice_reader=vlm_slice_reader),
         MemoryPlanSupport(activation_bytes=activation_bytes, fsdp_units=fsdp_units,
                           encoder_activation_bytes=encoder_activation_bytes),
         BLOCK_TYPES,  # the language model's (its parallelize function checkpoints by them)

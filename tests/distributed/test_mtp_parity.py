@@ -1,0 +1,115 @@
+"""Multi-token prediction trains alike under the layouts it supports: per-step ``loss``,
+``mtp_loss`` and gradient norm within 1e-5 of the single process, final weights (the MTP
+layers and the routers' correction biases included) within 1e-5 (``tests.helpers.parity``'s
+recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP, TP,
+activation checkpointing, LoRA (the MTP linears adapted), aux-loss-free balancing under
+FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike), and the
+sequence-level balance loss under EP. The layouts MTP cannot train under yet are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import parity as pu
+from tests.helpers.distributed import run_distributed
+
+MTP_MODEL = {"config": {"_target_": "hybridtrain.models.nemotron_h.tiny_config", "kind": "mixed",
+                        "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}}
+LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}  # the MTP linears adapted too
+BALANCE = {"moe_bias_update_rate": 0.01}  # the routers' biases move with counts of all ranks
+# name: (layout, activation checkpointing, the run's recipe variant)
+LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
+           "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
+           "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance"),
+           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"), "tp2": ({"tp": 2}, False, "plain")}
+# the routers' sequence-level balance loss beside the MTP loss
+SEQ_AUX = {"moe_aux_loss_coeff": 0.01}
+VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE},
+            "seq_aux": {"training": SEQ_AUX}}
+
+
+def run(layout: dict, world: int, ac=False, variant="plain"):
+    b, trainer = pu.build(layout, world, packed=True, ac=ac, model=MTP_MODEL, **VARIANTS[variant])
+    recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
+    # (names without activation checkpointing's wrapper level; the routers' biases included)
+    state = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in pu.gather_state(b.model).items()}
+    state.update({f"{n}.e_score_correction_bias": r.e_score_correction_bias.clone()
+                  for n, r in b.model.moe_routers().items()})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return [(r["loss"], r["mtp_loss"], r["grad_norm"], r["moe_max_load"], r.get("moe_aux_loss", 1.0))
+            for r in recs], \
+        state if rank == 0 else None
+
+
+def _group(rank, world):
+    return {name: run(layout, world, ac, variant) for name, (layout, ac, variant) in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    torch.set_num_threads(1)
+    return {v: run({}, 1, variant=v) for v in VARIANTS}, run_distributed(_group, 2)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mtp_layout_matches_single_process(results, layout):
+    refs, res = results
+    ref_steps, ref_w = refs[LAYOUTS[layout][2]]
+    steps, w = res[layout]
+    for got, want in zip(steps, ref_steps):
+        for g, r in zip(got, want):
+            assert abs(g - r) <= 1e-5 * abs(r), (layout, steps, ref_steps)
+    assert set(w) == set(ref_w) and any(n.startswith("mtp.") for n in w)
+    assert max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w) <= 1e-5
+    assert ref_steps[-1][1] > 0
+    if LAYOUTS[layout][2] == "balance":  # the biases did move
+        assert any(float(w[k].abs().sum()) > 0 for k in w if k.endswith("e_score_correction_bias"))
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "sp": True}, {"cp": 2}])
+def test_unsupported_layouts_are_refused_by_plan_and_run(layout):
+    from hybridtrain.training.builder import build
+
+    recipe = pu.recipe(layout, packed=True, model=MTP_MODEL)
+    with pytest.raises(ValueError, match=r"training.mtp=train.*(pp=2|sequence_parallel|cp=2).*freeze or drop"):
+        build(recipe, "cpu", world_size=2)
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"cp": 2}])
+def test_the_sequence_balance_loss_is_refused_where_it_is_not_built(layout):
+    from hybridtrain.training.builder import build
+
+    recipe = pu.recipe(layout, packed=True, training={"moe_aux_loss_coeff": 0.01})
+    with pytest.raises(ValueError, match=r"moe_aux_loss_coeff.*(pp|cp)=2"):
+        build(recipe, "cpu", world_size=2)
+
+
+def _pp_balance(rank, world):
+    b, trainer = pu.build({"pp": 2}, world, packed=True, training=BALANCE)
+    recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
+    return [(r["loss"], r["moe_max_load"]) for r in recs], _biases(b.model)
+
+
+def _biases(model) -> dict:
+    """The routers' correction biases by their names from ``backbone.`` on (a stage's too)."""
+    return {n[n.index("backbone."):]: t.clone() for n, t in model.named_buffers()
+            if n.endswith("e_score_correction_bias")}
+
+
+@pytest.mark.distributed
+def test_balancing_under_pipeline_parallelism_sums_the_stages_counts():
+    """The tiny mixed model without MTP: each stage's routers move as in one process."""
+    torch.set_num_threads(1)
+    b, trainer = pu.build({}, 1, packed=True, training=BALANCE)
+    ref = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
+    ref_biases = _biases(b.model)
+    held = {}
+    for steps, biases in run_distributed(_pp_balance, 2):
+        for (loss, load), r in zip(steps, ref):
+            assert abs(loss - r["loss"]) <= 1e-5 * r["loss"] and load == r["moe_max_load"]
+        held.update(biases)  # (each stage holds its own MoE layers)
+    assert set(held) == set(ref_biases) and any(float(v.abs().sum()) > 0 for v in held.values())
+    assert all(torch.equal(v, ref_biases[n]) for n, v in held.items())
