@@ -24,7 +24,8 @@ from hybridtrain.models.nemotron_h import tiny_config
 def tiny_omni_hf_config(image_token_id: int = 4, vocab_size: int = 320, mtp: bool = False,
                         audio: bool = False, **vision: int):
     """transformers' ``NemotronH_Omni_Reasoning_V3_Config`` of the tiny model (``mtp``: one
-    MTP layer, so transformers builds the norm after the ViT; ``audio``: a one-layer Parakeet
+    MTP depth, so transformers builds the norm after the ViT, its tensors added by
+    :func:`write_tiny_omni`; ``audio``: a one-layer Parakeet
     audio encoder, token 7 its placeholder)."""
     import transformers
     if not hasattr(transformers, "NemotronH_Omni_Reasoning_V3_Config"):
@@ -65,6 +66,8 @@ def write_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool =
                 p.add_(0.1 * torch.randn_like(p))
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     model.save_pretrained(tmp)
+    if model.config.text_config.num_nextn_predict_layers:
+        _add_mtp_tensors(tmp, model.config.text_config.to_dict())
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir, ignore_errors=True)
     try:
@@ -72,6 +75,23 @@ def write_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool =
     except OSError:  # another process put it there first (same seed, same files)
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _add_mtp_tensors(folder: str, text: dict) -> None:
+    """Random multi-token-prediction layers (``language_model.mtp.*``), as released
+    checkpoints carry them: transformers neither builds nor saves them."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridtrain.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+    from hybridtrain.models.nemotron_h.hf_io import hub_tensors
+    config = NemotronHConfig.from_dict(text, source="text_config")
+    with torch.device("cpu"):
+        lm = NemotronHForCausalLM(config)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({f"language_model.{n}": t.contiguous()
+                    for n, t in hub_tensors(lm.state_dict(), config) if n.startswith("mtp.")})
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def main(argv=None) -> None:
