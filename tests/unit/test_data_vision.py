@@ -97,3 +97,21 @@ def test_packing_and_collation_keep_image_order(tmp_path, tok):
     # rows of the padding collator too
     b2 = build_collator(ds)([ds[0], ds[1]])
     assert torch.equal(b2["pixel_values"], torch.cat([ds[0]["pixel_values"], ds[1]["pixel_values"]]))
+
+
+def test_image_start_and_end_wrap_each_image_run(tmp_path):
+    """``image_start`` / ``image_end``: each image's placeholder run sits between them (a
+    model's own markers, e.g. ``<img>`` ... ``</img>``), without labels."""
+    tok = build_bpe_tokenizer(shapes_texts(), tmp_path / "tok", vocab_size=300,
+                              extra_special_tokens=["<image>", "<img>", "</img>"])
+    path = write_synthetic_shapes(tmp_path / "d", 8, seed=0, style="openai")
+    ds = build_vision_chat_dataset(path, tok, image_start="<img>", image_end="</img>", **KW)
+    img, start, end = tok.convert_tokens_to_ids(["<image>", "<img>", "</img>"])
+    ex = ds[0]
+    ids = ex["input_ids"].tolist()
+    n = int(ex["image_grid"].prod(-1).sum()) // 4
+    i = ids.index(start)
+    assert ids[i + 1:i + 1 + n] == [img] * n and ids[i + 1 + n] == end
+    assert (ex["labels"][i:i + n + 2] == IGNORE_INDEX).all()
+    with pytest.raises(ValueError, match="image_start"):
+        build_vision_chat_dataset(path, tok, image_start="<nope>", **KW)

@@ -18,12 +18,14 @@ from tests.helpers.memory import assert_close_10pct, held_at_optimizer_step, pla
 
 ROOT = Path(__file__).resolve().parents[2]
 NANO = ROOT / "examples" / "configs" / "nemotron3_nano_30b_a3b"
+OMNI = ROOT / "examples" / "configs" / "nemotron3_nano_omni_30b_a3b"
 GiB = 2 ** 30
 
 
 @pytest.fixture
 def nano_dir(monkeypatch):
     monkeypatch.setenv("NEMOTRON3_NANO_DIR", str(NANO))
+    monkeypatch.setenv("NEMOTRON3_NANO_OMNI_DIR", str(OMNI))
 
 
 def test_nano_config_builds_on_meta_with_the_model_cards_size(nano_dir):
@@ -191,7 +193,8 @@ def test_missing_config_json_is_a_user_error(tmp_path):
         plan_memory(recipe, 1)
 
 
-@pytest.mark.parametrize("name", ["nemotron3_nano_squad", "nemotron3_nano_lora_chat"])
+@pytest.mark.parametrize("name", ["nemotron3_nano_squad", "nemotron3_nano_lora_chat",
+                                  "nemotron3_nano_omni_vlm"])
 def test_recipe_comments_state_the_current_plan(nano_dir, name):
     """The 8 x 80 GB figures written in the 30B recipes are what the plan says today."""
     path = ROOT / "examples" / f"{name}.yaml"

@@ -7,6 +7,8 @@
         tokenizer,             # tokenizer object or local directory; must hold image_token
         image_root=None,       # relative image paths are resolved here (default: the file's folder)
         image_token="<image>", # the placeholder token, one token of the tokenizer
+        image_start=None, image_end=None,  # tokens around each image's run (e.g.
+                               # "<img>", "</img>", as a model's processor writes them)
         patch_size=16, min_patches=4, max_patches=1024, merge=2,
         mean=DEFAULT_MEAN, std=DEFAULT_STD,
         seq_length=None,       # longer samples are dropped (an image is never cut)
@@ -118,11 +120,24 @@ def split_images(rec: Mapping, where: str, image_token: str) -> tuple[dict, list
     return rec, [str(p) for p in images]
 
 
+def _one_token(tokenizer, token: str, key: str) -> int:
+    """The id of ``token``, which must be one token of the tokenizer."""
+    i = tokenizer.convert_tokens_to_ids(token)
+    if (i is None or i == tokenizer.unk_token_id
+            or tokenizer.encode(token, add_special_tokens=False) != [i]):
+        raise ValueError(
+            f"dataset.{key} {token!r} is not one token of the tokenizer; add it as a special "
+            "token (build_bpe_tokenizer(..., extra_special_tokens=[...]) or "
+            "tokenizer.add_special_tokens) and give the model its id")
+    return i
+
+
 class VisionChatDataset(torch.utils.data.Dataset):
     """Tokenized image-text conversations (arguments: see the module docstring)."""
 
     def __init__(self, path, tokenizer, image_root: str | None = None,
-                 image_token: str = "<image>", patch_size: int = 16, min_patches: int = 4,
+                 image_token: str = "<image>", image_start: str | None = None,
+                 image_end: str | None = None, patch_size: int = 16, min_patches: int = 4,
                  max_patches: int = 1024, merge: int = 2, mean: Sequence[float] = DEFAULT_MEAN,
                  std: Sequence[float] = DEFAULT_STD, seq_length: int | None = None,
                  train_on: str = "all", chat_template: str | None = None,
@@ -135,13 +150,10 @@ class VisionChatDataset(torch.utils.data.Dataset):
         check_padding("none", seq_length)
         if train_on not in ("all", "last"):
             raise ValueError(f"train_on must be 'all' or 'last', got {train_on!r}")
-        self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
-        if (self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id
-                or tokenizer.encode(image_token, add_special_tokens=False) != [self.image_token_id]):
-            raise ValueError(
-                f"dataset.image_token {image_token!r} is not one token of the tokenizer; add it "
-                "as a special token (build_bpe_tokenizer(..., extra_special_tokens=[...]) or "
-                "tokenizer.add_special_tokens) and give the model its id")
+        self.image_token_id = _one_token(tokenizer, image_token, "image_token")
+        self.wrap = ([] if image_start is None else [_one_token(tokenizer, image_start,
+                                                                "image_start")],
+                     [] if image_end is None else [_one_token(tokenizer, image_end, "image_end")])
         template = resolve_template(tokenizer, chat_template, chat_template_path)
         strategy = mask_strategy
         if strategy == "auto":
@@ -207,8 +219,9 @@ class VisionChatDataset(torch.utils.data.Dataset):
                     raise ChatFormatError(f"{name}: more image tokens than images after "
                                           "tokenization (does the text hold the image token?)")
                 n = (grids[k][0] // self.merge) * (grids[k][1] // self.merge)
-                out_ids += [t] * n
-                out_mask += [0] * n
+                start, end = self.wrap
+                out_ids += start + [t] * n + end
+                out_mask += [0] * (len(start) + n + len(end))
                 k += 1
             else:
                 out_ids.append(t)

@@ -94,6 +94,7 @@ class LaneDims:
 
     # no context parallelism here (cp = 1): the tokens' ranks are the lanes
     all_reduce_dp_cp = all_reduce_dp
+    sums_over_ranks = True  # every rank joins the sums, the sending side included
 
 
 @dataclass

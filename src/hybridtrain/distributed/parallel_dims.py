@@ -254,6 +254,11 @@ class ParallelDims:
         """This process's context-parallel rank: which slice of every row it holds."""
         return self.local_rank("cp")
 
+    @property
+    def sums_over_ranks(self) -> bool:
+        """Whether :meth:`all_reduce_dp_cp` sums over other ranks (else it leaves ``t`` as is)."""
+        return bool(self._meshes) and self.dp * self.cp > 1
+
     def all_reduce_dp_cp(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks holding different tokens (data- and context-parallel) in
         place; the data-parallel sum when ``cp`` is 1."""

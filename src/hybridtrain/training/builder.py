@@ -449,6 +449,8 @@ def build_checkpointer(b: Built, out_dir: str) -> Checkpointer:
     export_fn, state_extra = functools.partial(default_export, dtype=b.save_dtype), {}
     if b.peft is not None:
         base = b.cfg.model.get("local_dir")
+        if base is not None and not isinstance(base, str):  # a target that wrote the folder
+            base = getattr(b.model, "name_or_path", None)
         state_extra = {"peft": b.peft, "base_model_name_or_path": base}
         export_fn = functools.partial(_export_lora, base=base, merged=ck.save_merged_hf,
                                       dtype=b.save_dtype)

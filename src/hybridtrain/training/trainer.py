@@ -344,12 +344,12 @@ class Trainer:
         """(label tokens, tokens, FLOPs, the extra objectives' counts or None) of the global
         batch, from this rank's host tensors summed over the data(-and-context)-parallel ranks
         (``whole_rows``: the micro-batches before context parallelism sliced them).
-        One process: no device involved; several: one all-reduce, read back (the count scales
+        No rank to sum over: no device involved; else one all-reduce, read back (the count scales
         this step's loss)."""
         counts = [sum(count_label_tokens(mb) for mb in micro_batches),
                   sum(count_tokens(mb) for mb in micro_batches), flops]
         aux = None if self.aux_loss is None else self._aux_counts(self.aux_loss, whole_rows).to(torch.float64)
-        if self.dims.dp * self.dims.cp == 1:
+        if not self.dims.sums_over_ranks:
             return int(counts[0]), int(counts[1]), float(counts[2]), aux
         t = torch.tensor(counts, dtype=torch.float64, device=self.device)
         if aux is not None:  # its terms' normalisers, in the same all-reduce

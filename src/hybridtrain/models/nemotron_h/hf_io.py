@@ -135,15 +135,17 @@ def hub_slice(name: str, region: tuple[slice, ...],
 
 def slice_reader(local_dir: str | os.PathLike, config_cls: type = NemotronHConfig,
                  layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
+                 rename: Callable[[str], str] = lambda name: name,
                  ) -> Callable[[str, tuple[slice, ...]], torch.Tensor]:
     """``read(name, region)``: a region of our tensor ``name`` read from the checkpoint in
     ``local_dir`` (only the bytes it needs; see :func:`hub_slice`: a tensor read whole to be
     reordered is kept for the next regions of it, e.g. QLoRA's row chunks; ``config_cls`` /
-    ``layout_config`` as :func:`load_pretrained`'s)."""
+    ``layout_config`` / ``rename`` as :func:`load_pretrained`'s)."""
     reader = SafetensorsReader(checkpoint_files(local_dir))
     config = layout_config(config_cls.from_pretrained(local_dir))
     reordered: dict[str, torch.Tensor] = {}
-    return lambda name, region: hub_slice(name, region, reader.read, config, reordered)
+    return lambda name, region: hub_slice(name, region, lambda n, r: reader.read(rename(n), r),
+                                          config, reordered)
 
 
 def expected_hub_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -219,10 +221,12 @@ def load_pretrained(
     device: torch.device | str | None = None,
     config_cls: type = NemotronHConfig,
     layout_config: Callable[[Any], NemotronHConfig] = lambda config: config,
+    rename: Callable[[str], str] = lambda name: name,
 ) -> ModelT:
     """``cls(config_cls.from_pretrained(local_dir))`` filled from the checkpoint tensor by tensor
     (``layout_config(config)``: the Nemotron-H config whose Mamba rows :func:`hub_layout`
-    reorders; a model holding a Nemotron-H inside gives its language config)."""
+    reorders; a model holding a Nemotron-H inside gives its language config; ``rename``: a
+    Hub name -> the checkpoint's, for a layout that names some tensors otherwise)."""
     local_dir = os.fspath(local_dir)
     if not os.path.isdir(local_dir):
         raise ValueError(f"{local_dir}: not a directory (from_pretrained takes a local checkpoint directory)")
@@ -233,7 +237,9 @@ def load_pretrained(
     with torch.device("meta"):
         model = cls(config)
     state = model.state_dict(keep_vars=True)
-    check_tensors(expected_hub_shapes(state), found, local_dir)
+    shapes = expected_hub_shapes(state)
+    check_tensors({rename(n): shape for n, shape in shapes.items()}, found, local_dir)
+    hub = {rename(n): n for n in shapes}  # the checkpoint's name -> the Hub's
 
     # as stored: the most common floating dtype of the checkpoint
     counts = Counter(found[n][1] for n in found if not IGNORED_ON_LOAD.match(n) and found[n][1] in _ST_DTYPES)
@@ -255,7 +261,7 @@ def load_pretrained(
         for path in files:
             with open_safetensors(path, device=str(device)) as f:
                 for k in f.keys():
-                    ours, expert = hub_name_to_ours(k)
+                    ours, expert = hub_name_to_ours(hub.get(k, k))
                     if ours not in state:  # (check_tensors let only IGNORED_ON_LOAD through)
                         continue
                     target = state[ours]

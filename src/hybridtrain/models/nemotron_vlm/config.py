@@ -13,13 +13,21 @@ from hybridtrain.fileio import read_json
 from hybridtrain.models.nemotron_h.config import NemotronHConfig
 
 MODEL_TYPE = "nemotron_h_vlm"
+OMNI_MODEL_TYPE = "nemotron_h_omni"  # transformers' NemotronH_Omni_Reasoning_V3
 
 
 @dataclass
 class VisionConfig:
     """The ViT: ``patch_size`` pixels square patches, learned position embeddings on a
     ``pos_grid`` x ``pos_grid`` grid (interpolated to each image's grid), ``class_token_len``
-    class tokens per image, pre-norm blocks (LayerNorm, bidirectional attention, GELU MLP)."""
+    class tokens per image, pre-norm blocks (LayerNorm, bidirectional attention, GELU MLP).
+
+    The RADIO variants of released checkpoints (see :mod:`.omni`): ``patch_bias`` false,
+    ``layer_scale`` (a learned per-channel scale on each residual branch), ``final_norm`` false
+    (no LayerNorm after the blocks), ``pos_interpolation: crop`` (the grid resized to a square of
+    the image's longer side, then cropped to its grid, as RADIO's CPE), ``video_patch_dim`` (the
+    video patch projection, carried frozen: images never use it) and ``summary_tokens`` (the
+    summary indices buffer, carried)."""
 
     hidden_size: int = 1280
     num_hidden_layers: int = 32
@@ -31,8 +39,20 @@ class VisionConfig:
     class_token_len: int = 8
     layer_norm_eps: float = 1e-6
     initializer_range: float = 0.02
+    patch_bias: bool = True
+    layer_scale: bool = False
+    final_norm: bool = True
+    pos_interpolation: str = "resize"
+    video_patch_dim: int = 0
+    summary_tokens: int = 0
+    # tensors of the checkpoint no module here uses (an audio encoder), carried frozen to the
+    # export: {checkpoint name: [shape, dtype name]}
+    carried: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.pos_interpolation not in ("resize", "crop"):
+            raise ValueError(f"vision_config: pos_interpolation {self.pos_interpolation!r}: "
+                             "choose 'resize' or 'crop'")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"vision_config: hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -55,6 +75,10 @@ class NemotronVLMConfig:
     projector_hidden_size: int = 4096
     downsample_ratio: float = 0.5
     image_token_id: int = 0
+    projector_norm_eps: float | None = None  # None: the language model's layer_norm_epsilon
+    # the transformers ``nemotron_h_omni`` config.json this model was read from: saved back as
+    # it is, with the tensors in that layout (see :mod:`.omni`)
+    hf_omni_config: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.text_config, dict):
@@ -87,6 +111,8 @@ class NemotronVLMConfig:
         return round(1 / self.downsample_ratio)
 
     def to_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        if self.hf_omni_config is not None:
+            return {**self.hf_omni_config, **({"dtype": dtype} if dtype else {})}
         return {
             "model_type": MODEL_TYPE,
             "text_config": self.text_config.to_hf_dict(dtype),
@@ -94,6 +120,8 @@ class NemotronVLMConfig:
             "projector_hidden_size": self.projector_hidden_size,
             "downsample_ratio": self.downsample_ratio,
             "image_token_id": self.image_token_id,
+            **({"projector_norm_eps": self.projector_norm_eps}
+               if self.projector_norm_eps is not None else {}),
             **({"torch_dtype": dtype} if dtype else {}),
         }
 
@@ -104,8 +132,12 @@ class NemotronVLMConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "NemotronVLMConfig":
         d = dict(d)
         mt = d.pop("model_type", MODEL_TYPE)
+        if mt == OMNI_MODEL_TYPE:
+            from .omni import config_from_omni
+            return config_from_omni({"model_type": mt, **d}, source)
         if mt != MODEL_TYPE:
-            raise ValueError(f"{source}: `model_type` is {mt!r}, expected {MODEL_TYPE!r}")
+            raise ValueError(f"{source}: `model_type` is {mt!r}, expected {MODEL_TYPE!r} or "
+                             f"{OMNI_MODEL_TYPE!r}")
         d.pop("torch_dtype", None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
@@ -118,4 +150,8 @@ class NemotronVLMConfig:
         path = os.path.join(local_dir, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{local_dir}: no config.json (expected a saved vision-language model)")
-        return cls.from_dict(read_json(path), source=path)
+        d = read_json(path)
+        if d.get("model_type") == OMNI_MODEL_TYPE:
+            from .omni import config_from_omni
+            return config_from_omni(d, path, local_dir=local_dir)
+        return cls.from_dict(d, source=path)

@@ -123,7 +123,8 @@ class NemotronVLMForConditionalGeneration(nn.Module):
         if k != len(per_image):
             raise ValueError(
                 f"the batch has {len(per_image)} images but its placeholders take only {k}; "
-                f"images {k}..{len(per_image) - 1} have no placeholder tokens")
+                f"images {k}..{len(per_image) - 1} have no placeholder tokens (is the data's image token "
+                f"the model's image_token_id {self.config.image_token_id}?)")
 
     def merge_embeddings(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
                          image_grid: torch.Tensor | None) -> torch.Tensor:

@@ -73,7 +73,8 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)) (GELU MLP)."""
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)) (GELU MLP); with
+    ``config.layer_scale`` each branch is scaled per channel (``layer_scale1`` / ``2``)."""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -82,11 +83,16 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        if config.layer_scale:
+            self.layer_scale1 = nn.Parameter(torch.ones(config.hidden_size))
+            self.layer_scale2 = nn.Parameter(torch.ones(config.hidden_size))
 
     def forward(self, x: torch.Tensor, groups: ImageGroups,
                 unpermute: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), groups, unpermute)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        a = self.attn(self.norm1(x), groups, unpermute)
+        x = x + (a * self.layer_scale1 if hasattr(self, "layer_scale1") else a)
+        m = self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + (m * self.layer_scale2 if hasattr(self, "layer_scale2") else m)
 
 
 class RadioViT(nn.Module):
@@ -97,12 +103,24 @@ class RadioViT(nn.Module):
         super().__init__()
         self.config = config
         D = config.hidden_size
-        self.patch_embed = nn.Linear(config.patch_dim, D)
-        self.pos_embed = nn.Parameter(torch.empty(config.pos_grid * config.pos_grid, D))
+        self.patch_embed = nn.Linear(config.patch_dim, D, bias=config.patch_bias)
+        n_pos = config.pos_grid * config.pos_grid  # RADIO's own shape [1, n, D] under crop
+        shape = (1, n_pos, D) if config.pos_interpolation == "crop" else (n_pos, D)
+        self.pos_embed = nn.Parameter(torch.empty(shape))
         self.cls_token = nn.Parameter(torch.empty(config.class_token_len, D))
         self.blocks = nn.ModuleDict({str(i): VisionBlock(config)
                                      for i in range(config.num_hidden_layers)})
-        self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
+        self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps) if config.final_norm else None
+        # carried through (saved, never trained): a video patch projection and RADIO's summary
+        # indices, so that an export holds every tensor of the checkpoint it came from
+        if config.video_patch_dim:
+            self.register_buffer("video_patch_projection",
+                                 torch.zeros(D, config.video_patch_dim))
+        if config.summary_tokens:
+            self.register_buffer("summary_idxs",
+                                 torch.arange(config.summary_tokens, dtype=torch.long))
+        if config.carried:
+            self.carried = CarriedTensors(config.carried)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -110,19 +128,32 @@ class RadioViT(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 m.reset_parameters()
+            elif isinstance(m, VisionBlock) and hasattr(m, "layer_scale1"):
+                nn.init.ones_(m.layer_scale1)
+                nn.init.ones_(m.layer_scale2)
         nn.init.normal_(self.pos_embed, std=std)
         nn.init.normal_(self.cls_token, std=std)
+        if hasattr(self, "video_patch_projection"):
+            nn.init.normal_(self.video_patch_projection, std=std)
+        if hasattr(self, "summary_idxs"):
+            self.summary_idxs.copy_(torch.arange(self.summary_idxs.numel()))
 
     def position_embeddings(self, h: int, w: int) -> torch.Tensor:
-        """[h * w, D]: the learned grid, bilinearly resized to ``h x w`` when it differs."""
+        """[h * w, D]: the learned grid, bilinearly resized to ``h x w`` when it differs
+        (``pos_interpolation: crop``: resized to ``max(h, w)`` square, then its top-left
+        ``h x w`` kept, as RADIO)."""
         g = self.config.pos_grid
-        if (h, w) == (g, g):
-            return self.pos_embed
+        crop = self.config.pos_interpolation == "crop"
+        size = (max(h, w),) * 2 if crop else (h, w)
+        if size == (g, g) and (h, w) == size:
+            return self.pos_embed.view(g * g, -1)
         grid = self.pos_embed.view(1, g, g, -1).permute(0, 3, 1, 2)
-        grid = F.interpolate(grid.float(), size=(h, w), mode="bilinear", align_corners=False)
+        grid = F.interpolate(grid.float(), size=size, mode="bilinear", align_corners=False)
+        grid = grid[..., :h, :w]
         return grid.to(self.pos_embed.dtype)[0].permute(1, 2, 0).reshape(h * w, -1)
 
     def forward(self, pixel_values: torch.Tensor, image_grid: torch.Tensor) -> torch.Tensor:
@@ -140,11 +171,29 @@ class RadioViT(nn.Module):
         groups, unpermute = same_length_groups(cu.to(x.device))
         for block in self.blocks.values():
             x = block(x, groups, unpermute)
-        x = self.norm(x)
+        if self.norm is not None:
+            x = self.norm(x)
         keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         for s in cu[:-1].tolist():
             keep[s:s + C] = False
         return x[keep]
+
+
+class CarriedTensors(nn.Module):
+    """Frozen buffers named as a checkpoint's tensors (``{"a.b.w": [shape, dtype]}`` ->
+    ``self.a.b.w``), saved with the model and never used: the parts of a checkpoint it does not
+    model (an audio encoder) go through training into the export unchanged."""
+
+    def __init__(self, tensors: dict):
+        super().__init__()
+        for name, (shape, dtype) in sorted(tensors.items()):
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            owner.register_buffer(leaf, torch.zeros(shape, dtype=getattr(torch, dtype)))
 
 
 def pixel_shuffle(x: torch.Tensor, image_grid: torch.Tensor, merge: int = 2) -> torch.Tensor:
@@ -164,7 +213,8 @@ class Projector(nn.Module):
     def __init__(self, config: NemotronVLMConfig):
         super().__init__()
         d_in = config.vision_config.hidden_size * config.merge ** 2
-        self.norm = RMSNorm(d_in, eps=config.text_config.layer_norm_epsilon)
+        eps = config.projector_norm_eps
+        self.norm = RMSNorm(d_in, eps=config.text_config.layer_norm_epsilon if eps is None else eps)
         self.fc1 = nn.Linear(d_in, config.projector_hidden_size, bias=False)
         self.fc2 = nn.Linear(config.projector_hidden_size, config.text_config.hidden_size,
                              bias=False)
