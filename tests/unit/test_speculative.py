@@ -172,15 +172,7 @@ def test_grpo_rollouts_with_speculative_sampling_are_seeded_per_sample():
     from hybridtrain.models.nemotron_h.speculative import speculative_decode
     from hybridtrain.recipes.grpo import sample_rollouts
     from hybridtrain.rl.tasks import CountingTask
-
-    class Bytes:
-        pad_token_id, eos_token_id = 0, None
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": list(text.encode())}
-
-        def decode(self, ids, skip_special_tokens=True):
-            return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
+    from tests.distributed.test_grpo_rollouts import _CharTokenizer as Bytes
 
     model, task = _model("mixed", "*E"), CountingTask()
     prompts = task.prompts(2, random.Random(0))
