@@ -219,3 +219,18 @@ def test_super_config_builds_the_hub_checkpoint_s_parameter_count():
     # 2,942,324,736 of them under mtp.
     assert sum(p.numel() for p in model.parameters()) == 123_611_012_096
     assert sum(p.numel() for p in model.mtp.parameters()) == 2_942_324_736
+
+
+def test_a_checkpoint_saved_without_its_mtp_layers_is_refused_naming_the_fix(tmp_path):
+    """transformers (and most trainers) drop ``mtp.*`` when saving: loading such a folder names
+    the missing layers and how to load the model without them."""
+    from safetensors.torch import save_file
+
+    model = NemotronHForCausalLM(mtp_config())
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("mtp.")}
+    save_file(kept, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="set num_nextn_predict_layers to 0 in config.json"):
+        NemotronHForCausalLM.from_pretrained(tmp_path)

@@ -211,6 +211,11 @@ def check_tensors(
         lines.append(f"  unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
     for n, exp, got in bad_shape:
         lines.append(f"  wrong shape: {n}: checkpoint has {list(got)}, model expects {list(exp)}")
+    if missing and all(n.startswith("mtp.") for n in missing) and not any(n.startswith("mtp.") for n in found):
+        lines.append("  config.json declares multi-token prediction layers (num_nextn_predict_layers) but "
+                     "the checkpoint holds no mtp.* tensor (transformers and most trainers drop them when "
+                     "saving): load the original checkpoint's MTP layers, or set num_nextn_predict_layers "
+                     "to 0 in config.json to use the model without them")
     raise CheckpointMismatchError("\n".join(lines))
 
 
