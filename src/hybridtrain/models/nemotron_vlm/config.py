@@ -12,8 +12,9 @@ from typing import Any, ClassVar
 from hybridtrain.fileio import read_json
 from hybridtrain.models.nemotron_h.config import NemotronHConfig
 
+from .omni_config import OMNI_MODEL_TYPE, omni_fields
+
 MODEL_TYPE = "nemotron_h_vlm"
-OMNI_MODEL_TYPE = "nemotron_h_omni"  # transformers' NemotronH_Omni_Reasoning_V3
 
 
 @dataclass
@@ -133,8 +134,7 @@ class NemotronVLMConfig:
         d = dict(d)
         mt = d.pop("model_type", MODEL_TYPE)
         if mt == OMNI_MODEL_TYPE:
-            from .omni import config_from_omni
-            return config_from_omni({"model_type": mt, **d}, source)
+            return cls.from_omni_fields(omni_fields({"model_type": mt, **d}, source))
         if mt != MODEL_TYPE:
             raise ValueError(f"{source}: `model_type` is {mt!r}, expected {MODEL_TYPE!r} or "
                              f"{OMNI_MODEL_TYPE!r}")
@@ -146,12 +146,16 @@ class NemotronVLMConfig:
         return cls(**d)
 
     @classmethod
+    def from_omni_fields(cls, fields: dict[str, Any]) -> "NemotronVLMConfig":
+        """The config of :func:`~.omni_config.omni_fields`' translation."""
+        return cls(**{**fields, "vision_config": VisionConfig(**fields["vision_config"])})
+
+    @classmethod
     def from_pretrained(cls, local_dir: str | os.PathLike) -> "NemotronVLMConfig":
         path = os.path.join(local_dir, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{local_dir}: no config.json (expected a saved vision-language model)")
         d = read_json(path)
         if d.get("model_type") == OMNI_MODEL_TYPE:
-            from .omni import config_from_omni
-            return config_from_omni(d, path, local_dir=local_dir)
+            return cls.from_omni_fields(omni_fields(d, path, local_dir=local_dir))
         return cls.from_dict(d, source=path)

@@ -18,7 +18,8 @@ import shutil
 
 import torch
 
-from hybridtrain.models.nemotron_h import tiny_config
+from hybridtrain.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM, tiny_config
+from hybridtrain.models.nemotron_h.hf_io import hub_tensors
 
 
 def tiny_omni_hf_config(image_token_id: int = 4, vocab_size: int = 320, mtp: bool = False,
@@ -82,8 +83,6 @@ def _add_mtp_tensors(folder: str, text: dict) -> None:
     checkpoints carry them: transformers neither builds nor saves them."""
     from safetensors.torch import load_file, save_file
 
-    from hybridtrain.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
-    from hybridtrain.models.nemotron_h.hf_io import hub_tensors
     config = NemotronHConfig.from_dict(text, source="text_config")
     with torch.device("cpu"):
         lm = NemotronHForCausalLM(config)
