@@ -184,13 +184,14 @@ def test_the_mamba_kernels_variable_sets_the_recipe_default(monkeypatch):
 def test_slow_paths_warn_at_start_and_true_refuses(monkeypatch, caplog, restore_settings):
     """A CUDA run without torch grouped_mm or flash-attn warns, naming the package and the fix;
     ``grouped_mm: true`` refuses; on a CPU nothing is reported."""
-    import importlib.util
+    import sys
+
+    from hybridtrain.ops.flash_varlen import forget_flash_varlen
 
     assert backend.slow_paths("cpu", torch.float32) == {}
     monkeypatch.delattr(torch.nn.functional, "grouped_mm", raising=False)
-    real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flash_attn" else real_find(name, *a))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` fails
+    forget_flash_varlen()
     monkeypatch.setattr(backend, "_warned_slow", set())
     with caplog.at_level("WARNING"):
         found = backend.check_slow_paths("cuda", torch.bfloat16)

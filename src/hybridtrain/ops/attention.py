@@ -15,16 +15,18 @@ tokens of the keys) or a context-parallel rank (its slice of the sequence, all k
 A document that starts before the queries is attended in query blocks of ``block`` rows with a
 ``[block, keys]`` mask (lower-right causal), so memory stays linear in the key length.
 
-On CUDA with ``flash_attn`` installed (and no queries offset into earlier keys) one varlen call
-runs all documents of the batch; the per-document path is always there and is the one tested.
+On CUDA with ``flash_attn`` installed (bf16/fp16, no queries offset into earlier keys) one varlen
+call runs all documents of the batch; the per-document path is always there and is the one tested.
 
 Under ``torch.compile`` the document boundaries are never read on the host (no graph break): the
-mask "same document and causal" is a function of ``seq_idx`` on the device. On CUDA (and
-wherever no gradient is needed) it is a ``flex_attention`` block mask (blocks across documents
-are skipped: the work stays about the documents' causal squares); where a gradient is needed on
-the CPU (flex_attention has no CPU backward) or with dropout, a dense ``[b, 1, Lq, Lk]`` mask for
-``scaled_dot_product_attention``. The flash-attn varlen call needs the host's document lengths,
-so compiled blocks do not take it.
+mask "same document and causal" is a function of ``seq_idx`` on the device. Where flash-attn
+varlen runs (above; no dropout, flash-attn >= 2.7) its own ``torch.library`` ops are reached through
+the custom op :func:`~hybridtrain.ops.flash_varlen.flash_document_attention`, which reads the
+document lengths inside the op, out of dynamo's sight. Else, on CUDA (the named fallback: a missing flash-attn is
+a warning at start, ``ops.backend.slow_paths``) and wherever no gradient is needed, a
+``flex_attention`` block mask (blocks across documents are skipped: the work stays about the
+documents' causal squares); where a gradient is needed on the CPU (flex_attention has no CPU
+backward) or with dropout, a dense ``[b, 1, Lq, Lk]`` mask for ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:  # pragma: no cover - CUDA-only extra
-    from flash_attn import flash_attn_varlen_func as _flash_varlen
-except Exception:
-    _flash_varlen = None
+from .flash_varlen import flash_document_attention, flash_ops, flash_varlen, varlen_attention
 
 __all__ = ["document_spans", "document_causal_attention"]
 
@@ -93,20 +92,19 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat([p.transpose(1, 2) for p in parts], dim=min(dim, 1)).transpose(1, 2)
 
 
-def _flash_ok(q, k, q_offset) -> bool:  # pragma: no cover - CUDA only
-    return (_flash_varlen is not None and q.is_cuda and q_offset == 0
-            and q.shape[-2] == k.shape[-2] and q.dtype in (torch.float16, torch.bfloat16))
+def flash_ok(device_type: str, dtype: torch.dtype, q_offset: int, Lq: int, Lk: int) -> bool:
+    """Whether flash-attn varlen runs these packed rows: installed, CUDA, bf16/fp16, the queries
+    starting with the keys."""
+    return (device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and q_offset == 0
+            and Lq == Lk and flash_varlen() is not None)
 
 
-def _flash(q, k, v, spans, dropout_p):  # pragma: no cover - CUDA only
-    """One varlen call over every document of the batch ([b, h, L, d] layout in and out)."""
-    b, h, L, d = q.shape
-    lens = [e - s for row in spans for s, e, _ in row]
-    cu = torch.tensor([0] + lens, device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    flat = lambda t: t.transpose(1, 2).reshape(b * L, t.shape[1], d)  # noqa: E731
-    out = _flash_varlen(flat(q), flat(k), flat(v), cu, cu, max(lens), max(lens),
-                        dropout_p=dropout_p, causal=True)
-    return out.view(b, L, h, d).transpose(1, 2)
+def flash_op_ok(q: torch.Tensor, k: torch.Tensor, q_offset: int, dropout_p: float) -> bool:
+    """Whether compiled blocks run these packed rows by flash-attn (its own ``torch.library`` ops,
+    through :func:`~hybridtrain.ops.flash_varlen.flash_document_attention`): :func:`flash_ok`, no
+    dropout, head_dim a multiple of 8."""
+    return (dropout_p == 0.0 and q.shape[-1] % 8 == 0
+            and flash_ok(q.device.type, q.dtype, q_offset, q.shape[-2], k.shape[-2]) and flash_ops() is not None)
 
 
 def _document_mask(seq_idx: torch.Tensor, q_offset: int):
@@ -129,6 +127,8 @@ def _traced_document_attention(q, k, v, seq_idx, q_offset: int, dropout_p: float
     under ``torch.compile``: no host reads, one graph)."""
     b, _, Lq, _ = q.shape
     Lk = k.shape[-2]
+    if flash_op_ok(q, k, q_offset, dropout_p):
+        return flash_document_attention(q, k, v, seq_idx)
     mask_mod = _document_mask(seq_idx, q_offset)
     if _flex_wanted(q, k, v, dropout_p):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -160,8 +160,8 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if torch.compiler.is_compiling():
         return _traced_document_attention(q, k, v, seq_idx, q_offset, dropout_p)
     spans = document_spans(seq_idx, q_offset, Lq)
-    if _flash_ok(q, k, q_offset):  # pragma: no cover
-        return _flash(q, k, v, spans, dropout_p)
+    if flash_ok(q.device.type, q.dtype, q_offset, Lq, Lk):  # pragma: no cover - CUDA only
+        return varlen_attention(q, k, v, [e - s for row in spans for s, e, _ in row], dropout_p)
     # split (not index) rows and documents: their backward is one concatenation, where each
     # indexed slice's backward would allocate a zero gradient of the whole tensor; one row and
     # all keys are taken whole (a split into one part or a full narrow copies the gradient)

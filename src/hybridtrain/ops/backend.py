@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.ops import liger_loader, triton_interpret
+from hybridtrain.ops.flash_varlen import flash_ops, flash_varlen
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +163,11 @@ def slow_paths(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]
             f"training.dtype {dtype}: torch grouped_mm runs bf16 only, so MoE experts run as a loop "
             "over experts (eager) or every expert over every row, masked (compiled blocks); set "
             "training.dtype: bf16")
-    if importlib.util.find_spec("flash_attn") is None:
+    if flash_varlen() is None:
         found["flash_attn"] = (
-            "flash-attn is not installed: attention over packed rows runs one "
+            "flash-attn is not installed (or does not import): attention over packed rows runs one "
             "scaled_dot_product_attention per document (eager; the document boundaries read on the "
-            "host per layer) and flex_attention in compiled blocks; install "
+            "host per layer) and flex_attention in compiled blocks (not flash-attn's varlen kernel); install "
             f"flash-attn>={FLASH_ATTN_FLOOR} (pip install 'hybridtrain[cuda]')")
     return found
 
@@ -423,9 +424,14 @@ def _experts_path(device: torch.device) -> str:
 
 def _attention_path(device: torch.device) -> str:
     if device.type == "cuda":
-        eager = ("flash_attn varlen" if importlib.util.find_spec("flash_attn") is not None
-                 else "scaled_dot_product_attention per document")
-        return f"{eager} (eager), flex_attention (compiled blocks)"
+        if flash_ops() is not None:
+            return ("flash_attn varlen (bf16/fp16; eager, and in compiled blocks as the custom op "
+                    "hybridtrain::flash_document_attention)")
+        if flash_varlen() is not None:
+            return ("flash_attn varlen (eager), flex_attention (compiled blocks; fallback: this flash-attn "
+                    f"registers no torch.library ops, install flash-attn>={FLASH_ATTN_FLOOR})")
+        return ("scaled_dot_product_attention per document (eager), flex_attention (compiled blocks; "
+                "fallback: flash-attn is not installed)")
     return "scaled_dot_product_attention per document (eager), masked SDPA (compiled blocks)"
 
 
