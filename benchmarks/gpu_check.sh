@@ -9,11 +9,13 @@
 # where importable, compiled blocks); nano8 on the eager PyTorch path with its profile (as the
 # measured baseline of 2026-11-26); decoding nano8 at batch 1 and 8 against transformers; dense2b
 # (1.25B) as nano8; transformers' training step on nano8. Then one table: per run the kernel path
-# that ran, warm-up (first step, compile, autotune seconds) apart from the steady tokens/s, and
+# that ran, warm-up (first step, compile, autotune seconds, the pre_hook kernels' apart) apart from the steady tokens/s, and
 # the graph count of the compiled blocks.
 # Caches persist under $OUT/cache across parts: Triton's kernels (TRITON_CACHE_DIR) and autotune
-# results (TRITON_CACHE_AUTOTUNING=1: mamba_ssm's autotuning, 1-2 min per shape, is done once and
-# read from disk by later parts), inductor's graphs (TORCHINDUCTOR_CACHE_DIR).
+# results (TRITON_CACHE_AUTOTUNING=1: mamba_ssm's forward autotuning, 1-2 min per shape, is done
+# once and read from disk by later parts), inductor's graphs (TORCHINDUCTOR_CACHE_DIR). Triton
+# keeps no autotune result for a config with a pre_hook (mamba_ssm's SSD backward kernels): each
+# training part tunes those again in its first step, and the table shows their seconds apart.
 # PY: the python to use (default: python3). Extra PYTHONPATH entries (e.g. a mamba_ssm copy) pass through.
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd); G=$R/benchmarks/gpu

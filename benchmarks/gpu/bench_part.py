@@ -5,7 +5,10 @@ spent (``torch._dynamo``'s own accounting) and its graph counts.
 
 Prints ``REACHED ...`` as each step ends, so a part stopped by its time limit shows how far it
 got, and ``PART {json}`` at the end or when the limit's SIGTERM arrives. The Triton autotuning
-seconds are in the log (``TRITON_PRINT_AUTOTUNING=1``); ``table.py`` adds them up.
+seconds are in the log (``TRITON_PRINT_AUTOTUNING=1``); ``table.py`` adds them up, those of the
+kernels ``PART`` names in ``pre_hook_kernels`` apart: Triton keeps no autotune result on disk for
+a config that carries a ``pre_hook`` (mamba_ssm's SSD backward kernels), so every part, a process
+of its own, tunes them again in its first step.
 Usage: python bench_part.py [hybridtrain benchmark arguments...]"""
 
 import json
@@ -14,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -39,6 +43,23 @@ def _step_ended(optimizer, args, kwargs) -> None:
     print(f"REACHED training step {len(state['step_end_s'])} at {elapsed():.1f} s", flush=True)
 
 
+def pre_hook_kernels() -> list[str]:
+    """The autotuned Triton kernels loaded in this process whose configs carry a ``pre_hook``
+    (their autotune results are never cached on disk: each process tunes them again)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return []
+    names = set()
+    with warnings.catch_warnings():  # (a deprecated module attribute warns when looked at)
+        warnings.simplefilter("ignore")
+        for module in list(sys.modules.values()):
+            for obj in list(getattr(module, "__dict__", {}).values()):
+                if isinstance(obj, Autotuner) and any(c.pre_hook for c in obj.configs):
+                    names.add(obj.base_fn.__name__)
+    return sorted(names)
+
+
 def report(status: str) -> dict:
     """The part's figures so far (``status``: done, timed out, failed)."""
     from torch._dynamo.utils import calculate_time_spent, counters
@@ -56,6 +77,7 @@ def report(status: str) -> dict:
         "unique_graphs": counters["stats"].get("unique_graphs", 0),
         "graph_breaks": sum(counters["graph_break"].values()),
         "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else None,
+        "pre_hook_kernels": pre_hook_kernels(),
     }
     print("PART " + json.dumps(out), flush=True)
     return out

@@ -1,6 +1,8 @@
 """One table of ``benchmarks/gpu_check.sh``'s results: per run the kernel path that ran, the
-warm-up (first step, torch.compile and Triton autotuning seconds) apart from the steady tokens/s,
-and the compiled blocks' graph count; a run stopped by its limit shows what it reached.
+warm-up (first step, torch.compile and Triton autotuning seconds; of the latter, the seconds of
+the kernels whose configs carry a ``pre_hook``, which every part tunes again, apart) apart from the
+steady tokens/s, and the compiled blocks' graph count; a run stopped by its limit shows what it
+reached.
 Usage: python table.py OUT_DIR"""
 
 import json
@@ -31,9 +33,21 @@ def kernel_paths(log: str) -> str:
     return "; ".join(p.split(" (")[0].split(", ")[0] for p in parts)
 
 
-def autotune_s(log: str) -> float:
-    """Seconds Triton spent autotuning (its ``TRITON_PRINT_AUTOTUNING`` lines)."""
-    return sum(float(s) for s in re.findall(r"finished after ([0-9.]+)s", log))
+def autotune_s(log: str, only: set[str] | None = None) -> float:
+    """Seconds Triton spent autotuning (its ``TRITON_PRINT_AUTOTUNING`` lines), of the kernels
+    named in ``only`` where given."""
+    found = re.findall(r"Triton autotuning for function (\w+),.*?finished after ([0-9.]+)s", log, re.S)
+    return sum(float(s) for name, s in found if only is None or name in only)
+
+
+def autotune_text(log: str, part: dict) -> str:
+    """``autotune X s`` and, where kernels with a ``pre_hook`` were tuned, their share: tuned
+    again in every part (Triton caches no result of theirs)."""
+    text = f"autotune {autotune_s(log):.1f} s"
+    pre = set(part.get("pre_hook_kernels") or ())
+    if pre and autotune_s(log, pre):
+        text += f", {autotune_s(log, pre):.1f} s of it pre_hook kernels tuned again in every part"
+    return text
 
 
 def status(out: str, name: str, log: str) -> str:
@@ -64,7 +78,7 @@ def train_row(out: str, name: str) -> str:
     steps = part.get("step_s") or []
     n_warm = bench["options"]["warmup_steps"] if bench else len(steps)
     warm = (f"{sum(steps[:n_warm]):.1f} s (first step {steps[0]:.1f} s; compile {part.get('compile_s', 0):.1f} s; "
-            f"autotune {autotune_s(log):.1f} s)" if steps else "n/a")
+            f"{autotune_text(log, part)})" if steps else "n/a")
     graphs = ("not compiled" if not part.get("unique_graphs")
               else f"{part['unique_graphs']} graphs, {part.get('graph_breaks', 0)} breaks")
     steady = _f(run.get("tokens_per_s"), ",.0f", " tok/s")

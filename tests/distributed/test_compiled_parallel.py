@@ -5,7 +5,8 @@ Expert parallelism: the all-to-all exchange (host split sizes) is the one delibe
 two breaks per MoE block (dispatch, combine); everything else compiles without a break. Tensor
 parallelism (DTensor weights) and context parallelism (K/V all-gather, the Mamba conv halo and
 state passing as functional collectives when compiled): every block one graph, no break, on
-packed rows."""
+packed rows. With the real kernels (mamba_ssm's SSD under Triton's interpreter) every block type
+under TP and CP also compiles by inductor, plain and under activation checkpointing."""
 
 import importlib.util
 import time
@@ -157,55 +158,79 @@ def test_blocks_compile_under_model_parallelism(runs, layout):
             assert err <= 1e-5, (layout, block_type, err)
 
 
-# -- the real kernels (mamba_ssm's Triton SSD under the interpreter) ---------------------------------
+# -- inductor with the real kernels (mamba_ssm's Triton SSD under the interpreter) -----------------
+TP_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
+CP_TYPES = ("linear_attention", "full_attention")  # (MLP and MoE see the same tokens under CP)
+
+
+def _inductor_against_eager(block, x, w, info, checkpointed: bool):
+    """(graph break or None, max |compiled - eager|, dynamo's graph count, whether the SSD op ran)
+    of ``block`` (wrapped in activation checkpointing where ``checkpointed``) compiled by inductor
+    with ``fullgraph=True`` and the kernels, against the eager PyTorch path."""
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    from hybridtrain.ops import backend
+
+    fwd = lambda fn: (lambda h: fn(h, info))  # noqa: E731
+    with backend.using(backend.BackendSettings(mamba_kernels=False)):
+        eager = _forward_backward(fwd(block), block, x, w)
+    fn = (lambda h, i: checkpoint(block, h, i, use_reentrant=False)) if checkpointed else block
+    torch._dynamo.reset()
+    counters.clear()
+    with backend.using(backend.BackendSettings(mamba_kernels=True)):
+        compiled_fn = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                compiled = _forward_backward(fwd(compiled_fn), block, x, w)
+        except Exception as e:  # a graph break under fullgraph: its reason goes back to the test
+            torch._dynamo.reset()
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None, None, False
+    ran = any(e.key == "hybridtrain::ssd_scan" for e in prof.key_averages())
+    pairs = [(compiled[0], eager[0]), (compiled[1], eager[1])] + [(compiled[2][n], g) for n, g in eager[2].items()]
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return None, max(float((a - b).abs().max()) for a, b in pairs), graphs, ran
+
+
 def _kernel_worker(rank, world):
-    """The compiled Mamba block (``fullgraph=True``) with the real kernels under tp2 and cp2
-    against the eager PyTorch path: {layout: (graph break or None, max |compiled - eager|,
-    whether the kernel op ran)}."""
+    """Each block type under tp2 and cp2 compiled by inductor with the real kernels' custom ops,
+    plain and checkpointed: {(layout, block type, checkpointed): see :func:`_inductor_against_eager`}."""
     from hybridtrain.ops import backend, triton_interpret
 
     assert triton_interpret.activate(), "the ranks need TRITON_INTERPRET=1"
     out = {}
-    for layout, setup in (("tp2", _tp_setup), ("cp2", _cp_setup)):
+    for layout, setup, types in (("tp2", _tp_setup, TP_TYPES), ("cp2", _cp_setup, CP_TYPES)):
         model, x, w, info = setup(rank, world)
         with backend.using(backend.BackendSettings(mamba_kernels=True)):
             # the kernels looked up before compiling, as configure_backend does once a run's model
             # is built (the family's kernel dispatch registers itself when its package loads)
             backend.kernel_paths("cpu")
-        block = next(b for b in model.backbone.layers.values() if b.block_type == "linear_attention")
-        fwd = lambda fn: (lambda h: fn(h, info))  # noqa: E731
-        with backend.using(backend.BackendSettings(mamba_kernels=False)):
-            eager = _forward_backward(fwd(block), block, x, w)
-        broke, err, ran = None, None, False
-        with backend.using(backend.BackendSettings(mamba_kernels=True)):
-            torch._dynamo.reset()
-            compiled_block = torch.compile(block, backend="aot_eager", dynamic=False, fullgraph=True)
-            try:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                    compiled = _forward_backward(fwd(compiled_block), block, x, w)
-            except Exception as e:  # a graph break under fullgraph: its reason goes back to the test
-                broke = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if broke is None:
-            ran = any(e.key == "hybridtrain::ssd_scan" for e in prof.key_averages())
-            pairs = [(compiled[0], eager[0]), (compiled[1], eager[1])] + [(compiled[2][n], g) for n, g in eager[2].items()]
-            err = max(float((a - b).abs().max()) for a, b in pairs)
-        out[layout] = (broke, err, ran)
-        torch._dynamo.reset()
+        for block_type in types:
+            block = next(b for b in model.backbone.layers.values() if b.block_type == block_type)
+            for checkpointed in (False, True):
+                t0 = time.perf_counter()
+                res = _inductor_against_eager(block, x, w, info, checkpointed)
+                out[(layout, block_type, checkpointed)] = (*res, time.perf_counter() - t0)
     return out
 
 
 @pytest.mark.distributed
-def test_mamba_block_compiles_with_the_real_kernels_under_tp_and_cp(monkeypatch):
-    """fullgraph with mamba_ssm's SSD kernel (a torch custom op) under tensor parallelism (a
-    rank's heads) and context parallelism (the state handed from slice to slice): one graph, no
-    break, equal to the eager PyTorch path (fp32, 1e-5)."""
+def test_blocks_compile_by_inductor_with_the_real_kernels_under_tp_and_cp(monkeypatch):
+    """Inductor (C++ on the CPU, ``fullgraph=True``) with mamba_ssm's SSD kernel (a torch custom op)
+    under tensor parallelism (a rank's heads, DTensor weights) and context parallelism (K/V
+    gathered, the state handed from slice to slice), each block type plain and under activation
+    checkpointing: one graph, no break, equal to the eager PyTorch path (fp32, 1e-5)."""
     for mod in ("triton", "mamba_ssm"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed (make test installs it: see the Makefile's kernel packages)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when triton is imported: the ranks are spawned
     for rank, res in enumerate(run_distributed(_kernel_worker, 2)):
-        for layout, (broke, err, ran) in res.items():
-            assert broke is None, (layout, rank, broke)
-            print(f"\n[compile, kernels] {layout} rank {rank}: one graph (fullgraph), max |compiled - eager| {err:.1e}")
-            assert ran, (layout, rank, "the kernel op did not run")
-            assert err <= 1e-5, (layout, rank, err)
+        for (layout, block_type, checkpointed), (broke, err, graphs, ran, seconds) in res.items():
+            what = (layout, block_type, f"checkpointed={checkpointed}", f"rank {rank}")
+            assert broke is None, (*what, broke)
+            print(f"\n[inductor, kernels] {' '.join(what)}: {graphs} graph, max |compiled - eager| {err:.1e}, "
+                  f"{seconds:.1f} s")
+            assert graphs == 1, (*what, graphs)
+            assert ran or block_type != "linear_attention", (*what, "the kernel op did not run")
+            assert err <= 1e-5, (*what, err)
