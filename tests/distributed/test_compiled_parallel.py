@@ -6,7 +6,7 @@ two breaks per MoE block (dispatch, combine); everything else compiles without a
 parallelism (DTensor weights) and context parallelism (K/V all-gather, the Mamba conv halo and
 state passing as functional collectives when compiled): every block one graph, no break, on
 packed rows. With the real kernels (mamba_ssm's SSD under Triton's interpreter) every block type
-under TP and CP also compiles by inductor, plain and under activation checkpointing."""
+under TP and CP also compiles by inductor, plain or under activation checkpointing."""
 
 import importlib.util
 import time
@@ -159,8 +159,11 @@ def test_blocks_compile_under_model_parallelism(runs, layout):
 
 
 # -- inductor with the real kernels (mamba_ssm's Triton SSD under the interpreter) -----------------
-TP_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
-CP_TYPES = ("linear_attention", "full_attention")  # (MLP and MoE see the same tokens under CP)
+# (block type, checkpointed) per layout: every block type under TP, Mamba and attention (the mixers
+# CP changes) under CP, each of those two plain in one layout and checkpointed in the other (one
+# inductor compile each: tests/unit/test_real_kernels.py compiles every type both ways)
+KERNEL_CASES = {"tp2": (("linear_attention", False), ("full_attention", True), ("mlp", True), ("moe", False)),
+                "cp2": (("linear_attention", True), ("full_attention", False))}
 
 
 def _inductor_against_eager(block, x, w, info, checkpointed: bool):
@@ -194,24 +197,23 @@ def _inductor_against_eager(block, x, w, info, checkpointed: bool):
 
 
 def _kernel_worker(rank, world):
-    """Each block type under tp2 and cp2 compiled by inductor with the real kernels' custom ops,
-    plain and checkpointed: {(layout, block type, checkpointed): see :func:`_inductor_against_eager`}."""
+    """The :data:`KERNEL_CASES` under tp2 and cp2, compiled by inductor with the real kernels'
+    custom ops: {(layout, block type, checkpointed): see :func:`_inductor_against_eager`}."""
     from hybridtrain.ops import backend, triton_interpret
 
     assert triton_interpret.activate(), "the ranks need TRITON_INTERPRET=1"
     out = {}
-    for layout, setup, types in (("tp2", _tp_setup, TP_TYPES), ("cp2", _cp_setup, CP_TYPES)):
+    for layout, setup in (("tp2", _tp_setup), ("cp2", _cp_setup)):
         model, x, w, info = setup(rank, world)
         with backend.using(backend.BackendSettings(mamba_kernels=True)):
             # the kernels looked up before compiling, as configure_backend does once a run's model
             # is built (the family's kernel dispatch registers itself when its package loads)
             backend.kernel_paths("cpu")
-        for block_type in types:
+        for block_type, checkpointed in KERNEL_CASES[layout]:
             block = next(b for b in model.backbone.layers.values() if b.block_type == block_type)
-            for checkpointed in (False, True):
-                t0 = time.perf_counter()
-                res = _inductor_against_eager(block, x, w, info, checkpointed)
-                out[(layout, block_type, checkpointed)] = (*res, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            res = _inductor_against_eager(block, x, w, info, checkpointed)
+            out[(layout, block_type, checkpointed)] = (*res, time.perf_counter() - t0)
     return out
 
 
@@ -220,12 +222,14 @@ def test_blocks_compile_by_inductor_with_the_real_kernels_under_tp_and_cp(monkey
     """Inductor (C++ on the CPU, ``fullgraph=True``) with mamba_ssm's SSD kernel (a torch custom op)
     under tensor parallelism (a rank's heads, DTensor weights) and context parallelism (K/V
     gathered, the state handed from slice to slice), each block type plain and under activation
-    checkpointing: one graph, no break, equal to the eager PyTorch path (fp32, 1e-5)."""
+    checkpointing (:data:`KERNEL_CASES`): one graph, no break, equal to the eager PyTorch path
+    (fp32, 1e-5)."""
     for mod in ("triton", "mamba_ssm"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed (make test installs it: see the Makefile's kernel packages)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when triton is imported: the ranks are spawned
     for rank, res in enumerate(run_distributed(_kernel_worker, 2)):
+        assert len(res) == sum(map(len, KERNEL_CASES.values()))
         for (layout, block_type, checkpointed), (broke, err, graphs, ran, seconds) in res.items():
             what = (layout, block_type, f"checkpointed={checkpointed}", f"rank {rank}")
             assert broke is None, (*what, broke)
