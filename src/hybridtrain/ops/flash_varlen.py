@@ -68,10 +68,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lens: list[int], dropout_p
     lengths, row after row; eager: flash-attn's autograd function); q [b, h, L, d], k/v [b,
     kv_heads, L, d] in, [b, h, L, d] out (token-major memory: the caller's ``transpose(1,
     2).reshape`` is a view)."""
-    b, h, L, d = q.shape
     cu = _cu_seqlens(lens, q.device)
     out = flash_varlen()(_flat(q), _flat(k), _flat(v), cu, cu, max(lens), max(lens), dropout_p=dropout_p, causal=True)
-    return _unflat(out, b)
+    return _unflat(out, q.shape[0])
 
 
 def flash_ops():
