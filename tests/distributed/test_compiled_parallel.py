@@ -55,7 +55,26 @@ def _ep_worker(rank, world):
 def _all_workers(rank, world):
     """ep2, tp2 and cp2 in one set of processes (one launch for the file)."""
     return {"ep2": _ep_worker(rank, world), "tp2": _tp_worker(rank, world),
-            "cp2": _cp_worker(rank, world)}
+            "cp2": _cp_worker(rank, world), "tp2_checkpointed_attention": _tp_checkpointed_attention(rank, world)}
+
+
+def _tp_checkpointed_attention(rank, world):
+    """The compiler's error (None: none) for the attention block under tp2 wrapped in activation
+    checkpointing, compiled (aot_eager, fullgraph), forward and backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x, w, info = _tp_setup(rank, world)
+    block = next(b for b in model.backbone.layers.values() if b.block_type == "full_attention")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, i: checkpoint(block, h, i, use_reentrant=False), backend="aot_eager",
+                             fullgraph=True, dynamic=False)
+    try:
+        _forward_backward(lambda h: compiled(h, info), block, x, w)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        torch._dynamo.reset()
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +177,21 @@ def test_blocks_compile_under_model_parallelism(runs, layout):
             assert err <= 1e-5, (layout, block_type, err)
 
 
+@pytest.mark.distributed
+@pytest.mark.xfail(strict=True, reason="torch 2.13: AOT autograd finds a DeviceMesh among the values the "
+                   "checkpointed tensor-parallel attention block saves for backward (aot_eager and inductor "
+                   "alike; the Mamba, MLP and MoE blocks compile checkpointed under TP)")
+def test_checkpointed_attention_compiles_under_tp(runs):
+    for rank, error in enumerate(runs["tp2_checkpointed_attention"]):
+        assert error is None, (rank, error)
+
+
 # -- inductor with the real kernels (mamba_ssm's Triton SSD under the interpreter) -----------------
 # (block type, checkpointed) per layout: the two mixers, each plain in one layout and checkpointed
 # in the other (one inductor compile each, the cost of this test; tests/unit/test_real_kernels.py
 # compiles every block type both ways, and the aot_eager test above every type under TP)
-KERNEL_CASES = {"tp2": (("linear_attention", False), ("full_attention", True)),
-                "cp2": (("linear_attention", True), ("full_attention", False))}
+KERNEL_CASES = {"tp2": (("linear_attention", True), ("full_attention", False)),
+                "cp2": (("linear_attention", False), ("full_attention", True))}
 
 
 def _inductor_against_eager(block, x, w, info, checkpointed: bool):
