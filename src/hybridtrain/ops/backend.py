@@ -200,14 +200,23 @@ def disable_grouped_mm(reason: str) -> None:
         _settings = dataclasses.replace(_settings, grouped_mm=False)
 
 
-def grouped_experts(x: torch.Tensor) -> bool:
+def grouped_experts(x: torch.Tensor, widths: tuple[int, ...] = ()) -> bool:
     """Whether the experts' GEMMs over the sorted token rows ``x`` (in the compute dtype) run as
     one ``torch.nn.functional.grouped_mm`` per projection (offsets on the device, no host sync):
-    ``grouped_mm`` is on, the kernel is there, ``x`` is bf16 (the kernel's dtype), on CUDA or in
-    a block being compiled. Else a loop over the experts' row counts (eager) or every expert
-    over every row, masked (compiled fp32)."""
-    return (_settings.grouped_mm and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
-            and (x.is_cuda or torch.compiler.is_compiling()))
+    ``grouped_mm`` is on, the kernel is there, and ``x`` is bf16 (the CUDA kernel's dtype) on
+    CUDA or in a block being compiled, or fp32 in an eager CPU forward with rows of 16-byte
+    multiples (``x``'s and the other ``widths`` of the projections; torch's CPU kernel: one GEMM
+    per expert on the same rows as the loop's, the same values without the loop's host count and
+    per-expert ops). Else a loop over the experts' row counts (eager) or every expert over every
+    row, masked (compiled fp32)."""
+    if not (_settings.grouped_mm and hasattr(F, "grouped_mm")):
+        return False
+    if torch.compiler.is_compiling():
+        return x.dtype == torch.bfloat16
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] > 0
+            and all(n * x.dtype.itemsize % 16 == 0 for n in (x.shape[-1], *widths)))
 
 
 # -- GEMM row alignment -------------------------------------------------------------------------

@@ -229,7 +229,7 @@ class Experts(nn.Module):
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
         up, down, sorted_x = self.compute_weights(sorted_x)
-        if backend.grouped_experts(sorted_x):
+        if backend.grouped_experts(sorted_x, (up.shape[1],)):
             # one grouped GEMM per projection, offsets on the device: no host sync
             if torch.compiler.is_compiling():
                 return self._grouped(sorted_x, up, down, counts)
