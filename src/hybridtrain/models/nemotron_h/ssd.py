@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hybridtrain.ops.base2 import LN2, LOG2E
 
-from .numerics import fp32_region, mul_to, silu_grad
+from .numerics import broadcast_shape, fp32_region, mul_to, silu_grad, tril_mask
 
 
 def ssd_reference(
@@ -71,17 +71,15 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     """
     T = x.size(-1)
     x = x[..., None].expand(*x.shape, T)  # [..., i(k), j]
-    strict = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=-1)
-    x = x.masked_fill(~strict, 0)
+    x = x.masked_fill(tril_mask(T, -1, x.device, inverted=True), 0)
     out = torch.cumsum(x, dim=-2)
-    lower = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=0)
-    return out.masked_fill(~lower, -torch.inf)
+    return out.masked_fill(tril_mask(T, 0, x.device, inverted=True), -torch.inf)
 
 
 def _mul(a, b, layout):
     """a * b, contiguous in the dimension order ``layout`` (a permutation of the broadcast
     shape): the product and the layout change in one pass."""
-    shape = torch.broadcast_shapes(a.shape, b.shape)
+    shape = broadcast_shape(a, b)
     out = torch.empty([shape[d] for d in layout], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
     inverse = sorted(range(len(layout)), key=layout.__getitem__)
     _mul_into(a, b, out.permute(inverse))
@@ -164,8 +162,7 @@ class _ChunkScan(torch.autograd.Function):
         gseg = torch.einsum("bignjp,bzgnjp->bgjiz", gnew, S) * decay * LN2  # 0 where seg is -inf
         # seg[i, z] = sum of x[z+1..i]: x[k] gets the gseg[i, z] with z < k <= i
         T = seg.shape[-1]
-        strict = torch.tril(torch.ones(T, T, device=seg.device, dtype=torch.bool), diagonal=-1)
-        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(~strict, 0).sum(-1)  # [b, g, j, c+1]
+        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(tril_mask(T, -1, seg.device, inverted=True), 0).sum(-1)  # [b, g, j, c+1]
         return gS[:, 1:], gx[..., 1:].permute(0, 3, 1, 2), (gS[:, :1] if init is not None else None)
 
     @staticmethod
@@ -383,7 +380,7 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     B = B.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n], own dtype
     C = C.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()
 
-    causal = torch.tril(torch.ones(cs, cs, device=x.device, dtype=torch.bool))
+    causal = tril_mask(cs, 0, x.device)
     mask, last_doc, start_doc, same_doc = causal[None, None], None, None, None
     if seq_idx is not None:
         sidx = seq_idx
