@@ -65,6 +65,7 @@ class OpCounter(TorchDispatchMode):
         phase, where = _phase(sys._getframe(1))
         if torch._C._current_autograd_node() is not None:  # C++ formulas and Python backwards
             phase = "backward"
+            where = "(autograd's formulas)" if where.startswith("training/") else where
         self.ops[(phase, where)] += 1
         self.reads += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
