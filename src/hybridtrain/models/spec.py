@@ -463,13 +463,14 @@ class AuxiliaryLosses:
     choice for them to the (meta-device) model in place, logs it, and returns the
     :class:`~hybridtrain.ops.aux_loss.AuxiliaryLoss` the trainer drives (None: nothing to
     train). ``check_layout(model, dims, distributed, training)``: ValueError for a layout under
-    which those objectives cannot train (``training.validate.validate_run`` calls it)."""
+    which those objectives cannot train (``training.validate.validate_run`` calls it; None:
+    they train under every layout)."""
 
     setup: Callable[[nn.Module, Any], Any]
-    check_layout: Callable[[nn.Module, Any, Any, Any], None]
+    check_layout: Callable[[nn.Module, Any, Any, Any], None] | None = None
 
     def __post_init__(self):
-        _check(self, ("setup", "check_layout"))
+        _check(self, ("setup",), optional=("check_layout",))
 
 
 @dataclass(frozen=True)

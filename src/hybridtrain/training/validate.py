@@ -58,7 +58,7 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
     if base_quant:
         _check_base_quant(base_quant, dims)
     aux = spec.find(AuxiliaryLosses)
-    if aux is not None:
+    if aux is not None and aux.check_layout is not None:
         aux.check_layout(model, dims, d, t)
     schedule = None
     if dims.pp > 1:
