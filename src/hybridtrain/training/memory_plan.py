@@ -66,8 +66,10 @@ from hybridtrain.distributed.pipeline_layout import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
 from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len, recipe_seq_len
+from hybridtrain.distributed.hetero import receiver_degrees, sender_degrees
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
-from hybridtrain.models.spec import ActivationBytes, LayerTypes, MemoryPlanSupport, model_spec_for
+from hybridtrain.models.spec import (ActivationBytes, HeteroSupport, LayerTypes, MemoryPlanSupport,
+                                     model_spec_for)
 from hybridtrain.peft.lora import apply_lora, expert_types, quantize_base
 from hybridtrain.peft.quant import is_nf4, nf4_bytes
 from hybridtrain.training.builder import build_on_meta
@@ -103,6 +105,7 @@ class RankMemory:
     activations: float
     buffers: dict[str, float]
     offloaded: bool = False  # FSDP CPU offload: parameters, gradients, optimizer on the host
+    role: str | None = None  # under distributed.encoder_ranks: "encoder" or "language model"
 
     @property
     def host(self) -> float:
@@ -160,7 +163,7 @@ class MemoryPlan:
         """Ranks grouped by identical figures (e.g. one group per pipeline stage)."""
         groups: dict[tuple, list[RankMemory]] = {}
         for r in self.ranks:
-            key = (tuple(r.stages), round(r.params), round(r.grads), round(r.optimizer),
+            key = (r.role, tuple(r.stages), round(r.params), round(r.grads), round(r.optimizer),
                    round(r.activations), round(sum(r.buffers.values())))
             groups.setdefault(key, []).append(r)
         return list(groups.values())
@@ -406,10 +409,18 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     dims = validate_run(cfg, world_size, spec, model, device_type)
     if dims is None:
-        raise ValueError(f"distributed.encoder_ranks={d.encoder_ranks}: hybridtrain plan does "
-                         "not plan an encoder on its own ranks yet; plan with encoder_ranks: 0")
+        return _plan_hetero(cfg, spec, model, world_size, device_type, device_memory)
     if peft.get("base_quant"):  # as the builder quantises (the same layers stay unquantised)
         quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
+    return _plan_layout(cfg, spec, model, dims, device_type, device_memory)
+
+
+def _plan_layout(cfg, spec, model: nn.Module, dims, device_type: str,
+                 device_memory: float | None) -> MemoryPlan:
+    """The plan of ``model`` laid out over ``dims`` (validated degrees; its ranks numbered
+    from 0)."""
+    t, d = cfg.training, cfg.distributed
+    world_size = dims.world_size
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     gemm_kernels = 0.0
@@ -438,11 +449,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     row_inputs = encoder_inputs if spec.pipeline.row_inputs is not None else 0.0
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
-    fsdp = FsdpPolicy(
-        gather_dtype=fsdp_param_dtype(d, autocast),
-        reshard=resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
-        reduce_bytes=_elsize(resolve_dtype(d.fsdp_reduce_dtype,
-                                           "distributed.fsdp_reduce_dtype") or compute))
+    fsdp = FsdpPolicy.of(d, autocast, compute, dims.pp_enabled)
     # under pp the peak depends on the reshard policy: plan the other one's buffers too
     other = None
     if dims.pp_enabled and dims.fsdp_enabled:
@@ -511,6 +518,59 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
             "not counted (shown as 0)"])
 
 
+# -- an encoder on its own ranks (distributed.encoder_ranks) -------------------------------------
+def _plan_hetero(cfg, spec, model: nn.Module, world_size: int, device_type: str,
+                 device_memory: float | None) -> MemoryPlan:
+    """The plan of ``distributed.encoder_ranks``: the spec's encoder part on ranks ``0..E-1``
+    (:func:`_encoder_rank`), the rest planned as a model of its own over the other ranks'
+    degrees (``receiver_degrees``), its ranks numbered after the encoder's."""
+    d, t = cfg.distributed, cfg.training
+    E = d.encoder_ranks
+    sides = spec.part(HeteroSupport, "distributed.encoder_ranks").sides
+    if sides is None:
+        raise ValueError(f"distributed.encoder_ranks={E}: the model spec {spec.name!r} does not "
+                         "split its encoder from the rest for hybridtrain plan "
+                         "(HeteroSupport.sides); plan with encoder_ranks: 0")
+    encoder, rest = sides(model)
+    dims = receiver_degrees(d, E, world_size)
+    plan = _plan_layout(cfg, spec, rest, dims, device_type, device_memory)
+    compute = _compute_dtype(t, device_type)
+    served = dims.dp / E  # lanes per encoder rank (a share of one lane when below 1)
+    rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
+    n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    ranks = [_encoder_rank(cfg, spec, encoder, rank, sender_degrees(E), compute, n_mb * served,
+                           plan.seq_len) for rank in range(E)]
+    ranks += [dataclasses.replace(r, rank=E + r.rank, role="language model") for r in plan.ranks]
+    params = _unique(model)
+    plan = dataclasses.replace(
+        plan, world_size=world_size, ranks=ranks, model=type(model).__name__,
+        degrees={"encoder_ranks": E, **dims.degrees(), "world_size": world_size},
+        num_params=sum(p.numel() for _, p in params),
+        num_trainable=sum(p.numel() for _, p in params if p.requires_grad),
+        param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for _, p in params}))
+    return plan
+
+
+def _encoder_rank(cfg, spec, encoder: nn.Module, rank: int, dims, compute: torch.dtype,
+                  micro_batches: float, seq_len: int) -> RankMemory:
+    """One encoder rank: its FSDP2 shards of ``encoder`` over ``dims`` (the encoder ranks'
+    data-parallel degrees), and the activations of the ``micro_batches`` (of a lane's size) it
+    serves in a step, all kept until their gradients come back, plus one block's backward."""
+    t = cfg.training
+    autocast = autocast_dtype(compute)
+    states = _states(encoder, set(), dims, _coords(rank, dims), {})
+    enc_bytes = _memory_part(spec).encoder_activation_bytes
+    enc = enc_bytes(encoder, t.micro_batch_size, seq_len, compute, cfg) if enc_bytes else None
+    per_mb = dict(enc.kept) if enc is not None else {}
+    activations = sum(per_mb.values()) * micro_batches + (enc.backward if enc else 0.0)
+    if enc is not None and enc.backward:
+        per_mb["backward"] = enc.backward
+    fsdp = FsdpPolicy.of(cfg.distributed, autocast, compute, False)
+    owned = _Owned(encoder, spec, dims, set(), {}, autocast, grads=states[1])
+    return RankMemory(rank, [], *states, per_mb, micro_batches, activations,
+                      _rank_buffers(owned, fsdp, {}), role="encoder")
+
+
 def _elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
@@ -545,6 +605,16 @@ class FsdpPolicy:
     gather_dtype: torch.dtype | None
     reshard: bool
     reduce_bytes: int
+
+    @classmethod
+    def of(cls, distributed, autocast: torch.dtype | None, compute: torch.dtype,
+           pipeline: bool) -> "FsdpPolicy":
+        """The policy of the recipe's ``distributed`` section (``pipeline``: under pp)."""
+        return cls(gather_dtype=fsdp_param_dtype(distributed, autocast),
+                   reshard=resolve_reshard_after_forward(distributed.fsdp_reshard_after_forward,
+                                                         pipeline),
+                   reduce_bytes=_elsize(resolve_dtype(distributed.fsdp_reduce_dtype,
+                                                      "distributed.fsdp_reduce_dtype") or compute))
 
 
 @dataclass(frozen=True)
