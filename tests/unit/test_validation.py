@@ -42,8 +42,14 @@ REFUSALS = [
 ]
 # the vision-language model with its encoder on its own ranks: the language model's side
 VLM_REFUSALS = [
-    ("hetero_tp", 4, {"distributed": {"encoder_ranks": 2, "tp": 2}},
-     "takes dp_shard / dp_replicate / pp / ep only"),
+    ("hetero_cp", 4, {"distributed": {"encoder_ranks": 2, "cp": 2}},
+     "takes dp_shard / dp_replicate / tp / pp / ep only"),
+    ("hetero_heads_over_tp", 4, {"distributed": {"encoder_ranks": 1, "tp": 3}},
+     "num_attention_heads"),
+    ("hetero_experts_over_ep", 4, {"distributed": {"encoder_ranks": 1, "ep": 3}},
+     "n_routed_experts=8 is not divisible by ep=3"),
+    ("hetero_tp_ep_ranks", 5, {"distributed": {"encoder_ranks": 2, "tp": 2, "ep": 2}},
+     "leaves 3 ranks for the language model"),
     ("hetero_no_language_ranks", 2, {"distributed": {"encoder_ranks": 2}},
      "must leave ranks for the language model"),
     ("hetero_pp_too_few_microbatches", 4,
