@@ -35,6 +35,11 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   (``hybridtrain.config.dist_env.gemm_kernel_cache_entries``: 128 unless the environment says
   otherwise) at ``GEMM_KERNEL_BYTES`` (1 MiB) each. fp32 CPU GEMMs are MKL's: no such cache.
 
+Under ``distributed.encoder_ranks: E`` (an encoder on its own ranks, the spec's
+``HeteroSupport.sides`` split): ranks ``0..E-1`` hold the encoder FSDP2-sharded over them and
+the activations of every micro-batch they serve in a step (all sent before any gradient comes
+back), the other ranks the rest of the model, planned as above over their own degrees.
+
 With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
 host (``RankMemory.host``), not in the device total.
 
