@@ -200,3 +200,48 @@ def test_routed_experts_take_torchaos_float8_grouped_gemm(monkeypatch):
     state = model.state_dict()
     assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in state.values())
     assert set(state) == set(_nano().state_dict())
+
+
+def test_a_converted_block_compiles_whole_and_matches_eager():
+    """Compiled blocks compile the converted modules: an attention block's float8 q/k/v/o in one
+    graph (``fullgraph``; ``aot_eager`` as in test_compiled_blocks), outputs and gradients equal
+    to eager float8's. (Measured 2026-12-06: the MLP, MoE and Mamba blocks too, exact to 1e-7;
+    left out here for time, the Mamba block takes 17 s.)"""
+    from hybridtrain.models.nemotron_h.model import SequenceInfo
+
+    torch._dynamo.reset()
+    model = _nano()
+    convert_to_float8(model, "tensorwise", _blocks(model), [], emulate=True)
+    block = next(b for b in model.backbone.layers.values() if b.block_type == "full_attention")
+    assert sum(type(m).__name__ == "Float8Linear" for m in block.modules()) == 4
+    x = torch.randn(2, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+
+    def run(fn):
+        block.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        y = fn(xg, SequenceInfo(seq_idx=None))
+        y.pow(2).mean().backward()
+        return [y, xg.grad] + [p.grad for p in block.parameters()]
+
+    eager = run(block)
+    got = run(torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=False))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_tensor_parallel_styles_of_float8_layers():
+    """Tensorwise float8 layers take torchao's float8 TP styles (the input cast before it is
+    redistributed); rowwise ones the plain styles (torchao's float8 styles assume tensorwise)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from hybridtrain.distributed.tensor_parallel import _style
+
+    for recipe, column, row in (("tensorwise", Float8ColwiseParallel, Float8RowwiseParallel),
+                                ("rowwise", ColwiseParallel, RowwiseParallel)):
+        model = _nano()
+        plan = convert_to_float8(model, recipe, _blocks(model), emulate=True)
+        layer = model.get_submodule(plan.converted[0])
+        assert type(_style(layer, "column")) is column and type(_style(layer, "row")) is row
+    assert type(_style(model.lm_head, "column")) is ColwiseParallel
