@@ -165,6 +165,7 @@ def convert_to_float8(model: nn.Module, recipe: str, blocks: Sequence[str],
     if plan.experts:
         _convert_experts(model, set(plan.experts))
     # the weights that became torchao tensor subclasses: a bf16 run's tensors in state dicts
+    # (also what a meta-device build's materialisation fills: their high-precision storage)
     for name in plan.experts + (plan.converted if float8_all_gather else []):
         model.get_submodule(name).register_state_dict_post_hook(_high_precision_state)
     logger.info(plan.summary(recipe + (", emulated" if emulate else "")))
