@@ -245,3 +245,23 @@ def test_tensor_parallel_styles_of_float8_layers():
         layer = model.get_submodule(plan.converted[0])
         assert type(_style(layer, "column")) is column and type(_style(layer, "row")) is row
     assert type(_style(model.lm_head, "column")) is ColwiseParallel
+
+
+def test_aligned_groups_keep_each_row_in_its_expert_group():
+    """The float8 experts' 16-row groups: each row reaches its expert's group (an empty group
+    included), and its output and gradient come back to it."""
+    from hybridtrain.ops.grouped_rows import aligned_groups
+
+    counts = torch.tensor([5, 0, 17, 15])
+    x = torch.randn(int(counts.sum()), 4, requires_grad=True)
+
+    def fn(rows, offs):
+        assert offs.dtype == torch.int32 and all(o % 16 == 0 for o in offs.tolist())
+        group = torch.searchsorted(offs, torch.arange(rows.shape[0], dtype=torch.int32), right=True)
+        return rows * (group[:, None] + 1)
+
+    factor = torch.repeat_interleave(torch.arange(4), counts)[:, None] + 1.0
+    got = aligned_groups(x, counts, 16, fn)
+    assert torch.equal(got, x * factor)
+    got.sum().backward()
+    assert torch.equal(x.grad, factor.expand_as(x))
