@@ -187,6 +187,8 @@ def _high_precision_state(module: nn.Module, state: dict, prefix: str, local_met
 
 
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (or a DTensor's local part) without torchao's weight subclass: the high-precision
+    tensor it wraps, sharing its storage (loading into it loads the weight)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
