@@ -98,7 +98,9 @@ def test_policy_layout_matches_single_process(results, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(CP_LAYOUTS) + list(CP_LAYOUTS_4))
+@pytest.mark.parametrize("layout", [  # each process group on a worker of its own (tests/conftest.py)
+    *(pytest.param(name, marks=pytest.mark.xdist_group("rl_parity_cp2")) for name in CP_LAYOUTS),
+    *(pytest.param(name, marks=pytest.mark.xdist_group("rl_parity_cp4")) for name in CP_LAYOUTS_4)])
 def test_policy_context_parallel_matches_single_process(request, layout):
     _check(request.getfixturevalue("cp2_results" if layout in CP_LAYOUTS else "cp4_results"),
            layout)
