@@ -1,8 +1,9 @@
 """``hybridtrain plan`` for QLoRA (``peft.base_quant: nf4``) against a real step's peak: the
 plan's per-rank total (NF4 codes and scales, the unquantised rest, fp32 adapters and their
-gradients, activations with each block's dequantised weight in its working set) is within 10 % of what a real first training step holds at its peak (the parameters plus
-glibc's allocated peak above them: tests/helpers/memory.py ``step_peak``), as for plain LoRA
-over the same base in fp32; measured in a fresh process without Intel MKL's buffers
+gradients, activations with each block's dequantised weight in its working set) is within 10 %
+of what a real first training step holds at its peak (the parameters plus glibc's allocated
+peak above them: tests/helpers/memory.py ``step_peak``), as for plain LoRA over the same base
+in fp32; measured in a fresh process without Intel MKL's buffers
 (:func:`~tests.helpers.memory.no_blas_buffers`), as tests/distributed/test_plan_layouts.py
 measures the other layouts."""
 
@@ -23,11 +24,13 @@ LORA = {"dim": 4, "alpha": 8, "match_all_linear": True}
 def _worker(rank, world):
     """[(plan, parameters, the first step's peak with the parameters)] of QLoRA, then LoRA
     (glibc keeps one peak for the process: the larger run second)."""
+    from hybridtrain.peft.quant import is_nf4
     from hybridtrain.training.memory_plan import plan_memory
 
     out = []
     for peft in ({**LORA, "base_quant": "nf4"}, LORA):
         b, trainer = mem.build_long_rows({}, 1, pack_size=512, peft=peft, model=MODEL)
+        assert any(is_nf4(p) for p in b.model.parameters()) == ("base_quant" in peft)
         planned = plan_memory(mem.long_rows_recipe({}, pack_size=512, peft=peft, model=MODEL), 1,
                               device_type="cpu").ranks[0]
         params = mem.held_bytes(b.model, b.optimizer)["params"]
@@ -41,8 +44,9 @@ def test_qlora_plan_total_matches_a_real_steps_peak(monkeypatch):
     """The plan's total, less the AdamW state a first step does not hold yet, within 10 % of
     the first step's measured peak, for QLoRA and LoRA on the same model (2 x 512-token rows,
     width 256: the last MoE block's working set makes the peak). Measured 2026-12-06 with the
-    ranks on MKL's SSE4.2 kernels (no GEMM packing buffers, as on AMD): QLoRA 1.060 (58.82 /
-    55.50 MiB; parameters 2.36 MiB in both), LoRA 1.034 (67.38 / 65.18 MiB)."""
+    ranks on MKL's SSE4.2 kernels (no GEMM packing buffers, as on AMD): QLoRA 1.059 (58.82 /
+    55.53 MiB; parameters 2.36 MiB in both), LoRA 1.036 (67.38 / 65.02 MiB); with its AVX-512
+    packing buffers on an Intel Xeon 0.994 and 0.984."""
     if not mem.glibc_malloc():
         pytest.skip("measures glibc's malloc (mallinfo2, malloc_stats): not this C library")
     mem.no_blas_buffers(monkeypatch)

@@ -17,8 +17,9 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   input encoders' (``encoder_activation_bytes``, e.g. a vision encoder) and on the last the
   loss's, times the micro-batches the run's pipeline schedule keeps in flight on that rank
   (read from the order of the schedule the run builds); plus the largest working set of one
-  block's backward (with its recompute under checkpointing) or of the loss ("backward"). An
-  estimate (docs/memory.md: how it compares with measured peaks).
+  block's backward (with its recompute under checkpointing and, with an NF4 base, the working
+  set of dequantising its largest weight: made and dropped inside the block) or of the loss
+  ("backward"). An estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
@@ -335,7 +336,8 @@ def _bytes(p: torch.Tensor, numel: int, elsize: int | None = None) -> float:
     return float(numel * (elsize or p.element_size()))
 
 
-def _nf4_dequantised(part: nn.Module, experts: set[int], skip: frozenset[int] = frozenset()) -> float:
+def _nf4_dequantised(part: nn.Module, experts: set[int],
+                     skip: frozenset[int] = frozenset()) -> float:
     """An NF4 base's compute copy: each weight of ``part`` (but those whose ids are in ``skip``)
     is dequantised where it is used (one expert of a stacked tensor at a time) and dropped after;
     the largest such working set, in forward or backward: torchao's ``get_original_weight``
@@ -343,7 +345,8 @@ def _nf4_dequantised(part: nn.Module, experts: set[int], skip: frozenset[int] = 
     scaled values and the interleaved result (3 x the weight's dtype; glibc's peak of a 1M-weight
     one, 2026-12-06, torchao 0.18: 14 bytes per weight in bf16, 20 in fp32)."""
     sizes = [p.numel() // (_stacked_experts(part, p) if id(p) in experts else 1)
-             * (8 + 3 * p.element_size()) for _, p in _unique(part) if is_nf4(p) and id(p) not in skip]
+             * (8 + 3 * p.element_size())
+             for _, p in _unique(part) if is_nf4(p) and id(p) not in skip]
     return float(max(sizes, default=0))
 
 
