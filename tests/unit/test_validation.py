@@ -35,8 +35,8 @@ REFUSALS = [
     ("layer_type", 1, {"training": {"activation_checkpointing": ["conv"]}},
      "unknown layer type 'conv'"),
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),
-    ("float8_tp", 2, {"distributed": {"tp": 2}, "training": {"float8": "tensorwise"}},
-     "training.float8 is not available with tensor"),
+    ("float8_cp", 2, {"distributed": {"cp": 2}, "training": {"float8": "tensorwise"}},
+     "training.float8 is not available with context"),
     ("float8_evaluation", 1, {"training": {"float8": "rowwise"}, "evaluation": {"num_examples": 2}},
      "training.float8 with an evaluation section"),
 ]

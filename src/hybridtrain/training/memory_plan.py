@@ -17,8 +17,9 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   input encoders' (``encoder_activation_bytes``, e.g. a vision encoder) and on the last the
   loss's, times the micro-batches the run's pipeline schedule keeps in flight on that rank
   (read from the order of the schedule the run builds); plus the largest working set of one
-  block's backward (with its recompute under checkpointing) or of the loss ("backward"). An
-  estimate (docs/memory.md: how it compares with measured peaks).
+  block's backward (with its recompute under checkpointing and, with an NF4 base, the working
+  set of dequantising its largest weight: made and dropped inside the block) or of the loss
+  ("backward"). An estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
@@ -343,16 +344,41 @@ def _bytes(p: torch.Tensor, numel: int, elsize: int | None = None) -> float:
     return float(numel * (elsize or p.element_size()))
 
 
-def _nf4_dequantised(part: nn.Module, experts: set[int]) -> float:
-    """An NF4 base's compute copy: each weight is dequantised where it is used (one expert of a
-    stacked tensor at a time) and dropped after; the largest such working set, in forward or
-    backward: torchao's ``get_original_weight`` holds both 4-bit halves of the codes as int64
-    (8 bytes per weight), their code values, the scaled values and the interleaved result (3 x
-    the weight's dtype; glibc's peak of a 1M-weight one, 2026-12-06, torchao 0.18: 14 bytes per
-    weight in bf16, 20 in fp32)."""
+def _nf4_dequantised(part: nn.Module, experts: set[int],
+                     skip: frozenset[int] = frozenset()) -> float:
+    """An NF4 base's compute copy: each weight of ``part`` (but those whose ids are in ``skip``)
+    is dequantised where it is used (one expert of a stacked tensor at a time) and dropped after;
+    the largest such working set, in forward or backward: torchao's ``get_original_weight``
+    holds both 4-bit halves of the codes as int64 (8 bytes per weight), their code values, the
+    scaled values and the interleaved result (3 x the weight's dtype; glibc's peak of a 1M-weight
+    one, 2026-12-06, torchao 0.18: 14 bytes per weight in bf16, 20 in fp32)."""
     sizes = [p.numel() // (_stacked_experts(part, p) if id(p) in experts else 1)
-             * (8 + 3 * p.element_size()) for _, p in _unique(part) if is_nf4(p)]
+             * (8 + 3 * p.element_size())
+             for _, p in _unique(part) if is_nf4(p) and id(p) not in skip]
     return float(max(sizes, default=0))
+
+
+@dataclass(frozen=True)
+class _Dequantising:
+    """Where an NF4 base is dequantised: ``layers``, the working set of each block (by position)
+    while its forward or backward runs; ``rest``, that of the weights outside the blocks (an
+    encoder, the head), while they run. It adds to that block's working set, never to another
+    one's: the copy is made and dropped inside one layer's call."""
+
+    layers: tuple[float, ...]
+    rest: float
+
+    @classmethod
+    def of(cls, model: nn.Module, names: list[str], experts: set[int]) -> "_Dequantising":
+        # the blocks sit in an nn.ModuleDict keyed by the names PipelineSplit.layers gives
+        holder = next((m for m in model.modules()
+                       if isinstance(m, nn.ModuleDict) and list(m.keys()) == names), None)
+        if holder is None:  # not found: every block may dequantise the largest weight
+            whole = _nf4_dequantised(model, experts)
+            return cls((whole,) * len(names), whole)
+        inside = frozenset(id(p) for p in holder.parameters())
+        return cls(tuple(_nf4_dequantised(holder[n], experts) for n in names),
+                   _nf4_dequantised(model, experts, skip=inside))
 
 
 def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
@@ -360,11 +386,12 @@ def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
 
 
 def _layer_activations(act: ActivationBytes, policy, names: list[str], positions: list[int],
-                       tp: int):
+                       tp: int, dequantise: tuple[float, ...]):
     """({category: bytes one micro-batch keeps}, [what the micro-batch keeps up to each block
-    plus that block's backward working set: its ``backward`` bytes and, checkpointed, its
-    recomputed activations]): the backward runs the blocks last to first, each freeing what
-    it kept, so a block's working set adds to what the blocks before it keep only."""
+    plus that block's backward working set: its ``backward`` bytes, checkpointed its
+    recomputed activations, and ``dequantise[i]``, the dequantised NF4 weight it works with]):
+    the backward runs the blocks last to first, each freeing what it kept, so a block's working
+    set adds to what the blocks before it keep only."""
     per_mb: dict[str, float] = {}
     kept, peaks = 0.0, []
     for i in positions:
@@ -373,7 +400,7 @@ def _layer_activations(act: ActivationBytes, policy, names: list[str], positions
         keeps = layer.checkpointed if ckpt else layer.saved
         per_mb[layer.category] = per_mb.get(layer.category, 0.0) + keeps / tp
         kept += keeps / tp
-        peaks.append(kept + (layer.saved * ckpt + layer.backward) / tp)
+        peaks.append(kept + (layer.saved * ckpt + layer.backward) / tp + dequantise[i])
     return per_mb, peaks
 
 
@@ -434,6 +461,7 @@ def _plan_layout(cfg, spec, model: nn.Module, dims, device_type: str,
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline.layers(model)
+    dequantising = _Dequantising.of(model, names, experts)
     seq_len = recipe_seq_len(cfg)
     sched, per_rank, parts = _pipeline_parts(spec, model, dims, d,
                                              pipeline_split_seq_len(cfg.packing))
@@ -467,19 +495,22 @@ def _plan_layout(cfg, spec, model: nn.Module, dims, device_type: str,
         # one micro-batch: what it keeps, and its peaks (what it keeps at a point plus what
         # runs there): each block's backward, an encoder's (it runs first, so its backward
         # last), the loss (it runs after every block)
-        per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp)
+        per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp,
+                                            dequantising.layers)
                          if act is not None else ({}, []))
+        if act is None:  # no estimate: the largest dequantised weight of the rank at least
+            peaks.append(max([dequantising.rest] + [dequantising.layers[i] for i in positions]))
         if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
             enc = encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg)
             enc_kept = sum(enc.kept.values())
-            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc.backward]
+            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc.backward + dequantising.rest]
             for k, v in enc.kept.items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
         head = 0.0
         if act is not None and is_last:  # the loss: kept per micro-batch until its backward
             per_mb["loss"] = per_mb.get("loss", 0.0) + act.loss
             head = act.loss
-            peaks.append(sum(per_mb.values()) + act.loss_backward)
+            peaks.append(sum(per_mb.values()) + act.loss_backward + dequantising.rest)
         pipe = (_pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch, row_inputs)
                 if sched else {})
         if pipe.get("outputs"):  # a stage's output, kept for its backward
@@ -682,12 +713,9 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, fsdp: FsdpPolicy):
         gathered = sum(kept) + sum(sorted(sizes)[-2:])
         # under pp: the stage's accumulated gradients and one unit's new low-precision ones
         grads = accumulated + in_flight if dims.pp_enabled else max(grad_sizes, default=0)
-        out = {"fsdp_gathered_params": float(gathered), "fsdp_unsharded_grads": float(grads)}
-    elif autocast is not None:
+        return {"fsdp_gathered_params": float(gathered), "fsdp_unsharded_grads": float(grads)}
+    if autocast is not None:
         copies = sum(tp_numel(p) for _, p in _unique(part)
                      if p.dim() >= 2 and p.dtype != autocast and not is_nf4(p))
-        out = {"autocast_weight_copies": float(copies * _elsize(autocast))}
-    else:
-        out = {}
-    nf4 = _nf4_dequantised(part, experts)
-    return {**out, "nf4_dequantised_weight": nf4} if nf4 else out
+        return {"autocast_weight_copies": float(copies * _elsize(autocast))}
+    return {}
