@@ -84,6 +84,7 @@ def _run_save_resume(rank, world, tmp, path, layout):
             "held": held[-1]}
 
 
+@pytest.mark.xdist_group("vlm_hetero_tp_ep")  # its own process group: beside the others
 def test_encoder_fsdp2_beside_tp_ep_language_model(vlm_dir, tmp_path):
     from hybridtrain.training.memory_plan import plan_memory
     from tests.helpers.memory import planned_bytes
