@@ -383,12 +383,16 @@ class MemoryPlanSupport:
 class HeteroSupport:
     """``plan(model, distributed, world_size, *, parallelize, device, autocast_dtype)``: the
     layout of ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid
-    out by ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`)."""
+    out by ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`).
+    ``sides(model) -> (encoder, rest)``: the two parts of a (meta-device) model, each a module
+    holding only its side's parameters (their names as in ``model``), as ``plan`` lays them out
+    (what ``hybridtrain plan`` plans; None: the plan refuses the layout)."""
 
     plan: Callable[..., Any]
+    sides: Callable[[nn.Module], tuple[nn.Module, nn.Module]] | None = None
 
     def __post_init__(self):
-        _check(self, ("plan",))
+        _check(self, ("plan",), ("sides",))
 
 
 @dataclass(frozen=True)

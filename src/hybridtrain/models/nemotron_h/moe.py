@@ -29,6 +29,7 @@ from hybridtrain.distributed.expert_parallel import LocalDispatcher, zero_rows_o
 from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 from hybridtrain.ops.backend import pad_rows, unpad_rows
+from hybridtrain.ops.grouped_rows import aligned_groups, group_row_multiple
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
@@ -239,6 +240,8 @@ class Experts(nn.Module):
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
         up, down, sorted_x = self.compute_weights(sorted_x)
+        if group_row_multiple(up) > 1:  # float8 weights (torchao): their one float8 form, no fallback
+            return self._grouped(sorted_x, up, down, counts)
         if backend.grouped_experts(sorted_x):
             # one grouped GEMM per projection, offsets on the device: no host sync
             if torch.compiler.is_compiling():
@@ -276,8 +279,15 @@ class Experts(nn.Module):
 
     def _grouped(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
+        multiple = group_row_multiple(up)
+        if multiple > 1:  # float8 experts (torchao's grouped GEMM): groups of aligned rows
+            return aligned_groups(sorted_x, counts, multiple,
+                                  lambda rows, offs: self._grouped_mm(rows, up, down, offs))
+        return self._grouped_mm(sorted_x, up, down, torch.cumsum(counts, 0, dtype=torch.int32))
+
+    def _grouped_mm(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    offs: torch.Tensor) -> torch.Tensor:
+        h = F.grouped_mm(x, up.transpose(1, 2), offs=offs)
         return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
 
     def _dense_masked(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
