@@ -462,7 +462,7 @@ def auto_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
 # (An earlier torch measured x @ W^T at 2-8 rows twice as slow as W @ x^T; the speculative
 # decoding's verification, 2-4 rows, reads every weight in this form.)
 FEW_ROWS_LINEAR_MAX = 3  # up to this many rows x @ W^T, more: W @ x^T
-TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+TRANSPOSED_HEAD_MAX_ROWS = 1  # the LM head against its transposed copy up to this many rows ...
 TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
 
 
