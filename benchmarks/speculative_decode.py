@@ -115,6 +115,15 @@ def component_costs(model, prompt: torch.Tensor, k: int, reps: int = 5) -> dict[
              ("rollback_ms", rollback))}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return f"CPU {platform.machine()}"
+
+
 def break_even(ratio: float, k: int) -> float | None:
     """The acceptance rate p with 1 + p + ... + p^k = ``ratio`` (None: not reachable)."""
     if ratio > k + 1:
@@ -142,7 +151,7 @@ def main() -> None:
             "eh": model.mtp.layers["0"].eh_proj.weight.detach().clone()}
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     n = args.new_tokens
-    device = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    device = f"{cpu_name()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
     params = sum(t.numel() for t in model.parameters()) / 1e6
     print(f"device: {device}; model {params:.0f}M parameters (MTP depth '*E'), fp32, batch 1, "
           f"{PROMPT}-token prompt, {n} new tokens", flush=True)
