@@ -163,7 +163,8 @@ class _ChunkScan(torch.autograd.Function):
         gseg = torch.einsum("bignjp,bzgnjp->bgjiz", gnew, S) * decay * LN2  # 0 where seg is -inf
         # seg[i, z] = sum of x[z+1..i]: x[k] gets the gseg[i, z] with z < k <= i
         T = seg.shape[-1]
-        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(tril_mask(T, -1, seg.device, inverted=True), 0).sum(-1)  # [b, g, j, c+1]
+        above = tril_mask(T, -1, seg.device, inverted=True)
+        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(above, 0).sum(-1)  # [b, g, j, c+1]
         return gS[:, 1:], gx[..., 1:].permute(0, 3, 1, 2), (gS[:, :1] if init is not None else None)
 
     @staticmethod
