@@ -55,10 +55,10 @@ def _prepare(base: Path) -> None:
     tok.save_pretrained(base)
 
 
-def _hybridtrain(base: Path, out: Path, packed: bool) -> dict:
-    import yaml
-
-    recipe = {
+def recipe(base: Path, out: Path, packed: bool) -> dict:
+    """hybridtrain's side as a recipe (``base``: the folder :func:`_prepare` wrote; ``out``: the
+    run folder)."""
+    return {
         "tokenizer": {"_target_": "hybridtrain.data.load_tokenizer", "path": str(base)},
         "model": {"_target_": "hybridtrain.models.nemotron_h.NemotronHForCausalLM.from_pretrained",
                   "local_dir": str(base), "dtype": "float32"},
@@ -76,8 +76,13 @@ def _hybridtrain(base: Path, out: Path, packed: bool) -> dict:
         "checkpoint": {"dir": str(out), "save_hf_at_end": False},
         "metrics": {"progress_bar": False, "plot": False, "peak_tflops": 1.0},
     }
+
+
+def _hybridtrain(base: Path, out: Path, packed: bool) -> dict:
+    import yaml
+
     path = out.parent / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path.write_text(yaml.safe_dump(recipe(base, out, packed)))
     from hybridtrain.cli import main
 
     assert main(["finetune", "-c", str(path)]) == 0

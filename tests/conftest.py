@@ -100,17 +100,11 @@ def pytest_sessionfinish(session):
         f.writelines(f"{i}\n" for i in sorted(ids))
 
 
-# -- Parallel runs (pytest-xdist; `make test` runs ``-n 2 --dist loadgroup``) -------------------
-# A test file runs whole on one worker, so its module fixtures are built once; the files that
-# share a process-wide one-process reference run on the same worker, so it is computed once.
-SHARED_REFERENCES = {
-    "parity_reference": ("test_parity.py", "test_tensor_parallel.py",
-                         "test_context_parallel.py", "test_sequence_parallel.py"),
-    "vlm_reference": ("test_vlm_train.py", "test_vlm_parity.py", "test_vlm_pipeline.py",
-                      "test_vlm_hetero.py", "test_vlm_hetero_trainer.py",
-                      "test_vlm_hetero_lm_layouts.py"),
-}
-_GROUP_OF_FILE = {f: group for group, files in SHARED_REFERENCES.items() for f in files}
+# -- Parallel runs (pytest-xdist; `make test` runs ``-n 4 --dist loadgroup``) -------------------
+# A test file runs whole on one worker, so its module fixtures are built once; a test may name a
+# group of its own instead (``@pytest.mark.xdist_group("...")``: a file whose fixtures are
+# independent process groups spreads them over the workers). One-process references are
+# computed once per worker (``tests.helpers.parity.reference``, ``tests.helpers.vlm``).
 
 
 def _plain_nodeid(nodeid: str) -> str:
@@ -120,18 +114,20 @@ def _plain_nodeid(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under xdist: each item's group, and the groups holding a ``slow`` test first (a worker
-    takes the next group when it is free, so the longest ones do not come last)."""
+    """Under xdist: each item's group (its file, unless it names one); the groups holding a
+    ``slow`` test first, then the multi-process ones (tests/distributed/), then the rest (a
+    worker takes the next group when it is free, so the longest ones do not come last)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    slow = set()
+    first, group_of = set(), {}
     for item in items:
-        name = item.path.name
-        group = _GROUP_OF_FILE.get(name, name)
-        item.add_marker(pytest.mark.xdist_group(group))
+        named = item.get_closest_marker("xdist_group")
+        group_of[item] = named.args[0] if named else item.path.name
+        if not named:
+            item.add_marker(pytest.mark.xdist_group(group_of[item]))
         if item.get_closest_marker("slow"):
-            slow.add(group)
-    items.sort(key=lambda item: _GROUP_OF_FILE.get(item.path.name, item.path.name) not in slow)
+            first.add(group_of[item])
+    items.sort(key=lambda item: (group_of[item] not in first, item.path.parent.name != "distributed"))
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,13 @@
 layers and the routers' correction biases included) within 1e-5 (``tests.helpers.parity``'s
 recipe, packed rows, the tiny mixed Nemotron-H with one MTP depth ``*E``): FSDP2, EP, TP,
 activation checkpointing, LoRA (the MTP linears adapted), aux-loss-free balancing under
-FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike), the
-sequence-level balance loss under EP, TP with sequence parallelism, context parallelism (a
-depth's next tokens and targets read across the slice boundary) and pipeline parallelism (the
-first stage's embeddings of the tokens ahead carried to the MTP layers on the last, also under
-the zbv schedule). The layouts the sequence-level balance loss cannot train under yet are
-refused."""
+FSDP2 and EP (expert counts summed over the ranks: every rank moves its biases alike).
+
+With the routers' sequence-level balance loss beside (2 steps): EP, TP with sequence
+parallelism, context parallelism (a depth's next tokens and targets read across the slice
+boundary; the expert counts of whole rows) and pipeline parallelism (the first stage's
+embeddings of the tokens ahead carried to the MTP layers on the last; each stage's routers'
+part of the balance loss on its own backward), also under the zbv schedule."""
 
 from __future__ import annotations
 
@@ -27,19 +28,22 @@ BALANCE = {"moe_bias_update_rate": 0.01}  # the routers' biases move with counts
 LAYOUTS = {"fsdp2": ({}, False, "plain"), "ep2": ({"ep": 2}, False, "plain"),
            "fsdp2_ac": ({}, True, "plain"), "fsdp2_lora": ({}, False, "lora"),
            "fsdp2_balance": ({}, False, "balance"), "ep2_balance": ({"ep": 2}, False, "balance"),
-           "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"), "tp2": ({"tp": 2}, False, "plain"), "tp2_sp": ({"tp": 2, "sp": True}, False, "plain"),
-           "cp2": ({"cp": 2}, False, "plain"), "pp2": ({"pp": 2}, False, "plain"),
+           "tp2": ({"tp": 2}, False, "plain"), "ep2_seq_aux": ({"ep": 2}, False, "seq_aux"),
+           "tp2_sp_seq_aux": ({"tp": 2, "sp": True}, False, "seq_aux"), "cp2_seq_aux": ({"cp": 2}, False, "seq_aux"),
+           # (the first stage holds an MoE layer: layers 0-3)
+           "pp2_seq_aux": ({"pp": 2, "split": [4]}, False, "seq_aux"),
            # (the V schedule: the first and last stages on one rank, a zero-bubble backward)
-           "pp2_zbv": ({"pp": 2, "schedule": "zbv"}, False, "plain")}
+           "pp2_zbv_seq_aux": ({"pp": 2, "schedule": "zbv"}, False, "seq_aux")}
 # the routers' sequence-level balance loss beside the MTP loss
 SEQ_AUX = {"moe_aux_loss_coeff": 0.01}
 VARIANTS = {"plain": {}, "lora": {"peft": LORA}, "balance": {"training": BALANCE},
             "seq_aux": {"training": SEQ_AUX}}
+STEPS = {"seq_aux": 2}  # (else pu.STEPS)
 
 
 def run(layout: dict, world: int, ac=False, variant="plain"):
     b, trainer = pu.build(layout, world, packed=True, ac=ac, model=MTP_MODEL, **VARIANTS[variant])
-    recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(pu.STEPS)]
+    recs = [trainer.train_one_step(pu.micro_batches(b, step)) for step in range(STEPS.get(variant, pu.STEPS))]
     # (names without activation checkpointing's wrapper level; the routers' biases included)
     state = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in pu.gather_state(b.model).items()}
     biases = {f"{n}.e_score_correction_bias": r.e_score_correction_bias.clone()
@@ -55,20 +59,40 @@ def run(layout: dict, world: int, ac=False, variant="plain"):
         state if rank == 0 else None
 
 
-def _group(rank, world):
-    return {name: run(layout, world, ac, variant) for name, (layout, ac, variant) in LAYOUTS.items()}
+# the layouts that split the model (TP, CP, PP): a process group of their own, on another worker
+# under xdist (tests/conftest.py)
+MODEL_PARALLEL = {name for name, (layout, _, _) in LAYOUTS.items() if {"tp", "cp", "pp"} & set(layout)}
+
+
+def _group(rank, world, names):
+    out = {}
+    for name in names:
+        layout, ac, variant = LAYOUTS[name]
+        out[name] = run(layout, world, ac, variant)
+    return out
 
 
 @pytest.fixture(scope="module")
-def results():
+def references():
     torch.set_num_threads(1)
-    return {v: run({}, 1, variant=v) for v in VARIANTS}, run_distributed(_group, 2)[0]
+    return {v: run({}, 1, variant=v) for v in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def data_parallel(references):
+    return references, run_distributed(_group, 2, sorted(set(LAYOUTS) - MODEL_PARALLEL))[0]
+
+
+@pytest.fixture(scope="module")
+def model_parallel(references):
+    return references, run_distributed(_group, 2, sorted(MODEL_PARALLEL))[0]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_mtp_layout_matches_single_process(results, layout):
-    refs, res = results
+@pytest.mark.parametrize("layout", [name if name not in MODEL_PARALLEL else pytest.param(
+    name, marks=pytest.mark.xdist_group("mtp_parity_model_parallel")) for name in LAYOUTS])
+def test_mtp_layout_matches_single_process(request, layout):
+    refs, res = request.getfixturevalue("model_parallel" if layout in MODEL_PARALLEL else "data_parallel")
     ref_steps, ref_w = refs[LAYOUTS[layout][2]]
     steps, w = res[layout]
     for got, want in zip(steps, ref_steps):
@@ -79,15 +103,6 @@ def test_mtp_layout_matches_single_process(results, layout):
     assert ref_steps[-1][1] > 0
     if LAYOUTS[layout][2] == "balance":  # the biases did move
         assert any(float(w[k].abs().sum()) > 0 for k in w if k.endswith("e_score_correction_bias"))
-
-
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"cp": 2}])
-def test_the_sequence_balance_loss_is_refused_where_it_is_not_built(layout):
-    from hybridtrain.training.builder import build
-
-    recipe = pu.recipe(layout, packed=True, training={"moe_aux_loss_coeff": 0.01})
-    with pytest.raises(ValueError, match=r"moe_aux_loss_coeff.*(pp|cp)=2"):
-        build(recipe, "cpu", world_size=2)
 
 
 def _pp_balance(rank, world):

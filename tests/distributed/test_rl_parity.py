@@ -72,11 +72,15 @@ def reference():
 
 @pytest.fixture(scope="module")
 def results(reference):
-    two, four = run_distributed(_group, 2, LAYOUTS), run_distributed(_group, 4, LAYOUTS_4)
-    return reference, [{**a, **b} for a, b in zip(two + two, four)]
+    return reference, run_distributed(_group, 2, LAYOUTS)
 
 
-# one fixture per world size, so that each stays within the per-test time limit
+@pytest.fixture(scope="module")
+def results4(reference):
+    return reference, run_distributed(_group, 4, LAYOUTS_4)
+
+
+# one fixture per process group, so that each stays within the per-test time limit
 @pytest.fixture(scope="module")
 def cp2_results(reference):
     return reference, run_distributed(_group, 2, CP_LAYOUTS)
@@ -92,13 +96,16 @@ def _close(a, b, rel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS) + list(LAYOUTS_4))
-def test_policy_layout_matches_single_process(results, layout):
-    _check(results, layout)
+@pytest.mark.parametrize("layout", [  # each process group on a worker of its own (tests/conftest.py)
+    *LAYOUTS, *(pytest.param(name, marks=pytest.mark.xdist_group("rl_parity_4_ranks")) for name in LAYOUTS_4)])
+def test_policy_layout_matches_single_process(request, layout):
+    _check(request.getfixturevalue("results4" if layout in LAYOUTS_4 else "results"), layout)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(CP_LAYOUTS) + list(CP_LAYOUTS_4))
+@pytest.mark.parametrize("layout", [
+    *(pytest.param(name, marks=pytest.mark.xdist_group("rl_parity_cp2")) for name in CP_LAYOUTS),
+    *(pytest.param(name, marks=pytest.mark.xdist_group("rl_parity_cp4")) for name in CP_LAYOUTS_4)])
 def test_policy_context_parallel_matches_single_process(request, layout):
     _check(request.getfixturevalue("cp2_results" if layout in CP_LAYOUTS else "cp4_results"),
            layout)

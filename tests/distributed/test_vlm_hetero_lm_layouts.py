@@ -4,7 +4,13 @@ the language model pipelined (``pp=2``), FSDP2-sharded (``dp_shard=2``) or exper
 (``ep=2``) over the rest. Three AdamW steps of mixed image / text-only batches match the single
 process (per-step loss and gradient norm within 1e-5 relative, final weights within 1e-5,
 validation loss); a checkpoint of the sharded / pipelined run resumes colocated and the
-colocated one resumes under the layout."""
+colocated one resumes under the layout.
+
+The layout of Megatron's heterogeneous training, scaled down: 2 encoder ranks (FSDP2 over them)
+beside a language model of tp 2 x ep 2 on 4 ranks, in one process group: a run saving after
+step ``SAVE_AT`` matches the single process, resuming from its save gives the same losses bit
+for bit, and each rank's parameter, gradient and AdamW-state bytes at its last optimizer step
+equal ``hybridtrain plan``'s figures for that rank."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 
-SAVE_AT = vlm.parity.SAVE_AT
+SAVE_AT, STEPS = vlm.parity.SAVE_AT, vlm.parity.STEPS
 # name -> (encoder ranks, world size, the language model's degrees)
 LAYOUTS = {"2+pp2": (2, 4, {"pp": 2}), "1+fsdp2": (1, 3, {"dp_shard": 2}),
            "1+ep2": (1, 3, {"dp_shard": 2, "ep": 2})}
@@ -54,3 +60,53 @@ def test_hetero_language_model_layout(reference, name):
     resumed = vlm.resume_and_train(tmp, None, 1, f"{ckpt}/{name}")
     assert _rel(resumed, ref[0][SAVE_AT:]) <= 1e-5
     assert _rel(out[0]["resume"], ref[0][SAVE_AT:]) <= 1e-5
+
+
+TP_EP = {"encoder_ranks": 2, "tp": 2, "ep": 2}  # ranks 0-1 encoder; 2-5 language, tp 2 x ep 2
+
+
+def _run_save_resume(rank, world, tmp, path, layout):
+    """A run saved after step ``SAVE_AT`` (and each rank's bytes held at its last optimizer
+    step), then a run resumed from that save."""
+    from tests.helpers.memory import held_bytes
+
+    b, trainer = vlm.build(tmp, layout, world, checkpoint_dir=path)
+    held = []
+    if b.optimizer is not None:
+        b.optimizer.register_step_pre_hook(lambda opt, *_: held.append(held_bytes(b.model, opt)))
+    losses, norms = vlm.parity.train(b, trainer, steps=SAVE_AT)
+    trainer.save_checkpoint()
+    more = vlm.parity.train(b, trainer, start=SAVE_AT, steps=STEPS - SAVE_AT)
+    state = vlm.parity.gather_state(b.model)
+    val = trainer.validate()["val_loss"]
+    run = (losses + more[0], state if rank == 0 else None, val, norms + more[1])
+    return {"run": run, "resumed": vlm.resume_and_train(tmp, layout, world, path),
+            "held": held[-1]}
+
+
+@pytest.mark.xdist_group("vlm_hetero_tp_ep")  # its own process group: beside the others
+def test_encoder_fsdp2_beside_tp_ep_language_model(vlm_dir, tmp_path):
+    from hybridtrain.training.memory_plan import plan_memory
+    from tests.helpers.memory import planned_bytes
+
+    torch.set_num_threads(1)
+    ref = vlm.reference(vlm_dir)
+    out = run_distributed(_run_save_resume, 6, vlm_dir, str(tmp_path / "tp_ep"), TP_EP,
+                          timeout=500)
+    losses, _, val, norms = out[0]["run"]
+    assert all(r["run"][0] == losses and r["run"][3] == norms for r in out)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref[0]))
+    rel_norm = max(abs(a - b) / abs(b) for a, b in zip(norms, ref[3]))
+    # weights: norm of the difference per tensor (Adam turns last-bit differences of near-zero
+    # gradient entries into lr-sized steps of single entries)
+    state = out[0]["run"][1]
+    assert set(state) == set(ref[1])
+    dw = max(float((state[k] - v).norm() / v.norm()) for k, v in ref[1].items())
+    print(f"2 + tp2 x ep2: loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights rel {dw:.2e}")
+    assert rel <= 1e-5 and rel_norm <= 1e-5 and dw <= 1e-5
+    assert abs(val - ref[2]) <= 1e-5 * abs(ref[2])
+    assert all(r["resumed"] == losses[SAVE_AT:] for r in out)  # bit for bit
+    plan = plan_memory(vlm.vlm_recipe(vlm_dir, TP_EP), 6, device_type="cpu")
+    assert [r.role for r in plan.ranks] == ["encoder"] * 2 + ["language model"] * 4
+    for rank, r in enumerate(out):
+        assert r["held"] == {k: int(v) for k, v in planned_bytes(plan, rank).items()}, rank

@@ -1,5 +1,6 @@
-"""``distributed.encoder_ranks``: a step whose gradient is not finite on one encoder rank only is
-skipped on every rank together (the global norm is the same everywhere): no rank's weights or
+"""``distributed.encoder_ranks``: a step whose gradient is not finite on one encoder rank only (the
+gradient of its projector's output; FSDP2's reduction then carries it into the encoder's shards)
+is skipped on every rank together (the global norm is the same everywhere): no rank's weights or
 optimizer move, the LR schedule does not advance, ``skipped_steps`` grows on all ranks, and the
 next step trains again."""
 
@@ -16,15 +17,18 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.timeout(600)
 
 
+def _infinite_output_gradient(module, args, out) -> None:
+    out.register_hook(lambda g: g * float("inf"))
+
+
 def _ranks(rank: int, world: int, tmp: str):
     torch.set_num_threads(1)
     b, trainer = vlm.build(tmp, {"encoder_ranks": 2}, world, lr_scheduler={"lr_warmup_steps": 4})
     records = [trainer.train_one_step(parity.micro_batches(b, 0))]
     before = parity.full_state(b.model)
     hook = None
-    if rank == 0:  # one encoder replica's gradient turns infinite
-        proj = next(p for n, p in b.model.named_parameters() if n.startswith("projector."))
-        hook = proj.register_hook(lambda g: g * float("inf"))
+    if rank == 0:  # the gradient of one encoder rank's projector output turns infinite
+        hook = b.model.projector.register_forward_hook(_infinite_output_gradient)
     records.append(trainer.train_one_step(parity.micro_batches(b, 1)))
     unchanged = all(torch.equal(before[k], v) for k, v in parity.full_state(b.model).items())
     if hook is not None:

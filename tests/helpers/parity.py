@@ -32,13 +32,13 @@ LR = 2e-4
 _LAYOUT_KEYS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "pp": "pp", "ep": "ep",
                 "tp": "tp", "cp": "cp", "schedule": "pp_schedule", "stages_per_rank": "pp_stages_per_rank",
                 "sp": "sequence_parallel", "backward_prefetch": "fsdp_backward_prefetch",
-                "reshard": "fsdp_reshard_after_forward"}
+                "reshard": "fsdp_reshard_after_forward", "split": "pp_split_points"}
 
 
 def recipe(layout: dict, packed: bool, ac: Any = False, **sections) -> dict:
     """The parity recipe under ``layout`` (``pp``, ``ep``, ``dp_replicate``, ``dp_shard``,
-    ``schedule``, ``stages_per_rank``); ``ac``: ``training.activation_checkpointing``;
-    ``sections`` update the recipe's (e.g. ``peft={...}``)."""
+    ``schedule``, ``stages_per_rank``, ``split``: the first layer of each stage after the
+    first); ``ac``: ``training.activation_checkpointing``; ``sections`` update the recipe's (e.g. ``peft={...}``)."""
     data = ({"n": 160, "min_len": 4, "max_len": 8} if packed
             else {"n": STEPS * GBS, "min_len": 6, "max_len": SEQ})
     training = {"global_batch_size": GBS, "micro_batch_size": MBS, "max_steps": STEPS,

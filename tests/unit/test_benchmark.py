@@ -150,7 +150,7 @@ def test_decoding_table_plain_and_speculative_side_by_side(tmp_path, capsys, mtp
     row = run(cfg)["decode"]
     assert row["plain_tokens_per_s"] > 0 and row["new_tokens"] == 6
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode"))
-    assert "plain" in line and "speculative" in line
+    assert "plain" in line and "speculative" in line and "on cpu, " in line
     if mtp:
         assert row["speculative_tokens_per_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
     else:

@@ -81,7 +81,7 @@ def test_a_step_reads_nothing_back_from_the_device(path, monkeypatch):
                             model_fn=lambda seed=0: tiny_model(seed, kind),
                             n_train=len(packed) if path == "packed" else 64)
     if path == "moe_grouped":  # the experts' grouped GEMM, as on CUDA (here in fp32)
-        monkeypatch.setattr(backend, "grouped_experts", lambda x: True)
+        monkeypatch.setattr(backend, "grouped_experts", lambda x, widths=(): True)
     if path == "packed":
         trainer.data = TrainData(packed, make_loader)
     allowed = HOST_COUNTS | MODEL | (PACKED_EAGER if path == "packed" else {})

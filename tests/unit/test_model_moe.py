@@ -202,3 +202,26 @@ def test_expert_parallel_needs_experts_divisible_by_ep():
     cfg, moe = _moe()
     with pytest.raises(ValueError, match=f"{cfg.n_routed_experts} routed experts are not divisible by ep=3"):
         apply_expert_parallel(moe.experts, Mesh())
+
+
+def test_fp32_cpu_experts_run_grouped_with_the_loops_values():
+    """On a CPU in fp32 the experts run as torch's grouped_mm (no per-expert loop, no host count),
+    with the per-expert loop's outputs and gradients bit for bit."""
+    from dataclasses import replace
+
+    from hybridtrain.ops import backend
+
+    _, moe = _moe(seed=3)
+    moe.experts.up_proj.requires_grad_(True)
+    x = torch.randn(2, 13, moe.config.hidden_size)
+    assert backend.grouped_experts(x.view(-1, x.shape[-1]), (moe.config.moe_intermediate_size,))
+    runs = []
+    for grouped in (True, False):
+        with backend.using(replace(backend.settings(), grouped_mm=grouped)):
+            xi = x.clone().requires_grad_()
+            moe.zero_grad()
+            y = moe(xi)
+            y.square().sum().backward()
+            runs.append((y, xi.grad, moe.experts.up_proj.grad, moe.experts.down_proj.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -165,3 +165,17 @@ def test_packed_gradients_equal_separate_forwards():
         assert torch.isfinite(packed[n]).all(), n
         rel = (packed[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-12)
         assert rel < 1e-4, (n, rel.item())
+
+
+def test_the_scans_cached_causal_masks_serve_training_after_inference_mode():
+    """The scan's causal masks are built once per size and device; one first built under
+    inference mode (decoding) is a plain tensor that a later training forward saves for backward."""
+    from hybridtrain.models.nemotron_h.numerics import tril_mask
+
+    with torch.inference_mode():
+        first = tril_mask(7, 0, torch.device("cpu"))
+    assert not first.is_inference() and tril_mask(7, 0, torch.device("cpu")) is first
+    assert torch.equal(first, torch.tril(torch.ones(7, 7, dtype=torch.bool)))
+    x = torch.randn(7, 7, requires_grad=True)
+    x.masked_fill(~first, 0).sum().backward()
+    assert torch.equal(x.grad, first.float())

@@ -234,3 +234,51 @@ def test_a_checkpoint_saved_without_its_mtp_layers_is_refused_naming_the_fix(tmp
     save_file(kept, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="set num_nextn_predict_layers to 0 in config.json"):
         NemotronHForCausalLM.from_pretrained(tmp_path)
+
+
+def test_mtp_layers_compile_whole_under_checkpointing_and_match_eager():
+    """``training.compile`` with activation checkpointing compiles the MTP layers as the blocks
+    (parallelize's one compile step, each layer ``fullgraph=True``, ``aot_eager``): loss, the
+    MTP depth's loss sum and every gradient as eager (fp32, 1e-5), on packed rows."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from hybridtrain.config.sections import DistributedSection
+    from hybridtrain.distributed.parallel_dims import ParallelDims
+    from hybridtrain.models.nemotron_h.parallelize import parallelize_nemotron_h
+
+    torch.manual_seed(0)
+    eager = NemotronHForCausalLM(mtp_config("*E", hybrid_override_pattern="-"))
+    eager.loss = LinearCrossEntropy(reduction="sum")
+    compiled = copy.deepcopy(eager)
+    training = trainer_settings({"compile": True, "activation_checkpointing": True}).training
+    torch._dynamo.reset()
+    counters.clear()
+    parallelize_nemotron_h(compiled, ParallelDims(world_size=1), DistributedSection(), training,
+                           device=torch.device("cpu"), autocast_dtype=None,
+                           compile_options={"fullgraph": True, "backend": "aot_eager", "dynamic": False})
+    assert all(type(m).__name__ == "CheckpointWrapper" for m in compiled.mtp.layers.values())
+    ids = torch.randint(3, 256, (2, 12))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], 1)
+    cu = torch.tensor([0, 7, 12, 17, 24], dtype=torch.int32)
+    batch = {"input_ids": ids, "labels": labels, "cu_seqlens": cu}
+    results = []
+    for model in (eager, compiled):
+        aux = setup_aux_losses(model, training)
+        aux.begin_step(aux.counts(batch))
+        loss = model(ids, labels=labels, cu_seqlens=cu)
+        loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+        results.append((loss.detach(), aux.step_sums("cpu"), grads))
+        aux.end_step()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # a graph per block: the MLP block and the MTP layers (they ran compiled)
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    (loss, sums, grads), (want_loss, want_sums, want_grads) = results[1], results[0]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want_grads.keys() and grads["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-5, msg=n)
+    torch._dynamo.reset()

@@ -380,3 +380,21 @@ def test_plan_prints_and_applies_the_headroom_rule(nano_dir, capsys):
     assert "what lowers it" in out and "(within the headroom)" in out
     d = plan_memory(recipe, 8, device_memory=parse_memory("76GB")).to_dict()  # --json
     assert d["fits"] and d["within_headroom"] is False and d["limit"] == 0.9 * 76 * GiB
+
+
+def test_an_encoder_on_its_own_ranks_is_planned_per_side(tmp_path):
+    """``encoder_ranks: 2`` beside a language model of tp 2 x ep 2: ranks 0-1 hold the ViT and
+    projector FSDP2-sharded between them (their parameter bytes add up to the encoder's), ranks
+    2-5 the language model; the printed plan names each side."""
+    from hybridtrain.recipes.plan import format_plan
+    from tests.helpers import vlm
+
+    plan = plan_memory(vlm.vlm_recipe(str(tmp_path), {"encoder_ranks": 2, "tp": 2, "ep": 2}), 6,
+                       device_type="cpu")
+    assert [r.role for r in plan.ranks] == ["encoder"] * 2 + ["language model"] * 4
+    assert plan.degrees["encoder_ranks"] == 2 and plan.degrees["tp"] == 2
+    encoder = sum(p.numel() * 4 for n, p in vlm.hetero_model().named_parameters()
+                  if not n.startswith("language_model."))
+    assert sum(r.params for r in plan.ranks[:2]) == encoder
+    assert all(r.params == plan.ranks[2].params for r in plan.ranks[2:])
+    assert "language model" in format_plan(plan)

@@ -25,7 +25,7 @@ class Oracle:
     def __init__(self, reference: torch.Tensor, prompt_length: int):
         self.ref, self.n, self.rounds = reference[0, prompt_length:].tolist(), 0, 0
 
-    def __call__(self, model, input_ids, hidden, max_length):
+    def __call__(self, model, input_ids, hidden, main_cache):
         return self
 
     def draft(self, hidden, tokens, k):

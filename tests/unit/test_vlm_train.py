@@ -87,8 +87,8 @@ def test_encoder_ranks_refuses_what_it_cannot_place(data_dir):
     from hybridtrain.config import build_config
     from hybridtrain.models.nemotron_vlm.hetero import hetero_plan
 
-    section = build_config({"distributed": {"encoder_ranks": 2, "tp": 2}})["distributed"]
-    with pytest.raises(ValueError, match="takes dp_shard / dp_replicate / pp / ep only"):
+    section = build_config({"distributed": {"encoder_ranks": 2, "cp": 2}})["distributed"]
+    with pytest.raises(ValueError, match="takes dp_shard / dp_replicate / tp / pp / ep only"):
         hetero_plan(vlm.hetero_model(), section, 4)
     section = build_config({"distributed": {"encoder_ranks": 1, "pp": 2, "dp_shard": 2}}
                            )["distributed"]

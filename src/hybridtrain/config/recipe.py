@@ -132,12 +132,14 @@ class TrainingSection(RecipeSection):
                 "refuses; false -> a loop over experts (ops/backend.py)", choices=("auto",))
     float8: str | None = key(
         None, "train the blocks' Linear layers in float8 through torchao (extra "
-              "hybridtrain[quant]): tensorwise or rowwise scales; null -> off. Weights, "
-              "checkpoints and exports stay high-precision (training/float8.py)",
+              "hybridtrain[quant]): tensorwise or rowwise scales (tensorwise under FSDP2: "
+              "float8 all-gather); on CUDA also the routed experts (torchao's rowwise float8 "
+              "grouped GEMM); null -> off. Weights, checkpoints and exports stay "
+              "high-precision (training/float8.py)",
         choices=("tensorwise", "rowwise"))
     float8_filter: list[str] | None = key(
-        None, "regular expressions: Linear layers whose names match stay high-precision under "
-              "float8; null -> the first and last block")
+        None, "regular expressions: Linear layers and expert modules whose names match stay "
+              "high-precision under float8; null -> the first and last block")
     fused_loss: str = key("auto", "the linear cross-entropy's implementation: torch (chunked "
                                   "PyTorch loop), compiled (its chunk functions under "
                                   "torch.compile), liger (Liger-Kernel's fused Triton kernel, "

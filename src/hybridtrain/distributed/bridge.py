@@ -9,8 +9,6 @@ receiving lane gets the activations of its own samples and sends their gradients
         .sources(receiver_rank) -> [sender_rank, ...]   who serves a receiver, in share order
     send_2d(t, dst) / recv_2d(src, dtype)   shape first, then data (sizes vary per batch)
     split_shares(n, k) -> [(start, end)]    contiguous shares of n items over k senders
-    all_reduce_grads(params, group)          sum gradients over a rank set (None -> zeros)
-    global_grad_norm(local_sq, counts)       sqrt of the world sum of squared norms
 
 Layouts: with fewer senders than receivers (fan-out) sender ``i`` serves receivers
 ``i*r .. (i+1)*r - 1`` whole (``r = R / S``); with more (fan-in) receiver ``j`` is served by
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["BridgeLayout", "send_2d", "recv_2d", "split_shares", "all_reduce_grads"]
+__all__ = ["BridgeLayout", "send_2d", "recv_2d", "split_shares"]
 
 
 @dataclass(frozen=True)
@@ -83,21 +81,3 @@ def recv_2d(src: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
     if out.numel():
         dist.recv(out, src)
     return out
-
-
-def all_reduce_grads(params: Iterable[torch.nn.Parameter], group) -> None:
-    """Sum the gradients of ``params`` (replicated over ``group``) in place; a parameter that
-    got no gradient on this rank contributes zeros."""
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    start = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[start:start + n].view_as(p))
-        start += n

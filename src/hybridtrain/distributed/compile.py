@@ -18,10 +18,12 @@ def compile_enabled(setting: bool | str, device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def apply_compile(layers: nn.ModuleDict, setting: bool | str = True, device: torch.device | str = "cpu") -> None:
+def apply_compile(layers: nn.ModuleDict, setting: bool | str = True, device: torch.device | str = "cpu",
+                  **options) -> None:
     """Compile every block (``nn.Module.compile``: the module and its parameter names stay)
-    where :func:`compile_enabled` says so."""
+    where :func:`compile_enabled` says so; ``options``: ``torch.compile``'s (none: its defaults;
+    the tests pass ``backend="aot_eager", fullgraph=True``)."""
     if not compile_enabled(setting, device):
         return
     for block in layers.values():
-        block.compile()
+        block.compile(**options)

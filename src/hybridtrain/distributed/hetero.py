@@ -11,9 +11,13 @@ data and computes the loss, laid out on the other ranks by its own :class:`Paral
   first pipeline stage) over the world and leaves the result on every rank, so the global
   label-token count, loss and validation sums reach the senders too.
 * :class:`HeteroPlan` is the plan the recipe trains: ``pipeline`` is the model's hetero step
-  (the trainer's step interface), ``clip_grad_norm`` the norm over every module (the senders'
-  replicated gradients counted once, the receivers' side by its own plan's norm over its
-  meshes and stages), so a non-finite norm skips the step on every rank.
+  (the trainer's step interface), ``clip_grad_norm`` the norm over every module (each side's
+  norm over its own meshes: the senders' FSDP2 shards, the receivers' meshes and stages), so a
+  non-finite norm skips the step on every rank.
+
+The senders are data-parallel among themselves (:func:`sender_degrees`: FSDP2 over their ranks
+when there are several); the receivers take the recipe's ``dp_shard`` / ``dp_replicate`` /
+``tp`` / ``pp`` / ``ep`` over theirs (:func:`receiver_degrees`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .bridge import BridgeLayout
 from .parallel_dims import ParallelDims
 from .utils import clip_grads_with_norm_, grad_norm
 
-__all__ = ["LaneDims", "HeteroPlan", "receiver_degrees", "receiver_dims"]
+__all__ = ["LaneDims", "HeteroPlan", "receiver_degrees", "receiver_dims", "sender_degrees"]
 
 
 def receiver_degrees(distributed, encoder_ranks: int, world_size: int) -> ParallelDims:
@@ -39,33 +43,42 @@ def receiver_degrees(distributed, encoder_ranks: int, world_size: int) -> Parall
     if not 0 < E < world_size:
         raise ValueError(f"distributed.encoder_ranks={E} must leave ranks for the language "
                          f"model: between 1 and {world_size - 1} with {world_size} ranks")
-    for key in ("tp", "cp"):
-        degree = getattr(distributed, key)
-        if degree != 1:
-            raise ValueError(
-                f"distributed.encoder_ranks={E} with distributed.{key}={degree}: the "
-                "model on the other ranks takes dp_shard / dp_replicate / pp / ep only; set "
-                f"{key}: 1")
+    if distributed.cp != 1:
+        raise ValueError(
+            f"distributed.encoder_ranks={E} with distributed.cp={distributed.cp}: the model on "
+            "the other ranks takes dp_shard / dp_replicate / tp / pp / ep only; set cp: 1")
     try:
         dims = ParallelDims(dp_replicate=distributed.dp_replicate, dp_shard=distributed.dp_shard,
-                            pp=distributed.pp, ep=distributed.ep, world_size=world_size - E)
+                            tp=distributed.tp, pp=distributed.pp, ep=distributed.ep,
+                            world_size=world_size - E)
     except ValueError as e:
         raise ValueError(f"distributed.encoder_ranks={E} leaves {world_size - E} ranks for the "
                          f"language model's own layout: {e}") from None
     return dims
 
 
+def sender_degrees(encoder_ranks: int) -> ParallelDims:
+    """The degrees of the sending side: data-parallel over its ``encoder_ranks`` ranks, its
+    parameters FSDP2-sharded over them when there are several."""
+    return ParallelDims(dp_shard=encoder_ranks, world_size=encoder_ranks)
+
+
 def receiver_dims(distributed, encoder_ranks: int, world_size: int, device_type: str = "cpu"
-                  ) -> tuple[ParallelDims, BridgeLayout]:
-    """(:func:`receiver_degrees`, the bridge from ranks ``0..encoder_ranks-1`` to the first
-    pipeline stage of each of the receiving side's data lanes, in lane order). Collective when
-    more than one rank."""
+                  ) -> tuple[ParallelDims, ParallelDims, BridgeLayout]:
+    """(the sending side's :func:`sender_degrees` and the receiving side's
+    :func:`receiver_degrees`, each with its meshes over its own ranks; the bridge from ranks
+    ``0..encoder_ranks-1`` to the first pipeline stage's first tensor-parallel rank of each of
+    the receiving side's data lanes, in lane order). Collective when more than one rank."""
     E = encoder_ranks
     dims = receiver_degrees(distributed, E, world_size)
+    senders = sender_degrees(E)
+    if E > 1:
+        senders.build_mesh(device_type, first_rank=0)
     if world_size - E > 1:
         dims.build_mesh(device_type, first_rank=E)
-    # ranks are laid out pp-slowest (tp = cp = 1): lane i's first stage is rank E + i
-    return dims, BridgeLayout(range(E), range(E, E + dims.dp))
+    # ranks are laid out pp × dp × tp, slowest first (cp = 1): lane i's first stage starts at
+    # rank E + i·tp
+    return senders, dims, BridgeLayout(range(E), range(E, E + dims.dp * dims.tp, dims.tp))
 
 
 class LaneDims:
@@ -79,7 +92,8 @@ class LaneDims:
         self.world_size = world_size
         self.is_sender = rank in layout.senders
         first_stage = not self.is_sender and (inner.pp == 1 or inner.local_rank("pp") == 0)
-        self.counts = first_stage  # one contribution per lane to the global sums
+        # one contribution per lane to the global sums: its first stage's first tp rank
+        self.counts = first_stage and (inner.tp == 1 or inner.local_rank("tp") == 0)
         self.is_leader = rank in (layout.senders[0], layout.receivers[0])  # counts its side's norm
         self.dp = inner.dp
         self.dp_rank = 0 if self.is_sender else inner.dp_rank
@@ -125,13 +139,10 @@ class HeteroPlan:
         """Global L2 norm over all modules; clips this rank's gradients by it."""
         assert norm_type == 2.0, "the heterogeneous layout clips by the L2 norm"
         params = [p for p in parameters if p.grad is not None]
-        if self.dims.is_sender:  # replicated over the senders
-            sq = sum((p.grad.detach().double().pow(2).sum() for p in params),
-                     torch.zeros((), dtype=torch.float64))
-        else:  # over the receiving side's meshes and pipeline stages (its collectives)
-            inner = self.dims.inner
-            pp_group = inner.group("pp") if inner.pp > 1 else None
-            sq = grad_norm(params, 2.0, pp_group).double() ** 2
+        inner = self.dims.inner
+        # each side's norm over its own meshes (and, receiving, its pipeline stages)
+        pp_group = inner.group("pp") if not self.dims.is_sender and inner.pp > 1 else None
+        sq = grad_norm(params, 2.0, pp_group).double() ** 2
         sq = sq if self.dims.is_leader else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(sq)
         norm = sq.sqrt().float()

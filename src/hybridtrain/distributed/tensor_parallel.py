@@ -38,6 +38,7 @@ checkpoint written under one layout loads under any other. FSDP2 then shards the
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -110,10 +111,28 @@ def _has_adapter(module: nn.Module) -> bool:
 
 def _style(module: nn.Module, name: str):
     """The style ``name`` for ``module``: :class:`AdaptedLinearParallel` for a linear with an
-    adapter, else the plain one."""
+    adapter, torchao's float8 column / row style for its tensorwise ``Float8Linear``, else the
+    plain one."""
     if name in _LINEAR_DIMS and _has_adapter(module):
         return AdaptedLinearParallel(name)
+    if name in _LINEAR_DIMS and _tensorwise_float8(module):
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        return Float8ColwiseParallel() if name == "column" else Float8RowwiseParallel()
     return STYLES[name]()
+
+
+def _tensorwise_float8(module: nn.Module) -> bool:
+    """``module`` is torchao's ``Float8Linear`` with tensorwise scales (``training.float8``):
+    its float8 TP styles cast the input before it is redistributed, with the scale of the whole
+    tensor (amax reduced over the ranks). Rowwise layers keep the plain styles (torchao's float8
+    styles assume tensorwise scales)."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")  # never imported: not float8
+    if float8_linear is None or not isinstance(module, float8_linear.Float8Linear):
+        return False
+    from torchao.float8.config import ScalingGranularity
+
+    return module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
 
 
 def apply_tp_plan(model: nn.Module, mesh, plan: dict) -> None:

@@ -383,12 +383,16 @@ class MemoryPlanSupport:
 class HeteroSupport:
     """``plan(model, distributed, world_size, *, parallelize, device, autocast_dtype)``: the
     layout of ``distributed.encoder_ranks`` (the model's encoder on its own ranks, the rest laid
-    out by ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`)."""
+    out by ``parallelize(model, dims)``; see :mod:`hybridtrain.distributed.hetero`).
+    ``sides(model) -> (encoder, rest)``: the two parts of a (meta-device) model, each a module
+    holding only its side's parameters (their names as in ``model``), as ``plan`` lays them out
+    (what ``hybridtrain plan`` plans; None: the plan refuses the layout)."""
 
     plan: Callable[..., Any]
+    sides: Callable[[nn.Module], tuple[nn.Module, nn.Module]] | None = None
 
     def __post_init__(self):
-        _check(self, ("plan",))
+        _check(self, ("plan",), ("sides",))
 
 
 @dataclass(frozen=True)
@@ -463,13 +467,14 @@ class AuxiliaryLosses:
     choice for them to the (meta-device) model in place, logs it, and returns the
     :class:`~hybridtrain.ops.aux_loss.AuxiliaryLoss` the trainer drives (None: nothing to
     train). ``check_layout(model, dims, distributed, training)``: ValueError for a layout under
-    which those objectives cannot train (``training.validate.validate_run`` calls it)."""
+    which those objectives cannot train (``training.validate.validate_run`` calls it; None:
+    they train under every layout)."""
 
     setup: Callable[[nn.Module, Any], Any]
-    check_layout: Callable[[nn.Module, Any, Any, Any], None]
+    check_layout: Callable[[nn.Module, Any, Any, Any], None] | None = None
 
     def __post_init__(self):
-        _check(self, ("setup", "check_layout"))
+        _check(self, ("setup",), optional=("check_layout",))
 
 
 @dataclass(frozen=True)

@@ -77,13 +77,21 @@ class AuxiliaryLoss:
     def active(self) -> bool:
         return self._scales is not None and torch.is_grad_enabled()
 
-    def attach(self, loss: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``loss`` with the terms' gradients attached (see the module docstring)."""
+    def attach(self, loss: torch.Tensor, terms: Sequence[torch.Tensor],
+               at: Sequence[int] | None = None) -> torch.Tensor:
+        """``loss`` with the terms' gradients attached (see the module docstring). ``loss`` may be
+        any tensor (a pipeline stage before the last attaches its part of a term to its output:
+        backward passes the output's gradient on); ``at``: the indices of ``terms`` among the
+        objective's (None: all of them, in order)."""
         if not self.active:
             return loss
+        at = list(range(self.num_terms) if at is None else at)
+        assert len(at) == len(terms), (at, len(terms))
         sums = torch.stack([t.detach().float().reshape(()) for t in terms])
+        sums = torch.zeros(self.num_terms, dtype=sums.dtype, device=sums.device).index_add_(
+            0, torch.tensor(at, device=sums.device), sums)
         self._sums = sums if self._sums is None else self._sums + sums.to(self._sums.device)
-        return _AttachGradient.apply(loss, self._scales, *terms)
+        return _AttachGradient.apply(loss, [self._scales[i] for i in at], *terms)
 
     def step_sums(self, device: torch.device | str) -> torch.Tensor:
         """This rank's term sums of the step (zeros where no forward attached any)."""

@@ -201,14 +201,23 @@ def disable_grouped_mm(reason: str) -> None:
         _settings = dataclasses.replace(_settings, grouped_mm=False)
 
 
-def grouped_experts(x: torch.Tensor) -> bool:
+def grouped_experts(x: torch.Tensor, widths: tuple[int, ...] = ()) -> bool:
     """Whether the experts' GEMMs over the sorted token rows ``x`` (in the compute dtype) run as
     one ``torch.nn.functional.grouped_mm`` per projection (offsets on the device, no host sync):
-    ``grouped_mm`` is on, the kernel is there, ``x`` is bf16 (the kernel's dtype), on CUDA or in
-    a block being compiled. Else a loop over the experts' row counts (eager) or every expert
-    over every row, masked (compiled fp32)."""
-    return (_settings.grouped_mm and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
-            and (x.is_cuda or torch.compiler.is_compiling()))
+    ``grouped_mm`` is on, the kernel is there, and ``x`` is bf16 (the CUDA kernel's dtype) on
+    CUDA or in a block being compiled, or fp32 in an eager CPU forward with rows of 16-byte
+    multiples (``x``'s and the other ``widths`` of the projections; torch's CPU kernel: one GEMM
+    per expert on the same rows as the loop's, the same values without the loop's host count and
+    per-expert ops). Else a loop over the experts' row counts (eager) or every expert over every
+    row, masked (compiled fp32)."""
+    if not (_settings.grouped_mm and hasattr(F, "grouped_mm")):
+        return False
+    if torch.compiler.is_compiling():
+        return x.dtype == torch.bfloat16
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] > 0
+            and all(n * x.dtype.itemsize % 16 == 0 for n in (x.shape[-1], *widths)))
 
 
 # -- GEMM row alignment -------------------------------------------------------------------------
@@ -453,14 +462,22 @@ def auto_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
 
 # -- decoding -----------------------------------------------------------------------------------
 # A decoding step multiplies a few rows by every weight, and there the form of the product
-# matters on CPU: MKL's fp32 x @ W^T (nn.Linear) is slow for 2-8 rows, W @ x^T is not, and one
-# row runs fastest against a transposed copy of the weight. Measured (benchmarks/
-# decode_vs_transformers.py's CPU, one thread, the LM head [32000, 512], CPU ms incl. argmax):
-#   rows           1     2     4     8
-#   x @ W^T      5.8  12.5  20.3  23.0
-#   W @ x^T      5.7   9.5   8.7  14.3
-#   x @ (W^T)c   3.4   7.3  15.1  19.1   ((W^T)c: the copy, 61 ms to make)
-TRANSPOSED_HEAD_MAX_ROWS = 2  # the LM head against its transposed copy up to this many rows ...
+# matters on CPU: one row runs fastest against a transposed copy of the weight; MKL's fp32
+# x @ W^T (nn.Linear) costs about one row's time up to 3 rows and twice that from 4, where
+# W @ x^T is as fast or faster. Measured on 2026-12-06 (torch 2.13, the suite's Xeon with
+# AVX-512, one thread, thread CPU ms per product, weights streamed from memory):
+#   rows                        1     2     3     4     8
+#   LM head [32000, 512]
+#     x @ W^T                 6.5   7.2   9.1  15.8  21.9
+#     W @ x^T                 6.6  18.2  18.5  20.7  15.2
+#     x @ (W^T)c              4.9   9.5   9.6  10.9  12.2   ((W^T)c: the copy, made once)
+#   Mamba in_proj [4640, 1024]
+#     x @ W^T                 1.5   1.8   1.8   3.3   4.9
+#     W @ x^T                 1.5   3.5   3.7   3.2   3.8
+# (An earlier torch measured x @ W^T at 2-8 rows twice as slow as W @ x^T; the speculative
+# decoding's verification, 2-4 rows, reads every weight in this form.)
+FEW_ROWS_LINEAR_MAX = 3  # up to this many rows x @ W^T, more: W @ x^T
+TRANSPOSED_HEAD_MAX_ROWS = 1  # the LM head against its transposed copy up to this many rows ...
 TRANSPOSED_HEAD_MIN_STEPS = 64  # ... when this many decoding steps are left to amortise the copy
 
 
@@ -476,10 +493,11 @@ def cpu_decode_forms(x: torch.Tensor, fp32: bool = True) -> bool:
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for the few rows of a decoding step: W @ x^T for 2+ rows where
-    :func:`cpu_decode_forms` holds (see the table above), else ``F.linear``."""
+    """``F.linear(x, weight, bias)`` for the few rows of a decoding step: W @ x^T for more than
+    ``FEW_ROWS_LINEAR_MAX`` rows where :func:`cpu_decode_forms` holds (see the table above),
+    else ``F.linear``."""
     rows = x.numel() // x.shape[-1]
-    if rows < 2 or not cpu_decode_forms(x):
+    if rows <= FEW_ROWS_LINEAR_MAX or not cpu_decode_forms(x):
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()  # (the next ops want rows)
     if bias is not None:

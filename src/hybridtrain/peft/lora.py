@@ -146,7 +146,16 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
         A, B = grads_in_own_placements(self.lora_A), grads_in_own_placements(self.lora_B)
-        return out + _delta(self.lora_dropout(x), A, B, self.scale).to(out.dtype)
+        # a contiguous [..., in] input: the adapter's two products on its rows [N, in] (the GEMMs
+        # it folds into anyway), one view in and one out instead of a pair per product and per
+        # gradient. x's gradient gets the same two terms in the same order (the base's, then the
+        # adapter's through one view), so the sums are the unflattened form's.
+        if x.dim() > 2 and x.is_contiguous():
+            rows = x.view(-1, x.shape[-1])
+            delta = _delta(self.lora_dropout(rows), A, B, self.scale).view(*x.shape[:-1], -1)
+        else:
+            delta = _delta(self.lora_dropout(x), A, B, self.scale)
+        return out + delta.to(out.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in fp32, [out, in]."""

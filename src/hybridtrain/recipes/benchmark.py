@@ -361,7 +361,9 @@ def _decode_table(b: Built, opts: dict, device: torch.device, is_main: bool) -> 
     if is_main:
         ratio = (row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
                  if row["speculative_tokens_per_s"] else None)
-        print(f"decode (batch 1, {DECODE_PROMPT}-token prompt, {n} new tokens): "
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+            f"{device.type}, {torch.get_num_threads()} thread(s)"
+        print(f"decode on {where} (batch 1, {DECODE_PROMPT}-token prompt, {n} new tokens): "
               f"plain {row['plain_tokens_per_s']:.1f} tokens/s | speculative "
               + (f"mtp k={k} {row['speculative_tokens_per_s']:.1f} tokens/s (x{ratio:.2f}), "
                  f"acceptance {_fmt(row['acceptance_rate'], '.2f')}"

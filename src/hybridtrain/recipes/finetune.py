@@ -27,6 +27,7 @@ import torch
 
 from hybridtrain.config.sections import RecipeConfig, recipe_config
 from hybridtrain.distributed.init import process_group
+from hybridtrain.distributed.hetero import receiver_degrees
 from hybridtrain.distributed.layout import parallel_dims_from_config
 from hybridtrain.distributed.utils import is_main_process
 from hybridtrain.fileio import atomic_write
@@ -57,7 +58,10 @@ def _run(cfg: RecipeConfig, device: torch.device, is_main: bool, world_size: int
     has passed (only its lock, which goes with the run, and a folder created for it, removed
     again when a check fails)."""
     out_dir = run_folder_path(cfg.checkpoint.dir)
-    parallel_dims_from_config(cfg.distributed, world_size, device.type, build_mesh=False)
+    if cfg.distributed.encoder_ranks:  # the degrees describe the ranks after the encoder's
+        receiver_degrees(cfg.distributed, cfg.distributed.encoder_ranks, world_size)
+    else:
+        parallel_dims_from_config(cfg.distributed, world_size, device.type, build_mesh=False)
     created = is_main and not os.path.exists(out_dir)
     lock = RunLock(out_dir) if is_main else None
     if lock is not None:

@@ -117,6 +117,10 @@ def format_plan(plan: MemoryPlan) -> str:
     rows: list[tuple[str, list[str]]] = [
         ("GiB per rank", [_ranks_label([r.rank for r in g]) for g in roles]),
         ("pipeline stages", [",".join(map(str, g[0].stages)) for g in roles]),
+    ]
+    if any(r.role for r in plan.ranks):  # distributed.encoder_ranks: which side a rank runs
+        rows.insert(1, ("modules", [g[0].role for g in roles]))
+    rows += [
         ("parameters", [_gib(g[0].params) for g in roles]),
         ("gradients", [_gib(g[0].grads) for g in roles]),
         ("optimizer state", [_gib(g[0].optimizer) for g in roles]),

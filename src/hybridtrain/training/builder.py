@@ -40,7 +40,8 @@ from hybridtrain.distributed.parallel_plan import (
 )
 from hybridtrain.distributed.utils import main_process_first
 from hybridtrain.models.spec import (
-    AuxiliaryLosses, ExpertRouting, HeteroSupport, MetaInit, ModelSpec, model_spec_for, set_train_loss,
+    AuxiliaryLosses, ExpertRouting, HeteroSupport, MetaInit, ModelSpec, PeftSupport, model_spec_for,
+    set_train_loss,
 )
 from hybridtrain.ops.backend import configure_backend
 from hybridtrain.ops.aux_loss import AuxiliaryLoss
@@ -50,7 +51,7 @@ from hybridtrain.peft.export import export_peft, save_merged_hf
 from hybridtrain.peft.lora import adapter_init_units, apply_lora, base_weight_shapes, quantize_base
 from hybridtrain.peft.quant import packer
 from hybridtrain.training.checkpoint import Checkpointer
-from hybridtrain.training.float8 import block_names, convert_to_float8
+from hybridtrain.training.float8 import block_names, convert_to_float8, precompute_scales
 from hybridtrain.training.hf_export import default_export
 from hybridtrain.training.evaluation import evaluator_from_config
 from hybridtrain.training.validate import validate_run
@@ -320,6 +321,7 @@ class Built:
     data: TrainData | None = None  # None when built with data=False
     aux_loss: AuxiliaryLoss | None = None  # the model's extra objectives (spec's AuxiliaryLosses)
     expert_load: ExpertLoad | None = None  # its MoE routers' load (spec's ExpertRouting)
+    after_update: Callable[[nn.Module], None] | None = None  # run after each optimizer step
 
 
 def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = True,
@@ -394,9 +396,6 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     if check_model is not None:
         check_model(model, peft)
-    if t.float8 is not None:  # before the layout (torchtitan's order)
-        convert_to_float8(model, t.float8, block_names(model, spec.pipeline.layers(model)),
-                          t.float8_filter, emulate=device.type != "cuda")
     if not on_meta:  # a model target that ignored the meta device: built in full already
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -411,6 +410,14 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
                    LinearCrossEntropy(chunk_size=t.loss_chunk_size, reduction="sum"))
     dims = validate_run(cfg, world_size, spec, model, device.type, train_loop=train_loop,
                         evaluation=evaluation)
+    after_update = None
+    if t.float8 is not None:  # before the layout (torchtitan's order)
+        float8 = convert_to_float8(
+            model, t.float8, block_names(model, spec.pipeline.layers(model)), t.float8_filter,
+            emulate=device.type != "cuda", expert_modules=_expert_modules(spec),
+            experts_off=_float8_experts_off(t, device, compute_dtype, dims),
+            float8_all_gather=t.float8 == "tensorwise" and dims.fsdp_enabled)
+        after_update = precompute_scales if float8.float8_all_gather else None
     if peft is not None and peft["base_quant"]:  # QLoRA: NF4 blocks that FSDP2 can split
         quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
     if cfg.distributed.encoder_ranks:
@@ -432,7 +439,26 @@ def build(cfg: Any, device: torch.device | str | None = None, is_main: bool = Tr
         save_dtype=save_dtype, peft=peft, plan=plan,
         optimizer=_build_optimizer(cfg, model, device),
         flops_fn=_flops_fn(spec, model_config, t.loss_chunk_size), data=train_data,
-        aux_loss=aux_loss, expert_load=expert_load)
+        aux_loss=aux_loss, expert_load=expert_load, after_update=after_update)
+
+
+def _expert_modules(spec: ModelSpec) -> tuple[type[nn.Module], ...]:
+    """The spec's classes of stacked-expert modules (its LoRA part names them)."""
+    peft = spec.find(PeftSupport)
+    return peft.expert_modules if peft is not None else ()
+
+
+def _float8_experts_off(t, device: torch.device, dtype: torch.dtype, dims) -> str | None:
+    """Why the routed experts stay high-precision under ``training.float8`` here (None: they
+    take torchao's float8 grouped GEMM, which runs on CUDA in the grouped expert path)."""
+    if device.type != "cuda":
+        return ("on this device: torchao's float8 grouped GEMM needs CUDA (its Triton casts and "
+                "torch._scaled_grouped_mm)")
+    if t.grouped_mm is False or dtype != torch.bfloat16:
+        return "outside the bf16 grouped expert path (training.grouped_mm / training.dtype)"
+    if dims.ep > 1 or dims.tp > 1:
+        return "under expert or tensor parallelism (not wired to torchao's float8 grouped GEMM)"
+    return None
 
 
 def _export_lora(model, step_dir: str, tokenizer, final: bool, *, base, merged: bool, dtype):
@@ -486,4 +512,4 @@ def make_trainer(b: Built, step_scheduler: StepScheduler, lr_scheduler,
         metrics=metrics, throughput=Throughput(b.flops_fn, _peak_tflops(cfg, b.device, b.dtype)),
         evaluator=make_evaluator(b) if cfg.evaluation is not None else None,
         stop=RunStop.from_config(cfg, b.device, started), aux_loss=b.aux_loss,
-        expert_load=b.expert_load)
+        expert_load=b.expert_load, after_update=b.after_update)

@@ -17,8 +17,9 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   input encoders' (``encoder_activation_bytes``, e.g. a vision encoder) and on the last the
   loss's, times the micro-batches the run's pipeline schedule keeps in flight on that rank
   (read from the order of the schedule the run builds); plus the largest working set of one
-  block's backward (with its recompute under checkpointing) or of the loss ("backward"). An
-  estimate (docs/memory.md: how it compares with measured peaks).
+  block's backward (with its recompute under checkpointing and, with an NF4 base, the working
+  set of dequantising its largest weight: made and dropped inside the block) or of the loss
+  ("backward"). An estimate (docs/memory.md: how it compares with measured peaks).
 * **buffers**: FSDP's all-gathered parameters (the whole stage when it does not reshard after
   forward, as under pipeline parallelism by default, where torch's ``PipelineStage`` also keeps
   each unit gathered after its backward; else two units) and unsharded gradients (one unit's;
@@ -34,6 +35,11 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   builds and caches per shape, at most the cache bound in effect
   (``hybridtrain.config.dist_env.gemm_kernel_cache_entries``: 128 unless the environment says
   otherwise) at ``GEMM_KERNEL_BYTES`` (1 MiB) each. fp32 CPU GEMMs are MKL's: no such cache.
+
+Under ``distributed.encoder_ranks: E`` (an encoder on its own ranks, the spec's
+``HeteroSupport.sides`` split): ranks ``0..E-1`` hold the encoder FSDP2-sharded over them and
+the activations of every micro-batch they serve in a step (all sent before any gradient comes
+back), the other ranks the rest of the model, planned as above over their own degrees.
 
 With ``distributed.cpu_offload`` the parameters, gradients and optimizer state are counted on the
 host (``RankMemory.host``), not in the device total.
@@ -66,8 +72,10 @@ from hybridtrain.distributed.pipeline_layout import (
     micro_batches_in_flight, pipeline_layout, stage_ids_for_rank,
 )
 from hybridtrain.distributed.parallel_plan import pipeline_split_seq_len, recipe_seq_len
+from hybridtrain.distributed.hetero import receiver_degrees, sender_degrees
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
-from hybridtrain.models.spec import ActivationBytes, LayerTypes, MemoryPlanSupport, model_spec_for
+from hybridtrain.models.spec import (ActivationBytes, HeteroSupport, LayerTypes, MemoryPlanSupport,
+                                     model_spec_for)
 from hybridtrain.peft.lora import apply_lora, expert_types, quantize_base
 from hybridtrain.peft.quant import is_nf4, nf4_bytes
 from hybridtrain.training.builder import build_on_meta
@@ -103,6 +111,7 @@ class RankMemory:
     activations: float
     buffers: dict[str, float]
     offloaded: bool = False  # FSDP CPU offload: parameters, gradients, optimizer on the host
+    role: str | None = None  # under distributed.encoder_ranks: "encoder" or "language model"
 
     @property
     def host(self) -> float:
@@ -160,7 +169,7 @@ class MemoryPlan:
         """Ranks grouped by identical figures (e.g. one group per pipeline stage)."""
         groups: dict[tuple, list[RankMemory]] = {}
         for r in self.ranks:
-            key = (tuple(r.stages), round(r.params), round(r.grads), round(r.optimizer),
+            key = (r.role, tuple(r.stages), round(r.params), round(r.grads), round(r.optimizer),
                    round(r.activations), round(sum(r.buffers.values())))
             groups.setdefault(key, []).append(r)
         return list(groups.values())
@@ -335,16 +344,41 @@ def _bytes(p: torch.Tensor, numel: int, elsize: int | None = None) -> float:
     return float(numel * (elsize or p.element_size()))
 
 
-def _nf4_dequantised(part: nn.Module, experts: set[int]) -> float:
-    """An NF4 base's compute copy: each weight is dequantised where it is used (one expert of a
-    stacked tensor at a time) and dropped after; the largest such working set, in forward or
-    backward: torchao's ``get_original_weight`` holds both 4-bit halves of the codes as int64
-    (8 bytes per weight), their code values, the scaled values and the interleaved result (3 x
-    the weight's dtype; glibc's peak of a 1M-weight one, 2026-12-06, torchao 0.18: 14 bytes per
-    weight in bf16, 20 in fp32)."""
+def _nf4_dequantised(part: nn.Module, experts: set[int],
+                     skip: frozenset[int] = frozenset()) -> float:
+    """An NF4 base's compute copy: each weight of ``part`` (but those whose ids are in ``skip``)
+    is dequantised where it is used (one expert of a stacked tensor at a time) and dropped after;
+    the largest such working set, in forward or backward: torchao's ``get_original_weight``
+    holds both 4-bit halves of the codes as int64 (8 bytes per weight), their code values, the
+    scaled values and the interleaved result (3 x the weight's dtype; glibc's peak of a 1M-weight
+    one, 2026-12-06, torchao 0.18: 14 bytes per weight in bf16, 20 in fp32)."""
     sizes = [p.numel() // (_stacked_experts(part, p) if id(p) in experts else 1)
-             * (8 + 3 * p.element_size()) for _, p in _unique(part) if is_nf4(p)]
+             * (8 + 3 * p.element_size())
+             for _, p in _unique(part) if is_nf4(p) and id(p) not in skip]
     return float(max(sizes, default=0))
+
+
+@dataclass(frozen=True)
+class _Dequantising:
+    """Where an NF4 base is dequantised: ``layers``, the working set of each block (by position)
+    while its forward or backward runs; ``rest``, that of the weights outside the blocks (an
+    encoder, the head), while they run. It adds to that block's working set, never to another
+    one's: the copy is made and dropped inside one layer's call."""
+
+    layers: tuple[float, ...]
+    rest: float
+
+    @classmethod
+    def of(cls, model: nn.Module, names: list[str], experts: set[int]) -> "_Dequantising":
+        # the blocks sit in an nn.ModuleDict keyed by the names PipelineSplit.layers gives
+        holder = next((m for m in model.modules()
+                       if isinstance(m, nn.ModuleDict) and list(m.keys()) == names), None)
+        if holder is None:  # not found: every block may dequantise the largest weight
+            whole = _nf4_dequantised(model, experts)
+            return cls((whole,) * len(names), whole)
+        inside = frozenset(id(p) for p in holder.parameters())
+        return cls(tuple(_nf4_dequantised(holder[n], experts) for n in names),
+                   _nf4_dequantised(model, experts, skip=inside))
 
 
 def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
@@ -352,11 +386,12 @@ def _stacked_experts(part: nn.Module, p: torch.Tensor) -> int:
 
 
 def _layer_activations(act: ActivationBytes, policy, names: list[str], positions: list[int],
-                       tp: int):
+                       tp: int, dequantise: tuple[float, ...]):
     """({category: bytes one micro-batch keeps}, [what the micro-batch keeps up to each block
-    plus that block's backward working set: its ``backward`` bytes and, checkpointed, its
-    recomputed activations]): the backward runs the blocks last to first, each freeing what
-    it kept, so a block's working set adds to what the blocks before it keep only."""
+    plus that block's backward working set: its ``backward`` bytes, checkpointed its
+    recomputed activations, and ``dequantise[i]``, the dequantised NF4 weight it works with]):
+    the backward runs the blocks last to first, each freeing what it kept, so a block's working
+    set adds to what the blocks before it keep only."""
     per_mb: dict[str, float] = {}
     kept, peaks = 0.0, []
     for i in positions:
@@ -365,7 +400,7 @@ def _layer_activations(act: ActivationBytes, policy, names: list[str], positions
         keeps = layer.checkpointed if ckpt else layer.saved
         per_mb[layer.category] = per_mb.get(layer.category, 0.0) + keeps / tp
         kept += keeps / tp
-        peaks.append(kept + (layer.saved * ckpt + layer.backward) / tp)
+        peaks.append(kept + (layer.saved * ckpt + layer.backward) / tp + dequantise[i])
     return per_mb, peaks
 
 
@@ -406,10 +441,18 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         apply_lora(model, **{k: v for k, v in peft.items() if k != "base_quant"})
     dims = validate_run(cfg, world_size, spec, model, device_type)
     if dims is None:
-        raise ValueError(f"distributed.encoder_ranks={d.encoder_ranks}: hybridtrain plan does "
-                         "not plan an encoder on its own ranks yet; plan with encoder_ranks: 0")
+        return _plan_hetero(cfg, spec, model, world_size, device_type, device_memory)
     if peft.get("base_quant"):  # as the builder quantises (the same layers stay unquantised)
         quantize_base(model, peft["base_quant"], shards=dims.dp_shard_cp)
+    return _plan_layout(cfg, spec, model, dims, device_type, device_memory)
+
+
+def _plan_layout(cfg, spec, model: nn.Module, dims, device_type: str,
+                 device_memory: float | None) -> MemoryPlan:
+    """The plan of ``model`` laid out over ``dims`` (validated degrees; its ranks numbered
+    from 0)."""
+    t, d = cfg.training, cfg.distributed
+    world_size = dims.world_size
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     gemm_kernels = 0.0
@@ -418,6 +461,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)
     names = spec.pipeline.layers(model)
+    dequantising = _Dequantising.of(model, names, experts)
     seq_len = recipe_seq_len(cfg)
     sched, per_rank, parts = _pipeline_parts(spec, model, dims, d,
                                              pipeline_split_seq_len(cfg.packing))
@@ -438,11 +482,7 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
     row_inputs = encoder_inputs if spec.pipeline.row_inputs is not None else 0.0
     flights = [] if sched is None else [
         micro_batches_in_flight(d.pp_schedule, dims.pp, r, per_rank, n_mb) for r in range(dims.pp)]
-    fsdp = FsdpPolicy(
-        gather_dtype=fsdp_param_dtype(d, autocast),
-        reshard=resolve_reshard_after_forward(d.fsdp_reshard_after_forward, dims.pp_enabled),
-        reduce_bytes=_elsize(resolve_dtype(d.fsdp_reduce_dtype,
-                                           "distributed.fsdp_reduce_dtype") or compute))
+    fsdp = FsdpPolicy.of(d, autocast, compute, dims.pp_enabled)
     # under pp the peak depends on the reshard policy: plan the other one's buffers too
     other = None
     if dims.pp_enabled and dims.fsdp_enabled:
@@ -455,19 +495,22 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
         # one micro-batch: what it keeps, and its peaks (what it keeps at a point plus what
         # runs there): each block's backward, an encoder's (it runs first, so its backward
         # last), the loss (it runs after every block)
-        per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp)
+        per_mb, peaks = (_layer_activations(act, policy, names, positions, dims.tp,
+                                            dequantising.layers)
                          if act is not None else ({}, []))
+        if act is None:  # no estimate: the largest dequantised weight of the rank at least
+            peaks.append(max([dequantising.rest] + [dequantising.layers[i] for i in positions]))
         if encoder_bytes is not None and 0 in stage_ids:  # the first stage's input encoders
             enc = encoder_bytes(part, rows, -(-seq_len // dims.cp), compute, cfg)
             enc_kept = sum(enc.kept.values())
-            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc.backward]
+            peaks = [p + enc_kept for p in peaks] + [enc_kept + enc.backward + dequantising.rest]
             for k, v in enc.kept.items():
                 per_mb[k] = per_mb.get(k, 0.0) + v
         head = 0.0
         if act is not None and is_last:  # the loss: kept per micro-batch until its backward
             per_mb["loss"] = per_mb.get("loss", 0.0) + act.loss
             head = act.loss
-            peaks.append(sum(per_mb.values()) + act.loss_backward)
+            peaks.append(sum(per_mb.values()) + act.loss_backward + dequantising.rest)
         pipe = (_pipeline_buffers(act, stage_ids, per_rank * dims.pp, n_mb, batch, row_inputs)
                 if sched else {})
         if pipe.get("outputs"):  # a stage's output, kept for its backward
@@ -511,6 +554,59 @@ def plan_memory(cfg: Any, world_size: int, device_type: str = "cuda",
             "not counted (shown as 0)"])
 
 
+# -- an encoder on its own ranks (distributed.encoder_ranks) -------------------------------------
+def _plan_hetero(cfg, spec, model: nn.Module, world_size: int, device_type: str,
+                 device_memory: float | None) -> MemoryPlan:
+    """The plan of ``distributed.encoder_ranks``: the spec's encoder part on ranks ``0..E-1``
+    (:func:`_encoder_rank`), the rest planned as a model of its own over the other ranks'
+    degrees (``receiver_degrees``), its ranks numbered after the encoder's."""
+    d, t = cfg.distributed, cfg.training
+    E = d.encoder_ranks
+    sides = spec.part(HeteroSupport, "distributed.encoder_ranks").sides
+    if sides is None:
+        raise ValueError(f"distributed.encoder_ranks={E}: the model spec {spec.name!r} does not "
+                         "split its encoder from the rest for hybridtrain plan "
+                         "(HeteroSupport.sides); plan with encoder_ranks: 0")
+    encoder, rest = sides(model)
+    dims = receiver_degrees(d, E, world_size)
+    plan = _plan_layout(cfg, spec, rest, dims, device_type, device_memory)
+    compute = _compute_dtype(t, device_type)
+    served = dims.dp / E  # lanes per encoder rank (a share of one lane when below 1)
+    rows = (d.pp_microbatch_size or t.micro_batch_size) if dims.pp > 1 else t.micro_batch_size
+    n_mb = max(1, t.global_batch_size // (dims.dp * rows))
+    ranks = [_encoder_rank(cfg, spec, encoder, rank, sender_degrees(E), compute, n_mb * served,
+                           plan.seq_len) for rank in range(E)]
+    ranks += [dataclasses.replace(r, rank=E + r.rank, role="language model") for r in plan.ranks]
+    params = _unique(model)
+    plan = dataclasses.replace(
+        plan, world_size=world_size, ranks=ranks, model=type(model).__name__,
+        degrees={"encoder_ranks": E, **dims.degrees(), "world_size": world_size},
+        num_params=sum(p.numel() for _, p in params),
+        num_trainable=sum(p.numel() for _, p in params if p.requires_grad),
+        param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for _, p in params}))
+    return plan
+
+
+def _encoder_rank(cfg, spec, encoder: nn.Module, rank: int, dims, compute: torch.dtype,
+                  micro_batches: float, seq_len: int) -> RankMemory:
+    """One encoder rank: its FSDP2 shards of ``encoder`` over ``dims`` (the encoder ranks'
+    data-parallel degrees), and the activations of the ``micro_batches`` (of a lane's size) it
+    serves in a step, all kept until their gradients come back, plus one block's backward."""
+    t = cfg.training
+    autocast = autocast_dtype(compute)
+    states = _states(encoder, set(), dims, _coords(rank, dims), {})
+    enc_bytes = _memory_part(spec).encoder_activation_bytes
+    enc = enc_bytes(encoder, t.micro_batch_size, seq_len, compute, cfg) if enc_bytes else None
+    per_mb = dict(enc.kept) if enc is not None else {}
+    activations = sum(per_mb.values()) * micro_batches + (enc.backward if enc else 0.0)
+    if enc is not None and enc.backward:
+        per_mb["backward"] = enc.backward
+    fsdp = FsdpPolicy.of(cfg.distributed, autocast, compute, False)
+    owned = _Owned(encoder, spec, dims, set(), {}, autocast, grads=states[1])
+    return RankMemory(rank, [], *states, per_mb, micro_batches, activations,
+                      _rank_buffers(owned, fsdp, {}), role="encoder")
+
+
 def _elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
@@ -545,6 +641,16 @@ class FsdpPolicy:
     gather_dtype: torch.dtype | None
     reshard: bool
     reduce_bytes: int
+
+    @classmethod
+    def of(cls, distributed, autocast: torch.dtype | None, compute: torch.dtype,
+           pipeline: bool) -> "FsdpPolicy":
+        """The policy of the recipe's ``distributed`` section (``pipeline``: under pp)."""
+        return cls(gather_dtype=fsdp_param_dtype(distributed, autocast),
+                   reshard=resolve_reshard_after_forward(distributed.fsdp_reshard_after_forward,
+                                                         pipeline),
+                   reduce_bytes=_elsize(resolve_dtype(distributed.fsdp_reduce_dtype,
+                                                      "distributed.fsdp_reduce_dtype") or compute))
 
 
 @dataclass(frozen=True)
@@ -607,12 +713,9 @@ def _buffers(part, spec, dims, experts, tp_dims, autocast, fsdp: FsdpPolicy):
         gathered = sum(kept) + sum(sorted(sizes)[-2:])
         # under pp: the stage's accumulated gradients and one unit's new low-precision ones
         grads = accumulated + in_flight if dims.pp_enabled else max(grad_sizes, default=0)
-        out = {"fsdp_gathered_params": float(gathered), "fsdp_unsharded_grads": float(grads)}
-    elif autocast is not None:
+        return {"fsdp_gathered_params": float(gathered), "fsdp_unsharded_grads": float(grads)}
+    if autocast is not None:
         copies = sum(tp_numel(p) for _, p in _unique(part)
                      if p.dim() >= 2 and p.dtype != autocast and not is_nf4(p))
-        out = {"autocast_weight_copies": float(copies * _elsize(autocast))}
-    else:
-        out = {}
-    nf4 = _nf4_dequantised(part, experts)
-    return {**out, "nf4_dequantised_weight": nf4} if nf4 else out
+        return {"autocast_weight_copies": float(copies * _elsize(autocast))}
+    return {}

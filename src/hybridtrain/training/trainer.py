@@ -195,7 +195,8 @@ class Trainer:
     ``aux_loss`` (the model's extra objectives, :mod:`hybridtrain.ops.aux_loss`: their
     normalisers join the step's counts, their values the step's record), ``expert_load`` (the
     MoE routers' load, :mod:`hybridtrain.ops.expert_load`: its metrics join the record, its
-    bias update follows each optimizer step).
+    bias update follows each optimizer step), ``after_update(model)`` (run after each optimizer
+    step, e.g. float8 scales precomputed for FSDP2's float8 all-gather).
     """
 
     def __init__(
@@ -214,6 +215,7 @@ class Trainer:
         stop: RunStop | None = None,
         aux_loss: AuxiliaryLoss | None = None,
         expert_load: ExpertLoad | None = None,
+        after_update: Callable[[nn.Module], None] | None = None,
     ):
         self.plan = plan
         self.model = plan.model
@@ -236,6 +238,7 @@ class Trainer:
         self.aux_loss = aux_loss
         # the MoE routers' load per step (moe_max_load, ...) and their correction-bias update
         self.expert_load = expert_load
+        self.after_update = after_update
         self._saved_step: int | None = None  # step of this process's latest checkpoint
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self._diverged = False  # the streak reached max_consecutive_skipped_steps
@@ -311,6 +314,8 @@ class Trainer:
                     fused_step(self.optimizer, pending.nonfinite)
                 elif not pending.skipped:  # read now: this step waits on the device
                     self.optimizer.step()
+                if self.after_update is not None and (on_device or not pending.skipped):
+                    self.after_update(self.model)  # (a step skipped on the device: same weights)
             if self.expert_load is not None and not pending.skipped:  # (read: on_device is False)
                 self.expert_load.update_biases(load_table)
         lr = (self.lr_scheduler.get_lr() if self.lr_scheduler else

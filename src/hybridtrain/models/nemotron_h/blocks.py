@@ -72,6 +72,8 @@ class Block(nn.Module):
     def _mix(self, h: torch.Tensor, info: SequenceInfo | None) -> torch.Tensor:
         if self.block_type in ("linear_attention", "full_attention") and info is not None:
             return self.mixer(h, seq_idx=info.seq_idx, cp=info.cp)
+        if self.block_type == "moe" and info is not None and info.cp is not None:
+            return self.mixer(h, cp=info.cp.cp)
         return self.mixer(h)
 
     # -- cached decoding (the loop is generation.py) ----------------------------------------------

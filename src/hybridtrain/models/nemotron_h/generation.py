@@ -77,8 +77,9 @@ def _head(model, h: torch.Tensor) -> torch.Tensor:
 
 def _step_logits(model, cache: NemotronHCache, h: torch.Tensor) -> torch.Tensor:
     """The LM head of a decoding step, h [b, H] -> fp32 logits [b, V] (against the weight's
-    transposed copy where prefill made one: ``ops.backend.transposed_head``)."""
-    if cache.head_t is not None and backend.cpu_decode_forms(h):
+    transposed copy where prefill made one and ``b`` is at most ``ops.backend.
+    TRANSPOSED_HEAD_MAX_ROWS``: see ``ops.backend.transposed_head``)."""
+    if cache.head_t is not None and h.shape[0] <= backend.TRANSPOSED_HEAD_MAX_ROWS and backend.cpu_decode_forms(h):
         return h @ cache.head_t
     return linear(model.lm_head, h).float()
 

@@ -26,8 +26,8 @@ and passes their gradients between chunks (six tensors of the states' size live 
 states, start states, their gradients and the state passing's own), with three fp32 tensors
 of the scan's width (the incoming gradient, ``x * dt * w`` and the diagonal blocks' input
 gradient) and two of the in-chunk decays; attention: the gradients of q/k/v and of the output;
-an MLP: two of its hidden width; MoE: two of the routed experts' hidden width and two of the
-shared expert's.
+an MLP: two of its hidden width; MoE: two of the routed experts' hidden width or two of the
+shared expert's, the wider (the shared expert's backward ends before the routed experts' starts).
 
 A checkpointed block keeps only its input. The last stage adds the final norm and the chunked
 linear cross-entropy: kept per micro-batch until its backward, the final norm's input and
@@ -100,8 +100,9 @@ def _moe(c: NemotronHConfig, T: int, e: int) -> float:
 
 
 def _moe_backward(c: NemotronHConfig, T: int, e: int) -> float:
-    return 2 * T * e * (c.num_experts_per_tok * c.moe_intermediate_size
-                        + c.moe_shared_expert_intermediate_size)
+    # the shared expert's backward runs, then the routed experts': the wider one at a time
+    return 2 * T * e * max(c.num_experts_per_tok * c.moe_intermediate_size,
+                           c.moe_shared_expert_intermediate_size)
 
 
 _MIXER = {"linear_attention": _mamba, "full_attention": _attention, "mlp": _mlp, "moe": _moe}

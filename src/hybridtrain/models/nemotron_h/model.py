@@ -288,21 +288,31 @@ class NemotronHForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h, info, carried = self._hidden_states(input_ids, position_ids, cu_seqlens, inputs_embeds)
+        aux = self.aux_loss if self.aux_loss is not None and self.aux_loss.active else None
         if self.lm_head is None:  # a pipeline stage before the last
             self._count_expert_load()
-            return h if carried is None else torch.cat([h, *(e.to(h.dtype) for e in carried)], dim=-1)
+            out = h if carried is None else torch.cat([h, *(e.to(h.dtype) for e in carried)], dim=-1)
+            balance = self._balance_terms() if aux is not None else []
+            # this stage's part of the balance loss rides on its output's backward
+            return aux.attach(out, balance, at=[aux.num_terms - 1]) if balance else out
         if labels is None:
             return self.lm_head(h).float()
         loss = self.loss(h, self.lm_head, labels)
-        if self.aux_loss is not None and self.aux_loss.active:
-            terms = []
-            if "mtp" in self.aux_terms:
-                terms += self.mtp_losses(h, input_ids, labels, info, carried)
-            if "moe_aux" in self.aux_terms:  # (summed over layers; read after the MTP layers ran)
-                terms.append(sum(r.last_seq_aux for r in self.moe_routers().values() if r.seq_aux_loss))
-            loss = self.aux_loss.attach(loss, terms)
+        if aux is not None:
+            terms = self.mtp_losses(h, input_ids, labels, info, carried) if "mtp" in self.aux_terms else []
+            n_mtp = len(terms)
+            terms += self._balance_terms()  # (read after the MTP layers ran)
+            loss = aux.attach(loss, terms, at=list(range(n_mtp)) + [aux.num_terms - 1] * (len(terms) - n_mtp))
         self._count_expert_load()
         return loss
+
+    def _balance_terms(self) -> list[torch.Tensor]:
+        """[the sequence-level balance loss of this (stage) model's routers, summed over its
+        layers], or [] where the objective has none or no router of this model ran it."""
+        if "moe_aux" not in self.aux_terms:
+            return []
+        losses = [r.last_seq_aux for r in self.moe_routers().values() if r.seq_aux_loss]
+        return [sum(losses)] if losses else []
 
     def moe_routers(self) -> dict[str, nn.Module]:
         """The routers of the MoE layers this (stage) model holds, by layer name

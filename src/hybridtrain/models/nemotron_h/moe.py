@@ -24,28 +24,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.distributed.context_parallel import gather_sequence
 from hybridtrain.distributed.expert_parallel import LocalDispatcher, zero_rows_output
 from hybridtrain.distributed.utils import local_tensor
 from hybridtrain.ops import backend
 from hybridtrain.ops.backend import pad_rows, unpad_rows
+from hybridtrain.ops.grouped_rows import aligned_groups, group_row_multiple
 
 from .config import NemotronHConfig
 from .mlp import ACTIVATIONS, MLP
 from .numerics import fp32_region, matmul_dtype, mul_to
 
-def sequence_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, rows: int) -> torch.Tensor:
+def sequence_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, rows: int, cp=None) -> torch.Tensor:
     """The sequence-level auxiliary balance loss (DeepSeek-V3's, Megatron's ``seq_aux_loss``),
     summed over the ``rows`` rows of a forward: per row, ``sum_i f_i * P_i`` with ``f_i`` expert
     i's token copies in the row times ``E / (k L)``,
     and ``P_i`` the row's mean of the tokens' sigmoid scores normalised over the experts.
-    ``logits`` [rows L, E] fp32, ``topk_idx`` [rows L, k]."""
+    ``logits`` [rows L, E] fp32, ``topk_idx`` [rows L, k].
+
+    ``cp`` (a ``ContextParallel``; the forward holds this rank's slice of every row): ``f``
+    counts the whole rows (the ranks' counts summed) and ``P`` sums this slice's share of the
+    whole rows' mean, so the ranks' values sum to the whole rows' loss (``f`` takes no gradient:
+    each rank's gradient is its slice's part)."""
     E, k = logits.shape[-1], topk_idx.shape[-1]
     scores = logits.sigmoid().view(rows, -1, E)
     L = scores.shape[1]
-    p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # [rows, E]
-    counts = torch.zeros(rows, E, dtype=p.dtype, device=p.device)
-    counts.scatter_add_(1, topk_idx.view(rows, L * k), torch.ones(rows, L * k, dtype=p.dtype, device=p.device))
-    return (counts * (E / (k * L)) * p).sum()
+    parts = cp.size if cp is not None else 1
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1) / parts  # [rows, E]: this slice's share
+    with torch.no_grad():
+        counts = torch.zeros(rows, E, dtype=p.dtype, device=p.device)
+        counts.scatter_add_(1, topk_idx.view(rows, L * k), torch.ones(rows, L * k, dtype=p.dtype, device=p.device))
+        if parts > 1:  # the whole rows' counts, of L * cp positions
+            counts = gather_sequence(counts[:, None], 1, cp).sum(1)
+    return (counts * (E / (k * L * parts)) * p).sum()
 
 
 class TopkRouter(nn.Module):
@@ -229,7 +240,9 @@ class Experts(nn.Module):
         """sorted_x [N, H] grouped by expert, counts [E] rows per expert -> [N, H] (``E``: the
         experts this module holds locally; all of them without expert parallelism)."""
         up, down, sorted_x = self.compute_weights(sorted_x)
-        if backend.grouped_experts(sorted_x):
+        if group_row_multiple(up) > 1:  # float8 weights (torchao): their one float8 form, no fallback
+            return self._grouped(sorted_x, up, down, counts)
+        if backend.grouped_experts(sorted_x, (up.shape[1],)):
             # one grouped GEMM per projection, offsets on the device: no host sync
             if torch.compiler.is_compiling():
                 return self._grouped(sorted_x, up, down, counts)
@@ -266,8 +279,15 @@ class Experts(nn.Module):
 
     def _grouped(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = F.grouped_mm(sorted_x, up.transpose(1, 2), offs=offs)
+        multiple = group_row_multiple(up)
+        if multiple > 1:  # float8 experts (torchao's grouped GEMM): groups of aligned rows
+            return aligned_groups(sorted_x, counts, multiple,
+                                  lambda rows, offs: self._grouped_mm(rows, up, down, offs))
+        return self._grouped_mm(sorted_x, up, down, torch.cumsum(counts, 0, dtype=torch.int32))
+
+    def _grouped_mm(self, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    offs: torch.Tensor) -> torch.Tensor:
+        h = F.grouped_mm(x, up.transpose(1, 2), offs=offs)
         return F.grouped_mm(self.act_fn(h), down.transpose(1, 2), offs=offs)
 
     def _dense_masked(self, sorted_x: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -315,12 +335,14 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor):
         return self.gate(x)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cp=None) -> torch.Tensor:
+        """``hidden_states`` [B, L, H]; ``cp``: the forward's context-parallel group, where the
+        rows are this rank's slices (the sequence-level balance loss reads whole rows)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits, topk_weights, topk_idx = self.route(x)
         if self.gate.seq_aux_loss:
-            self.gate.last_seq_aux = sequence_balance_loss(logits, topk_idx, shape[0])
+            self.gate.last_seq_aux = sequence_balance_loss(logits, topk_idx, shape[0], cp)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         sorted_h, order, counts, h_cast = permute(h, topk_idx, self.experts.num_experts, matmul_dtype(h))
         y_sorted = self.token_dispatcher(self.experts, sorted_h, counts)

@@ -97,17 +97,6 @@ def setup_aux_losses(model: nn.Module, training) -> AuxiliaryLoss | None:
     return loss
 
 
-def check_mtp_layout(model: nn.Module, dims, distributed, training) -> None:
-    """The layouts under which the sequence-level balance loss cannot train yet (refused, never
-    skipped); the MTP layers train under every layout."""
-    refused = [f"{n}={getattr(dims, n)}" for n in ("pp", "tp", "cp") if getattr(dims, n) > 1]
-    if training.moe_aux_loss_coeff and refused:
-        raise ValueError(
-            f"training.moe_aux_loss_coeff: the sequence-level balance loss does not train under "
-            f"{', '.join(refused)} yet (supported: one process, FSDP2 / data parallel, expert "
-            "parallel); set it to 0 (training.moe_bias_update_rate balances under any layout)")
-
-
 def moe_layer_names(config) -> list[str]:
     """Every MoE layer of a model of ``config``: the main stack's, then the MTP layers'."""
     names = [f"backbone.layers.{i}" for i, t in enumerate(config.layers_block_type) if t == "moe"]

@@ -41,7 +41,37 @@ def mul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, inplace: bool =
         return a.mul_(b) if inplace else (a * b).contiguous()
     if torch.compiler.is_compiling():  # (the compiler fuses the two; dynamo traces no out=)
         return (a * b).to(dtype, memory_format=torch.contiguous_format)
-    return torch.mul(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=dtype, device=a.device))
+    return torch.mul(a, b, out=torch.empty(broadcast_shape(a, b), dtype=dtype, device=a.device))
+
+
+def broadcast_shape(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """The shape of ``a * b`` (two broadcastable tensors): ``torch.broadcast_shapes`` without its
+    general checks, which cost more than a small product itself."""
+    n = max(a.dim(), b.dim())
+    sa = [1] * (n - a.dim()) + list(a.shape)
+    sb = [1] * (n - b.dim()) + list(b.shape)
+    return [x if y == 1 else y for x, y in zip(sa, sb)]
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def tril_mask(size: int, diagonal: int, device: torch.device, inverted: bool = False) -> torch.Tensor:
+    """``torch.tril(ones(size, size, bool), diagonal)`` (``inverted``: its negation), built once
+    per size, diagonal and device: the causal masks every forward of the scan would build anew
+    (a compiled block builds its own)."""
+    def build():
+        mask = torch.tril(torch.ones(size, size, device=device, dtype=torch.bool), diagonal=diagonal)
+        return ~mask if inverted else mask
+
+    if torch.compiler.is_compiling():
+        return build()
+    key = (size, diagonal, torch.device(device), inverted)
+    mask = _MASKS.get(key)
+    if mask is None:  # a plain tensor even when first built under inference mode (decoding)
+        with torch.inference_mode(False), torch.no_grad():
+            mask = _MASKS[key] = build()
+    return mask
 
 
 def silu_grad(x: torch.Tensor) -> torch.Tensor:

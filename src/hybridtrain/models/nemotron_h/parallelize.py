@@ -7,7 +7,8 @@ the spec's ``pipeline_stage``; this function then runs on each stage. Degrees of
 FSDP2 units: the embeddings, every block (an MoE block's routed experts are their own unit, on
 the expert mesh when ``ep > 1``, so a rank gathers one block's experts at a time), ``norm_f`` +
 ``lm_head`` (one unit), every MTP layer (as the blocks) and the (stage) model as root, holding
-nothing else. Expert parallelism and activation checkpointing cover the MTP layers as the blocks.
+nothing else. Expert parallelism, activation checkpointing and compile cover the MTP layers as
+the blocks (each MTP layer one graph).
 
 Tensor parallelism (:func:`apply_tp`) splits every mixer by heads: attention's q/k/v by heads
 (k/v computed whole when there are fewer kv heads than ranks), o_proj by rows; the MLP and the
@@ -126,8 +127,10 @@ BLOCK_TYPES = LayerTypes(names=LAYER_TYPES, of=lambda block: block.block_type,
 
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: DistributedSection,
                            training: TrainingSection, *, device: torch.device,
-                           autocast_dtype: torch.dtype | None) -> None:
-    """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place."""
+                           autocast_dtype: torch.dtype | None, compile_options: dict | None = None) -> None:
+    """Apply the ``distributed`` / ``training`` sections' layout to ``model`` in place (the MTP
+    layers checkpointed and compiled as the main stack's blocks; ``compile_options``:
+    ``torch.compile``'s, see :func:`~hybridtrain.distributed.compile.apply_compile`)."""
     check_layout(model.config, dims, distributed, training, device.type)
     if dims.tp > 1:
         apply_tp(model, tp_mesh(dims), distributed.sequence_parallel)
@@ -140,10 +143,10 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: Di
         for block in moe_blocks:
             block.mixer.token_dispatcher = apply_expert_parallel(block.mixer.experts,
                                                                  dims.mesh("ep"))
-    if training.activation_checkpointing:
-        for stack in stacks:
+    for stack in stacks:
+        if training.activation_checkpointing:
             apply_activation_checkpointing(stack, training.activation_checkpointing, BLOCK_TYPES)
-    apply_compile(layers, training.compile, device)
+        apply_compile(stack, training.compile, device, **(compile_options or {}))
     if dims.fsdp_enabled:
         units, expert_units = fsdp_units(model)
         apply_fsdp(model, units, dims, distributed, autocast_dtype=autocast_dtype,

@@ -15,7 +15,7 @@ from .hf_io import hub_layout, hub_tensors, save_hf_checkpoint, slice_reader
 from .memory import activation_bytes
 from .model import NemotronHForCausalLM
 from .moe import Experts
-from .mtp_training import check_mtp_layout, setup_aux_losses, setup_expert_load
+from .mtp_training import setup_aux_losses, setup_expert_load
 from .continuations import score_continuations
 from .speculative import speculative_decode
 from .parallelize import BLOCK_TYPES, check_layout, fsdp_units, parallelize_nemotron_h, tp_plan
@@ -108,7 +108,7 @@ NEMOTRON_H = register_model_spec(ModelSpec(
         Decoding(pipeline=True, lockstep=True, speculative=speculative_decode,
                  score_continuations=score_continuations),
         LayoutRules(check=check_layout),
-        AuxiliaryLosses(setup=setup_aux_losses, check_layout=check_mtp_layout),
+        AuxiliaryLosses(setup=setup_aux_losses),
         ExpertRouting(setup=setup_expert_load),
     ),
 ))

@@ -91,15 +91,20 @@ def _run_tokens(layers, cache: NemotronHCache, h: torch.Tensor, keep_states: boo
 class MTPDraft:
     """The first MTP depth as a draft model over positions (see the module docstring)."""
 
-    def __init__(self, model, prompt_ids: torch.Tensor, hidden: torch.Tensor, max_length: int):
+    def __init__(self, model, prompt_ids: torch.Tensor, hidden: torch.Tensor, main_cache: NemotronHCache):
+        """``hidden``: the main model's final hidden states over the prompt; ``main_cache``: its
+        cache after the prompt (the draft's cache is as long; the head's transposed copy, where
+        prefill made one, is shared)."""
         self.model = model
+        max_length = main_cache.max_length
         layers = model.mtp.depth(0)
         self.layers = {str(i): layer for i, layer in enumerate(layers)}
         # prefill over the prompt positions 0..L-2 (each reads the next prompt token)
         emb = model.backbone.embeddings(prompt_ids[:, 1:])
         x = layers[0].fuse(hidden[:, :-1], emb)
         self.cache = NemotronHCache(valid=torch.zeros(1, max_length, dtype=torch.bool, device=x.device),
-                                    position=torch.tensor([0], device=x.device), length=0)
+                                    position=torch.tensor([0], device=x.device), length=0,
+                                    head_t=main_cache.head_t)
         if x.shape[1]:
             self.cache.valid[:, :x.shape[1]] = True
             self.cache.position.fill_(x.shape[1])
@@ -180,7 +185,7 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, dr
                          ) -> tuple[torch.Tensor, SpeculativeStats]:
     """Greedy decoding of one prompt [1, L] drafted by the MTP layers; returns the prompt and
     the new tokens [1, L + n] (as ``generate`` with ``do_sample=False``) and the statistics.
-    ``drafter(model, input_ids, prompt_hidden, max_length)``: the draft model (an object with
+    ``drafter(model, input_ids, prompt_hidden, main_cache)``: the draft model (an object with
     :meth:`MTPDraft.draft`'s signature, and :meth:`MTPDraft.sample`'s when sampling).
     ``temperature`` > 0: speculative sampling instead (:func:`speculative_accept`), the tokens
     distributed as ``generate(do_sample=True, temperature=...)``'s (not the same draws), drawn
@@ -203,51 +208,62 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, dr
     was_training = model.training
     model.eval()
     try:
-        L = input_ids.shape[1]
-        max_length = L + max_new_tokens + draft_tokens + 1
-        hidden, cache = prefill_hidden(model, input_ids, None, max_length)
-        cache.head_t = _transposed_head(model, hidden, max_new_tokens)  # as plain decoding chooses
-        out = [int(select_tokens(_head(model, hidden), sampling, temperature or 1.0, generator=gen)[0])]
-        drafter = drafter(model, input_ids, hidden, max_length)
-        pending_h = hidden[:, -1:]  # the main hidden states the draft has not read, and
-        pending_t = [out[0]]  # the token after each
-        bb = model.backbone
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            k = min(draft_tokens, max_new_tokens - len(out))
-            committed = torch.tensor([pending_t], device=input_ids.device)
-            if sampling:
-                drafts, q = drafter.sample(pending_h, committed, k, temperature, gen)
-            else:
-                drafts = drafter.draft(pending_h, committed, k)
-            # verify: the newest token and the drafts through the main model, once
-            start = cache.length
-            tokens = torch.tensor([[out[-1]] + drafts], device=input_ids.device)
-            h, states = _run_tokens(bb.layers, cache, bb.embeddings(tokens), keep_states=True)
-            logits = _step_logits(model, cache, norm(bb.norm_f, h[0]))  # [k + 1, V]
-            if sampling:
-                accepted, nxt = speculative_accept((logits / temperature).softmax(-1)[None], q[None],
-                                                   torch.tensor([drafts], device=logits.device), gen)
-                a = int(accepted[0])
-                new = drafts[:a] + [int(nxt[0])]  # (an accepted eos ends the output below)
-            else:
-                greedy = select_tokens(logits, False).tolist()
-                a = 0
-                while a < k and drafts[a] == greedy[a] and drafts[a] not in eos:
-                    a += 1
-                new = drafts[:a] + [greedy[a]]
-            stats.rounds += 1
-            stats.drafted += k
-            stats.accepted += a
-            _restore(cache, states[a], start + a + 1)  # keep [x_n, d_1..d_a]
-            pending_h, pending_t = h[:, :a + 1], new
-            for t in new:
-                out.append(t)
-                if t in eos or len(out) == max_new_tokens:
-                    break
-        new_ids = torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)
-        return torch.cat([input_ids, new_ids], dim=1), stats
+        # inference mode, as plain decoding: no version counters or view tracking for a
+        # round's few hundred small ops; the tokens leave it as a plain tensor
+        with torch.inference_mode():
+            ids = _speculative_loop(model, input_ids, max_new_tokens, draft_tokens, eos, drafter,
+                                    sampling, temperature, gen, stats)
+        return ids.clone(), stats
     finally:
         model.train(was_training)
+
+
+def _speculative_loop(model, input_ids, max_new_tokens, draft_tokens, eos, drafter, sampling,
+                      temperature, gen, stats) -> torch.Tensor:
+    """:func:`speculative_generate`'s rounds (see the module docstring)."""
+    L = input_ids.shape[1]
+    max_length = L + max_new_tokens + draft_tokens + 1
+    hidden, cache = prefill_hidden(model, input_ids, None, max_length)
+    cache.head_t = _transposed_head(model, hidden, max_new_tokens)  # as plain decoding chooses
+    out = [int(select_tokens(_head(model, hidden), sampling, temperature or 1.0, generator=gen)[0])]
+    drafter = drafter(model, input_ids, hidden, cache)
+    pending_h = hidden[:, -1:]  # the main hidden states the draft has not read, and
+    pending_t = [out[0]]  # the token after each
+    bb = model.backbone
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        k = min(draft_tokens, max_new_tokens - len(out))
+        committed = torch.tensor([pending_t], device=input_ids.device)
+        if sampling:
+            drafts, q = drafter.sample(pending_h, committed, k, temperature, gen)
+        else:
+            drafts = drafter.draft(pending_h, committed, k)
+        # verify: the newest token and the drafts through the main model, once
+        start = cache.length
+        tokens = torch.tensor([[out[-1]] + drafts], device=input_ids.device)
+        h, states = _run_tokens(bb.layers, cache, bb.embeddings(tokens), keep_states=True)
+        logits = _step_logits(model, cache, norm(bb.norm_f, h[0]))  # [k + 1, V]
+        if sampling:
+            accepted, nxt = speculative_accept((logits / temperature).softmax(-1)[None], q[None],
+                                               torch.tensor([drafts], device=logits.device), gen)
+            a = int(accepted[0])
+            new = drafts[:a] + [int(nxt[0])]  # (an accepted eos ends the output below)
+        else:
+            greedy = select_tokens(logits, False).tolist()
+            a = 0
+            while a < k and drafts[a] == greedy[a] and drafts[a] not in eos:
+                a += 1
+            new = drafts[:a] + [greedy[a]]
+        stats.rounds += 1
+        stats.drafted += k
+        stats.accepted += a
+        _restore(cache, states[a], start + a + 1)  # keep [x_n, d_1..d_a]
+        pending_h, pending_t = h[:, :a + 1], new
+        for t in new:
+            out.append(t)
+            if t in eos or len(out) == max_new_tokens:
+                break
+    new_ids = torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, new_ids], dim=1)
 
 
 def speculative_decode(model, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hybridtrain.ops.base2 import LN2, LOG2E
 
-from .numerics import fp32_region, mul_to, silu_grad
+from .numerics import broadcast_shape, fp32_region, mul_to, silu_grad, tril_mask
 
 
 def ssd_reference(
@@ -71,17 +71,15 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     """
     T = x.size(-1)
     x = x[..., None].expand(*x.shape, T)  # [..., i(k), j]
-    strict = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=-1)
-    x = x.masked_fill(~strict, 0)
+    x = x.masked_fill(tril_mask(T, -1, x.device, inverted=True), 0)
     out = torch.cumsum(x, dim=-2)
-    lower = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=0)
-    return out.masked_fill(~lower, -torch.inf)
+    return out.masked_fill(tril_mask(T, 0, x.device, inverted=True), -torch.inf)
 
 
 def _mul(a, b, layout):
     """a * b, contiguous in the dimension order ``layout`` (a permutation of the broadcast
     shape): the product and the layout change in one pass."""
-    shape = torch.broadcast_shapes(a.shape, b.shape)
+    shape = broadcast_shape(a, b)
     out = torch.empty([shape[d] for d in layout], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
     inverse = sorted(range(len(layout)), key=layout.__getitem__)
     _mul_into(a, b, out.permute(inverse))
@@ -124,7 +122,8 @@ class _ChunkScan(torch.autograd.Function):
     than exp on CPU). Forward forms ``a = cumsum(dt * A * log2 e)`` per chunk, [b, c, g, j, l], so
     that the decay between positions is ``2^(a_l - a_s)``; backward differentiates every ``2^x``
     as ``2^x`` and multiplies the sum by ``ln 2`` once, then takes the gradient of ``a`` back to
-    ``dt`` and ``A`` through autograd on a recomputed ``a`` (the same ops as forward's).
+    ``dt`` and ``A`` by hand (:meth:`_log2_decays_backward`: autograd's ops on the same values,
+    without a nested graph).
 
     Inputs: xdt [b, c, l, g, j, p] (the padded [b, L, h, p] layout); dt [b, L, h] and A [h] in
     xdt's dtype (``a`` is padded to the chunks with zeros); C, B [b, c, g, l, n]; mask [b or 1,
@@ -164,14 +163,14 @@ class _ChunkScan(torch.autograd.Function):
         gseg = torch.einsum("bignjp,bzgnjp->bgjiz", gnew, S) * decay * LN2  # 0 where seg is -inf
         # seg[i, z] = sum of x[z+1..i]: x[k] gets the gseg[i, z] with z < k <= i
         T = seg.shape[-1]
-        strict = torch.tril(torch.ones(T, T, device=seg.device, dtype=torch.bool), diagonal=-1)
-        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(~strict, 0).sum(-1)  # [b, g, j, c+1]
+        above = tril_mask(T, -1, seg.device, inverted=True)
+        gx = gseg.flip(-2).cumsum(-2).flip(-2).masked_fill(above, 0).sum(-1)  # [b, g, j, c+1]
         return gS[:, 1:], gx[..., 1:].permute(0, 3, 1, 2), (gS[:, :1] if init is not None else None)
 
     @staticmethod
     def _log2_decays_backward(dt, A, ga):
-        """The gradients of :meth:`_log2_decays` (dt, A) for ``ga`` [b, c, g, j, l], by hand (a
-        compiled backward; eager uses autograd)."""
+        """The gradients of :meth:`_log2_decays` (dt, A) for ``ga`` [b, c, g, j, l], by hand: the
+        ops autograd runs for it (the same values), without building a graph in backward."""
         b, L, h = dt.shape
         c, l = ga.shape[1], ga.shape[-1]
         gdA = ga.flip(-1).cumsum(-1).flip(-1).permute(0, 1, 4, 2, 3).reshape(b, c * l, h)[:, :L]
@@ -249,13 +248,7 @@ class _ChunkScan(torch.autograd.Function):
         mdt = ctx.mdt
         b, c, l, g, j, p = xdt.shape
         compiling = torch.compiler.is_compiling()  # (no nested autograd in a traced backward)
-        if compiling:
-            a = _ChunkScan._log2_decays(dt, A, (c, l, g, j))
-        else:
-            with torch.enable_grad():
-                dt_A = [dt.detach().requires_grad_(), A.detach().requires_grad_()]
-                a_graph = _ChunkScan._log2_decays(*dt_A, (c, l, g, j))
-            a = a_graph.detach()
+        a = _ChunkScan._log2_decays(dt, A, (c, l, g, j))
         cdt = xdt.dtype
         Cm, Bm = C.to(mdt), B.to(mdt)
         gy = gy.contiguous()
@@ -323,10 +316,7 @@ class _ChunkScan(torch.autograd.Function):
         ga[..., -1] += gw.sum(-1)
         ga.mul_(LN2)  # every term above differentiated 2^x as 2^x: d/dx 2^x = ln 2 * 2^x
         ga[..., -1] += ga_last
-        if compiling:
-            gdt, gA = _ChunkScan._log2_decays_backward(dt, A, ga)
-        else:
-            gdt, gA = torch.autograd.grad(a_graph, dt_A, ga)
+        gdt, gA = _ChunkScan._log2_decays_backward(dt, A, ga)  # (autograd's values, no nested graph)
         return gxdt, gdt, gA, gC, gB, None, None, None, None, ginit, None
 
 
@@ -383,7 +373,7 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, seq_idx, initial_state, return_f
     B = B.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()  # [b, c, g, l, n], own dtype
     C = C.reshape(b, c, cs, g, n).transpose(2, 3).contiguous()
 
-    causal = torch.tril(torch.ones(cs, cs, device=x.device, dtype=torch.bool))
+    causal = tril_mask(cs, 0, x.device)
     mask, last_doc, start_doc, same_doc = causal[None, None], None, None, None
     if seq_idx is not None:
         sidx = seq_idx

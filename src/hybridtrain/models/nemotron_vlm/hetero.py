@@ -1,8 +1,10 @@
 """Heterogeneous layout of the vision-language model: the vision encoder + projector on ranks
-``0..E-1`` (data-parallel among themselves), the language model on the others with its own
-``dp_shard`` / ``dp_replicate`` / ``pp`` / ``ep`` (laid out by ``distributed.parallel_plan.parallelize``
-over a mesh of those ranks only), joined by :mod:`hybridtrain.distributed.bridge` at the first
-pipeline stage of each language lane.
+``0..E-1`` (data-parallel among themselves, FSDP2-sharded over them when ``E > 1``), the
+language model on the others with its own ``dp_shard`` / ``dp_replicate`` / ``tp`` / ``pp`` /
+``ep``; each side laid out by ``distributed.parallel_plan.parallelize`` over a mesh of its own
+ranks only, joined by :mod:`hybridtrain.distributed.bridge` at the first pipeline stage of each
+language lane (its first tensor-parallel rank, which passes the embeddings on to the lane's
+other tp ranks and returns the gradients).
 
 Each side reads its own data (:func:`data_view`): a language lane reads its samples' text and
 image grids (no image decoded), an encoder rank the images of the lanes it serves (its
@@ -20,8 +22,10 @@ schedule can run all of a lane's micro-batches at once):
    tokens``; the first stage returns each encoder rank the gradient of its share, and encoder
    ranks back-propagate it through projector and ViT.
 
-The encoder ranks then sum their gradients (replicated); the language model's plan reduces its
-own (FSDP). Both modules hold exactly the one-process gradient of the per-token mean loss.
+FSDP2 reduces each side's gradients over its own ranks (the encoder's after its last
+micro-batch's backward). Both modules hold the one-process gradient of the per-token mean loss.
+An encoder rank whose share of a micro-batch has no image runs a blank one (and sends none of
+it), so all encoder ranks run the same forwards and backwards.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import torch.distributed as dist
 from hybridtrain.config.sections import config_section
 from hybridtrain.data.vision_sides import ImageSide, LaneSampler, TextSide
 from hybridtrain.distributed.bridge import (
-    BridgeLayout, all_reduce_grads, recv_2d, send_2d, split_shares,
+    BridgeLayout, recv_2d, send_2d, split_shares,
 )
 from hybridtrain.distributed.hetero import HeteroPlan, LaneDims, receiver_dims
+from hybridtrain.distributed.parallel_dims import ParallelDims
 from hybridtrain.distributed.parallel_plan import parallelize
 from hybridtrain.models.spec import model_spec_for
 
@@ -58,56 +63,79 @@ class HeteroVLMStep:
     ``lm_pipeline``: the language model's pipeline step (its plan's, under ``pp``);
     ``bytes_sent`` counts what this rank put on the bridge."""
 
-    def __init__(self, layout: BridgeLayout, encoder_group, dtype: torch.dtype,
+    def __init__(self, layout: BridgeLayout, dims: ParallelDims, dtype: torch.dtype,
                  lm_pipeline=None):
         self.layout = layout
         self.rank = dist.get_rank()
         self.is_encoder = self.rank in layout.senders
-        self.is_receiver = self.rank in layout.receivers  # a language lane's first stage
-        self.encoder_group = encoder_group
+        self.is_receiver = self.rank in layout.receivers  # a lane's first stage, first tp rank
+        # on the language side (``dims``: its degrees): a lane's first stage takes the
+        # embeddings, its tensor-parallel ranks from the receiver
+        self.first_stage = not self.is_encoder and (dims.pp == 1 or dims.local_rank("pp") == 0)
+        self.tp_group = dims.group("tp") if dims.tp > 1 and not self.is_encoder else None
+        self.tp_source = self.rank - dims.local_rank("tp") if self.tp_group is not None else None
         self.dtype = dtype  # of the embeddings and their gradients on the bridge
         self.lm_pipeline = lm_pipeline
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ encoder side
-    def _serve(self, model, mb: dict) -> list[tuple[int, torch.Tensor]]:
+    def _serve(self, model, mb: dict) -> list[tuple[int, torch.Tensor, int]]:
         """One micro-batch (:class:`~hybridtrain.data.vision_sides.ImageSide`'s): the
-        embeddings of the images of every lane this rank serves, sent to the lane."""
+        embeddings of the images of every lane this rank serves, sent to the lane. A share
+        without images runs the encoder on a blank image and sends nothing of it, so that every
+        encoder rank runs the same forwards and backwards (FSDP2's collectives)."""
         grids = mb["image_grid"].split(mb["lane_images"].tolist())
         pixels_per_lane = mb["pixel_values"].split([int((g[:, 0] * g[:, 1]).sum()) for g in grids])
         out = []
         for (dst, _, _), grid, pixels in zip(self.layout.routes(self.rank), grids,
                                               pixels_per_lane):
-            if grid.shape[0]:
-                emb = model.image_embeddings(pixels, grid)
-            else:
-                emb = torch.zeros(0, model.config.hidden_size, dtype=self.dtype)
-            self.bytes_sent += send_2d(emb, dst)
-            out.append((dst, emb))
+            n = grid.shape[0]
+            if not n:
+                m = model.config.merge
+                grid = torch.tensor([[m, m]])
+                pixels = torch.zeros(m * m, model.config.vision_config.patch_dim,
+                                     dtype=pixels.dtype)
+            emb = model.image_embeddings(pixels, grid)
+            self.bytes_sent += send_2d(emb if n else emb[:0], dst)
+            out.append((dst, emb, n))
         return out
 
-    def _serve_backward(self, served: list[tuple[int, torch.Tensor]]) -> None:
-        for dst, emb in served:
+    def _serve_backward(self, model, served: list[tuple[int, torch.Tensor, int]],
+                        last: bool) -> None:
+        """The gradients of one micro-batch's embeddings back through projector and ViT
+        (FSDP2 reduces the gradients after the ``last`` micro-batch's)."""
+        sync = getattr(model, "set_requires_gradient_sync", None)
+        for i, (dst, emb, n) in enumerate(served):
             grad = recv_2d(dst, self.dtype)
-            if emb.requires_grad and emb.numel():
-                emb.backward(grad)
+            if sync is not None:
+                sync(last and i == len(served) - 1)
+            if emb.requires_grad:
+                emb.backward(grad if n else torch.zeros_like(emb))
 
     # ------------------------------------------------------------------ language side
     def _receive(self, model, mb: dict) -> tuple[torch.Tensor, list[int]]:
         """The embeddings of this lane's micro-batch's images: ([tokens, hidden], the size of
-        each encoder rank's share)."""
+        each encoder rank's share). The lane's other tensor-parallel ranks get them from the
+        receiver."""
         grid = mb.get("image_grid")
         has_images = grid is not None and grid.shape[0] > 0
         model._check_counts(mb["input_ids"] == model.config.image_token_id,
                             grid if has_images else None)
-        sources = self.layout.sources(self.rank)
-        pieces = [recv_2d(src, self.dtype) for src in sources]
-        return torch.cat(pieces), [p.shape[0] for p in pieces]
+        if not self.is_receiver:
+            n = int((mb["input_ids"] == model.config.image_token_id).sum())
+            img = torch.empty(n, model.config.hidden_size, dtype=self.dtype)
+            dist.broadcast(img, self.tp_source, group=self.tp_group)
+            return img, []
+        pieces = [recv_2d(src, self.dtype) for src in self.layout.sources(self.rank)]
+        img = torch.cat(pieces)
+        if self.tp_group is not None:
+            dist.broadcast(img, self.rank, group=self.tp_group)
+        return img, [p.shape[0] for p in pieces]
 
     def _lane_inputs(self, model, mb: dict, train: bool):
         """(``mb`` with its ``image_embeds`` rows, (rows leaf, valid, share sizes) on a first
         stage, else None). Later pipeline stages get no embeddings (``[rows, 0, hidden]``)."""
-        if not self.is_receiver:
+        if not self.first_stage:
             rows = torch.zeros(mb["input_ids"].shape[0], 0, model.config.hidden_size,
                                dtype=self.dtype)
             return {**mb, "image_embeds": rows}, None
@@ -146,7 +174,7 @@ class HeteroVLMStep:
                     (ce / num_label_tokens).backward()
                 total = total + ce.detach().float()
         for r in received:
-            if r is not None:
+            if r is not None and self.is_receiver:  # tp ranks hold the same gradients
                 self._send_grads(r)
         return total
 
@@ -155,9 +183,8 @@ class HeteroVLMStep:
         if not self.is_encoder:
             return self._lane_step(model, micro_batches, num_label_tokens)
         served = [self._serve(model, mb) for mb in micro_batches]
-        for s in served:
-            self._serve_backward(s)
-        all_reduce_grads(model.parameters(), self.encoder_group)  # replicated encoder
+        for i, s in enumerate(served):
+            self._serve_backward(model, s, i == len(served) - 1)
         return torch.zeros((), dtype=torch.float32)
 
     @torch.no_grad()
@@ -186,9 +213,9 @@ class HeteroVLMStep:
 def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
                 device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
     """The heterogeneous layout of ``distributed.encoder_ranks``: ViT + projector on ranks
-    ``0..E-1`` (replicated), the language model on the rest laid out by
+    ``0..E-1`` (FSDP2 over them), the language model on the rest, each side laid out by
     ``parallelize(model, dims) -> ParallelPlan`` (default: ``distributed.parallel_plan.parallelize``
-    with the default training section) over their own ``ParallelDims``; each rank keeps only
+    with the default training section) over its own ``ParallelDims``; each rank keeps only
     its modules (a side with nothing trainable, e.g. the frozen language model of stage 1,
     gets no optimizer)."""
     E = distributed.encoder_ranks
@@ -197,24 +224,37 @@ def hetero_plan(model, distributed, world_size: int, *, parallelize=None,
                          f"model: between 1 and {world_size - 1} with {world_size} ranks")
     dtype = model.projector.fc2.weight.dtype
     device = torch.device(device)
-    dims, layout = receiver_dims(distributed, E, world_size, device.type)
-    encoder_group = dist.new_group(list(layout.senders))
+    senders, dims, layout = receiver_dims(distributed, E, world_size, device.type)
     rank = dist.get_rank()
-    inner = None
-    if rank in layout.senders:
+    if parallelize is None:
+        parallelize = _default_parallelize(distributed, device, autocast_dtype)
+    if rank in layout.senders:  # data-parallel encoder: FSDP2 over the encoder's ranks
         model.language_model = None
-        lm_pipeline, stages = None, [model]
+        inner = parallelize(model, senders)
+        lm_pipeline = None
     else:
         model.vision_model = None
         model.projector = None
-        if parallelize is None:
-            parallelize = _default_parallelize(distributed, device, autocast_dtype)
         inner = parallelize(model, dims)
-        model, lm_pipeline, stages = inner.model, inner.pipeline, inner.stages
-    step = HeteroVLMStep(layout, encoder_group, dtype, lm_pipeline)
-    return HeteroPlan(model=model, dims=LaneDims(layout, dims, rank, world_size), pipeline=step,
-                      stages=stages, inner=inner, data_view=data_view(layout, rank), device=device,
+        lm_pipeline = inner.pipeline
+    step = HeteroVLMStep(layout, dims, dtype, lm_pipeline)
+    return HeteroPlan(model=inner.model, dims=LaneDims(layout, dims, rank, world_size),
+                      pipeline=step, stages=inner.stages, inner=inner,
+                      data_view=data_view(layout, rank), device=device,
                       autocast_dtype=autocast_dtype)
+
+
+def hetero_sides(model) -> tuple:
+    """(encoder: ViT + projector, rest: the language model) of a meta-device ``model``, each a
+    model of its own holding the other side as None (as :func:`hetero_plan` leaves each rank's),
+    sharing ``model``'s modules (``HeteroSupport.sides``)."""
+    with torch.device("meta"):
+        encoder = type(model)(model.config, language_model=model.language_model)
+        rest = type(model)(model.config, language_model=model.language_model)
+    encoder.vision_model, encoder.projector, encoder.language_model = \
+        model.vision_model, model.projector, None
+    rest.vision_model = rest.projector = None
+    return encoder, rest
 
 
 def data_view(layout: BridgeLayout, rank: int):

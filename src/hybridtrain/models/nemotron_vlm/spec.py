@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 from hybridtrain.config.sections import DistributedSection, TrainingSection
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
@@ -15,12 +16,13 @@ from hybridtrain.models.nemotron_h.moe import Experts
 from hybridtrain.models.nemotron_h.parallelize import fsdp_units as lm_fsdp_units
 from hybridtrain.models.nemotron_h.parallelize import BLOCK_TYPES, parallelize_nemotron_h
 from hybridtrain.models.nemotron_h.parallelize import check_layout as lm_check_layout
+from hybridtrain.models.nemotron_h.parallelize import tp_plan as lm_tp_plan
 from hybridtrain.models.spec import (
     FlopsCount, HeteroSupport, HFAdapter, LayoutRules, MemoryPlanSupport, MetaInit, ModelSpec,
     PeftSupport, PipelineSplit, register_model_spec)
 
 from .config import NemotronVLMConfig
-from .hetero import hetero_plan
+from .hetero import hetero_plan, hetero_sides
 from .io import save_vlm, vlm_slice_reader
 from .memory import activation_bytes, encoder_activation_bytes
 from .model import NemotronVLMForConditionalGeneration
@@ -33,9 +35,12 @@ def parallelize_vlm(model: nn.Module, dims, distributed: DistributedSection,
     """The language model as Nemotron-H parallelizes it, then the ViT blocks (activation
     checkpointing, compile) and FSDP2: one unit per ViT block, one for the projector, the
     whole model as root (patch/position embeddings, class tokens, the ViT's final norm). A
-    pipeline stage after the first holds no ViT or projector."""
-    parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
-                           autocast_dtype=autocast_dtype)
+    pipeline stage after the first holds no ViT or projector; an encoder rank of the
+    heterogeneous layout no language model (its step calls ``image_embeddings``, which FSDP2
+    then gathers the root for as for ``forward``)."""
+    if model.language_model is not None:
+        parallelize_nemotron_h(model.language_model, dims, distributed, training, device=device,
+                               autocast_dtype=autocast_dtype)
     if model.vision_model is not None:  # not on a later pipeline stage
         blocks = model.vision_model.blocks
         if training.activation_checkpointing:
@@ -43,6 +48,8 @@ def parallelize_vlm(model: nn.Module, dims, distributed: DistributedSection,
         apply_compile(blocks, training.compile, device)
     if dims.fsdp_enabled:
         apply_fsdp(model, _vision_units(model), dims, distributed, autocast_dtype=autocast_dtype)
+        if model.language_model is None:
+            register_fsdp_forward_method(model, "image_embeddings")
 
 
 def check_layout(config, dims, distributed, training, device_type: str) -> None:
@@ -59,11 +66,22 @@ def _vision_units(model: nn.Module) -> list[nn.Module]:
 def fsdp_units(model: nn.Module) -> tuple[list, list[nn.Module]]:
     """The FSDP2 units :func:`parallelize_vlm` makes: the language model's (its own root,
     the language model, one unit), then the ViT blocks and the projector."""
+    if model.language_model is None:  # an encoder rank of the heterogeneous layout
+        return _vision_units(model), []
     lm_units, experts = lm_fsdp_units(model.language_model)
     return lm_units + [model.language_model] + _vision_units(model), experts
 
 
+def tp_plan(model: nn.Module, tp: int) -> dict:
+    """The language model's tensor-parallel plan (:func:`parallelize_vlm` applies Nemotron-H's
+    to it), under its name in the VLM; the ViT and projector are not split."""
+    return {f"language_model.{k}": v for k, v in lm_tp_plan(model.language_model, tp).items()}
+
+
 def pipeline_layers(model: nn.Module) -> list[str]:
+    """The language model's layers (none on an encoder rank of the heterogeneous layout)."""
+    if model.language_model is None:
+        return []
     return lm_spec.pipeline_layers(model.language_model)
 
 
@@ -135,11 +153,11 @@ NEMOTRON_H_VLM = register_model_spec(ModelSpec(
     hf=HFAdapter(save=save_hf, state_format=state_format),
     parts=(
         PeftSupport(expert_modules=(Experts,)),
-        HeteroSupport(plan=hetero_plan),
+        HeteroSupport(plan=hetero_plan, sides=hetero_sides),
         MetaInit(init_units=NemotronVLMForConditionalGeneration.init_units,
                  hf_slice_reader=vlm_slice_reader),
         MemoryPlanSupport(activation_bytes=activation_bytes, fsdp_units=fsdp_units,
-                          encoder_activation_bytes=encoder_activation_bytes),
+                          encoder_activation_bytes=encoder_activation_bytes, tp_plan=tp_plan),
         BLOCK_TYPES,  # the language model's (its parallelize function checkpoints by them)
         LayoutRules(check=check_layout),
     ),
