@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from hybridtrain.distributed.parallel_dims import forget_meshes
 from hybridtrain.distributed.parent_watch import launched_by_launcher, watch_parent
 from hybridtrain.launch import STORE_ENV, STORE_FD_ENV
 
@@ -112,6 +113,7 @@ def _launcher_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.
 
 
 def destroy_distributed() -> None:
+    forget_meshes()
     if dist.is_initialized():
         dist.destroy_process_group()
 

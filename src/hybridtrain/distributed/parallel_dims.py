@@ -34,9 +34,21 @@ import torch
 
 from hybridtrain.config.keys import recipe_key
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "forget_meshes"]
 
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+# The meshes built in this process, by device type, ranks and shapes, with the default process
+# group they were built in: a process that builds a layout again (the RL policy, a test's runs)
+# reuses their process groups instead of making new ones (gloo keeps two threads a group and a
+# TCP loop that wakes every 10 ms: a few hundred groups took a core's tenth while idle).
+# ``forget_meshes`` empties it when the default group goes (hybridtrain.distributed.init).
+_BUILT: dict[tuple, tuple[Any, dict[str, Any], Any]] = {}
+
+
+def forget_meshes() -> None:
+    """Drop the meshes built in this process (before the default process group is destroyed)."""
+    _BUILT.clear()
 
 # name of each view -> its dim names (all views share the rank layout)
 _VIEWS: dict[str, tuple[str, ...]] = {
@@ -184,13 +196,18 @@ class ParallelDims:
             f"ParallelDims.world_size={self.world_size} from rank {first_rank} but the process "
             f"group has {dist.get_world_size()} ranks"
         )
+        key = (device_type, first_rank, self.world_size, tuple(self._shape(v) for v in _VIEWS))
+        cached = _BUILT.get(key)
+        if cached is not None and cached[0] is dist.group.WORLD:
+            _, self._meshes, self._ranks_group = cached
+            return self
         ranks = torch.arange(first_rank, first_rank + self.world_size, dtype=torch.int)
-        for view, names in _VIEWS.items():
-            self._meshes[view] = DeviceMesh(
-                device_type, ranks.view(self._shape(view)), mesh_dim_names=names
-            )
+        self._meshes = {view: DeviceMesh(device_type, ranks.view(self._shape(view)), mesh_dim_names=names)
+                        for view, names in _VIEWS.items()}
         if self.world_size != dist.get_world_size():
             self._ranks_group = dist.new_group(ranks.tolist())
+        # (the default group is held, so a later one cannot take its id: `is` tells them apart)
+        _BUILT[key] = (dist.group.WORLD, self._meshes, self._ranks_group)
         return self
 
     @property
