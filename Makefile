@@ -1,5 +1,5 @@
-# The two commands of the README: `make demo` and `make test` (the suite and the doc commands,
-# then the docs site built with --strict: a broken link, anchor or page fails).
+# The two commands of the README: `make demo` and `make test` (the suite, then the docs site
+# built with --strict: a broken link, anchor or page fails).
 # Both create .venv (seeing system site-packages, so a cluster's CUDA torch is reused) and
 # install the pinned CPU torch only when no torch is importable.
 # Every other package is installed at the version of the lock file (docs/getting-started.md,
@@ -86,21 +86,14 @@ demo: setup
 	@echo "  $(BIN)/hybridtrain generate --model outputs/squad_tiny --prompt 'Context: ... Question: ... Answer:'"
 	@echo "  $(BIN)/hybridtrain finetune -c examples/chat_lora_tiny.yaml"
 
-# The suite on TEST_WORKERS processes (pytest-xdist): each test file whole on one of them (or a
-# test's own xdist_group; tests/conftest.py). Four on a 2-core machine: the ranks of a gloo test
-# wait on each other at every collective, and two workers left the cores idle through those waits.
-TEST_WORKERS ?= 4
+# The suite on TEST_WORKERS processes (pytest-xdist): each test file whole on one of them, or a
+# test's own xdist_group (tests/conftest.py). (Four workers and the doc commands beside the suite
+# were tried on 2026-12-06: the 2-4-rank gloo groups of four workers at once oversubscribe the
+# 2 cores many times over, and the suite ran slower.)
+TEST_WORKERS ?= 2
 
-# The doc commands (every shell block of README.md and docs/, scripts/run_doc_commands.py) run
-# beside the suite: their ranks wait on gloo collectives too, and each fills the cores the other
-# leaves idle. Their report follows the suite's; either failing fails the target.
 test: setup test-deps
-	@$(BIN)/python scripts/run_doc_commands.py > $(VENV)/doc-commands.log 2>&1 & docs=$$!; \
-	trap 'kill $$docs 2>/dev/null' INT TERM; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests; suite=$$?; \
-	wait $$docs; doc_commands=$$?; \
-	echo "== doc commands (scripts/run_doc_commands.py, $(VENV)/doc-commands.log) =="; \
-	cat $(VENV)/doc-commands.log; [ $$suite -eq 0 ] && [ $$doc_commands -eq 0 ]
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The newest versions pyproject allows (no lock; torch from TORCH_PIN) in a venv of their own,

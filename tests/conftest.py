@@ -100,7 +100,7 @@ def pytest_sessionfinish(session):
         f.writelines(f"{i}\n" for i in sorted(ids))
 
 
-# -- Parallel runs (pytest-xdist; `make test` runs ``-n 4 --dist loadgroup``) -------------------
+# -- Parallel runs (pytest-xdist; `make test` runs ``-n 2 --dist loadgroup``) -------------------
 # A test file runs whole on one worker, so its module fixtures are built once; a test may name a
 # group of its own instead (``@pytest.mark.xdist_group("...")``: a file whose fixtures are
 # independent process groups spreads them over the workers). One-process references are
