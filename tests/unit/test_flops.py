@@ -3,7 +3,7 @@
 What FlopCounterMode counts, and how it is compared with hybridtrain.models.nemotron_h.flops:
 
 * It counts matmul-like aten ops only: mm / addmm / bmm / baddbmm (every nn.Linear, the router,
-  the per-expert GEMMs, the SSD scan's einsums, which lower to bmm), convolution, and the fused
+  the per-expert GEMMs or the experts' grouped GEMMs, mapped below, the SSD scan's einsums, which lower to bmm), convolution, and the fused
   attention kernels it has formulas for. Elementwise work (norms, activations, softmax, the SSD
   decays and masks) is never counted, so we compare with ``matmul_only=True``.
 * Convolution is left out of the comparison: the depthwise conv1d is not a matmul in our
@@ -47,8 +47,11 @@ _CPU_SDPA = {
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
     aten._scaled_dot_product_flash_attention_for_cpu_backward:
         lambda go, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(go, q, k, v),
+    # the experts' grouped GEMMs (torch has no formula for them): every row of a times its
+    # group's [k, n] block of b, in each of its forms (2D x 3D, the weight gradient's 2D x 2D)
+    aten._grouped_mm: lambda a, b, *args, out_shape=None, **kw: 2 * math.prod(a) * b[-1],
 }
-_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
                "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_efficient_attention_backward"}
