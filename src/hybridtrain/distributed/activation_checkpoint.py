@@ -3,7 +3,11 @@
 A checkpointed block keeps only its inputs in forward and recomputes its activations in
 backward: the block is replaced in its ``nn.ModuleDict`` by torch's checkpoint wrapper
 (``checkpoint_wrapper``, non-reentrant, RNG state preserved, so results are bit-identical to the
-plain run), as torchtitan does. The wrapper holds the block as ``_checkpoint_wrapped_module``:
+plain run), as torchtitan does. Random operators (``torch.Tag.nondeterministic_seeded``: dropout,
+the fused attention kernels, which carry that tag even without dropout) keep their outputs instead
+of running again in backward (a selective policy): nothing random is recomputed, so AOT autograd
+never saves an RNG state for a compiled checkpointed block (torch 2.13 misplaces such a state
+beside a saved ``DeviceMesh`` under tensor parallelism), and eager results are unchanged. The wrapper holds the block as ``_checkpoint_wrapped_module``:
 ``named_parameters()`` / ``named_modules()`` of the model show that extra level, while
 ``state_dict()`` (and ``torch.distributed.checkpoint.state_dict``) strip it, so checkpoints are
 the same with and without checkpointing; code that turns module or parameter names into keys
@@ -21,11 +25,13 @@ Accepted settings (``training.activation_checkpointing``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 if TYPE_CHECKING:
     from hybridtrain.models.spec import LayerTypes
@@ -130,6 +136,13 @@ def _checkpoint_wrapper():
     return wrapper, impl
 
 
+def _keep_random_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing: save what a random operator returns, recompute everything else."""
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def state_dict_name(name: str) -> str:
     """A module or parameter name as ``state_dict()`` spells it: without the checkpoint
     wrapper's ``_checkpoint_wrapped_module.`` levels."""
@@ -160,6 +173,8 @@ def apply_activation_checkpointing(
         assert not hasattr(block, _WRAPPED_PREFIX[:-1]), f"block {key} is checkpointed already"
         i = int(key)
         if policy.selects(i, types.of(block) if policy.mode == "types" else None):
-            layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True)
+            layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True,
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                               _keep_random_outputs))
             chosen.append(i)
     return chosen

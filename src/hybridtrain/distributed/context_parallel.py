@@ -20,7 +20,7 @@ taken over the data-parallel × context-parallel group.
 Every cross-rank op is an autograd function: backward sends the gradients the other way (the
 halo's gradient back to the previous rank, a state's gradient to the rank that produced it,
 the gathered sequence's gradient reduce-scattered). ``ContextParallel.bytes_sent`` counts the
-bytes each kind of op sent from this rank (benchmarks read it).
+bytes each kind of op sent from this rank in eager blocks (benchmarks read it).
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ class ContextParallel:
         return f"ContextParallel(rank={self.rank}, size={self.size})"
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
-        self.bytes_sent[kind] += t.numel() * t.element_size()
+        """Count an eager exchange; a compiled block counts none (dynamo refuses a Python side
+        effect inside a checkpointed block)."""
+        if not torch.compiler.is_compiling():
+            self.bytes_sent[kind] += t.numel() * t.element_size()
 
     def send(self, t: torch.Tensor, to: int, kind: str, tag: int) -> None:
         self._count(kind, t)
@@ -164,15 +167,11 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, dim: int, cp: ContextParallel) -> torch.Tensor:
     """The whole sequence from every rank's slice ``x`` (concatenated along ``dim`` in rank
     order); backward reduce-scatters the gradient back to the slices. Under ``torch.compile``
-    the same exchange as a functional collective (traceable; its bytes counted as the forward
-    runs)."""
+    the same exchange as a functional collective (traceable; not counted in ``bytes_sent``)."""
     if torch.compiler.is_compiling():
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
         xs = x.movedim(dim, 0).contiguous()
-        cp._count("gather", xs)
-        if x.requires_grad and torch.is_grad_enabled():
-            cp.bytes_sent["gather_grad"] += cp.size * xs.numel() * xs.element_size()
         return all_gather_tensor_autograd(xs, 0, cp.group).movedim(0, dim)
     return _GatherSequence.apply(x, dim, cp)
 
@@ -206,7 +205,7 @@ def halo_from_previous(x: torch.Tensor, width: int, dim: int, cp: ContextParalle
     n = x.shape[dim]
     if n >= width and torch.compiler.is_compiling():  # traceable: every rank's tail, all-gathered
         tails = _gathered(x.narrow(dim, n - width, width), "halo", cp)
-        return _used(tails[cp.rank - 1] if cp.rank else torch.zeros_like(tails[0]), tails)
+        return _own(torch.cat([torch.zeros_like(tails[:1]), tails[:-1]]), cp)  # rank r's at r
     if n >= width:
         return _Halo.apply(x.narrow(dim, n - width, width), cp)
     before = gather_sequence(x, dim, cp).narrow(dim, 0, cp.rank * n)  # every earlier position
@@ -260,17 +259,21 @@ def pass_states(state: torch.Tensor, decay: torch.Tensor, cp: ContextParallel) -
     assert decay.dim() == state.dim(), (decay.shape, state.shape)
     if torch.compiler.is_compiling():  # traceable: every rank's state and decay, all-gathered
         both = _gathered(torch.stack([state, decay.expand_as(state)]), "state", cp)  # one exchange
-        enter = torch.zeros_like(state)
-        for r in range(cp.rank):
-            enter = both[r, 0] + both[r, 1] * enter
-        return _used(enter, both)
+        enters = [torch.zeros_like(state)]  # every rank's, as the chain passes them
+        for r in range(cp.size - 1):
+            enters.append(both[r, 0] + both[r, 1] * enters[-1])
+        return _own(torch.stack(enters), cp)
     return _PassStates.apply(state, decay, cp)
 
 
-def _used(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-    """``out`` tied with a zero weight to all of ``gathered``: every rank's backward then runs
-    the all-gather's reduce-scatter (also a rank that reads none of the gathered values)."""
-    return out + gathered.sum() * 0
+def _own(per_rank: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """``per_rank[cp.rank]``, taken by an index tensor: every rank traces the same graph, in
+    which the gradient of every entry depends on the output's gradient. (A rank that read a
+    constant instead -- rank 0's zero halo or state -- would leave its all-gather's
+    reduce-scatter a value of the forward alone, which AOT autograd then runs in that rank's
+    forward while the other ranks run it in backward: the ranks hang.)"""
+    index = torch.full((1,), cp.rank, dtype=torch.long, device=per_rank.device)
+    return per_rank.index_select(0, index).squeeze(0)
 
 
 def _gathered(x: torch.Tensor, kind: str, cp: ContextParallel) -> torch.Tensor:

@@ -191,22 +191,34 @@ def shard_parameters(module: nn.Module, names: list[str], mesh, dim: int = 0) ->
         module.register_parameter(name, d)
 
 
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over ``group``'s ranks (a functional
+    all-reduce, traceable by ``torch.compile``, also inside a checkpointed block)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
+
+
 class LocalSlice:
     """``t.narrow(dim, start, length)`` of a tensor that every tp rank computes whole (from
     replicated weights), with the gradient of ``t`` summed over the ranks in backward (each rank
     differentiates only its slice): the replicated weights then get the full gradient on every
-    rank, as other replicated parameters do."""
+    rank, as other replicated parameters do. Plain tensors and a process group, no DTensor: a
+    checkpointed block compiled by AOT autograd must not save the mesh for backward."""
 
     def __init__(self, mesh, dim: int, start: int, length: int):
-        self.mesh, self.dim, self.start, self.length = mesh, dim, start, length
+        self.group, self.dim, self.start, self.length = mesh.get_group(), dim, start, length
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-
-        # identity forward; backward: this rank's gradient is a partial sum -> all-reduced
-        t = DTensor.from_local(t, self.mesh, [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
-        return t.narrow(self.dim, self.start, self.length)
+        return _SumGradOverRanks.apply(t, self.group).narrow(self.dim, self.start, self.length)
 
     def __repr__(self) -> str:
         return f"LocalSlice(dim={self.dim}, start={self.start}, length={self.length})"
