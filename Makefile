@@ -49,7 +49,7 @@ COMPILE = $(BIN)/python -c "import compileall, re, sysconfig; \
   skip = re.compile(r'/tests/|/transformers/models/(?!auto/|nemotron_h/)'); \
   [compileall.compile_dir(d, quiet=2, workers=0, rx=skip) for d in {sysconfig.get_path('purelib'), sysconfig.get_path('platlib')}]"
 
-.PHONY: setup test-deps demo test test-latest lock clean
+.PHONY: setup test-deps demo test test-compile test-latest lock clean
 
 setup: $(VENV)/.installed
 
@@ -95,6 +95,12 @@ TEST_WORKERS ?= 2
 test: setup test-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# Every block type compiled by inductor with the real kernels, plain and checkpointed, under TP
+# and CP (tests/distributed/test_compiled_inductor.py; `make test` runs the checkpointed cases
+# that once failed). Minutes of C++ compiles on 2 cores: not part of `make test` or CI.
+test-compile: setup test-deps
+	HYBRIDTRAIN_COMPILE_MATRIX=all $(BIN)/python -m pytest -q -p no:randomly -n 0 tests/distributed/test_compiled_inductor.py
 
 # The newest versions pyproject allows (no lock; torch from TORCH_PIN) in a venv of their own,
 # against the tests that pin this code to other packages' behaviour: parity with transformers
