@@ -107,7 +107,7 @@ def _against_eager(block, x, w, info, checkpointed: bool):
         eager = _forward_backward(block, block, x, w, info)
     wrapped = nn.ModuleDict({"0": block})
     if checkpointed:
-        apply_activation_checkpointing(wrapped, True)
+        apply_activation_checkpointing(wrapped, True, compiled=True)
     torch._dynamo.reset()
     counters.clear()
     t0 = time.perf_counter()

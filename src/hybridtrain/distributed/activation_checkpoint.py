@@ -3,15 +3,18 @@
 A checkpointed block keeps only its inputs in forward and recomputes its activations in
 backward: the block is replaced in its ``nn.ModuleDict`` by torch's checkpoint wrapper
 (``checkpoint_wrapper``, non-reentrant, RNG state preserved, so results are bit-identical to the
-plain run), as torchtitan does. Random operators (``torch.Tag.nondeterministic_seeded``: dropout,
-the fused attention kernels, which carry that tag even without dropout) keep their outputs instead
-of running again in backward (a selective policy): nothing random is recomputed, so AOT autograd
-never saves an RNG state for a compiled checkpointed block (torch 2.13 misplaces such a state
-beside a saved ``DeviceMesh`` under tensor parallelism), and eager results are unchanged. The wrapper holds the block as ``_checkpoint_wrapped_module``:
-``named_parameters()`` / ``named_modules()`` of the model show that extra level, while
-``state_dict()`` (and ``torch.distributed.checkpoint.state_dict``) strip it, so checkpoints are
-the same with and without checkpointing; code that turns module or parameter names into keys
-goes through :func:`state_dict_name`.
+plain run), as torchtitan does. A block that will be compiled (``compiled``) keeps the
+outputs of its random operators (``torch.Tag.nondeterministic_seeded``: dropout, the fused
+attention kernels, which carry that tag even without dropout) instead of running them again in
+backward (a selective policy): AOT autograd then saves no RNG state for the compiled block
+(torch 2.13 misplaces such a state beside a saved ``DeviceMesh`` under tensor parallelism). Eager
+blocks keep plain checkpointing (the policy's dispatch mode would double an eager CPU step).
+
+The wrapper holds the block as ``_checkpoint_wrapped_module``: ``named_parameters()`` /
+``named_modules()`` of the model show that extra level, while ``state_dict()`` (and
+``torch.distributed.checkpoint.state_dict``) strip it, so checkpoints are the same with and
+without checkpointing; code that turns module or parameter names into keys goes through
+:func:`state_dict_name`.
 
 Accepted settings (``training.activation_checkpointing``):
 
@@ -153,6 +156,7 @@ def apply_activation_checkpointing(
     layers: nn.ModuleDict,
     policy: Any,
     types: LayerTypes | None = None,
+    compiled: bool = False,
 ) -> list[int]:
     """Replace the blocks of ``layers`` that ``policy`` selects by checkpoint-wrapped blocks
     (same keys); returns the selected indices.
@@ -160,7 +164,8 @@ def apply_activation_checkpointing(
     ``layers``' keys are the blocks' indices in the whole model (so every-k-th is the same under
     pipeline parallelism, where a stage holds a slice of the blocks); ``types``: the model
     spec's ``LayerTypes`` part (the model's parallelize function gives it), which names a
-    per-type policy's types and a block's type (None: a per-type policy is an error). Call it
+    per-type policy's types and a block's type (None: a per-type policy is an error);
+    ``compiled``: whether the blocks will be compiled (see the module docstring). Call it
     before FSDP / compile wrap the blocks.
     """
     policy = parse_ac_policy(policy, types)
@@ -168,13 +173,14 @@ def apply_activation_checkpointing(
         return []
     assert policy.mode != "types" or types is not None, "a per-type ACPolicy needs the types"
     wrapper, impl = _checkpoint_wrapper()
+    selective = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_random_outputs)}
+                 if compiled else {})
     chosen = []
     for key, block in list(layers.items()):
         assert not hasattr(block, _WRAPPED_PREFIX[:-1]), f"block {key} is checkpointed already"
         i = int(key)
         if policy.selects(i, types.of(block) if policy.mode == "types" else None):
             layers[key] = wrapper(block, checkpoint_impl=impl.NO_REENTRANT, preserve_rng_state=True,
-                                  context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                               _keep_random_outputs))
+                                  **selective)
             chosen.append(i)
     return chosen

@@ -28,7 +28,7 @@ from torch import nn
 
 from hybridtrain.config.sections import DistributedSection, TrainingSection
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from hybridtrain.distributed.compile import apply_compile
+from hybridtrain.distributed.compile import apply_compile, compile_enabled
 from hybridtrain.distributed.context_parallel import ContextParallel
 from hybridtrain.distributed.expert_parallel import apply_expert_parallel, check_ep_backend
 from hybridtrain.distributed.fsdp import apply_fsdp
@@ -145,7 +145,8 @@ def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, distributed: Di
                                                                  dims.mesh("ep"))
     for stack in stacks:
         if training.activation_checkpointing:
-            apply_activation_checkpointing(stack, training.activation_checkpointing, BLOCK_TYPES)
+            apply_activation_checkpointing(stack, training.activation_checkpointing, BLOCK_TYPES,
+                                           compiled=compile_enabled(training.compile, device))
         apply_compile(stack, training.compile, device, **(compile_options or {}))
     if dims.fsdp_enabled:
         units, expert_units = fsdp_units(model)

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from hybridtrain.config.sections import DistributedSection, TrainingSection
 from hybridtrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from hybridtrain.distributed.compile import apply_compile
+from hybridtrain.distributed.compile import apply_compile, compile_enabled
 from hybridtrain.distributed.fsdp import apply_fsdp
 from hybridtrain.models.nemotron_h import spec as lm_spec
 from hybridtrain.models.nemotron_h.moe import Experts
@@ -44,7 +44,7 @@ def parallelize_vlm(model: nn.Module, dims, distributed: DistributedSection,
     if model.vision_model is not None:  # not on a later pipeline stage
         blocks = model.vision_model.blocks
         if training.activation_checkpointing:
-            apply_activation_checkpointing(blocks, "all")
+            apply_activation_checkpointing(blocks, "all", compiled=compile_enabled(training.compile, device))
         apply_compile(blocks, training.compile, device)
     if dims.fsdp_enabled:
         apply_fsdp(model, _vision_units(model), dims, distributed, autocast_dtype=autocast_dtype)
