@@ -97,8 +97,8 @@ test: setup test-deps
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # Every block type compiled by inductor with the real kernels, plain and checkpointed, under TP
-# and CP (tests/distributed/test_compiled_inductor.py; `make test` runs the checkpointed cases
-# that once failed). Minutes of C++ compiles on 2 cores: not part of `make test` or CI.
+# and CP (tests/distributed/test_compiled_inductor.py; `make test` runs one: attention
+# checkpointed under TP). 341 CPU-s of C++ compiles on 2 cores: not part of `make test` or CI.
 test-compile: setup test-deps
 	HYBRIDTRAIN_COMPILE_MATRIX=all $(BIN)/python -m pytest -q -p no:randomly -n 0 tests/distributed/test_compiled_inductor.py
 
