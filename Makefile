@@ -49,7 +49,7 @@ COMPILE = $(BIN)/python -c "import compileall, re, sysconfig; \
   skip = re.compile(r'/tests/|/transformers/models/(?!auto/|nemotron_h/)'); \
   [compileall.compile_dir(d, quiet=2, workers=0, rx=skip) for d in {sysconfig.get_path('purelib'), sysconfig.get_path('platlib')}]"
 
-.PHONY: setup test-deps demo test test-latest lock clean
+.PHONY: setup test-deps demo test test-cpu-kinds test-latest lock clean
 
 setup: $(VENV)/.installed
 
@@ -95,6 +95,28 @@ TEST_WORKERS ?= 2
 test: setup test-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# The tests whose bounds or tolerances depend on the CPU's kernels (the memory plan against real
+# allocations, bf16 numerics, the GEMM kernel caches, the kernel-dependent step anatomy), run
+# under each kind of machine CI uses, emulated on a CPU with AVX-512 by the switches of torch's
+# kernel libraries (tests/helpers/cpu_kind.py: ATen, oneDNN, MKL): no-avx512 (AMD Zen 2/3),
+# avx512-bf16 (Zen 4, no AMX). On a CPU without AVX-512 only no-avx512 is the machine's own.
+# Not part of `make test` (which runs the VLM plan's pipeline case under no-avx512 on an AVX-512
+# CPU): run it when a change touches the plan's figures or a tolerance.
+CPU_KINDS ?= no-avx512 avx512-bf16
+CPU_KERNEL_TESTS ?= tests/distributed/test_plan_vlm.py tests/distributed/test_plan_layouts.py \
+  tests/distributed/test_qlora_plan_peak.py tests/distributed/test_plan_pipeline_reshard.py \
+  tests/distributed/test_load_memory.py tests/distributed/test_qlora_load_memory.py \
+  tests/unit/test_plan.py tests/unit/test_backend.py tests/unit/test_config_dist_env.py \
+  tests/unit/test_precision.py tests/unit/test_dtype_traffic.py tests/unit/test_step_anatomy.py \
+  tests/unit/test_lora.py tests/unit/test_qlora.py tests/unit/test_float8.py tests/unit/test_loss.py
+
+test-cpu-kinds: setup test-deps
+	for kind in $(CPU_KINDS); do \
+	  $(BIN)/python -m tests.helpers.cpu_kind $$kind --show && \
+	  $(BIN)/python -m tests.helpers.cpu_kind $$kind $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	    --dist loadgroup $(CPU_KERNEL_TESTS) || exit 1; \
+	done
 
 # The newest versions pyproject allows (no lock; torch from TORCH_PIN) in a venv of their own,
 # against the tests that pin this code to other packages' behaviour: parity with transformers
