@@ -48,7 +48,9 @@ host (``RankMemory.host``), not in the device total.
 
 The headroom rule (:data:`HEADROOM`): the peak may take at most 90 % of the device, the rest
 being for what the plan does not count (the CUDA context, the allocator's fragmentation, NCCL's
-buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted either.
+buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted either, nor Intel
+MKL's own memory in fp32 GEMMs (packing buffers and the pool that keeps them: by the CPU's vendor,
+its ISA and each GEMM's shape, none on an AMD EPYC; docs/memory.md).
 """
 
 from __future__ import annotations
