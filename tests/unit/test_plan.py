@@ -79,6 +79,8 @@ def test_cpu_low_precision_plans_the_gemm_kernel_cache(monkeypatch, capfd):
     for name in GEMM_KERNEL_CACHE_VARS:
         monkeypatch.delenv(name, raising=False)
     recipe = pu.recipe({}, False, training={"dtype": "bfloat16"})
+    assert "cpu_gemm_kernels" not in plan_memory(pu.recipe({}, False), 1, device_type="cpu").ranks[0].buffers
+    assert "cpu_gemm_kernels" not in plan_memory(recipe, 1, device_type="cuda").ranks[0].buffers
     buffers = plan_memory(recipe, 1, device_type="cpu").ranks[0].buffers
     if not _bf16_gemms_run_on_onednn(capfd):
         assert "cpu_gemm_kernels" not in buffers
@@ -87,8 +89,6 @@ def test_cpu_low_precision_plans_the_gemm_kernel_cache(monkeypatch, capfd):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")  # torch's default: the user's
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
     assert plan_memory(recipe, 1, device_type="cpu").ranks[0].buffers["cpu_gemm_kernels"] == 512 * 2**20
-    assert "cpu_gemm_kernels" not in plan_memory(pu.recipe({}, False), 1, device_type="cpu").ranks[0].buffers
-    assert "cpu_gemm_kernels" not in plan_memory(recipe, 1, device_type="cuda").ranks[0].buffers
 
 
 def test_lora_trains_only_adapters():
