@@ -109,7 +109,8 @@ CPU_KERNEL_TESTS ?= tests/distributed/test_plan_vlm.py tests/distributed/test_pl
   tests/distributed/test_load_memory.py tests/distributed/test_qlora_load_memory.py \
   tests/unit/test_plan.py tests/unit/test_backend.py tests/unit/test_config_dist_env.py \
   tests/unit/test_precision.py tests/unit/test_dtype_traffic.py tests/unit/test_step_anatomy.py \
-  tests/unit/test_lora.py tests/unit/test_qlora.py tests/unit/test_float8.py tests/unit/test_loss.py
+  tests/unit/test_lora.py tests/unit/test_qlora.py tests/unit/test_float8.py tests/unit/test_loss.py \
+  tests/unit/test_fused_loss.py
 
 test-cpu-kinds: setup test-deps
 	for kind in $(CPU_KINDS); do \

@@ -13,6 +13,12 @@ those it runs on an AMD CPU cannot be chosen on an Intel one, which is why the t
 measure a run's allocations pin MKL to kernels that allocate nothing of their own
 (``tests.helpers.memory.no_blas_buffers``).
 
+inductor's compiled kernels follow ``ATEN_CPU_CAPABILITY`` too, but its cache does not tell
+them apart: a CPU loss compiled under AVX-512 and loaded from the cache under ``avx2`` returned
+134.14 for 154.06 (torch 2.13.0, tests/unit/test_fused_loss.py, 2026-12-06). Each kind gets an
+inductor cache of its own (``TORCHINDUCTOR_CACHE_DIR``, :func:`environ`), as a cluster whose nodes
+differ needs one per kind of node.
+
 ``python -m tests.helpers.cpu_kind KIND COMMAND...`` runs COMMAND under KIND's switches
 (``make test-cpu-kinds``); ``python -m tests.helpers.cpu_kind KIND --show`` prints what each
 library then reports."""
@@ -49,17 +55,27 @@ def has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def environ(kind: str) -> dict[str, str]:
+    """``kind``'s switches and an inductor cache of its own (unless one is set already)."""
+    import getpass
+    import tempfile
+
+    cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{kind}")
+    return {"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache),
+            **KINDS[kind]}
+
+
 def emulate(monkeypatch, kind: str) -> None:
     """Processes started from now on (a test's ranks, spawned since the environment changed)
     run ``kind``'s code paths."""
-    for name, value in KINDS[kind].items():
+    for name, value in environ(kind).items():
         monkeypatch.setenv(name, value)
 
 
 def show(kind: str) -> str:
     """What ATen, MKL and oneDNN report under ``kind``: one line each (no oneDNN line: torch
     sent the bf16 GEMM elsewhere)."""
-    env = {**os.environ, **KINDS[kind], "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"}
+    env = {**os.environ, **environ(kind), "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"}
     out = subprocess.run([sys.executable, "-c", _SHOW], env=env, capture_output=True,
                          text=True, check=True).stdout
     keep = ("ATen:", "MKL_VERBOSE oneMKL", "MKL_VERBOSE Intel", "onednn_verbose,v1,info,cpu,isa",
@@ -76,8 +92,9 @@ def main(argv: list[str]) -> int:
     if command == ["--show"]:
         print(show(kind))
         return 0
-    print(f"{kind}: {' '.join(f'{k}={v}' for k, v in KINDS[kind].items())}", flush=True)
-    return subprocess.call(command, env={**os.environ, **KINDS[kind]})
+    env = environ(kind)
+    print(f"{kind}: {' '.join(f'{k}={v}' for k, v in env.items())}", flush=True)
+    return subprocess.call(command, env={**os.environ, **env})
 
 
 if __name__ == "__main__":
