@@ -9,7 +9,7 @@ Every eager layer that needs the documents' boundaries (the per-document attenti
 restarts) reads the same ``seq_idx`` tensor, in the forward and again in the backward. The first
 reader reads it back to the host; the others get that answer (and what was derived from it) from
 a memo of one entry: the last ``seq_idx`` tensor (held weakly, with its version counter, so an
-in-place change or a new tensor is read anew).
+in-place change or a new tensor is read anew; inference tensors are not held).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ _MEMO: dict[str, Any] = {}
 
 def per_documents(seq_idx: torch.Tensor, key: Any, build: Callable[[torch.Tensor], Any]) -> Any:
     """``build(seq_idx)``, computed once per ``seq_idx`` tensor and ``key``: the value derived
-    from the documents of the last ``seq_idx`` seen (held until another tensor comes)."""
+    from the documents of the last ``seq_idx`` seen (held until another tensor comes). An
+    inference tensor (no version counter: decoding's prefill) is built anew each time."""
+    if seq_idx.is_inference():
+        return build(seq_idx)
     ref = _MEMO.get("tensor")
     if ref is None or ref() is not seq_idx or _MEMO.get("version") != seq_idx._version:
         _MEMO.clear()
