@@ -544,7 +544,8 @@ class _CausalConv1d(torch.autograd.Function):
         keep, cuts = restarts
         g = gout.transpose(1, 2)  # [b, L, d]
         if ctx.silu:  # (a bf16 gout promotes exactly in the fp32 product)
-            g = g * silu_grad(_CausalConv1d._conv(xc, taps, bc, restarts))
+            sg = silu_grad(_CausalConv1d._conv(xc, taps, bc, restarts))
+            g = sg.mul_(g) if g.is_contiguous() else g * sg  # (g's layout kept for the sums below)
         else:  # fp32 before the products with the (bf16) input
             g = g.to(taps.dtype)
         gx = _accumulate(g * taps[k - 1], g, taps, True, keep, cuts)
