@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` and `make test` (the suite, then the docs site
-# built with --strict: a broken link, anchor or page fails).
+# The two commands of the README: `make demo` and `make test` (the suite, every shell command of
+# the README and the docs (scripts/run_doc_commands.py), then the docs site built with --strict:
+# a broken link, anchor or page fails).
 # Both create .venv (seeing system site-packages, so a cluster's CUDA torch is reused) and
 # install the pinned CPU torch only when no torch is importable.
 # Every other package is installed at the version of the lock file (docs/getting-started.md,
@@ -89,11 +90,13 @@ demo: setup
 # The suite on TEST_WORKERS processes (pytest-xdist): each test file whole on one of them, or a
 # test's own xdist_group (tests/conftest.py). (Four workers and the doc commands beside the suite
 # were tried on 2026-12-06: the 2-4-rank gloo groups of four workers at once oversubscribe the
-# 2 cores many times over, and the suite ran slower.)
+# 2 cores many times over, and the suite ran slower.) Then the doc commands, two at a time
+# (both parts keep 2 cores busy: run one after the other, they take the sum of their CPU time).
 TEST_WORKERS ?= 2
 
 test: setup test-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	$(BIN)/python scripts/run_doc_commands.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The tests whose bounds or tolerances depend on the CPU's kernels (the memory plan against real
