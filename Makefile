@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` and `make test` (the suite, then the docs site
-# built with --strict: a broken link, anchor or page fails).
+# The two commands of the README: `make demo` and `make test` (the suite, every shell command of
+# the README and the docs (scripts/run_doc_commands.py), then the docs site built with --strict:
+# a broken link, anchor or page fails).
 # Both create .venv (seeing system site-packages, so a cluster's CUDA torch is reused) and
 # install the pinned CPU torch only when no torch is importable.
 # Every other package is installed at the version of the lock file (docs/getting-started.md,
@@ -49,7 +50,7 @@ COMPILE = $(BIN)/python -c "import compileall, re, sysconfig; \
   skip = re.compile(r'/tests/|/transformers/models/(?!auto/|nemotron_h/)'); \
   [compileall.compile_dir(d, quiet=2, workers=0, rx=skip) for d in {sysconfig.get_path('purelib'), sysconfig.get_path('platlib')}]"
 
-.PHONY: setup test-deps demo test test-compile test-latest lock clean
+.PHONY: setup test-deps demo test test-compile test-cpu-kinds test-latest lock clean
 
 setup: $(VENV)/.installed
 
@@ -89,11 +90,13 @@ demo: setup
 # The suite on TEST_WORKERS processes (pytest-xdist): each test file whole on one of them, or a
 # test's own xdist_group (tests/conftest.py). (Four workers and the doc commands beside the suite
 # were tried on 2026-12-06: the 2-4-rank gloo groups of four workers at once oversubscribe the
-# 2 cores many times over, and the suite ran slower.)
+# 2 cores many times over, and the suite ran slower.) Then the doc commands, two at a time
+# (both parts keep 2 cores busy: run one after the other, they take the sum of their CPU time).
 TEST_WORKERS ?= 2
 
 test: setup test-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	$(BIN)/python scripts/run_doc_commands.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # Every block type compiled by inductor with the real kernels, plain and checkpointed, under TP
@@ -101,6 +104,29 @@ test: setup test-deps
 # checkpointed under TP). 341 CPU-s of C++ compiles on 2 cores: not part of `make test` or CI.
 test-compile: setup test-deps
 	HYBRIDTRAIN_COMPILE_MATRIX=all $(BIN)/python -m pytest -q -p no:randomly -n 0 tests/distributed/test_compiled_inductor.py
+
+# The tests whose bounds or tolerances depend on the CPU's kernels (the memory plan against real
+# allocations, bf16 numerics, the GEMM kernel caches, the kernel-dependent step anatomy), run
+# under each kind of machine CI uses, emulated on a CPU with AVX-512 by the switches of torch's
+# kernel libraries (tests/helpers/cpu_kind.py: ATen, oneDNN, MKL): no-avx512 (AMD Zen 2/3),
+# avx512-bf16 (Zen 4, no AMX). On a CPU without AVX-512 only no-avx512 is the machine's own.
+# Not part of `make test` (which runs the VLM plan's pipeline case under no-avx512 on an AVX-512
+# CPU): run it when a change touches the plan's figures or a tolerance.
+CPU_KINDS ?= no-avx512 avx512-bf16
+CPU_KERNEL_TESTS ?= tests/distributed/test_plan_vlm.py tests/distributed/test_plan_layouts.py \
+  tests/distributed/test_qlora_plan_peak.py tests/distributed/test_plan_pipeline_reshard.py \
+  tests/distributed/test_load_memory.py tests/distributed/test_qlora_load_memory.py \
+  tests/unit/test_plan.py tests/unit/test_backend.py tests/unit/test_config_dist_env.py \
+  tests/unit/test_precision.py tests/unit/test_dtype_traffic.py tests/unit/test_step_anatomy.py \
+  tests/unit/test_lora.py tests/unit/test_qlora.py tests/unit/test_float8.py tests/unit/test_loss.py \
+  tests/unit/test_fused_loss.py
+
+test-cpu-kinds: setup test-deps
+	for kind in $(CPU_KINDS); do \
+	  $(BIN)/python -m tests.helpers.cpu_kind $$kind --show && \
+	  $(BIN)/python -m tests.helpers.cpu_kind $$kind $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	    --dist loadgroup $(CPU_KERNEL_TESTS) || exit 1; \
+	done
 
 # The newest versions pyproject allows (no lock; torch from TORCH_PIN) in a venv of their own,
 # against the tests that pin this code to other packages' behaviour: parity with transformers

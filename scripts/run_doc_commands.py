@@ -41,7 +41,7 @@ the last line, the total, the blocks skipped by their markers and the load avera
 after. The exit status is 1 when a block failed (a block marked run that skipped itself
 included).
 
-    python scripts/run_doc_commands.py                    # everything (CI: .ci/run)
+    python scripts/run_doc_commands.py                    # everything (make test, so CI)
     python scripts/run_doc_commands.py --list             # the blocks and their markers
     python scripts/run_doc_commands.py --only README.md --venv /path/to/.venv
 """

@@ -36,6 +36,7 @@ The work itself lives in modules imported lazily:
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -159,7 +160,7 @@ class CommandUnavailable(RuntimeError):
 
 def _load_entry(module: str, attr: str, command: str) -> Callable:
     try:
-        mod = importlib.import_module(module)
+        mod = _import_long_lived(module)
     except ModuleNotFoundError as e:
         if e.name and (module == e.name or module.startswith(e.name + ".")):
             raise CommandUnavailable(
@@ -171,6 +172,24 @@ def _load_entry(module: str, attr: str, command: str) -> Callable:
         raise CommandUnavailable(f"'hybridtrain {command}' is not available in this "
                                  f"installation: {module} has no {attr}()")
     return fn
+
+
+def _import_long_lived(module: str):
+    """Import a command's module (torch, transformers and the rest: ~0.45M objects that live as
+    long as the process) without the garbage collector walking them on the way, then move them
+    to its permanent generation: the full collections of the import and of the run after it cost
+    ~0.8 CPU-seconds a process otherwise (2026-12-06, a 3-step tiny run: 7.3 -> 6.5 s).
+    A module imported before (a second command in one process) is simply returned."""
+    if module in sys.modules:
+        return sys.modules[module]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return importlib.import_module(module)
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def _positive_int(text: str) -> int:

@@ -280,3 +280,23 @@ def test_setup_logging_rank_format_and_warning_filter():
         logging.captureWarnings(False)
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_a_commands_module_is_imported_without_collections_and_then_frozen(tmp_path, monkeypatch):
+    """The import of a command's module (torch and the rest) runs with the collector off, and
+    leaves what it made in the permanent generation, where later collections never walk it."""
+    import gc
+
+    (tmp_path / "heavy_command.py").write_text(
+        "import gc\nCOLLECTING = gc.isenabled()\nTABLES = [[i] for i in range(1000)]\n"
+        "def run(cfg):\n    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    frozen = gc.get_freeze_count()
+    try:
+        run = cli._load_entry("heavy_command", "run", "heavy")
+        module = sys.modules["heavy_command"]
+        assert module.COLLECTING is False and gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + 1000
+        assert cli._load_entry("heavy_command", "run", "heavy") is run  # imported once
+    finally:
+        sys.modules.pop("heavy_command", None)

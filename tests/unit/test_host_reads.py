@@ -34,9 +34,10 @@ HOST_COUNTS = {"count_label_tokens": "the label-token count of the loader's host
 # row count; Liger's fused loss, the CUDA default where installed, does not read it)
 MODEL = {"sequence_info": "whether any row holds several documents",
          "_label_rows": "the label rows the chunked PyTorch loss keeps"}
-# the eager packed attention reads its documents' boundaries (flash-attn varlen takes host
-# lengths); compiled blocks read none
-PACKED_EAGER = {"document_spans": "per-document attention of packed rows (eager)",
+# the eager packed attention and conv read their documents' boundaries, once per micro-batch
+# (flash-attn varlen takes host lengths); compiled blocks read none
+PACKED_EAGER = {"read_starts": "the documents' starts of packed rows, once per micro-batch (eager "
+                               "per-document attention, the conv's restarts)",
                 "seq_idx_from_cu_seqlens": "the check of the packed rows' cu_seqlens (an input)"}
 
 

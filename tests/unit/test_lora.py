@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hybridtrain.models.nemotron_h import NemotronHForCausalLM, tiny_config
@@ -278,3 +280,27 @@ def test_adapter_dtype():
     m2 = make_model("dense").to(torch.bfloat16)
     apply_lora(m2, dim=4, alpha=8, dtype=torch.bfloat16, target_modules=["in_proj"])
     assert m2.backbone.layers["0"].mixer.in_proj.lora_A.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("alpha", [32, 12])
+def test_adapter_scale_forms_are_bit_identical(alpha):
+    """A power-of-two scale (alpha / r = 4) is applied to A instead of the adapter's output:
+    the output and every gradient are bit for bit those of ``scale * B(A(x))``; another scale
+    (1.5) keeps that form."""
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40, bias=False)
+    lin = LoRALinear(base, dim=8, alpha=alpha)
+    with torch.no_grad():
+        lin.lora_B.normal_()
+    x0 = torch.randn(3, 5, 24)
+    g = torch.randn(3, 5, 40)
+    x = x0.clone().requires_grad_()
+    lin(x).backward(g)
+    A, B = (t.detach().clone().requires_grad_() for t in (lin.lora_A, lin.lora_B))
+    xr = x0.clone().requires_grad_()
+    rows = xr.view(-1, 24)
+    ref = F.linear(xr, base.weight) + (F.linear(F.linear(rows, A), B) * lin.scale).view(3, 5, 40)
+    ref.backward(g)
+    assert torch.equal(lin(x0), ref)
+    for got, want in ((x.grad, xr.grad), (lin.lora_A.grad, A.grad), (lin.lora_B.grad, B.grad)):
+        assert torch.equal(got, want)

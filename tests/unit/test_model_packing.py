@@ -82,17 +82,30 @@ def test_chunked_scan_with_initial_state_continues_the_first_document():
     assert (full[:, 6:] - rest).abs().max() < 1e-6
 
 
-def test_conv_restarts_at_documents():
+def test_conv_restarts_at_documents(monkeypatch):
+    """Each document is convolved alone (documents shorter than the window included), and the
+    eager form (whole rows, the positions a document start cuts put back) gives bit for bit the
+    values and gradients of the masked form compiled blocks trace."""
     torch.manual_seed(0)
     d, k = 6, 4
-    w, bias = torch.randn(d, k), torch.randn(d)
-    docs = [5, 1, 2, 9]
-    x = torch.randn(1, d, sum(docs))
-    y = causal_conv1d_torch(x, w, bias, seq_idx=_seq_idx([docs]))
-    ref = torch.cat([causal_conv1d_torch(part, w, bias) for part in x.split(docs, dim=-1)], dim=-1)
-    assert (y - ref).abs().max() < 1e-6
-    plain = causal_conv1d_torch(x, w, bias, seq_idx=_seq_idx([[sum(docs)]]))
-    assert (plain - causal_conv1d_torch(x, w, bias)).abs().max() < 1e-6
+    rows = [[5, 1, 2, 9], [1, 3, 13]]
+    w0, b0, x0, g = torch.randn(d, k), torch.randn(d), torch.randn(2, d, 17), torch.randn(2, d, 17)
+
+    def run():
+        w, bias, x = (t.clone().requires_grad_() for t in (w0, b0, x0))
+        y = causal_conv1d_torch(x, w, bias, seq_idx=_seq_idx(rows))
+        y.backward(g)
+        return y.detach(), x.grad, w.grad, bias.grad
+
+    eager = run()
+    for r, docs in enumerate(rows):
+        ref = torch.cat([causal_conv1d_torch(part, w0, b0) for part in x0[r:r + 1].split(docs, dim=-1)], dim=-1)
+        torch.testing.assert_close(eager[0][r:r + 1], ref)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced form, eagerly
+    for got, want in zip(eager, run()):
+        assert torch.equal(got, want)
+    plain = causal_conv1d_torch(x0, w0, b0, seq_idx=_seq_idx([[17], [17]]))
+    assert (plain - causal_conv1d_torch(x0, w0, b0)).abs().max() < 1e-6
 
 
 def test_seq_idx_derivation():

@@ -23,8 +23,8 @@ cores are oversubscribed -- other processes' busy cores (sampled over 0.2 s from
 ``/proc/stat``) plus this launch's threads exceed the cores -- and libgomp's default is kept
 otherwise. ``OMP_WAIT_POLICY`` in the environment or ``dist_env`` decides instead.
 
-The process defaults also bound the two caches in which torch's CPU oneDNN GEMMs (every bf16 /
-fp16 matmul on a CPU) keep the kernels they build per shape: oneDNN's primitive cache
+The process defaults also bound the two caches in which torch's CPU oneDNN GEMMs (bf16 / fp16
+matmuls on a CPU with AVX-512 or AMX) keep the kernels they build per shape: oneDNN's primitive cache
 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's cache of their descriptors
 (``LRU_CACHE_CAPACITY``), 1024 entries each by default, to :data:`GEMM_KERNEL_CACHE_ENTRIES`
 each (:func:`gemm_kernel_cache_defaults`; the environment or ``dist_env`` decides instead).

@@ -10,4 +10,6 @@
   :func:`~hybridtrain.ops.backend.configure_backend`.
 * :mod:`hybridtrain.ops.labels`: ``IGNORE_INDEX``, the label convention shared with ``data/``.
 * :mod:`hybridtrain.ops.base2`: the base-2 constants of the fused autograd functions.
+* :mod:`hybridtrain.ops.documents`: the documents' starts of packed rows, read to the host once
+  per micro-batch for every eager layer that needs them.
 """

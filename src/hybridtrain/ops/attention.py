@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .documents import document_starts
 from .flash_varlen import flash_document_attention, flash_ops, flash_varlen, varlen_attention
 
 __all__ = ["document_spans", "document_causal_attention"]
@@ -46,14 +47,12 @@ def document_spans(seq_idx: torch.Tensor, q_offset: int, q_len: int
     """For every row, the documents the queries ``[q_offset, q_offset + q_len)`` cover, as
     ``(q_start, q_end, k_start)`` in key positions: queries ``q_start..q_end-1`` attend keys
     ``k_start..`` (the document's first token) up to themselves. ``seq_idx`` [b, >= q_offset +
-    q_len]: non-decreasing document ids."""
+    q_len]: non-decreasing document ids (their starts read once per tensor:
+    :func:`~hybridtrain.ops.documents.document_starts`)."""
     q_end = q_offset + q_len
-    sid = seq_idx[:, :q_end]
-    starts = torch.ones_like(sid, dtype=torch.bool)
-    starts[:, 1:] = sid[:, 1:] != sid[:, :-1]
     rows = []
-    for row in starts.cpu():
-        s = row.nonzero().flatten().tolist() + [q_end]
+    for row in document_starts(seq_idx):
+        s = [a for a in row if a < q_end] + [q_end]
         spans = []
         for a, e in zip(s[:-1], s[1:]):
             if e > q_offset:

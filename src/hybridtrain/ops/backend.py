@@ -20,7 +20,9 @@ precision. What is tuned, with its recipe key:
   to 128 entries (the environment or ``dist_env`` decides instead): set by the CLI before torch
   is imported, and by ``training.builder.build`` for a library user, which takes effect if no
   oneDNN operation ran in the process before (environment variables: ops/ reads none of them).
-  ``hybridtrain plan`` counts the bound for CPU bf16/fp16 runs (``cpu_gemm_kernels``).
+  ``hybridtrain plan`` counts the bound for CPU bf16/fp16 runs where those GEMMs are oneDNN's
+  (``cpu_gemm_kernels``, :func:`cpu_gemm_kernels_cached`: on a CPU without AVX-512 torch runs
+  bf16 GEMMs in its own loops, which cache nothing).
 * **glibc allocator** (``training.cpu_allocator``, :func:`configure_cpu_allocator`).
 * **``training.dtype: auto``** (:func:`auto_dtype`, ``training.cpu_bf16``).
 * **the ``auto`` loss chunk** (``training.loss_chunk_size: auto``, :func:`auto_chunk_size`).
@@ -323,6 +325,31 @@ def _detect_cpu_bf16() -> tuple[bool, str]:
     if speedup >= 1.3:
         return True, f"CPU flags unknown; a bf16 matmul is {speedup:.1f}x faster than fp32"
     return False, f"CPU flags unknown; a bf16 matmul is only {speedup:.1f}x as fast as fp32"
+
+
+_ONEDNN_DTYPE_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported",
+                        torch.float16: "_is_mkldnn_fp16_supported"}
+
+
+def cpu_gemm_kernels_cached(dtype: torch.dtype) -> bool:
+    """Whether this process's CPU GEMMs in ``dtype`` are oneDNN's, which builds and caches a
+    kernel per shape (bounded by ``config/dist_env.py``; ``hybridtrain plan`` counts the bound):
+    bf16 / fp16 where torch finds oneDNN kernels for them on this CPU -- bf16 with AVX-512 or
+    AMX, fp16 with AVX512-FP16 or AMX-FP16, as capped by ``ONEDNN_MAX_CPU_ISA``. Elsewhere
+    (a CPU without AVX-512, fp32) torch runs them in its own loops or Intel MKL, which cache
+    none. Asked of torch itself (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, the check its
+    matmul makes), so the answer is the machine's."""
+    if dtype not in _ONEDNN_DTYPE_CHECKS or not (torch.backends.mkldnn.is_available()
+                                                 and torch.backends.mkldnn.enabled):
+        return False
+    name = _ONEDNN_DTYPE_CHECKS[dtype]
+    try:
+        check = getattr(torch.ops.mkldnn, name)
+    except (AttributeError, RuntimeError) as e:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.ops.mkldnn.{name} (torch "
+                           "2.13 has): hybridtrain cannot tell whether its CPU GEMMs are "
+                           "oneDNN's") from e
+    return bool(check())
 
 
 def cpu_has_native_bf16(setting: bool | str = "auto") -> tuple[bool, str]:

@@ -112,7 +112,14 @@ def _dropout(p: float) -> nn.Module:
 
 
 def _delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * B(A(x)) in the adapter dtype, returned in x's dtype."""
+    """scale * B(A(x)) in the adapter dtype, returned in x's dtype.
+
+    A power-of-two scale (alpha / r = 4 for r 8, alpha 32) multiplies ``A`` ([r, in]) instead of
+    the output ([rows, out]): scaling by 2^k is exact and commutes with every rounding of the two
+    products and their gradients, so outputs and gradients are bit for bit the same (barring
+    values at the edge of the float range)."""
+    if math.frexp(scale)[0] == 0.5:
+        return F.linear(F.linear(x.to(A.dtype), A * scale), B).to(x.dtype)
     return (F.linear(F.linear(x.to(A.dtype), A), B) * scale).to(x.dtype)
 
 

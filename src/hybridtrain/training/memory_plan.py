@@ -31,10 +31,12 @@ parameter FSDP-sharded over ``dp_shard·cp`` (dim 0, ``torch.chunk`` sizes) and 
   parallelism the plan also gives the peak under the other ``fsdp_reshard_after_forward``
   policy (``MemoryPlan.reshard_peaks``).
 
-* **CPU GEMM kernels** (``cpu_gemm_kernels``, CPU bf16/fp16 runs): the GEMM kernels oneDNN
-  builds and caches per shape, at most the cache bound in effect
+* **CPU GEMM kernels** (``cpu_gemm_kernels``, CPU bf16/fp16 runs where this machine's GEMMs in
+  that dtype are oneDNN's, ``ops.backend.cpu_gemm_kernels_cached``: bf16 with AVX-512 or AMX):
+  the GEMM kernels oneDNN builds and caches per shape, at most the cache bound in effect
   (``hybridtrain.config.dist_env.gemm_kernel_cache_entries``: 128 unless the environment says
-  otherwise) at ``GEMM_KERNEL_BYTES`` (1 MiB) each. fp32 CPU GEMMs are MKL's: no such cache.
+  otherwise) at ``GEMM_KERNEL_BYTES`` (1 MiB) each. fp32 CPU GEMMs are MKL's and bf16 ones on a
+  CPU without AVX-512 torch's own loops: no such cache.
 
 Under ``distributed.encoder_ranks: E`` (an encoder on its own ranks, the spec's
 ``HeteroSupport.sides`` split): ranks ``0..E-1`` hold the encoder FSDP2-sharded over them and
@@ -46,7 +48,9 @@ host (``RankMemory.host``), not in the device total.
 
 The headroom rule (:data:`HEADROOM`): the peak may take at most 90 % of the device, the rest
 being for what the plan does not count (the CUDA context, the allocator's fragmentation, NCCL's
-buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted either.
+buffers). For a CPU run glibc's heap (freed blocks it keeps) is not counted either, nor Intel
+MKL's own memory in fp32 GEMMs (packing buffers and the pool that keeps them: by the CPU's vendor,
+its ISA and each GEMM's shape, none on an AMD EPYC; docs/memory.md).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from hybridtrain.distributed.hetero import receiver_degrees, sender_degrees
 from hybridtrain.distributed.tensor_parallel import tp_shard_dims
 from hybridtrain.models.spec import (ActivationBytes, HeteroSupport, LayerTypes, MemoryPlanSupport,
                                      model_spec_for)
+from hybridtrain.ops.backend import cpu_gemm_kernels_cached
 from hybridtrain.peft.lora import apply_lora, expert_types, quantize_base
 from hybridtrain.peft.quant import is_nf4, nf4_bytes
 from hybridtrain.training.builder import build_on_meta
@@ -456,7 +461,7 @@ def _plan_layout(cfg, spec, model: nn.Module, dims, device_type: str,
     compute = _compute_dtype(t, device_type)
     autocast = autocast_dtype(compute)
     gemm_kernels = 0.0
-    if device_type == "cpu" and compute in (torch.bfloat16, torch.float16):
+    if device_type == "cpu" and cpu_gemm_kernels_cached(compute):
         gemm_kernels = float(gemm_kernel_cache_entries() * GEMM_KERNEL_BYTES)
     experts = _expert_params(model)
     tp_dims = _tp_dims(spec, model, dims)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.ops.base2 import LN2, LOG2E
+from hybridtrain.ops.documents import document_starts, per_documents
 
 from .numerics import broadcast_shape, fp32_region, mul_to, silu_grad, tril_mask
 
@@ -424,31 +425,93 @@ class _ScanInputs(torch.autograd.Function):
         return gx, (gxdt * x).sum(3), (gxD * x).sum((0, 1, 3))
 
 
+class _Cuts:
+    """Where packed documents cut a depthwise conv of ``k`` taps, for the eager path: every tap
+    runs over whole rows, and the positions a document start cuts short are put back to what
+    they held before their first tap across it. A position keeps the taps 1..o that stay in its
+    document, the first o of the loop, so that value is the one the masked taps would give (a
+    masked tap adds a zero product; here nothing is added). ``fwd[o]`` / ``bwd[o]``: the (row,
+    position) indices whose window back / ahead keeps exactly o taps (None where there are
+    none); ``zero[s]``: the positions of tap s's gradient product that cross a document start.
+    Built once per ``seq_idx`` tensor (``hybridtrain.ops.documents``)."""
+
+    def __init__(self, starts: list[list[int]], k: int, L: int, device: torch.device):
+        fwd = [([], []) for _ in range(k - 1)]
+        bwd = [([], []) for _ in range(k - 1)]
+        for r, row in enumerate(starts):
+            ends = row[1:] + [L]
+            for i in range(1, len(row)):  # the documents that start inside the row
+                d, prev, nxt = row[i], row[i - 1], ends[i]
+                for o in range(k - 1):
+                    if d + o < nxt:
+                        fwd[o][0].append(r), fwd[o][1].append(d + o)
+                    if d - 1 - o >= prev:
+                        bwd[o][0].append(r), bwd[o][1].append(d - 1 - o)
+
+        def index(pairs):
+            pairs = list(pairs)
+            if not pairs:
+                return None
+            return tuple(torch.tensor(v, device=device) for v in zip(*pairs))
+
+        self.fwd = [index(zip(*rc)) for rc in fwd]
+        self.bwd = [index(zip(*rc)) for rc in bwd]
+        # tap s's gradient product [b, L - s, d] at t - s, for the positions t >= s whose tap s
+        # crosses a document start (they keep fewer than s taps)
+        self.zero = [None] + [index((r, c - s) for o in range(s) for r, c in zip(*fwd[o]) if c >= s)
+                              for s in range(1, k)]
+
+    @staticmethod
+    def of(seq_idx: torch.Tensor, k: int) -> "_Cuts":
+        return per_documents(seq_idx, ("conv cuts", k), lambda t: _Cuts(document_starts(t), k, t.shape[1], t.device))
+
+
+def _accumulate(out: torch.Tensor, src: torch.Tensor, taps: torch.Tensor, ahead: bool, keep, cuts) -> torch.Tensor:
+    """``out`` (holding tap k-1's product) += the other taps' products of ``src`` [b, L, d]: tap
+    s reads ``src`` s positions back (``ahead``: adds to the position s back, the transposed conv
+    of the backward), within documents (``keep``: masks, or ``cuts``: a :class:`_Cuts`)."""
+    k, L = taps.shape[0], src.shape[1]
+    held = None if cuts is None else cuts.bwd if ahead else cuts.fwd
+    saved = []
+    for s in range(min(k, L)):
+        if s:
+            gs = src[:, s:] if ahead else src[:, :-s]
+            if keep is not None and keep[s] is not None:
+                gs = gs * keep[s]
+            (out[:, :-s] if ahead else out[:, s:]).addcmul_(gs, taps[k - 1 - s])
+        if held is not None and s < k - 1 and held[s] is not None:
+            saved.append((held[s], out[held[s]]))
+    for idx, value in saved:
+        out.index_put_(idx, value)
+    return out
+
+
 class _CausalConv1d(torch.autograd.Function):
     """act(depthwise causal conv) with document restarts; saves only its inputs (the pre-
     activation is recomputed in backward, k elementwise passes) instead of one [b, d, L] tensor
     per tap. x [b, d, L] (any strides), weight [d, k], bias [d] or None, seq_idx [b, L] or None.
 
     Computed channels-last ([b, L, d], the in_proj output's own layout) with the taps as [k, d]
-    rows, so that every elementwise pass and reduction runs along contiguous channels."""
+    rows, so that every elementwise pass and reduction runs along contiguous channels. Document
+    restarts: eager, the few positions a document start cuts are put back (:class:`_Cuts`);
+    under ``torch.compile``, each tap's input is masked (no host read)."""
 
     @staticmethod
-    def _taps(seq_idx, k, L):
-        """keep[s] [b, L - s, 1]: tap s (reaching s steps back) stays inside the document."""
+    def _restarts(seq_idx, k, L):
+        """(keep, cuts): keep[s] [b, L - s, 1] (tap s, reaching s steps back, stays inside the
+        document) when compiling, else the :class:`_Cuts` of ``seq_idx``; (None, None) without."""
         if seq_idx is None:
-            return [None] * k
-        return [None] + [(seq_idx[:, s:] == seq_idx[:, :-s])[:, :, None] for s in range(1, min(k, L))]
+            return None, None
+        if torch.compiler.is_compiling():
+            return [None] + [(seq_idx[:, s:] == seq_idx[:, :-s])[:, :, None] for s in range(1, min(k, L))], None
+        return None, _Cuts.of(seq_idx, k)
 
     @staticmethod
-    def _conv(x, taps, bias, keep, out_dtype=None):
+    def _conv(x, taps, bias, restarts, out_dtype=None):
         """x [b, L, d] (bf16 or fp32: it promotes exactly in the fp32 products, no fp32 copy),
         taps [k, d] (tap k-1 is the current position) -> fp32 (fp64 for fp64 taps), or
         ``out_dtype``: rounded as the bias is added (one pass, the values of a cast after)."""
-        k, L = taps.shape[0], x.shape[1]
-        out = x * taps[k - 1]
-        for s in range(1, min(k, L)):
-            xs = x[:, :-s] if keep[s] is None else x[:, :-s] * keep[s]
-            out[:, s:].addcmul_(xs, taps[k - 1 - s])
+        out = _accumulate(x * taps[-1], x, taps, False, *restarts)
         if out_dtype in (None, out.dtype):
             return out if bias is None else out.add_(bias)
         if bias is None or torch.compiler.is_compiling():
@@ -467,9 +530,9 @@ class _CausalConv1d(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, seq_idx)
         ctx.silu = silu
         xc, taps, bc = _CausalConv1d._inputs(x, weight, bias)
-        keep = _CausalConv1d._taps(seq_idx, weight.shape[1], x.shape[-1])
-        out = _CausalConv1d._conv(xc, taps, bc, keep, x.dtype)  # rounded before the activation,
-        out = F.silu(out) if silu else out                       # like the reference's nn.Conv1d
+        restarts = _CausalConv1d._restarts(seq_idx, weight.shape[1], x.shape[-1])
+        out = _CausalConv1d._conv(xc, taps, bc, restarts, x.dtype)  # rounded before the activation,
+        out = F.silu(out) if silu else out                          # like the reference's nn.Conv1d
         return out.transpose(1, 2)
 
     @staticmethod
@@ -477,19 +540,23 @@ class _CausalConv1d(torch.autograd.Function):
         x, weight, bias, seq_idx = ctx.saved_tensors
         k, L = weight.shape[1], x.shape[-1]
         xc, taps, bc = _CausalConv1d._inputs(x, weight, bias)
-        keep = _CausalConv1d._taps(seq_idx, k, L)
+        restarts = _CausalConv1d._restarts(seq_idx, k, L)
+        keep, cuts = restarts
         g = gout.transpose(1, 2)  # [b, L, d]
         if ctx.silu:  # (a bf16 gout promotes exactly in the fp32 product)
-            g = g * silu_grad(_CausalConv1d._conv(xc, taps, bc, keep))
+            sg = silu_grad(_CausalConv1d._conv(xc, taps, bc, restarts))
+            g = sg.mul_(g) if g.is_contiguous() else g * sg  # (g's layout kept for the sums below)
         else:  # fp32 before the products with the (bf16) input
             g = g.to(taps.dtype)
-        gx = g * taps[k - 1]
+        gx = _accumulate(g * taps[k - 1], g, taps, True, keep, cuts)
         gw = torch.empty_like(taps)
         gw[k - 1] = (g * xc).sum((0, 1))
         for s in range(1, min(k, L)):
-            gs = g[:, s:] if keep[s] is None else g[:, s:] * keep[s]
-            gx[:, :-s].addcmul_(gs, taps[k - 1 - s])
-            gw[k - 1 - s] = (gs * xc[:, :-s]).sum((0, 1))
+            gs = g[:, s:] if keep is None or keep[s] is None else g[:, s:] * keep[s]
+            p = gs * xc[:, :-s]
+            if cuts is not None and cuts.zero[s] is not None:  # what a masked product holds
+                p.index_put_(cuts.zero[s], p[cuts.zero[s]].mul_(0))
+            gw[k - 1 - s] = p.sum((0, 1))
         if k > L:
             gw[: k - L] = 0
         gb = None if bias is None else g.sum((0, 1)).to(bias.dtype)
