@@ -13,7 +13,7 @@ from torch import nn
 
 from hybridtrain.distributed.utils import local_tensor
 
-from .numerics import broadcast_shape, mul_to, silu_grad
+from .numerics import mul_to, silu_grad
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -36,10 +36,7 @@ class _RMSNormFunction(torch.autograd.Function):
             u = x * F.silu(gate if gate.dtype == cdt else gate.to(cdt))
         ug = u.view(*u.shape[:-1], -1, group_size)
         if rstd is None:
-            sq = ug.pow(2)
-            rstd = torch.rsqrt(sq.mean(-1, keepdim=True) + eps)
-            if ug.is_contiguous() and sq.is_contiguous():  # the squares' buffer takes the product
-                return torch.mul(ug, rstd, out=sq), rstd
+            rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
         return ug * rstd, rstd
 
     @staticmethod
@@ -58,10 +55,6 @@ class _RMSNormFunction(torch.autograd.Function):
             dtype = torch.promote_types(a.dtype, b.dtype)
         dtype = out_dtype or dtype
         if dtype == torch.promote_types(a.dtype, b.dtype):
-            # n (b, fresh from _normalise or its cast) takes the product in place where it is the
-            # product's shape, dtype and (contiguous) layout: the values of a * b
-            if b.dtype == dtype and b.is_contiguous() and b.shape == torch.Size(broadcast_shape(a, b)):
-                return b.mul_(a)
             return a * b
         # computed in the promoted dtype, rounded as it is stored: one kernel, no copy
         return torch.mul(a, b, out=torch.empty(n.shape, dtype=dtype, device=n.device))
@@ -88,14 +81,9 @@ class _RMSNormFunction(torch.autograd.Function):
         if torch.promote_types(gout.dtype, cdt) != cdt:
             gout = gout.to(cdt)  # (a bf16 gout promotes exactly in the products below: no copy)
         # the weight's gradient sees what the forward multiplied it with
-        p = gout * (n if gate is None else n.to(x.dtype).to(cdt))
-        gw = p.sum(tuple(range(n.dim() - 1)))
+        gw = (gout * (n if gate is None else n.to(x.dtype).to(cdt))).sum(tuple(range(n.dim() - 1)))
         gn = (gout * weight.to(cdt)).view(ng.shape)
-        if p.is_contiguous() and p.dtype == cdt:  # its buffer holds the next two products
-            pg = p.view(ng.shape)
-            gu = gn.sub_(torch.mul(ng, torch.mul(gn, ng, out=pg).mean(-1, keepdim=True), out=pg))
-        else:
-            gu = gn - ng * (gn * ng).mean(-1, keepdim=True)
+        gu = gn - ng * (gn * ng).mean(-1, keepdim=True)
         if gate is None:
             return mul_to(gu, rstd, x.dtype, inplace=True).view(x.shape), None, gw.to(weight.dtype), None, None, None
         gu = gu.mul_(rstd).view(x.shape)

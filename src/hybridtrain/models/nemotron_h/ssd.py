@@ -544,8 +544,7 @@ class _CausalConv1d(torch.autograd.Function):
         keep, cuts = restarts
         g = gout.transpose(1, 2)  # [b, L, d]
         if ctx.silu:  # (a bf16 gout promotes exactly in the fp32 product)
-            sg = silu_grad(_CausalConv1d._conv(xc, taps, bc, restarts))
-            g = sg.mul_(g) if g.is_contiguous() else g * sg  # (g's layout kept for the sums below)
+            g = g * silu_grad(_CausalConv1d._conv(xc, taps, bc, restarts))
         else:  # fp32 before the products with the (bf16) input
             g = g.to(taps.dtype)
         gx = _accumulate(g * taps[k - 1], g, taps, True, keep, cuts)
