@@ -128,6 +128,7 @@ def conv_has_own_ops() -> bool:
 
 
 def forget_loaded() -> None:
-    """Look the kernels up again on next use."""
+    """Look the kernels up again on next use (and how their packages loaded)."""
     _loaded.clear()
     _failures.clear()
+    _init_skipped.clear()
