@@ -205,8 +205,8 @@ def count_every_block(smallest: int = PAGE) -> None:
 
 
 def no_blas_buffers(monkeypatch) -> None:
-    """Ranks started from now on (``run_distributed`` spawns them: the variables are read at
-    process start) run Intel MKL so that it allocates nothing of its own in a GEMM, on every
+    """Ranks started from now on (``run_distributed``: MKL reads the variables at its first
+    call, in the rank) run Intel MKL so that it allocates nothing of its own in a GEMM, on every
     CPU, so :func:`step_peak` counts the run's tensors and not the BLAS's working memory
     (no activation, and not the plan's to predict):
 
