@@ -1,6 +1,7 @@
 """How the suite's ranks start (tests/helpers/distributed.py): forked from the preloaded server,
-a rank still runs Intel MKL as the test's environment says, so the memory tests that pin MKL's
-kernels (tests/helpers/memory.py, ``no_blas_buffers``) need no fresh interpreter per rank."""
+a rank still runs the CPU kernel libraries (ATen, oneDNN, Intel MKL) as the test's environment
+says, so the tests that pin their kernels (the memory tests' ``no_blas_buffers``, the emulated
+kinds of CPU of tests/helpers/cpu_kind.py) need no fresh interpreter per rank."""
 
 import os
 import tempfile
@@ -12,30 +13,37 @@ import torch
 from tests.helpers.distributed import run_distributed
 
 
-def _mkl_banner(rank, world):
-    """MKL_VERBOSE's lines of this rank's first fp32 GEMM (MKL writes them to file descriptor 1)."""
+def _kernels_report(rank, world):
+    """(ATen's vector ISA, what MKL and oneDNN print (to file descriptor 1) at this rank's first
+    fp32 and bf16 GEMM)."""
     with tempfile.TemporaryFile() as out:
         saved = os.dup(1)
         os.dup2(out.fileno(), 1)
         try:
             a = torch.randn(64, 64)
             (a @ a).sum()
+            torch.nn.functional.linear(a[:8].bfloat16(), a[:16].bfloat16())
         finally:
             os.dup2(saved, 1)
             os.close(saved)
         out.seek(0)
-        return out.read().decode(errors="replace")
+        return torch.backends.cpu.get_cpu_capability(), out.read().decode(errors="replace")
 
 
 @pytest.mark.distributed
-def test_forked_ranks_run_mkl_as_their_environment_says(monkeypatch):
-    if not torch.backends.mkl.is_available():
-        pytest.skip("this torch build has no Intel MKL")
-    monkeypatch.setenv("MKL_VERBOSE", "1")
-    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
-    monkeypatch.setenv("MKL_DISABLE_FAST_MM", "1")
+def test_forked_ranks_run_the_kernel_libraries_as_their_environment_says(monkeypatch):
+    mkl = torch.backends.mkl.is_available()
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for name, value in {"ATEN_CPU_CAPABILITY": "avx2", "MKL_VERBOSE": "1", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                        "MKL_DISABLE_FAST_MM": "1", "ONEDNN_VERBOSE": "1",
+                        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}.items():
+        monkeypatch.setenv(name, value)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "ranks spawned, not forked from the server" fails
-        banners = run_distributed(_mkl_banner, 2)
-    for rank, text in enumerate(banners):
-        assert "SSE4.2" in text and "FastMM:0" in text, (rank, text[:600])
+        reports = run_distributed(_kernels_report, 2)
+    for rank, (capability, text) in enumerate(reports):
+        assert capability == "AVX2", (rank, capability)
+        if mkl:
+            assert "SSE4.2" in text and "FastMM:0" in text, (rank, text[:800])
+        if onednn_bf16:  # (a CPU with avx512_bf16: torch runs bf16 GEMMs in oneDNN)
+            assert "isa:Intel AVX-512 with Intel DL Boost and bfloat16 support" in text, (rank, text[:800])

@@ -66,8 +66,8 @@ def environ(kind: str) -> dict[str, str]:
 
 
 def emulate(monkeypatch, kind: str) -> None:
-    """Processes started from now on (a test's ranks, spawned since the environment changed)
-    run ``kind``'s code paths."""
+    """Processes started from now on (a test's ranks: each applies the switches before its
+    first kernel) run ``kind``'s code paths."""
     for name, value in environ(kind).items():
         monkeypatch.setenv(name, value)
 

@@ -36,17 +36,19 @@ _PRELOAD = ["torch", "torch.distributed", "hybridtrain.distributed.init",
             "hybridtrain.models.nemotron_vlm", "transformers.models.auto.tokenization_auto",
             "transformers.tokenization_utils_tokenizers", "tokenizers", "PIL.Image",
             "PIL.ImageDraw", "pytest"]
-# Intel MKL's switches, read when MKL first runs (its first GEMM), which the server never does
-# (it imports, runs no kernel): a forked rank has them from ``_entry`` before its first GEMM
-# (tests/distributed/test_rank_start.py checks that with MKL_VERBOSE)
-MKL_FIRST_CALL_VARS = ("MKL_DISABLE_FAST_MM", "MKL_ENABLE_INSTRUCTIONS", "MKL_VERBOSE")
+# the CPU kernel libraries' switches (ATen's vector ISA, oneDNN's and Intel MKL's ISA and
+# verbosity, MKL's memory manager), each read when its library first runs a kernel, which the
+# server never does (it imports, runs no kernel): a forked rank has them from ``_entry`` before
+# its first kernel (tests/distributed/test_rank_start.py checks each)
+KERNEL_LIBRARY_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "ONEDNN_VERBOSE",
+                       "MKL_DISABLE_FAST_MM", "MKL_ENABLE_INSTRUCTIONS", "MKL_VERBOSE")
 # variables that differ between tests without changing how a process starts: the test's id,
 # oneDNN's kernel cache bounds (read at a rank's first GEMM, after ``_entry`` applied them; an
-# in-process ``build`` sets them, which must not turn every later launch into a spawn), MKL's
-# switches, and inductor's cache folder (torch sets it to its default the first time a process
-# compiles)
+# in-process ``build`` sets them, which must not turn every later launch into a spawn), the
+# kernel libraries' switches, and inductor's cache folder (torch sets it to its default the
+# first time a process compiles)
 _PER_TEST_ENV = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", *GEMM_KERNEL_CACHE_VARS,
-                 *MKL_FIRST_CALL_VARS}
+                 *KERNEL_LIBRARY_VARS}
 _server_env: dict[str, str] | None = None
 
 
