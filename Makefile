@@ -92,11 +92,15 @@ demo: setup
 # were tried on 2026-12-06: the 2-4-rank gloo groups of four workers at once oversubscribe the
 # 2 cores many times over, and the suite ran slower.) Then the doc commands, two at a time
 # (both parts keep 2 cores busy: run one after the other, they take the sum of their CPU time).
+# Both parts start ~300 Python processes that import the project and (the suite's workers) the
+# test modules in pytest's rewritten form: they write their bytecode into __pycache__ (ignored by
+# git) even where PYTHONDONTWRITEBYTECODE is set (as on this project's test machines), so each
+# module is compiled once, not in every process (~0.3 CPU-s a process, 4 a pytest worker).
 TEST_WORKERS ?= 2
 
 test: setup test-deps
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
-	$(BIN)/python scripts/run_doc_commands.py
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python scripts/run_doc_commands.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # Every block type compiled by inductor with the real kernels, plain and checkpointed, under TP
