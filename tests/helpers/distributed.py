@@ -37,11 +37,12 @@ _PRELOAD = ["torch", "torch.distributed", "hybridtrain.distributed.init",
             "transformers.tokenization_utils_tokenizers", "tokenizers", "PIL.Image",
             "PIL.ImageDraw", "pytest"]
 # the CPU kernel libraries' switches (ATen's vector ISA, oneDNN's and Intel MKL's ISA and
-# verbosity, MKL's memory manager), each read when its library first runs a kernel, which the
-# server never does (it imports, runs no kernel): a forked rank has them from ``_entry`` before
-# its first kernel (tests/distributed/test_rank_start.py checks each)
+# verbosity), each read when its library first runs a kernel, which the server never does (it
+# imports, runs no kernel): a forked rank has them from ``_entry`` before its first kernel
+# (tests/distributed/test_rank_start.py checks each). (MKL_DISABLE_FAST_MM is read when torch
+# loads MKL: tests/conftest.py sets it for every process of the suite.)
 KERNEL_LIBRARY_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "ONEDNN_VERBOSE",
-                       "MKL_DISABLE_FAST_MM", "MKL_ENABLE_INSTRUCTIONS", "MKL_VERBOSE")
+                       "MKL_ENABLE_INSTRUCTIONS", "MKL_VERBOSE")
 # variables that differ between tests without changing how a process starts: the test's id,
 # oneDNN's kernel cache bounds (read at a rank's first GEMM, after ``_entry`` applied them; an
 # in-process ``build`` sets them, which must not turn every later launch into a spawn), the

@@ -205,13 +205,15 @@ def count_every_block(smallest: int = PAGE) -> None:
 
 
 def no_blas_buffers(monkeypatch) -> None:
-    """Ranks started from now on (``run_distributed``: MKL reads the variables at its first
-    call, in the rank) run Intel MKL so that it allocates nothing of its own in a GEMM, on every
+    """Ranks started from now on (``run_distributed``: MKL reads its instruction set at its
+    first call, in the rank) run Intel MKL so that it allocates nothing of its own in a GEMM, on every
     CPU, so :func:`step_peak` counts the run's tensors and not the BLAS's working memory
     (no activation, and not the plan's to predict):
 
-    * its memory manager off (``MKL_DISABLE_FAST_MM``): no pool of freed buffers kept (on an
-      AVX-512 Xeon, 2026-11-28, the tiny VLM's first step left ~7 MiB in it);
+    * its memory manager off (``MKL_DISABLE_FAST_MM``, read when torch loads MKL: the suite
+      sets it for all its processes, tests/conftest.py): no pool of freed buffers kept (on an
+      AVX-512 Xeon, 2026-11-28, the tiny VLM's first step left ~7 MiB in it; 2.8 MB after a
+      few GEMMs with the SSE4.2 kernels, 2026-12-06);
     * its SSE4.2 kernels (``MKL_ENABLE_INSTRUCTIONS=SSE4_2``, on every x86-64 CPU): MKL's AVX2 and
       AVX-512 kernels malloc packing buffers for the length of a GEMM call, and choose them by
       CPU vendor (on an AMD EPYC MKL takes kernels without them): 1.6 MiB at the peak of the VLM's
