@@ -129,22 +129,29 @@ def pytest_collection_finish(session):
     gc.set_threshold(20_000, 10, 10)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
+def _group(item) -> str:
+    """``item``'s xdist group: the one it names, else its file."""
+    named = item.get_closest_marker("xdist_group")
+    return named.args[0] if named else item.path.name
+
+
+def pytest_itemcollected(item):
+    """Each item's group (its file, unless it names one), marked as the item is collected: before
+    any plugin's ``pytest_collection_modifyitems``, whatever their order, where xdist's turns the
+    marks into the scopes it schedules (the ``@group`` suffix of the node ids; the test of it:
+    tests/unit/test_xdist_groups.py)."""
+    if not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under xdist: each item's group (its file, unless it names one); the groups holding a
-    ``slow`` test first, then the multi-process ones (tests/distributed/), then the rest (a
-    worker takes the next group when it is free, so the longest ones do not come last)."""
+    """Under xdist: the groups holding a ``slow`` test first, then the multi-process ones
+    (tests/distributed/), then the rest (a worker takes the next group when it is free, so the
+    longest ones do not come last)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    first, group_of = set(), {}
-    for item in items:
-        named = item.get_closest_marker("xdist_group")
-        group_of[item] = named.args[0] if named else item.path.name
-        if not named:
-            item.add_marker(pytest.mark.xdist_group(group_of[item]))
-        if item.get_closest_marker("slow"):
-            first.add(group_of[item])
-    items.sort(key=lambda item: (group_of[item] not in first, item.path.parent.name != "distributed"))
+    first = {_group(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (_group(item) not in first, item.path.parent.name != "distributed"))
 
 
 @pytest.fixture(scope="module")
