@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import shutil
 import sys
 import tempfile
@@ -31,10 +32,13 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hybridtrain
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_trl  # noqa: E402  (the benchmark whose step this is)
 
-SRC = "/hybridtrain/"
+# the package's own files (a checkout folder named hybridtrain holds these scripts too)
+SRC = os.path.join(os.path.dirname(os.path.abspath(hybridtrain.__file__)), "")
 
 
 def _phase(frame) -> tuple[str, str]:
@@ -43,8 +47,8 @@ def _phase(frame) -> tuple[str, str]:
     where, phase = None, "trainer"
     while frame is not None:
         fn, name = frame.f_code.co_filename, frame.f_code.co_name
-        if where is None and SRC in fn:
-            where = f"{fn.split(SRC)[-1]}:{name}"
+        if where is None and fn.startswith(SRC):
+            where = f"{fn[len(SRC):]}:{name}"
         if "torch/optim/" in fn or "clip_grad" in fn or name in ("grad_norm", "clip_grads_with_norm_"):
             phase = "optimizer + clip"
         elif name == "loss_sum" and phase == "trainer":

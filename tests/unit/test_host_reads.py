@@ -8,12 +8,14 @@ with where they were called from. The only reads are named below with their reas
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hybridtrain
 from hybridtrain.ops import backend
 from hybridtrain.training.lr_schedule import LRScheduler
 from hybridtrain.training.optim import build_optimizer
@@ -41,6 +43,10 @@ PACKED_EAGER = {"read_starts": "the documents' starts of packed rows, once per m
                 "seq_idx_from_cu_seqlens": "the check of the packed rows' cu_seqlens (an input)"}
 
 
+# the package's own files (a path test: a checkout folder named hybridtrain holds the tests too)
+PACKAGE = os.path.join(os.path.dirname(os.path.abspath(hybridtrain.__file__)), "")
+
+
 class HostReads(TorchDispatchMode):
     """Records ``(op, the innermost hybridtrain function calling it)`` for each read."""
 
@@ -53,7 +59,7 @@ class HostReads(TorchDispatchMode):
         bool_index = func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) \
             and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
         if func in READS or bool_index:
-            where = [f.name for f in traceback.extract_stack() if "hybridtrain" in f.filename]
+            where = [f.name for f in traceback.extract_stack() if f.filename.startswith(PACKAGE)]
             self.reads.append((str(func), where[-1] if where else "?"))
         return func(*args, **kwargs)
 
