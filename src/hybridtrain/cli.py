@@ -105,6 +105,19 @@ def _rank(environ: Mapping[str, str]) -> int:
         return 0
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is when the record is emitted, so a caller
+    that redirects stderr around :func:`main` (``contextlib.redirect_stderr``, a test's capture)
+    and closes that stream afterwards leaves no handler writing to a closed file."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # (emit runs under the handler's lock)
+        super().emit(record)
+
+
 def setup_logging(level: str | int | None = None,
                   environ: Mapping[str, str] | None = None) -> None:
     """Rank-aware ``logging`` setup; Python warnings are shown unless
@@ -118,6 +131,7 @@ def setup_logging(level: str | int | None = None,
         level=level.upper() if isinstance(level, str) else level,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
+        handlers=[_StderrHandler()],
         force=True,
     )
     logging.captureWarnings(True)

@@ -282,6 +282,29 @@ def test_setup_logging_rank_format_and_warning_filter():
         root.setLevel(saved[1])
 
 
+def test_logging_follows_stderr_after_a_redirect_ends():
+    """``main`` run with stderr redirected to a stream that is closed afterwards (a notebook's
+    capture, a test's): later records go to the stderr of their time, with no "Logging error"."""
+    import contextlib
+    import io
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(first):
+            _real_setup_logging(environ={})
+            logging.getLogger("hybridtrain.test").warning("during")
+        first.close()
+        with contextlib.redirect_stderr(second):
+            logging.getLogger("hybridtrain.test").warning("after")
+        assert "after" in second.getvalue() and "Logging error" not in second.getvalue()
+    finally:
+        logging.captureWarnings(False)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
 def test_a_commands_module_is_imported_without_collections_and_then_frozen(tmp_path, monkeypatch):
     """The import of a command's module (torch and the rest) runs with the collector off, and
     leaves what it made in the permanent generation, where later collections never walk it."""
