@@ -136,8 +136,8 @@ test-cpu-kinds: setup test-deps
 # against the tests that pin this code to other packages' behaviour: parity with transformers
 # and PEFT's files, mamba_ssm's and Liger's kernels, pytest-xdist's groups. A failure names the
 # test that drifted; the list before the tests shows each package whose version differs from the
-# lock (< lock, > newest). Not part of `make test` or CI: run it before `make lock`. (A fresh venv compiles
-# everything cold: the tests get 20 minutes each.)
+# lock (< lock, > newest). Not part of `make test` or CI: run it before `make lock`. (A fresh
+# venv compiles everything cold: the tests get 20 minutes each.)
 LATEST_VENV ?= .venv-latest
 DRIFT_TESTS ?= tests/unit/test_model_parity.py tests/unit/test_hf_io.py tests/unit/test_generation.py \
   tests/unit/test_mamba_kernel_contracts.py tests/unit/test_real_kernels.py tests/unit/test_fused_loss.py \

@@ -130,9 +130,8 @@ def pytest_collection_finish(session):
 
 
 def _group(item) -> str:
-    """``item``'s xdist group: the one it names, else its file."""
-    named = item.get_closest_marker("xdist_group")
-    return named.args[0] if named else item.path.name
+    """``item``'s xdist group (every item has one: :func:`pytest_itemcollected`)."""
+    return item.get_closest_marker("xdist_group").args[0]
 
 
 def pytest_itemcollected(item):

@@ -110,12 +110,13 @@ class _StderrHandler(logging.StreamHandler):
     that redirects stderr around :func:`main` (``contextlib.redirect_stderr``, a test's capture)
     and closes that stream afterwards leaves no handler writing to a closed file."""
 
-    def __init__(self):
-        super().__init__(sys.stderr)
+    @property
+    def stream(self):
+        return sys.stderr
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr  # (emit runs under the handler's lock)
-        super().emit(record)
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler's own assignments: stderr is looked up
+        pass
 
 
 def setup_logging(level: str | int | None = None,
