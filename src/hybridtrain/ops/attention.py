@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from .documents import document_starts
-from .flash_varlen import flash_document_attention, flash_ops, flash_varlen, varlen_attention
+from .flash_varlen import (flash_document_attention, flash_ops, flash_varlen, flatten_tokens, unflatten_tokens,
+                           varlen_attention)
 
 __all__ = ["document_spans", "document_causal_attention"]
 
@@ -80,6 +81,16 @@ def _offset_causal(q, k, v, q0: int, k0: int, dropout_p: float, block: int):
         mask = kpos[None, :] <= qpos[:, None]
         out.append(_sdpa(q[..., a:e, :], k[..., :kend, :], v[..., :kend, :], dropout_p, mask=mask))
     return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
+
+
+def _each_document(q, k, v, lens: list[int], dropout_p: float) -> torch.Tensor:
+    """Each document's causal square, the rows taken as one sequence (``lens``: the documents'
+    lengths, row after row), as the varlen kernel sees them: one split of each input (its
+    backward: one concatenation) and one concatenation of the outputs, token-major."""
+    seqs = [flatten_tokens(t).transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, b*L, d]
+    docs = [seqs] if len(lens) == 1 else zip(*(t.split(lens, -2) for t in seqs))
+    out = _cat([_sdpa(*doc, dropout_p, causal=True) for doc in docs], 2)
+    return unflatten_tokens(out.squeeze(0).transpose(0, 1), q.shape[0])
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -159,8 +170,11 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if torch.compiler.is_compiling():
         return _traced_document_attention(q, k, v, seq_idx, q_offset, dropout_p)
     spans = document_spans(seq_idx, q_offset, Lq)
-    if flash_ok(q.device.type, q.dtype, q_offset, Lq, Lk):  # pragma: no cover - CUDA only
-        return varlen_attention(q, k, v, [e - s for row in spans for s, e, _ in row], dropout_p)
+    if q_offset == 0 and Lq == Lk:  # every document starts with its queries (training)
+        lens = [e - s for row in spans for s, e, _ in row]
+        if flash_ok(q.device.type, q.dtype, q_offset, Lq, Lk):  # pragma: no cover - CUDA only
+            return varlen_attention(q, k, v, lens, dropout_p)
+        return _each_document(q, k, v, lens, dropout_p)
     # split (not index) rows and documents: their backward is one concatenation, where each
     # indexed slice's backward would allocate a zero gradient of the whole tensor; one row and
     # all keys are taken whole (a split into one part or a full narrow copies the gradient)

@@ -69,8 +69,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lens: list[int], dropout_p
     kv_heads, L, d] in, [b, h, L, d] out (token-major memory: the caller's ``transpose(1,
     2).reshape`` is a view)."""
     cu = _cu_seqlens(lens, q.device)
-    out = flash_varlen()(_flat(q), _flat(k), _flat(v), cu, cu, max(lens), max(lens), dropout_p=dropout_p, causal=True)
-    return _unflat(out, q.shape[0])
+    out = flash_varlen()(flatten_tokens(q), flatten_tokens(k), flatten_tokens(v), cu, cu, max(lens), max(lens), dropout_p=dropout_p, causal=True)
+    return unflatten_tokens(out, q.shape[0])
 
 
 def flash_ops():
@@ -88,20 +88,20 @@ def _cu_seqlens(lens: list[int], device) -> Tensor:
     return torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def _flat(t: Tensor) -> Tensor:
+def flatten_tokens(t: Tensor) -> Tensor:
     """[b, heads, L, d] -> [b * L, heads, d] (a view of token-major memory)."""
     b, heads, L, d = t.shape
     return t.transpose(1, 2).reshape(b * L, heads, d)
 
 
-def _unflat(t: Tensor, b: int) -> Tensor:
+def unflatten_tokens(t: Tensor, b: int) -> Tensor:
     """[b * L, heads, d] -> [b, heads, L, d] (a view)."""
     return t.view(b, -1, *t.shape[1:]).transpose(1, 2)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float):
-    out, lse, *_ = flash_ops()[0](_flat(q), _flat(k), _flat(v), cu, cu, max_len, max_len, 0.0, scale, True)
-    return _unflat(out, q.shape[0]), lse
+    out, lse, *_ = flash_ops()[0](flatten_tokens(q), flatten_tokens(k), flatten_tokens(v), cu, cu, max_len, max_len, 0.0, scale, True)
+    return unflatten_tokens(out, q.shape[0]), lse
 
 
 @torch.library.custom_op("hybridtrain::flash_document_attention", mutates_args=())
@@ -123,15 +123,15 @@ def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     """(dq, dk, dv) of :func:`_attention` by flash-attn's varlen backward kernel."""
     lens = document_lengths(seq_idx)
     cu = _cu_seqlens(lens, q.device)
-    grads = [torch.empty_like(_flat(t)) for t in (q, k, v)]
-    flash_ops()[1](_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out), lse, *grads, cu, cu, max(lens), max(lens),
+    grads = [torch.empty_like(flatten_tokens(t)) for t in (q, k, v)]
+    flash_ops()[1](flatten_tokens(dout), flatten_tokens(q), flatten_tokens(k), flatten_tokens(v), flatten_tokens(out), lse, *grads, cu, cu, max(lens), max(lens),
                    0.0, scale, True, -1, -1, 0.0, None, False, None)
-    return tuple(_unflat(g, q.shape[0]) for g in grads)
+    return tuple(unflatten_tokens(g, q.shape[0]) for g in grads)
 
 
 @_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, seq_idx, scale):
-    return tuple(_unflat(torch.empty_like(_flat(t)), q.shape[0]) for t in (q, k, v))
+    return tuple(unflatten_tokens(torch.empty_like(flatten_tokens(t)), q.shape[0]) for t in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
