@@ -13,8 +13,9 @@ packing is padding-free, which transformers refuses on CPU for Mamba layers with
 
 Each run is a fresh process. "same policy": both under the OpenMP wait policy hybridtrain's
 default chooses on this machine now (config/dist_env.py); "out of the box": each as it comes
-(TRL: libgomp's default). The figure is the time of steps 2..33 (TRL: a callback's clock at
-each step's end; hybridtrain: its ``step_time_s``), the best of ``--repeats``. Prints the
+(TRL: libgomp's default). The figure is the time of steps 2..33 from step 1's end to step 33's,
+the loader's time in it (TRL: a callback's clock at each step's end; hybridtrain: the sum of its
+``step_time_s``, the same clock), the best of ``--repeats``. Prints the
 machine, both sides' trainable parameter counts (equal: the same LoRA) and the ratios
 TRL time / hybridtrain time (> 1: hybridtrain faster).
 """

@@ -8,7 +8,9 @@ with where they were called from. The only reads are named below with their reas
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 import traceback
 
 import pytest
@@ -132,12 +134,29 @@ def test_the_skip_on_the_device_and_on_the_host_agree(implementation):
 
 
 def test_logging_steps_are_timed_over_their_window():
-    """Where the host runs ahead (CUDA), a logging step reports the rates of the steps since
-    the previous one, not its own host time (the window's mechanics, here on a CPU)."""
+    """A logging step reports the rates of the steps since the previous one, not its own host
+    time (where the host runs ahead, CUDA, its own time is not the device's), on every device."""
     tr = build_trainer(None, max_steps=4, val=False, log_every=2)
-    tr._timed_by_window = True
     tr.fit()
     log = [tr.history[1], tr.history[3]]
     for i, rec in zip((0, 2), log):
         tokens = tr.history[i]["num_tokens"] + rec["num_tokens"]
         assert rec["tps"] == pytest.approx(tokens / (2 * rec["step_time_s"]))
+
+
+def test_a_steps_time_holds_its_loaders_time():
+    """``step_time_s`` is wall time from step end to step end, as other trainers clock it: the
+    loader's time of a step (here 0.2 s for each global batch) is in it, from the second step
+    on (the first step's window opens as it starts)."""
+    tr = build_trainer(None, max_steps=3, val=False)
+    loader = tr.data.make_loader
+
+    def slow_loader(dataset, sampler):
+        for batch in loader(dataset, sampler):
+            time.sleep(0.1)  # two micro-batches a global batch
+            yield batch
+
+    tr.data = dataclasses.replace(tr.data, make_loader=slow_loader)
+    tr.fit()
+    first, *rest = (r["step_time_s"] for r in tr.history)
+    assert first < 0.2 <= min(rest), (first, rest)

@@ -243,8 +243,8 @@ class Trainer:
         self._nonfinite_streak = 0  # consecutive steps skipped for a non-finite loss / norm
         self._diverged = False  # the streak reached max_consecutive_skipped_steps
         self._pending: PendingStep | None = None  # the step queued but not yet read back
-        # on CUDA the host runs ahead: a logging step's rates are those of its window of steps
-        self._timed_by_window = self.device.type == "cuda"
+        # a logging step's time and rates are those of its window of steps, on every device:
+        # the host may run ahead of CUDA, and the window holds the loader's and the loop's time
         self._window = Window()
         self.history: list[dict] = []  # every step's record (also the non-logged ones)
         self.val_history: list[dict] = []
@@ -539,7 +539,8 @@ class Trainer:
     def _window_rates(self, rec: dict) -> None:
         """A logging step's ``step_time_s`` and rates over the steps since the last logging step
         (or validation, or save), timed to the end of the device's work (CUDA: the host does not
-        wait for a step, so one step's own time is the host's)."""
+        wait for a step, so one step's own time is the host's), with the loader's time of every
+        step of the window but the first and the loop's own work (logging) between them."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         steps, seconds, tokens, flops = self._window.close(time.perf_counter())
@@ -604,7 +605,7 @@ class Trainer:
             self.history.append(rec)
             if sched.is_log_step or sched.is_ckpt_step or self._streak_may_end_run():
                 self.settle()  # read back at logging steps (and where the values decide)
-            if sched.is_log_step and self._timed_by_window:
+            if sched.is_log_step:
                 self._window_rates(rec)
             if self.metrics is not None and (sched.is_log_step or self._diverged):
                 self.metrics.log_train(rec)
