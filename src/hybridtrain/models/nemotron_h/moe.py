@@ -134,7 +134,9 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, dtype: to
     ``sum(counts[:e]) : sum(counts[:e+1])``. ``dtype`` (the experts' compute dtype, e.g.
     autocast's bf16): ``x_cast`` is x cast to it once (x itself without ``dtype``), and the copies
     are made from it (:class:`_GatherCopies`), not cast after as T*k rows; other readers of the
-    tokens in that dtype (the shared expert) take ``x_cast``.
+    tokens in that dtype (the shared expert) take ``x_cast``. In backward each token's k
+    gradients are put back in token order and summed (a permutation and a sum, in every dtype),
+    never scattered with accumulation (serial on a CPU, atomics or a sort on CUDA).
     """
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
@@ -142,9 +144,7 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, dtype: to
     # (not bincount: its output shape depends on the data, a graph break under torch.compile;
     # a comparison, not a scatter: deterministic without atomics)
     counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)
-    if dtype is None or dtype == x.dtype:
-        return x[order // k], order, counts, x
-    x_cast, sorted_x = _GatherCopies.apply(x, order, k, dtype)
+    x_cast, sorted_x = _GatherCopies.apply(x, order, k, x.dtype if dtype is None else dtype)
     return sorted_x, order, counts, x_cast
 
 
