@@ -144,8 +144,11 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, dtype: to
     # (not bincount: its output shape depends on the data, a graph break under torch.compile;
     # a comparison, not a scatter: deterministic without atomics)
     counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)
-    x_cast, sorted_x = _GatherCopies.apply(x, order, k, x.dtype if dtype is None else dtype)
-    return sorted_x, order, counts, x_cast
+    dtype = x.dtype if dtype is None else dtype
+    x_cast, sorted_x = _GatherCopies.apply(x, order, k, dtype)
+    # in x's own dtype the other readers take x itself: their gradients reach it as autograd
+    # sums them, beside the copies' (the same sums as a plain x[order // k] gather)
+    return sorted_x, order, counts, (x if dtype == x.dtype else x_cast)
 
 
 class _GatherCopies(torch.autograd.Function):
