@@ -78,6 +78,39 @@ def test_permute_unpermute_round_trip():
     assert torch.allclose(y, x * w.sum(1, keepdim=True), atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [2, 6])
+def test_permutation_gradients_are_autograds_indexing(k):
+    """permute / unpermute move rows by gathers with hand-written backwards; their gradients are
+    those of autograd's indexing (a scatter-add), to the bit where the sums are the same: with k
+    = 2 a token's two copies add in either order (a third reader of the tokens, as the router,
+    included); with k = 6 they add in top-k order, not expert order (within rounding)."""
+    torch.manual_seed(0)
+    T, E, H = 40, 16, 12
+    x0, readers = torch.randn(T, H), torch.randn(H, E)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w0, g = torch.rand(T, k), torch.randn(T, H)
+
+    def grads(ours: bool):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        sx, order, _, shared = permute(x, idx, E)
+        if ours:
+            y = unpermute(sx * 2.0, order, w)
+        else:
+            rows = torch.zeros_like(sx).index_put((order,), sx * 2.0)
+            y = (rows.view(T, k, H) * w[:, :, None]).sum(1)
+            sx_ref = x[order // k]
+            assert torch.equal(sx, sx_ref)
+        ((y * g).sum() + (x @ readers).sum() + (shared * g).sum()).backward()
+        return y.detach(), x.grad, w.grad
+
+    ours, ref = grads(True), grads(False)
+    for a, b in zip(ours, ref):
+        if k == 2:
+            assert torch.equal(a, b)
+        else:
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("over", [{}, dict(moe_latent_size=24, num_experts_per_tok=3)])
 def test_moe_equals_per_token_reference_forward_and_backward(over):
     cfg, moe = _moe(seed=1, **over)
