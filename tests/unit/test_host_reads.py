@@ -147,7 +147,7 @@ def test_logging_steps_are_timed_over_their_window():
 def test_a_steps_time_holds_its_loaders_time():
     """``step_time_s`` is wall time from step end to step end, as other trainers clock it: the
     loader's time of a step (here 0.2 s for each global batch) is in it, from the second step
-    on (the first step's window opens as it starts)."""
+    on (the first step's window opens as the step starts, after its batch is loaded)."""
     tr = build_trainer(None, max_steps=3, val=False)
     loader = tr.data.make_loader
 
@@ -158,5 +158,5 @@ def test_a_steps_time_holds_its_loaders_time():
 
     tr.data = dataclasses.replace(tr.data, make_loader=slow_loader)
     tr.fit()
-    first, *rest = (r["step_time_s"] for r in tr.history)
-    assert first < 0.2 <= min(rest), (first, rest)
+    times = [r["step_time_s"] for r in tr.history]
+    assert min(times[1:]) >= 0.2, times

@@ -95,11 +95,11 @@ def test_permutation_gradients_are_autograds_indexing(k):
         sx, order, _, shared = permute(x, idx, E)
         if ours:
             y = unpermute(sx * 2.0, order, w)
-        else:
-            rows = torch.zeros_like(sx).index_put((order,), sx * 2.0)
-            y = (rows.view(T, k, H) * w[:, :, None]).sum(1)
+        else:  # autograd's indexing both ways: a gather of the copies, a scatter back
             sx_ref = x[order // k]
             assert torch.equal(sx, sx_ref)
+            rows = torch.zeros_like(sx_ref).index_put((order,), sx_ref * 2.0)
+            y = (rows.view(T, k, H) * w[:, :, None]).sum(1)
         ((y * g).sum() + (x @ readers).sum() + (shared * g).sum()).backward()
         return y.detach(), x.grad, w.grad
 

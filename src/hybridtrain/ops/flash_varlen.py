@@ -69,7 +69,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lens: list[int], dropout_p
     kv_heads, L, d] in, [b, h, L, d] out (token-major memory: the caller's ``transpose(1,
     2).reshape`` is a view)."""
     cu = _cu_seqlens(lens, q.device)
-    out = flash_varlen()(flatten_tokens(q), flatten_tokens(k), flatten_tokens(v), cu, cu, max(lens), max(lens), dropout_p=dropout_p, causal=True)
+    out = flash_varlen()(*(flatten_tokens(t) for t in (q, k, v)), cu, cu, max(lens), max(lens),
+                         dropout_p=dropout_p, causal=True)
     return unflatten_tokens(out, q.shape[0])
 
 
@@ -100,7 +101,8 @@ def unflatten_tokens(t: Tensor, b: int) -> Tensor:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float):
-    out, lse, *_ = flash_ops()[0](flatten_tokens(q), flatten_tokens(k), flatten_tokens(v), cu, cu, max_len, max_len, 0.0, scale, True)
+    out, lse, *_ = flash_ops()[0](*(flatten_tokens(t) for t in (q, k, v)), cu, cu, max_len, max_len, 0.0,
+                                  scale, True)
     return unflatten_tokens(out, q.shape[0]), lse
 
 
@@ -124,7 +126,7 @@ def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     lens = document_lengths(seq_idx)
     cu = _cu_seqlens(lens, q.device)
     grads = [torch.empty_like(flatten_tokens(t)) for t in (q, k, v)]
-    flash_ops()[1](flatten_tokens(dout), flatten_tokens(q), flatten_tokens(k), flatten_tokens(v), flatten_tokens(out), lse, *grads, cu, cu, max(lens), max(lens),
+    flash_ops()[1](*(flatten_tokens(t) for t in (dout, q, k, v, out)), lse, *grads, cu, cu, max(lens), max(lens),
                    0.0, scale, True, -1, -1, 0.0, None, False, None)
     return tuple(unflatten_tokens(g, q.shape[0]) for g in grads)
 
