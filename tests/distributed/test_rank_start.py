@@ -47,3 +47,20 @@ def test_forked_ranks_run_the_kernel_libraries_as_their_environment_says(monkeyp
             assert "Intel(R) SSE4.2" in text and "FastMM:0" in text, (rank, text)
         if onednn_bf16:  # (a CPU with avx512_bf16: torch runs bf16 GEMMs in oneDNN)
             assert "isa:Intel AVX-512 with Intel DL Boost and bfloat16 support" in text, (rank, text[:800])
+
+
+def test_the_server_starts_in_the_suites_environment_never_in_a_tests(monkeypatch):
+    """A launch under a test's own environment (here TRITON_INTERPRET=1, as the real-kernel
+    tests set it) spawns its ranks and leaves the server unstarted; the next launch in the
+    suite's environment starts it there and forks, as every later one does."""
+    from tests.helpers import distributed
+
+    monkeypatch.setattr(distributed, "_server_started", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if os.environ.get("TRITON_INTERPRET") != "1" else "0")
+    with pytest.warns(UserWarning, match="ranks spawned.*TRITON_INTERPRET"):
+        assert distributed._start_method() == "spawn"
+    assert distributed._server_started is False
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert distributed._start_method() == "forkserver"

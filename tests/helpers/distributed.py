@@ -50,7 +50,7 @@ KERNEL_LIBRARY_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "ONEDNN_VERB
 # first time a process compiles)
 _PER_TEST_ENV = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", *GEMM_KERNEL_CACHE_VARS,
                  *KERNEL_LIBRARY_VARS}
-_server_env: dict[str, str] | None = None
+_server_started = False
 
 
 def free_port() -> int:
@@ -63,28 +63,35 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _PER_TEST_ENV}
 
 
+# this process's environment as the suite started it (the test modules import this one when
+# they are collected): the server starts in it, never in a test's own (a test that sets
+# TRITON_INTERPRET and launches first would otherwise leave a server every later launch differs
+# from, each then spawned)
+_SUITE_ENV = _env()
+
+
 def _start_method() -> str:
-    """``forkserver`` when the server's environment is this process's (starting the server on
+    """``forkserver`` when this process's environment is the suite's (starting the server on
     first use), else ``spawn``."""
-    global _server_env
-    if _server_env is None:
-        multiprocessing.set_forkserver_preload(_PRELOAD)
-        multiprocessing.forkserver.ensure_running()
-        _server_env = _env()
+    global _server_started
     env = _env()
-    changed = sorted(k for k in env.keys() | _server_env.keys() if env.get(k) != _server_env.get(k))
+    changed = sorted(k for k in env.keys() | _SUITE_ENV.keys() if env.get(k) != _SUITE_ENV.get(k))
     if not changed:
+        if not _server_started:
+            multiprocessing.set_forkserver_preload(_PRELOAD)
+            multiprocessing.forkserver.ensure_running()
+            _server_started = True
         return "forkserver"
     # each spawned rank imports torch again (~4 CPU-seconds): say why, so that a variable some
     # code sets in the test process does not silently slow every later launch
     warnings.warn(f"ranks spawned, not forked from the server: {', '.join(changed)} changed "
-                  "since it started", stacklevel=3)
+                  "since the suite started", stacklevel=3)
     return "spawn"
 
 
 def process_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context whose processes start as the ranks do: forked from the
-    preloaded server (or spawned when the environment changed since it started)."""
+    preloaded server (or spawned when the environment changed since the suite started)."""
     return multiprocessing.get_context(_start_method())
 
 
