@@ -118,12 +118,19 @@ def _plain_nodeid(nodeid: str) -> str:
     return nodeid.split("@", 1)[0] if "@" in nodeid.rpartition("::")[2] else nodeid
 
 
-# -- Garbage collection ------------------------------------------------------------------------
-# A test process holds ~0.5M objects after collection (torch, transformers, the test modules),
-# and Python's default thresholds walk them all in a full collection every ~70k net allocations:
-# 10 % of a worker's CPU (2026-12-06). Collected, they move to the permanent generation, and
-# young collections run 30 times less often (a full one with them).
+# -- After collection ----------------------------------------------------------------------------
 def pytest_collection_finish(session):
+    """The environment as the test modules' imports left it (lm_eval's sets a variable) is the
+    one every test starts in, so the one launched ranks fork in (tests.helpers.distributed).
+
+    Garbage collection: a test process holds ~0.5M objects after collection (torch,
+    transformers, the test modules), and Python's default thresholds walk them all in a full
+    collection every ~70k net allocations: 10 % of a worker's CPU (2026-12-06). Collected, they
+    move to the permanent generation, and young collections run 30 times less often (a full one
+    with them)."""
+    from tests.helpers.distributed import take_suite_environment
+
+    take_suite_environment()
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 10, 10)

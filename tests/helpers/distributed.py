@@ -63,11 +63,21 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _PER_TEST_ENV}
 
 
-# this process's environment as the suite started it (the test modules import this one when
-# they are collected): the server starts in it, never in a test's own (a test that sets
-# TRITON_INTERPRET and launches first would otherwise leave a server every later launch differs
-# from, each then spawned)
+# the environment each test starts in: the server starts in it, never in a test's own (a test
+# that sets TRITON_INTERPRET and launches first would otherwise leave a server every later launch
+# differs from, each then spawned). Under pytest, tests/conftest.py takes it again once every
+# test module is imported, since imports set variables too (lm_eval's sets
+# HF_XET_HIGH_PERFORMANCE): taken before them, every launch of the suite spawned.
 _SUITE_ENV = _env()
+
+
+def take_suite_environment() -> None:
+    """The current environment becomes the one the fork server starts in and each launch is
+    compared to (before the first launch only)."""
+    global _SUITE_ENV
+    if _server_started:
+        raise RuntimeError("the fork server already runs in the environment taken before")
+    _SUITE_ENV = _env()
 
 
 def _start_method() -> str:
