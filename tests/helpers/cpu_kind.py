@@ -75,12 +75,25 @@ def emulate(monkeypatch, kind: str) -> None:
 def show(kind: str) -> str:
     """What ATen, MKL and oneDNN report under ``kind``: one line each (no oneDNN line: torch
     sent the bf16 GEMM elsewhere)."""
-    env = {**os.environ, **environ(kind), "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"}
-    out = subprocess.run([sys.executable, "-c", _SHOW], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    return "\n".join(fresh_report({**os.environ, **environ(kind)}))
+
+
+def fresh_report(env: dict[str, str]) -> list[str]:
+    """:func:`libraries_taken` for a fresh interpreter started with ``env`` that runs one fp32
+    and one bf16 GEMM."""
+    env = {**env, "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"}
+    return libraries_taken(subprocess.run([sys.executable, "-c", _SHOW], env=env, capture_output=True,
+                                          text=True, check=True).stdout)
+
+
+def libraries_taken(verbose: str) -> list[str]:
+    """The lines of ATen's, MKL's and oneDNN's verbose output (``MKL_VERBOSE=1``,
+    ``ONEDNN_VERBOSE=1``) that name the code paths they took, less what varies from run to run
+    (addresses, times)."""
     keep = ("ATen:", "MKL_VERBOSE oneMKL", "MKL_VERBOSE Intel", "onednn_verbose,v1,info,cpu,isa",
             "onednn_verbose,v1,primitive,exec")
-    return "\n".join(line for line in out.splitlines() if line.startswith(keep))
+    return [",".join(line.split(",")[:7]) if line.startswith("onednn_verbose,v1,primitive") else line
+            for line in verbose.splitlines() if line.startswith(keep)]
 
 
 def main(argv: list[str]) -> int:

@@ -265,14 +265,17 @@ def hetero_group(rank: int, world: int, tmp: str, encoders: int, ckpt: str):
 
 def assert_run_matches(got, ref, name: str) -> None:
     """A run's (losses, full weights, validation loss, gradient norms) against the one-process
-    ``ref``: per-step loss and gradient norm within 1e-5 relative, weights within 1e-5, validation
-    loss within 1e-5 relative."""
+    ``ref``: per-step loss and gradient norm within 1e-5 relative, validation loss within 1e-5
+    relative, and each weight tensor's difference within 1e-5 of its norm, or of 1 where its norm
+    is below 1. (AdamW turns last-bit differences of near-zero gradient entries into steps of up to
+    the learning rate: relative to its own norm, a bias of norm 0.016 that three steps of lr 1e-3
+    moved from zero differed by 1.3e-5 under tp 2 x ep 2 on an AMD EPYC, 8.9e-8 at most per entry.)"""
     losses, state, val, norms = got
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref[0]))
     rel_norm = max(abs(a - b) / abs(b) for a, b in zip(norms, ref[3]))
     assert set(state) == set(ref[1])
-    dw = max(float((state[k] - v).abs().max()) for k, v in ref[1].items())
-    print(f"{name}: loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights abs {dw:.2e} "
+    dw, worst = max((float((state[k] - v).norm()) / max(float(v.norm()), 1.0), k) for k, v in ref[1].items())
+    print(f"{name}: loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights {dw:.2e} ({worst}) "
           f"val rel {abs(val - ref[2]) / abs(ref[2]):.2e}")
-    assert rel <= 1e-5 and rel_norm <= 1e-5 and dw <= 1e-5
+    assert rel <= 1e-5 and rel_norm <= 1e-5 and dw <= 1e-5, worst
     assert abs(val - ref[2]) <= 1e-5 * abs(ref[2])
