@@ -106,8 +106,12 @@ def test_grpo_steps_on_two_ranks_equal_one_process(whole, tmp_path):
     for g, r in zip(got, ref):
         for k in ("reward", "reward_std", "accuracy", "completion_tokens"):
             assert g[k] == r[k], (k, g[k], r[k])
+        # within 1e-5 of the value, or for the loss of the size of its terms: advantages of unit
+        # std within each group times ratios near 1 (summed, they nearly cancel: a loss of -1.6e-3
+        # differed by 4.5e-8 under AVX2 kernels)
         for k in ("loss", "kl", "grad_norm", "clip_fraction", "entropy", "ratio"):
-            assert abs(g[k] - r[k]) <= 1e-5 * max(abs(r[k]), 1e-6), (k, g[k], r[k])
+            scale = max(abs(r[k]), 1.0 if k == "loss" else 1e-6)
+            assert abs(g[k] - r[k]) <= 1e-5 * scale, (k, g[k], r[k])
 
 
 @pytest.mark.distributed
