@@ -105,6 +105,17 @@ def test_disable_grouped_mm_warns_once(restore_settings):
     assert backend.settings().grouped_mm  # using() restored the settings before it
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_the_logged_experts_path_is_the_one_a_cpu_run_takes(grouped_mm):
+    """The run's "kernel paths" line names torch grouped_mm for the CPU's experts exactly when
+    an fp32 eager forward of the tiny models' widths takes it."""
+    with backend.using(BackendSettings(grouped_mm=grouped_mm)):
+        takes = backend.grouped_experts(torch.zeros(8, 96), (48,))
+        named = backend.kernel_paths("cpu")["experts"]
+    assert named.startswith("torch grouped_mm") == takes, named
+    assert takes == (grouped_mm and hasattr(torch.nn.functional, "grouped_mm"))
+
+
 def test_ops_imports_only_ops():
     """ops/ sits below models/ and training/: importing every module of it (in a fresh
     interpreter) loads no other hybridtrain package."""

@@ -453,9 +453,14 @@ def _loss_path() -> str:
 
 
 def _experts_path(device: torch.device) -> str:
-    if device.type == "cuda" and _settings.grouped_mm and hasattr(F, "grouped_mm"):
+    """The experts' GEMMs as :func:`grouped_experts` chooses them on ``device``."""
+    loop = "a loop over experts (eager), every expert over every row, masked (compiled blocks)"
+    if not (_settings.grouped_mm and hasattr(F, "grouped_mm")):
+        return loop
+    if device.type == "cuda":
         return "torch grouped_mm (bf16; else the loop over experts eager, masked dense compiled)"
-    return "a loop over experts (eager), every expert over every row, masked (compiled blocks)"
+    return ("torch grouped_mm (fp32 eager with rows of 16-byte multiples, bf16 in compiled blocks); "
+            f"else {loop}")
 
 
 def _attention_path(device: torch.device) -> str:
