@@ -5,7 +5,8 @@ attention q/k/v/o, Mamba in_proj, MLP and shared-expert up/down_proj; frozen on 
 routed experts, fused tensors in transformers, and Mamba's out_proj, which PEFT refuses), the same schedule (33 steps, global
 batch 4 = 2 x 2 accumulation, AdamW lr 3e-3 betas (0.9, 0.95), cosine to 3e-4 after 10 warm-up
 steps, clip 1.0), no activation checkpointing, fp32, unpacked (rows of <= 256 tokens, padded per
-micro-batch) and packed (rows of 512 tokens; TRL: its "wrapped" packing, since its best-fit
+micro-batch) and packed (rows of 512 tokens; hybridtrain: each micro-batch's rows joined without
+their trailing padding, ``packing.padding_free``; TRL: its "wrapped" packing, since its best-fit
 packing is padding-free, which transformers refuses on CPU for Mamba layers without mamba_ssm).
 
     pip install -e ".[bench]"      # trl>=1.16, an optional benchmark dependency
@@ -68,7 +69,7 @@ def recipe(base: Path, out: Path, packed: bool) -> dict:
                  "exclude_modules": ["*.experts.*"]},
         "dataset": {"_target_": "hybridtrain.data.build_chat_dataset", "path": str(DATA),
                     "seq_length": SEQ, "train_on": "all"},
-        "packing": {"enabled": packed, "pack_size": PACK},
+        "packing": {"enabled": packed, "pack_size": PACK, "padding_free": packed},
         "training": {"global_batch_size": MBS * ACCUM, "micro_batch_size": MBS, "max_steps": STEPS,
                      "val_every_steps": 0, "ckpt_every_steps": 0, "log_every_steps": 1,
                      "seed": 1234, "grad_clip": 1.0, "dtype": "float32"},

@@ -32,6 +32,8 @@ LAYOUTS_4 = {
     "pp2_ep2": {"pp": 2, "ep": 2},
 }
 SAVE_AT = pu.SAVE_AT
+PADDING_FREE = {"padding_free": True}
+UNEVEN_DOCS = {"min_len": 6, "max_len": 7}  # two to a packed row of 16 tokens: 2-4 left over
 
 
 def _group(rank, world, layouts, ckpt_dir):
@@ -41,6 +43,10 @@ def _group(rank, world, layouts, ckpt_dir):
             out[(name, packed)] = pu.run_layout(layout, world, packed)
     if ckpt_dir is None:
         return out
+    # packed rows without their padding: ranks run micro-batches of different lengths
+    for name in ("fsdp2", "ep2"):
+        out[(name, "padding_free")] = pu.run_layout(LAYOUTS_2[name], world, True, packing=PADDING_FREE,
+                                                    dataset=UNEVEN_DOCS)
     # activation checkpointing changes nothing (bitwise)
     out[("fsdp2_ac", False)] = pu.run_layout({}, world, False, ac=2)
     # checkpoints across layouts
@@ -83,25 +89,42 @@ def max_weight_diff(w, ref):
     return max(float((w[k] - ref[k]).abs().max()) for k in ref)
 
 
+def assert_matches(run, ref, label: str) -> None:
+    """Per-step losses and gradient norms within 1e-5 relative, final weights within 1e-5,
+    validation loss within 1e-5 relative."""
+    ref_losses, ref_w, ref_val, ref_norms = ref
+    losses, w, val, norms = run
+    assert all(math.isfinite(x) for x in losses)
+    rel = max_rel(losses, ref_losses)
+    rel_norm = max_rel(norms, ref_norms)  # Adam hides a scaled gradient; the norm does not
+    dw = max_weight_diff(w, ref_w)
+    print(f"{label:26s} loss rel {rel:.2e} grad-norm rel {rel_norm:.2e} weights abs {dw:.2e} "
+          f"val rel {abs(val - ref_val) / ref_val:.2e}")
+    assert rel <= 1e-5, (losses, ref_losses)
+    assert rel_norm <= 1e-5, (norms, ref_norms)
+    assert dw <= 1e-5
+    assert abs(val - ref_val) <= 1e-5 * ref_val
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("layout", [
     *LAYOUTS_2, *(pytest.param(name, marks=pytest.mark.xdist_group("parity_4_ranks")) for name in LAYOUTS_4)])
 def test_layout_matches_single_process(request, layout, packed):
     ref, res = request.getfixturevalue("matrix4" if layout in LAYOUTS_4 else "matrix")
-    ref_losses, ref_w, ref_val, ref_norms = ref[packed]
-    losses, w, val, norms = res[(layout, packed)]
-    assert all(math.isfinite(x) for x in losses)
-    rel = max_rel(losses, ref_losses)
-    rel_norm = max_rel(norms, ref_norms)  # Adam hides a scaled gradient; the norm does not
-    dw = max_weight_diff(w, ref_w)
-    print(f"{layout:16s} {'packed' if packed else 'unpacked':9s} loss rel {rel:.2e} "
-          f"grad-norm rel {rel_norm:.2e} weights abs {dw:.2e} "
-          f"val rel {abs(val - ref_val) / ref_val:.2e}")
-    assert rel <= 1e-5, (losses, ref_losses)
-    assert rel_norm <= 1e-5, (norms, ref_norms)
-    assert dw <= 1e-5
-    assert abs(val - ref_val) <= 1e-5 * ref_val
+    assert_matches(res[(layout, packed)], ref[packed], f"{layout} {'packed' if packed else 'unpacked'}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["fsdp2", "ep2"])
+def test_padding_free_packed_rows_match_single_process(matrix, layout):
+    """Packed rows joined without their padding (``packing.padding_free``): each layout against
+    the single process run the same way, and that one against the padded rows' run (the same
+    documents, so the same losses up to rounding)."""
+    _, res = matrix
+    alone = pu.reference(True, packing=PADDING_FREE, dataset=UNEVEN_DOCS)
+    assert_matches(alone, pu.reference(True, dataset=UNEVEN_DOCS), "single padding_free vs padded")
+    assert_matches(res[(layout, "padding_free")], alone, f"{layout} padding_free")
 
 
 @pytest.mark.distributed

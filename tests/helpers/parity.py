@@ -45,10 +45,10 @@ def recipe(layout: dict, packed: bool, ac: Any = False, **sections) -> dict:
                 "activation_checkpointing": ac, **sections.pop("training", {})}
     return tiny_recipe(
         distributed={_LAYOUT_KEYS[k]: v for k, v in layout.items()},
-        dataset={"vocab_size": 256, **data},
+        dataset={"vocab_size": 256, **data, **sections.pop("dataset", {})},
         validation_dataset={"_target_": "tests.helpers.data.sft_dataset", "n": GBS,
                             "vocab_size": 256, "min_len": 6, "max_len": SEQ, "seed": 99},
-        packing={"enabled": packed, "pack_size": SEQ},
+        packing={"enabled": packed, "pack_size": SEQ, **sections.pop("packing", {})},
         training=training, optimizer={"lr": LR, "weight_decay": 0.1}, **sections)
 
 

@@ -132,6 +132,46 @@ def test_packing_property(lengths, pack_size, multiple, seed):
         sum(1 for x in l if x != -100) for _, l in docs)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    pack_size=st.sampled_from([40, 64]),
+    multiple=st.sampled_from([1, 4]),
+    rows_per_batch=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_padding_free_batch_is_the_documents_of_the_padded_one(lengths, pack_size, multiple,
+                                                              rows_per_batch, seed):
+    """A padding-free batch holds exactly the padded batch's document segments, in order (each
+    document's own padding to the multiple kept), and nothing of the rows' trailing padding."""
+    rng = random.Random(seed)
+    docs = [make_doc(rng, n, i) for i, n in enumerate(lengths)]
+    rows = pack_sequences(docs, pack_size, PAD, pad_to_multiple_of=multiple)
+    for first in range(0, len(rows), rows_per_batch):
+        group = rows[first:first + rows_per_batch]
+        padded, flat = PackedCollator()(group), PackedCollator(padding_free=True)(group)
+        cu = padded["cu_seqlens"].tolist()
+        ids, mask = padded["input_ids"].flatten(), padded["attention_mask"].flatten()
+        segments = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if mask[a] == 1]  # the documents
+        assert len(segments) == sum(len(r["doc_ids"]) for r in group)
+        T = sum(b - a for a, b in segments)
+        assert flat["cu_seqlens"].dtype == torch.int32
+        assert flat["cu_seqlens"].tolist() == [0] + list(torch.tensor([b - a for a, b in segments]).cumsum(0).tolist())
+        for key in ("input_ids", "labels", "position_ids", "attention_mask"):
+            assert flat[key].shape == (1, T)
+            whole = padded[key].flatten()
+            assert flat[key][0].tolist() == [v for a, b in segments for v in whole[a:b].tolist()], key
+        for key in ("num_tokens", "num_label_tokens"):
+            assert int(flat[key]) == int(padded[key])
+        assert flat["max_seqlen"] == max(b - a for a, b in segments)
+        assert (ids[[t for a, b in segments for t in range(a, b)]] != PAD).sum() == int(flat["num_tokens"])
+
+
+def test_padding_free_needs_packed_text_rows(squad_ds):
+    with pytest.raises(ValueError, match="packing.padding_free: false"):
+        build_collator(squad_ds, padding_free=True)
+
+
 @given(sizes=st.lists(st.integers(1, 50), max_size=60), cap=st.integers(50, 120))
 @settings(max_examples=100, deadline=None)
 def test_first_fit_decreasing_matches_naive(sizes, cap):

@@ -292,7 +292,7 @@ def test_adapter_scale_forms_are_bit_identical(alpha):
     lin = LoRALinear(base, dim=8, alpha=alpha)
     with torch.no_grad():
         lin.lora_B.normal_()
-    x0 = torch.randn(3, 5, 24)
+    x0 = torch.randn(3, 5, 24)  # 15 rows x (24 + 40) == 24 x 40: the adapter is not folded
     g = torch.randn(3, 5, 40)
     x = x0.clone().requires_grad_()
     lin(x).backward(g)
@@ -304,3 +304,69 @@ def test_adapter_scale_forms_are_bit_identical(alpha):
     assert torch.equal(lin(x0), ref)
     for got, want in ((x.grad, xr.grad), (lin.lora_A.grad, A.grad), (lin.lora_B.grad, B.grad)):
         assert torch.equal(got, want)
+
+
+def _adapted(in_f=24, out_f=40, bias=False, alpha=32, dropout=0.0, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    base = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    base.requires_grad_(False)
+    lin = LoRALinear(base, dim=8, alpha=alpha, dropout=dropout)
+    with torch.no_grad():
+        lin.lora_B.normal_()
+    return lin
+
+
+def _unfolded(lin, x):
+    """The adapted layer's output in its unfolded form, from copies of the adapters."""
+    A, B = (t.detach().clone().requires_grad_() for t in (lin.lora_A, lin.lora_B))
+    rows = x.reshape(-1, x.shape[-1])
+    delta = F.linear(F.linear(rows.to(A.dtype), A), B) * lin.scale
+    return F.linear(x, lin.weight, lin.bias) + delta.view(*x.shape[:-1], -1).to(x.dtype), A, B
+
+
+@pytest.mark.parametrize("alpha, bias", [(32, False), (12, True)])
+def test_folded_adapter_matches_the_unfolded_form(alpha, bias):
+    """With rows x (in + out) > in x out the adapter runs folded into the base weight
+    (``x (W + s B A)^T``, one product over the rows): output and gradients of x, A and B equal
+    the unfolded form's up to fp32 rounding."""
+    lin = _adapted(alpha=alpha, bias=bias)
+    x0, g = torch.randn(4, 6, 24), torch.randn(4, 6, 40)  # 24 rows
+    x = x0.clone().requires_grad_()
+    y = lin(x)
+    assert "_FoldedLinear" in type(y.grad_fn.next_functions[0][0]).__name__
+    y.backward(g)
+    xr = x0.clone().requires_grad_()
+    ref, A, B = _unfolded(lin, xr)
+    ref.backward(g)
+    # each tensor within 1e-6 of its norm (the sums are the same up to their order; an entry
+    # that nearly cancels may differ by more relative to itself)
+    for got, want in ((y, ref), (x.grad, xr.grad), (lin.lora_A.grad, A.grad), (lin.lora_B.grad, B.grad)):
+        assert float((got - want).detach().norm()) <= 1e-6 * float(want.detach().norm())
+
+
+def test_folded_adapter_gradients_are_exact_in_fp64():
+    lin = _adapted(dtype=torch.float64)
+    lin.double()
+    x = torch.randn(30, 24, dtype=torch.float64, requires_grad=True)
+    A, B = (t.detach().clone().requires_grad_() for t in (lin.lora_A, lin.lora_B))
+    from hybridtrain.peft.lora import _FoldedLinear
+
+    assert torch.autograd.gradcheck(lambda x, A, B: _FoldedLinear.apply(x, lin.weight, None, A * 4.0, B),
+                                    (x, A, B))
+
+
+@pytest.mark.parametrize("case", ["few_rows", "dropout", "bf16_base", "trained_base"])
+def test_adapter_stays_unfolded_where_folding_does_not_pay_or_changes_numerics(case):
+    """Few rows (decoding), dropout on the adapter's input, a base in another dtype than the
+    adapters (folding would round the adapter's update to the base's precision) and a base that
+    trains keep the unfolded form, bit for bit."""
+    lin = _adapted(dropout=0.1 if case == "dropout" else 0.0,
+                   dtype=torch.bfloat16 if case == "bf16_base" else torch.float32)
+    if case == "trained_base":
+        lin.weight.requires_grad_(True)
+    lin.eval()  # (dropout: the module is there, inactive)
+    x = torch.randn(2, 3 if case == "few_rows" else 20, 24, dtype=lin.weight.dtype)
+    ref, _, _ = _unfolded(lin, x)
+    y = lin(x)
+    assert "_FoldedLinear" not in type(y.grad_fn.next_functions[0][0]).__name__
+    assert torch.equal(y, ref)

@@ -32,6 +32,8 @@ REFUSALS = [
     ("pp_too_few_microbatches", 2, {"distributed": {"pp": 2},
                                     "training": {"global_batch_size": 2, "micro_batch_size": 2}},
      "1 micro-batches per step"),
+    ("padding_free_pp", 2, {"distributed": {"pp": 2}, "packing": {"enabled": True, "padding_free": True}},
+     "packing.padding_free: true with distributed.pp=2"),
     ("layer_type", 1, {"training": {"activation_checkpointing": ["conv"]}},
      "unknown layer type 'conv'"),
     ("encoder_ranks", 2, {"distributed": {"encoder_ranks": 1}}, "HeteroSupport part"),

@@ -78,6 +78,9 @@ class PackingSection(RecipeSection):
                                 range=AT_LEAST_1, unit="packs")
     pad_to_multiple_of: int = key(1, "pad each document in a pack to a multiple of this",
                                   range=AT_LEAST_1, unit="tokens")
+    padding_free: bool = key(False, "each micro-batch's packed rows joined into one row of their "
+                                    "documents, without the rows' trailing padding (no pad token "
+                                    "computed; the length changes from batch to batch)")
 
 
 @dataclass

@@ -3,8 +3,8 @@
 ::
 
     PaddingCollator(pad_token_id, pad_to_multiple_of=1, max_length=None)   # unpacked examples
-    PackedCollator()                                                         # PackedDataset rows
-    build_collator(dataset, pad_to_multiple_of=1)                            # picks one
+    PackedCollator(padding_free=False)                                       # PackedDataset rows
+    build_collator(dataset, pad_to_multiple_of=1, padding_free=False)        # picks one
 
 Every batch has ``input_ids``, ``labels`` (shifted; -100 = no loss), ``position_ids`` (all
 ``[B, L]`` long) and the 0-dim long tensors ``num_tokens`` (non-padding tokens) and
@@ -18,6 +18,13 @@ separated by ``cu_seqlens``, not by it) and ``cu_seqlens``: int32, flattened ove
 the batch (row ``r`` offset by ``r * L``), so ``cu_seqlens[-1] == B * L``; every document and every
 row's trailing padding is a segment of its own. ``position_ids`` restart at 0 in every segment.
 ``max_seqlen`` (an int) is the longest segment.
+
+Padding-free packed batches (``PackedCollator(padding_free=True)``, ``packing.padding_free``)
+are one row ``[1, T]``: the documents of every row, in order, without the rows' trailing
+padding, so no pad token goes through the model (a document's own padding to
+``pad_to_multiple_of`` stays). ``T`` changes from batch to batch; the model sees the same
+documents, each attending and scanning only itself, so every token's loss is the padded batch's
+up to rounding.
 """
 
 from __future__ import annotations
@@ -78,25 +85,45 @@ class PaddingCollator:
         }
 
 
+_ROW_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+def _documents_end(row: dict, cu: torch.Tensor) -> int:
+    """Where ``row``'s documents end: the start of its trailing padding segment (the last
+    segment, when its first token is padding), else the row's length."""
+    last = int(cu[-2])
+    return last if len(cu) > 2 and int(row["attention_mask"][last]) == 0 else int(cu[-1])
+
+
 class PackedCollator:
+    """Packed rows -> a batch ``[B, pack_size]``, or with ``padding_free`` one row ``[1, T]`` of
+    their documents (module docstring)."""
+
+    def __init__(self, padding_free: bool = False):
+        self.padding_free = padding_free
+
     def __call__(self, rows: Sequence[dict]) -> dict:
         L = int(rows[0]["input_ids"].shape[0])
         for r in rows:
             if int(r["input_ids"].shape[0]) != L:
                 raise ValueError("packed rows in one batch must have the same pack_size")
-        cu = []
-        for k, r in enumerate(rows):
+        cu, ends, offset = [], [], 0
+        for r in rows:
             c = r["cu_seqlens"].to(torch.int64)
             assert int(c[0]) == 0 and int(c[-1]) == L, "a packed row's cu_seqlens must span it"
-            cu.append(c[:-1] + k * L)
-        cu.append(torch.tensor([len(rows) * L], dtype=torch.int64))
+            end = _documents_end(r, c) if self.padding_free else L
+            cu.append(c[c < end] + offset)
+            ends.append(end)
+            offset += end
+        cu.append(torch.tensor([offset], dtype=torch.int64))
         cu_seqlens = torch.cat(cu)
-        labels = torch.stack([r["labels"] for r in rows])
+        if self.padding_free:
+            cols = {k: torch.cat([r[k][:e] for r, e in zip(rows, ends)])[None] for k in _ROW_KEYS}
+        else:
+            cols = {k: torch.stack([r[k] for r in rows]) for k in _ROW_KEYS}
+        labels = cols["labels"]
         return {
-            "input_ids": torch.stack([r["input_ids"] for r in rows]),
-            "labels": labels,
-            "position_ids": torch.stack([r["position_ids"] for r in rows]),
-            "attention_mask": torch.stack([r["attention_mask"] for r in rows]),
+            **cols,
             "cu_seqlens": cu_seqlens.to(torch.int32),
             "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
             "num_tokens": torch.tensor(sum(int(r["num_tokens"]) for r in rows), dtype=torch.long),
@@ -105,14 +132,19 @@ class PackedCollator:
 
 
 def build_collator(dataset: TokenDataset, pad_to_multiple_of: int = 1,
-                   pad_token_id: int | None = None):
+                   pad_token_id: int | None = None, padding_free: bool = False):
     """The dataset's own ``collator()`` when it has one (:class:`CollatesItself`),
-    ``PackedCollator`` for a ``PackedDataset``, else a ``PaddingCollator`` with the dataset's
-    ``pad_token_id`` (or the one given)."""
+    ``PackedCollator(padding_free)`` for a ``PackedDataset``, else a ``PaddingCollator`` with the
+    dataset's ``pad_token_id`` (or the one given). ``padding_free`` is for packed rows only."""
+    if padding_free and not isinstance(dataset, PackedDataset):
+        raise ValueError(f"packing.padding_free: true joins the documents of packed text rows; the "
+                         f"training set here ({type(dataset).__name__}) has no such rows (packing "
+                         "off, or a dataset with its own collator such as images): set "
+                         "packing.padding_free: false")
     if isinstance(dataset, CollatesItself):
         return dataset.collator()
     if isinstance(dataset, PackedDataset):
-        return PackedCollator()
+        return PackedCollator(padding_free)
     if pad_token_id is None and not isinstance(dataset, TokenDataset):
         raise ValueError("build_collator needs pad_token_id (the dataset does not carry one: "
                          "hybridtrain.data.contract.TokenDataset)")

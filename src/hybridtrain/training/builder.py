@@ -245,7 +245,7 @@ def _build_data(cfg: RecipeConfig, tokenizer, is_main: bool, device: torch.devic
             train_ds.pad_token_id = train_ds.dataset.pad_token_id
         logger.info("packing: %d rows of %d tokens", len(train_ds), cfg.packing.pack_size)
     base_train = train_ds.dataset if isinstance(train_ds, torch.utils.data.Subset) else train_ds
-    collators = {id(train_ds): build_collator(base_train)}
+    collators = {id(train_ds): build_collator(base_train, padding_free=cfg.packing.padding_free)}
     if val_ds is not None:
         collators[id(val_ds)] = build_collator(val_ds)
     pin = cfg.dataloader.pin_memory and device.type == "cuda"

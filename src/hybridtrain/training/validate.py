@@ -62,6 +62,10 @@ def validate_run(cfg: RecipeConfig, world_size: int, spec: ModelSpec, model: nn.
         aux.check_layout(model, dims, d, t)
     schedule = None
     if dims.pp > 1:
+        if cfg.packing.padding_free:
+            raise ValueError(f"packing.padding_free: true with distributed.pp={dims.pp}: the pipeline "
+                             "splits a step's rows into equal micro-batches, and a padding-free "
+                             "micro-batch is one row of its own length; set packing.padding_free: false")
         config = model.config
         sched_spec, num_stages, _, _ = pipeline_layout(
             len(spec.pipeline.layers(model)), dims, d,
