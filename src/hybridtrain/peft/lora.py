@@ -143,26 +143,28 @@ def _folds(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch
 
 
 class _FoldedLinear(torch.autograd.Function):
-    """``x (W + B A)^T + bias`` for a frozen ``W`` (``A`` already scaled): over the rows, one
-    product instead of three (the base's and the adapter's two rank-r ones) and no sum of two
-    [rows, out] tensors; backward takes x's gradient through the folded weight (one product
-    instead of two and a sum) and the adapters' from the rank-r products, each in the
-    orientation the CPU BLAS runs fastest (``h = x A^T`` recomputed). The same sums as the
-    unfolded form up to rounding (fp32: ~1e-7 relative)."""
+    """``x (W + s B A)^T + bias`` for a frozen ``W``: over the rows, one product instead of three
+    (the base's and the adapter's two rank-r ones) and no sum of two [rows, out] tensors;
+    backward takes x's gradient through the folded weight (one product instead of two and a sum)
+    and the adapters' from the rank-r products, each in the orientation the CPU BLAS runs
+    fastest (``h = x A^T`` recomputed). The same sums as the unfolded form up to rounding (fp32:
+    ~1e-7 relative)."""
 
     @staticmethod
-    def forward(ctx, x, W, bias, A, B):
+    def forward(ctx, x, W, bias, A, B, s):
         ctx.save_for_backward(x, W, A, B)
-        return F.linear(x, torch.addmm(W, B, A), bias)
+        ctx.s = s
+        return F.linear(x, torch.addmm(W, B, A, alpha=s), bias)
 
     @staticmethod
     def backward(ctx, g):
         x, W, A, B = ctx.saved_tensors
-        gx = g @ torch.addmm(W, B, A) if ctx.needs_input_grad[0] else None
+        s = ctx.s
+        gx = g @ torch.addmm(W, B, A, alpha=s) if ctx.needs_input_grad[0] else None
         gh = F.linear(g, B.t().contiguous())  # g @ B, [rows, r]
-        gA = gh.t() @ x if ctx.needs_input_grad[3] else None
-        gB = (F.linear(x, A).t() @ g).t() if ctx.needs_input_grad[4] else None  # (h^T g)^T
-        return gx, None, None, gA, gB
+        gA = (gh.t() @ x).mul_(s) if ctx.needs_input_grad[3] else None
+        gB = (F.linear(x, A).t() @ g).t().mul_(s) if ctx.needs_input_grad[4] else None  # s (h^T g)^T
+        return gx, None, None, gA, gB, None
 
 
 def adapter_dtype(base_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
@@ -196,7 +198,7 @@ class LoRALinear(nn.Linear):
         A, B = grads_in_own_placements(self.lora_A), grads_in_own_placements(self.lora_B)
         if x.is_contiguous() and _folds(x, self.weight, self.bias, A, B, self.lora_dropout):
             rows = x.view(-1, x.shape[-1])
-            out = _FoldedLinear.apply(rows, self.weight, self.bias, A * self.scale, B)
+            out = _FoldedLinear.apply(rows, self.weight, self.bias, A, B, self.scale)
             return out.view(*x.shape[:-1], -1)
         out = F.linear(x, self.weight, self.bias)
         # a contiguous [..., in] input: the adapter's two products on its rows [N, in] (the GEMMs
