@@ -33,6 +33,9 @@ LAYOUTS_4 = {
 }
 SAVE_AT = pu.SAVE_AT
 PADDING_FREE = {"padding_free": True}
+# packed rows without their padding: ranks run micro-batches of different lengths (data
+# parallel, expert exchange), or split one row of any length (sequence parallel, context parallel)
+PADDING_FREE_LAYOUTS = {"fsdp2": {}, "ep2": {"ep": 2}, "tp2_sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2}}
 UNEVEN_DOCS = {"min_len": 6, "max_len": 7}  # two to a packed row of 16 tokens: 2-4 left over
 
 
@@ -43,10 +46,8 @@ def _group(rank, world, layouts, ckpt_dir):
             out[(name, packed)] = pu.run_layout(layout, world, packed)
     if ckpt_dir is None:
         return out
-    # packed rows without their padding: ranks run micro-batches of different lengths
-    for name in ("fsdp2", "ep2"):
-        out[(name, "padding_free")] = pu.run_layout(LAYOUTS_2[name], world, True, packing=PADDING_FREE,
-                                                    dataset=UNEVEN_DOCS)
+    for name, layout in PADDING_FREE_LAYOUTS.items():
+        out[(name, "padding_free")] = pu.run_layout(layout, world, True, packing=PADDING_FREE, dataset=UNEVEN_DOCS)
     # activation checkpointing changes nothing (bitwise)
     out[("fsdp2_ac", False)] = pu.run_layout({}, world, False, ac=2)
     # checkpoints across layouts
@@ -116,7 +117,7 @@ def test_layout_matches_single_process(request, layout, packed):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["fsdp2", "ep2"])
+@pytest.mark.parametrize("layout", list(PADDING_FREE_LAYOUTS))
 def test_padding_free_packed_rows_match_single_process(matrix, layout):
     """Packed rows joined without their padding (``packing.padding_free``): each layout against
     the single process run the same way, and that one against the padded rows' run (the same
