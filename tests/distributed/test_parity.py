@@ -116,6 +116,16 @@ def test_layout_matches_single_process(request, layout, packed):
     assert_matches(res[(layout, packed)], ref[packed], f"{layout} {'packed' if packed else 'unpacked'}")
 
 
+def test_padding_free_recipe_feeds_one_row_of_documents():
+    """The recipe key reaches the loader: each micro-batch of the padded rows' documents is one
+    row, shorter than the padded rows together, with no pad token in it."""
+    b, _ = pu.build({}, 1, True, packing=PADDING_FREE, dataset=UNEVEN_DOCS)
+    for mb in pu.micro_batches(b, 0):
+        rows, T = mb["input_ids"].shape
+        assert rows == 1 and T < pu.MBS * pu.SEQ
+        assert int(mb["attention_mask"].sum()) == T == int(mb["num_tokens"])
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(PADDING_FREE_LAYOUTS))
 def test_padding_free_packed_rows_match_single_process(matrix, layout):

@@ -161,8 +161,10 @@ class _FoldedLinear(torch.autograd.Function):
         x, W, A, B = ctx.saved_tensors
         s = ctx.s
         gx = g @ torch.addmm(W, B, A, alpha=s) if ctx.needs_input_grad[0] else None
-        gh = F.linear(g, B.t().contiguous())  # g @ B, [rows, r]
-        gA = (gh.t() @ x).mul_(s) if ctx.needs_input_grad[3] else None
+        gA = None
+        if ctx.needs_input_grad[3]:
+            gh = F.linear(g, B.t().contiguous())  # g @ B, [rows, r]
+            gA = (gh.t() @ x).mul_(s)
         gB = (F.linear(x, A).t() @ g).t().mul_(s) if ctx.needs_input_grad[4] else None  # s (h^T g)^T
         return gx, None, None, gA, gB, None
 
